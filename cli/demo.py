@@ -1,0 +1,18 @@
+from typing import List, Optional
+
+import typer
+
+from gndpo.cli.app import app
+from gndpo.cli.common import echo_table, user_errors
+from gndpo.pipeline.demo import run_demo
+
+
+@app.command()
+@user_errors
+def demo(
+    folder: str = typer.Argument("demo-run", help="Where to put the demo's config and run folder."),
+    rounds: int = typer.Option(3, "--rounds", "-n"),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help="Config override key=value (repeatable)."),
+):
+    """Build (or reuse) the toy teacher/student and run the pipeline end to end on them."""
+    echo_table(run_demo(folder, rounds, overrides or [], log=typer.echo))

@@ -1,0 +1,21 @@
+from typing import List, Optional
+
+import typer
+
+from gndpo.cli.app import app
+from gndpo.cli.common import user_errors
+from gndpo.pipeline.config import load_config
+from gndpo.pipeline.runs import init_run
+
+
+@app.command()
+@user_errors
+def init(
+    run: str = typer.Argument(..., help="Run folder: a local path or an fsspec URL (s3://bucket/run)."),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="Experiment YAML."),
+    overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. train.lr=1e-5"),
+):
+    """Create a run: validate models and prompts, import prompts, freeze the config."""
+    cfg = load_config(config, overrides or [])
+    r = init_run(run, cfg)
+    typer.echo(f"run ready: {r.fs.uri('')} (config {cfg.fingerprint()})")

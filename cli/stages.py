@@ -1,0 +1,35 @@
+"""The four stage commands: rollout, score, normalize, train. Each runs one stage of one round."""
+
+import typer
+
+from gndpo.cli.app import app
+from gndpo.cli.common import user_errors
+from gndpo.pipeline.rounds import run_stage
+
+HELP = {
+    "rollout": "The round's student samples responses with vLLM.",
+    "score": "Teacher and recomputed student log-probs of every sampled token.",
+    "normalize": "DuckDB statistics of the round over the committed score shards.",
+    "train": "DeepSpeed update of the student; exports the next round's student.",
+}
+
+
+def _stage_command(stage: str):
+    @user_errors
+    def command(
+        run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),
+        round: int = typer.Option(..., "--round", "-r", help="Round index, from 0."),
+        worker: bool = typer.Option(False, "--worker", help="Join other workers: exit when nothing is left to claim."),
+    ):
+        manifest = run_stage(run, stage, round, worker=worker)
+        if manifest is None:
+            typer.echo(f"{stage} r{round}: no unit left to claim; other workers are finishing")
+        else:
+            typer.echo(f"{stage} r{round}: committed, {manifest['rows']} rows")
+
+    command.__doc__ = HELP[stage]
+    return command
+
+
+for _stage in HELP:
+    app.command(name=_stage)(_stage_command(_stage))

@@ -1,0 +1,104 @@
+"""Creating and opening a run: the frozen config, the imported prompts, and where each round's policy is.
+
+``init_run`` validates everything before writing anything (config, model paths, tokenizers, prompt
+files), then writes the prompts and, last, ``run.yaml`` with exclusive create. A run folder therefore
+either has a complete ``run.yaml`` or is not a run; re-initialising it with the same config is a no-op and
+with another config is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config import Config, config_from_dict, config_to_yaml
+from gndpo.pipeline.prompts import load_prompts
+from gndpo.storage.records import StageRecords
+from gndpo.storage.runfs import RunFS
+from gndpo.storage.tables import read_prompt_table, write_prompt_table
+
+PROMPT_SPLITS = ("train", "heldout")
+
+
+@dataclass
+class Run:
+    fs: RunFS
+    cfg: Config
+
+    def records(self, round_idx: int, stage: str) -> StageRecords:
+        return StageRecords(self.fs, round_idx, stage)
+
+    def prompts(self, split: str) -> list[dict]:
+        return read_prompt_table(self.fs, f"prompts/{split}.parquet")
+
+    def policy_path(self, round_idx: int) -> str:
+        """A local folder with the student that rolls out ``round_idx``: the config's student for round
+        0, else the model exported by the previous round's train stage (downloaded if remote)."""
+        if round_idx == 0:
+            return self.cfg.student
+        manifest = self.records(round_idx - 1, "train").require_manifest()
+        return self.fs.local_dir(manifest["metrics"]["model_dir"], model_cache_dir())
+
+    def latest_policy(self) -> tuple[int, str]:
+        """(policy version, local path) of the newest committed student."""
+        version = 0
+        while self.records(version, "train").manifest() is not None:
+            version += 1
+        return version, self.policy_path(version)
+
+
+def model_cache_dir() -> str:
+    root = Path(os.environ.get("GNDPO_CACHE", Path.home() / ".cache" / "gndpo")) / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    return str(root)
+
+
+def open_run(url: str) -> Run:
+    fs = RunFS(url)
+    if not fs.exists("run.yaml"):
+        raise GndpoError(f"not a gndpo run (no run.yaml): {url}; create it with `gndpo init`")
+    try:
+        data = yaml.safe_load(fs.read_bytes("run.yaml"))
+    except yaml.YAMLError:
+        raise GndpoError(f"corrupt run.yaml in {url}") from None
+    return Run(fs=fs, cfg=config_from_dict(data))
+
+
+def check_models(cfg: Config) -> None:
+    """Both models exist and share one tokenizer (fail fast: distillation over different vocabularies
+    would compare log-probs of different tokens)."""
+    from gndpo.stages.modeling import check_same_tokenizer
+
+    for role in ("student", "teacher"):
+        path = getattr(cfg, role)
+        if not path:
+            raise GndpoError(f"config has no {role} model path")
+        if not Path(path).exists():
+            raise GndpoError(f"{role} model path does not exist: {path}")
+    check_same_tokenizer(cfg.student, cfg.teacher)
+
+
+def init_run(url: str, cfg: Config) -> Run:
+    fs = RunFS(url)
+    if fs.exists("run.yaml"):
+        existing = open_run(url)
+        if existing.cfg.fingerprint() != cfg.fingerprint():
+            raise GndpoError(f"run folder {url} was created from another config; use a new folder")
+        return existing
+    check_models(cfg)
+    splits = {}
+    for split in PROMPT_SPLITS:
+        source = getattr(cfg.data, split)
+        if not source:
+            raise GndpoError(f"config has no data.{split} prompts file")
+        splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key)
+    for split, table in splits.items():
+        write_prompt_table(fs, f"prompts/{split}.parquet", table)
+    if not fs.create("run.yaml", config_to_yaml(cfg).encode()):
+        # A concurrent init won; accept it only if it is the same experiment.
+        return init_run(url, cfg)
+    return Run(fs=fs, cfg=cfg)

@@ -1,0 +1,260 @@
+"""The embedded default: a verifiable addition task, a character tokenizer, and a teacher/student pair.
+
+Nothing here touches a model hub. :func:`ensure_toy_assets` builds, deterministically from a seed, and
+caches under ``$GNDPO_CACHE`` (default ``~/.cache/gndpo``):
+
+* ``tokenizer`` files (character-level WordLevel, saved with ``save_pretrained``) shared by both models,
+* ``teacher/`` and ``student/``: Llama models in Hugging Face format that vLLM and transformers both load,
+* ``train.jsonl`` / ``heldout.jsonl``: prompts with their exact answers, disjoint by construction,
+* ``info.json``: the build spec and the held-out exact-match of both models (greedy).
+
+The task is ``a+b=`` with the sum written least-significant digit first ("reversed"), the format under
+which a small transformer learns addition fastest: each output digit then depends only on digits already
+seen and one carry. The student is a smaller model trained for fewer steps, so it is clearly weaker but
+has the capacity to learn from the teacher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
+CHARS = list("0123456789+=")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    layers: int
+    hidden: int
+    heads: int
+    steps: int
+    lr: float
+    batch: int = 256
+
+
+@dataclass(frozen=True)
+class ToySpec:
+    """Everything that determines the built files; its hash names the cache folder."""
+
+    digits: int = 3
+    n_train_prompts: int = 4096
+    n_heldout: int = 500
+    seed: int = 1234
+    teacher: ModelSpec = field(default_factory=lambda: ModelSpec(layers=3, hidden=128, heads=4, steps=1500, lr=2e-3))
+    student: ModelSpec = field(default_factory=lambda: ModelSpec(layers=2, hidden=96, heads=3, steps=300, lr=2e-3))
+
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+# -- the task ---------------------------------------------------------------------------------------
+
+
+def answer_text(a: int, b: int) -> str:
+    """The target completion of ``a+b=``: the digits of the sum, least significant first."""
+    return str(a + b)[::-1]
+
+
+def is_heldout(a: int, b: int, seed: int) -> bool:
+    """A fixed 1/16 of all pairs is held out; training never samples from it."""
+    return hashlib.sha1(f"{seed}:{a}+{b}".encode()).digest()[0] < 16
+
+
+def sample_pairs(rng: random.Random, n: int, digits: int, seed: int, heldout: bool) -> list[tuple[int, int]]:
+    hi = 10**digits - 1
+    out, seen = [], set()
+    while len(out) < n:
+        a, b = rng.randint(0, hi), rng.randint(0, hi)
+        if is_heldout(a, b, seed) == heldout and (a, b) not in seen:
+            seen.add((a, b))
+            out.append((a, b))
+    return out
+
+
+def toy_rows(pairs: list[tuple[int, int]]) -> list[dict]:
+    return [{"prompt": f"{a}+{b}=", "answer": answer_text(a, b)} for a, b in pairs]
+
+
+# -- tokenizer and models ---------------------------------------------------------------------------
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer that prepends <s>; loads in vLLM and transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {SPECIAL["pad"]: 0, SPECIAL["bos"]: 1, SPECIAL["eos"]: 2}
+    for ch in CHARS:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL["pad"]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(""), "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIAL['bos']} $A", special_tokens=[(SPECIAL["bos"], 1)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL["bos"],
+        eos_token=SPECIAL["eos"],
+        pad_token=SPECIAL["pad"],
+        model_max_length=64,
+    )
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return fast
+
+
+def new_model(spec: ModelSpec, vocab_size: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=4 * spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.heads,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    return LlamaForCausalLM(config)
+
+
+def _encode_batch(tok, rows: list[dict]):
+    """Left-aligned padded ids, and a mask selecting the answer tokens and the final </s>."""
+    import torch
+
+    seqs, masks = [], []
+    for r in rows:
+        p = tok(r["prompt"])["input_ids"]
+        a = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        seqs.append(p + a)
+        masks.append([0] * len(p) + [1] * len(a))
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids, mask
+
+
+def train_supervised(model, tok, spec: ModelSpec, digits: int, seed: int, log=print) -> None:
+    """Next-token training on freshly sampled (never held-out) problems, cosine LR, AdamW."""
+    import torch
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, spec.steps // 20)
+    model.train()
+    for step in range(spec.steps):
+        lr = spec.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / spec.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        rows = toy_rows(sample_pairs(rng, spec.batch, digits, seed, heldout=False))
+        ids, mask = _encode_batch(tok, rows)
+        logits = model(input_ids=ids).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 250 == 0 or step == spec.steps - 1:
+            log(f"  step {step:5d}  loss {loss.item():.4f}")
+    model.eval()
+
+
+def greedy_accuracy(model, tok, rows: list[dict], max_new_tokens: int = 8) -> float:
+    """Held-out exact match with greedy decoding in plain torch (used only while building)."""
+    import torch
+
+    correct = 0
+    with torch.no_grad():
+        for start in range(0, len(rows), 256):
+            chunk = rows[start : start + 256]
+            prompts = [tok(r["prompt"])["input_ids"] for r in chunk]
+            width = max(map(len, prompts))
+            # Right-align prompts so every row continues from the same position.
+            ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for i, p in enumerate(prompts):
+                ids[i, width - len(p) :] = torch.tensor(p)
+                attn[i, width - len(p) :] = 1
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+            texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
+            correct += sum(t.strip() == r["answer"] for t, r in zip(texts, chunk))
+    return correct / len(rows)
+
+
+# -- building and caching ---------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GNDPO_CACHE", Path.home() / ".cache" / "gndpo"))
+
+
+def ensure_toy_assets(spec: ToySpec = ToySpec(), log=print) -> Path:
+    """Return the folder with the built toy assets, building it first if it is not cached."""
+    dest = cache_root() / f"toy-{spec.key()}"
+    if (dest / "info.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
+    try:
+        build_toy_assets(spec, tmp, log=log)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process finished the same build first; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def build_toy_assets(spec: ToySpec, out: Path, log=print) -> dict:
+    import torch
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    tok = build_tokenizer()
+    rng = random.Random(spec.seed)
+    heldout = toy_rows(sample_pairs(rng, spec.n_heldout, spec.digits, spec.seed, heldout=True))
+    train = toy_rows(sample_pairs(rng, spec.n_train_prompts, spec.digits, spec.seed, heldout=False))
+    for name, rows in (("train", train), ("heldout", heldout)):
+        with open(out / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    info = {"spec": asdict(spec), "key": spec.key()}
+    for role, mspec, seed in (("teacher", spec.teacher, spec.seed + 1), ("student", spec.student, spec.seed + 2)):
+        log(f"building toy {role}: {mspec.layers} layers x {mspec.hidden} wide, {mspec.steps} steps")
+        torch.manual_seed(seed)
+        model = new_model(mspec, vocab_size=len(tok))
+        train_supervised(model, tok, mspec, spec.digits, seed, log=log)
+        acc = greedy_accuracy(model, tok, heldout)
+        log(f"  {role} held-out exact match: {acc:.3f}")
+        info[f"{role}_heldout_accuracy"] = acc
+        info[f"{role}_parameters"] = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(out / role, safe_serialization=True)
+        tok.save_pretrained(out / role)
+    (out / "info.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+    return info

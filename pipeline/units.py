@@ -1,0 +1,173 @@
+"""Work units and leases: the executor that makes every stage a resumable, shareable batch job.
+
+A stage (a :class:`StageJob`) only says how to split its input into units and how to compute one unit
+into files under a given folder. This module owns everything else, so that each stage is resumable and
+several workers on several machines can share it:
+
+1. The plan (the unit list) is written once with exclusive create; its units do not depend on how many
+   workers run, so any worker computes the same plan.
+2. A worker claims a unit by exclusively creating ``claims/<unit>/aNNN.json`` for the next attempt number
+   and heartbeats while it computes. A claim whose heartbeat is older than its ttl, or whose process is
+   known dead (same host, pid gone), is stale: another worker takes the unit by claiming attempt N+1.
+3. Output goes to the attempt's own folder; the unit becomes visible only when its commit record is
+   created exclusively. The loser of a commit race deletes its attempt folder.
+4. When every unit is committed, the manifest (written last) lists the commit records. It is the only
+   thing later stages and SQL read.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Protocol
+
+from gndpo.errors import GndpoError
+from gndpo.storage.records import StageRecords
+
+
+class StageJob(Protocol):
+    stage: str
+
+    def plan(self) -> tuple[list[dict], dict]:
+        """(units, inputs): each unit is a dict with a stable "unit" id; inputs name what was read."""
+
+    def setup(self) -> None:
+        """Load models or engines; called once, and only if this worker gets a unit to compute."""
+
+    def run_unit(self, unit: dict, out_dir: str) -> tuple[list[dict], dict]:
+        """Compute one unit into files under ``out_dir``; return (file records, summary for the commit)."""
+
+    def summarize(self, commits: list[dict]) -> dict:
+        """Metrics for the manifest, from all commit records of the stage."""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Worker:
+    """Claims, computes and commits units of one stage until none is left to claim."""
+
+    def __init__(self, records: StageRecords, job: StageJob, ttl: float = 120.0, poll: float = 2.0, log=print):
+        self.records = records
+        self.job = job
+        self.ttl = ttl
+        self.poll = poll
+        self.log = log
+        self.host = socket.gethostname()
+        self.worker_id = f"{self.host}:{os.getpid()}:{int(time.time() * 1000) % 10**9}"
+        self._is_set_up = False
+
+    # -- leases -----------------------------------------------------------------------------------
+    def is_stale(self, unit: str, attempt: int) -> bool:
+        claim = self.records.read_claim(unit, attempt)
+        if claim.get("host") == self.host and not pid_alive(int(claim.get("pid", -1))):
+            return True
+        last = self.records.last_heartbeat(unit, attempt) or float(claim.get("claimed_at", 0))
+        return time.time() - last > float(claim.get("ttl", self.ttl))
+
+    def try_claim(self, unit: str) -> int | None:
+        """Claim ``unit`` (a fresh one, or a stale lease's next attempt); None if someone holds it."""
+        attempts = self.records.attempts(unit)
+        if attempts and not self.is_stale(unit, attempts[-1]):
+            return None
+        attempt = attempts[-1] + 1 if attempts else 1
+        body = {
+            "worker": self.worker_id,
+            "host": self.host,
+            "pid": os.getpid(),
+            "ttl": self.ttl,
+            "claimed_at": time.time(),
+        }
+        if not self.records.create_claim(unit, attempt, body):
+            return None  # another worker claimed this attempt first
+        self.records.heartbeat(unit, attempt)
+        return attempt
+
+    def _heartbeat_loop(self, unit: str, attempt: int, stop: threading.Event) -> None:
+        while not stop.wait(self.ttl / 4):
+            try:
+                self.records.heartbeat(unit, attempt)
+            except Exception:  # a missed beat only risks a takeover, which the commit protocol handles
+                pass
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def ensure_plan(self) -> dict:
+        plan = self.records.plan()
+        if plan is None:
+            units, inputs = self.job.plan()
+            if not units:
+                raise GndpoError(f"stage {self.records.stage} of round {self.records.round} has no work units")
+            plan = self.records.create_plan(units, inputs)
+        return plan
+
+    def run(self, wait_for_others: bool = True) -> dict | None:
+        """Work until every unit is committed; then write (or read) the manifest and return it.
+
+        With ``wait_for_others`` False the worker returns None once nothing is left for it to claim
+        while other workers still hold live leases.
+        """
+        manifest = self.records.manifest()
+        if manifest is not None:
+            return manifest
+        plan = self.ensure_plan()
+        units = {u["unit"]: u for u in plan["units"]}
+        while True:
+            pending = [u for u in units if u not in self.records.done_units()]
+            if not pending:
+                break
+            claimed = next(((u, a) for u in pending if (a := self.try_claim(u)) is not None), None)
+            if claimed is None:
+                if not wait_for_others:
+                    return None
+                time.sleep(self.poll)
+                continue
+            self.compute(units[claimed[0]], claimed[1])
+        return self.finish(plan)
+
+    def compute(self, unit: dict, attempt: int) -> bool:
+        uid = unit["unit"]
+        if not self._is_set_up:
+            self.job.setup()
+            self._is_set_up = True
+        out_dir = self.records.attempt_dir(uid, attempt)
+        stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat_loop, args=(uid, attempt, stop), daemon=True)
+        beat.start()
+        t0 = time.time()
+        try:
+            files, summary = self.job.run_unit(unit, out_dir)
+        finally:
+            stop.set()
+            beat.join()
+        summary = {**summary, "seconds": round(time.time() - t0, 3), "worker": self.worker_id}
+        if self.records.commit(uid, attempt, files, summary):
+            self.log(f"{self.records.stage} r{self.records.round} {uid}: committed attempt {attempt}")
+            return True
+        # Another attempt committed first; ours was never visible, so removing it is safe.
+        self.records.run.rm(out_dir)
+        self.log(f"{self.records.stage} r{self.records.round} {uid}: attempt {attempt} lost the commit race")
+        return False
+
+    def finish(self, plan: dict) -> dict:
+        manifest = self.records.manifest()
+        if manifest is not None:
+            return manifest
+        commits = [self.records.done(u["unit"]) for u in plan["units"]]
+        body = {
+            "inputs": plan["inputs"],
+            "units": commits,
+            "rows": sum(c["rows"] for c in commits),
+            "bytes": sum(c["bytes"] for c in commits),
+            "metrics": self.job.summarize(commits),
+            "finished_at": time.time(),
+        }
+        return self.records.create_manifest(body)

@@ -1,0 +1,164 @@
+"""Rollout: the round's student samples n responses per prompt with vLLM.
+
+Units are fixed slices of the round's prompt list. Every request carries its own seed derived from
+(run seed, round, prompt_id, sample index), never from a worker, so a retried unit reproduces its rows.
+Rows store token ids, the sampler's log-probs, the loss mask, the verifiable rewards (GNDPO only logs
+them) and the sampling settings. With ``rollout.eval_heldout`` an extra unit measures the same policy's
+greedy held-out accuracy on the same engine, which is what the demo's per-round table reports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pyarrow as pa
+
+from gndpo.pipeline.rewards import get_reward
+from gndpo.pipeline.runs import Run
+from gndpo.stages.engine import generate, make_llm
+from gndpo.stages.modeling import load_tokenizer
+from gndpo.storage.shards import ROLLOUTS, write_shard
+
+EVAL_UNIT = "eval-heldout"
+
+
+def sample_seed(base: int, round_idx: int, prompt_id: str, sample_idx: int) -> int:
+    digest = hashlib.sha256(f"{base}:{round_idx}:{prompt_id}:{sample_idx}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def round_prompt_ids(prompt_ids: list[str], round_idx: int, count: int, seed: int) -> list[str]:
+    """The round's prompts: positions [round*count, (round+1)*count) of an endless sequence of seeded
+    permutations of the prompt set, so rounds see new prompts until the set is used up. A prompt appears
+    at most once per round (rollout ids are unique per round, prompt and sample)."""
+    base = sorted(prompt_ids)
+    count = min(count, len(base))
+    perms: dict[int, list[str]] = {}
+    out: list[str] = []
+    chosen: set[str] = set()
+    pos = round_idx * count
+    while len(out) < count:
+        epoch, i = divmod(pos, len(base))
+        if epoch not in perms:
+            perms[epoch] = random.Random(f"{seed}:{epoch}").sample(base, len(base))
+        pid = perms[epoch][i]
+        if pid not in chosen:
+            chosen.add(pid)
+            out.append(pid)
+        pos += 1
+    return out
+
+
+class RolloutJob:
+    stage = "rollout"
+
+    def __init__(self, run: Run, round_idx: int, log=print):
+        self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
+        self.llm = self.tok = None
+
+    def plan(self):
+        rc = self.cfg.rollout
+        prompts = self.run.prompts("train")
+        ids = round_prompt_ids([p["prompt_id"] for p in prompts], self.round, rc.prompts_per_round, rc.seed)
+        units = [
+            {"unit": f"u{i // rc.prompts_per_unit:05d}", "prompt_ids": ids[i : i + rc.prompts_per_unit]}
+            for i in range(0, len(ids), rc.prompts_per_unit)
+        ]
+        if rc.eval_heldout:
+            units.append({"unit": EVAL_UNIT})
+        return units, {"policy_version": self.round, "prompts": len(ids), "n": rc.n}
+
+    def setup(self):
+        policy = self.run.policy_path(self.round)
+        self.tok = load_tokenizer(policy)
+        self.llm = make_llm(policy, self.cfg.engine, seed=self.cfg.rollout.seed)
+        self.reward = get_reward(self.cfg.reward)
+
+    def run_unit(self, unit, out_dir):
+        if unit["unit"] == EVAL_UNIT:
+            return self._eval_unit(out_dir)
+        from vllm import SamplingParams
+
+        rc = self.cfg.rollout
+        by_id = {p["prompt_id"]: p for p in self.run.prompts("train")}
+        requests, params, meta = [], [], []
+        for pid in unit["prompt_ids"]:
+            prompt = by_id[pid]
+            ids = self.tok(prompt["prompt"])["input_ids"]
+            for s in range(rc.n):
+                seed = sample_seed(rc.seed, self.round, pid, s)
+                requests.append(ids)
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=rc.temperature,
+                        top_p=rc.top_p,
+                        top_k=rc.top_k,
+                        max_tokens=rc.max_tokens,
+                        seed=seed,
+                        logprobs=0,
+                    )
+                )
+                meta.append((prompt, s, seed, ids))
+        gens = generate(self.llm, requests, params)
+        rows = []
+        for (prompt, s, seed, ids), g in zip(meta, gens):
+            text = self.tok.decode(g.token_ids, skip_special_tokens=True)
+            reward = self.reward(text, prompt["answer"])
+            rows.append(
+                {
+                    "rollout_id": f"r{self.round:04d}-{prompt['prompt_id']}-{s:03d}",
+                    "prompt_id": prompt["prompt_id"],
+                    "sample_idx": s,
+                    "round": self.round,
+                    "policy_version": self.round,
+                    "prompt_token_ids": ids,
+                    "response_token_ids": g.token_ids,
+                    "loss_mask": [1] * len(g.token_ids),
+                    "sampler_logprobs": g.logprobs,
+                    "finish_reason": g.finish_reason,
+                    "reward": reward,
+                    "rewards": {self.cfg.reward: reward},
+                    "temperature": rc.temperature,
+                    "top_p": rc.top_p,
+                    "top_k": rc.top_k,
+                    "max_tokens": rc.max_tokens,
+                    "seed": seed,
+                    "logprobs_mode": "raw",
+                    "prompt": prompt["prompt"],
+                    "response": text,
+                }
+            )
+        table = pa.Table.from_pylist(rows, schema=ROLLOUTS)
+        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
+        tokens = sum(len(r["response_token_ids"]) for r in rows)
+        return [record], {"responses": len(rows), "tokens": tokens, "reward_sum": sum(r["reward"] for r in rows)}
+
+    def _eval_unit(self, out_dir):
+        from gndpo.stages.eval import greedy_eval
+
+        result = greedy_eval(self.llm, self.tok, self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens)
+        record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"))
+        record["kind"] = "eval"
+        return [record], {"eval": result}
+
+    def summarize(self, commits):
+        gen = [c for c in commits if c["unit"] != EVAL_UNIT]
+        responses = sum(c["responses"] for c in gen)
+        metrics = {
+            "policy_version": self.round,
+            "responses": responses,
+            "tokens": sum(c["tokens"] for c in gen),
+            "reward_mean": sum(c["reward_sum"] for c in gen) / max(responses, 1),
+            "seconds": sum(c["seconds"] for c in commits),
+        }
+        for c in commits:
+            if c["unit"] == EVAL_UNIT:
+                metrics["heldout_accuracy"] = c["eval"]["accuracy"]
+        return metrics
+
+
+def rollout_shards(manifest: dict) -> list[dict]:
+    """The rollout manifest's response shards (the eval unit's file is not a rollout shard)."""
+    return [f for u in manifest["units"] if u["unit"] != EVAL_UNIT for f in u["files"]]

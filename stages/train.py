@@ -1,0 +1,209 @@
+"""Train: one DeepSpeed update of the student from the round's rollouts, scores and statistics.
+
+Reads top to bottom as the round's recipe:
+
+1. join rollouts and scores by rollout_id; compute each response's per-token advantage with the run's
+   method (GNDPO: global normalization with the statistics normalize committed);
+2. start a DeepSpeed engine on the round's policy (ZeRO stage from the config; gloo on CPU);
+3. split the responses into ``train.optimizer_steps`` mini-batches (one step per rollout batch by
+   default, so pi_theta = pi_old at loss time) and each mini-batch into micro-batches; every micro-batch
+   contributes its share of the step loss, normalised by the step's GLOBAL sequence or token count;
+4. export the updated student in Hugging Face format; it rolls out the next round.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import socket
+import tempfile
+
+import numpy as np
+import torch
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.losses import aggregate, token_losses
+from gndpo.pipeline.methods import clamped_score, get_method
+from gndpo.pipeline.runs import Run
+from gndpo.stages.modeling import load_causal_lm, load_tokenizer, response_logprobs, set_cpu_threads
+from gndpo.stages.normalize import global_stats
+from gndpo.stages.rollout import rollout_shards
+from gndpo.storage.records import manifest_files
+from gndpo.storage.shards import read_shards
+
+
+def ensure_distributed_env() -> None:
+    """Let a plain ``gndpo train`` run as a one-process DeepSpeed job without a launcher."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def load_batch(run: Run, round_idx: int) -> list[dict]:
+    """One dict per response: token ids, loss mask, old log-probs and the method's advantages."""
+    cfg = run.cfg
+    method = get_method(cfg.method.name)
+    rollouts = read_shards(run.fs, rollout_shards(run.records(round_idx, "rollout").require_manifest()))
+    scores = read_shards(run.fs, manifest_files(run.records(round_idx, "score").require_manifest()))
+    stats = global_stats(run, round_idx)
+    by_id = {r["rollout_id"]: r for r in scores.select(["rollout_id", "teacher_logprobs", "student_logprobs"]).to_pylist()}
+    batch = []
+    for r in rollouts.select(["rollout_id", "prompt_token_ids", "response_token_ids", "loss_mask"]).to_pylist():
+        s = by_id.get(r["rollout_id"])
+        if s is None:
+            raise GndpoError(f"rollout {r['rollout_id']} of round {round_idx} has no score row")
+        mask = np.asarray(r["loss_mask"], dtype=np.float64)
+        c = clamped_score(np.asarray(s["teacher_logprobs"]), np.asarray(s["student_logprobs"]), cfg.method.clamp)
+        adv = method.advantages(c, mask, stats, cfg.method)
+        batch.append(
+            {
+                "rollout_id": r["rollout_id"],
+                "prompt": r["prompt_token_ids"],
+                "response": r["response_token_ids"],
+                "mask": mask,
+                "old_logp": np.asarray(s["student_logprobs"], dtype=np.float64),
+                "adv": adv,
+            }
+        )
+    if len(batch) != len(by_id):
+        raise GndpoError(f"round {round_idx}: {len(by_id)} score rows but {len(batch)} rollouts")
+    return batch
+
+
+def _padded(rows: list[dict], key: str, width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r[key])] = torch.as_tensor(r[key], dtype=torch.float32)
+    return out
+
+
+def deepspeed_config(cfg, micro_batches: int, world: int) -> dict:
+    tc = cfg.train
+    return {
+        "train_micro_batch_size_per_gpu": tc.micro_batch_size,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": tc.micro_batch_size * micro_batches * world,
+        "gradient_clipping": tc.grad_clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True},
+        },
+        "zero_optimization": {"stage": tc.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class TrainJob:
+    stage = "train"
+
+    def __init__(self, run: Run, round_idx: int, log=print):
+        self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
+
+    def plan(self):
+        normalize = self.run.records(self.round, "normalize").require_manifest()
+        return [{"unit": "update"}], {"normalize_manifest_finished_at": normalize["finished_at"], "method": self.cfg.method.name}
+
+    def setup(self):
+        set_cpu_threads()
+        ensure_distributed_env()
+
+    def run_unit(self, unit, out_dir):
+        import deepspeed
+
+        cfg, tc = self.cfg, self.cfg.train
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        batch = load_batch(self.run, self.round)
+        random.Random(f"{tc.seed}:{self.round}").shuffle(batch)
+        steps = max(1, min(tc.optimizer_steps, len(batch)))
+        step_size = math.ceil(len(batch) / steps)
+        minibatches = [batch[i : i + step_size] for i in range(0, len(batch), step_size)]
+        per_rank = math.ceil(step_size / world)
+        micro_batches = max(1, math.ceil(per_rank / tc.micro_batch_size))
+
+        policy = self.run.policy_path(self.round)
+        torch.manual_seed(tc.seed)
+        model = load_causal_lm(policy)
+        model.config.use_cache = False
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=deepspeed_config(cfg, micro_batches, world),
+        )
+        pad_id = load_tokenizer(policy).pad_token_id or 0
+        temperature = cfg.rollout.temperature
+        history = []
+        for mb in minibatches:
+            n_seqs = len(mb)
+            n_tokens = int(sum(r["mask"].sum() for r in mb))
+            mine = mb[rank::world]
+            micros = [mine[i : i + tc.micro_batch_size] for i in range(0, len(mine), tc.micro_batch_size)]
+            step_loss, clipped, ratio_sum = 0.0, 0.0, 0.0
+            for j, micro in enumerate(micros):
+                engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
+                logp, mask, _ = response_logprobs(engine, [r["prompt"] for r in micro], [r["response"] for r in micro], pad_id, temperature)
+                width = logp.shape[1]
+                mask = mask * _padded(micro, "mask", width)
+                old = _padded(micro, "old_logp", width)
+                adv = _padded(micro, "adv", width)
+                losses, was_clipped = token_losses(cfg.method.policy_loss, logp, old, adv, mask, cfg.method.clip_low, cfg.method.clip_high)
+                loss = aggregate(losses, mask, cfg.method.loss_agg, n_seqs, n_tokens)
+                # DeepSpeed averages gradients over ranks; the shares already sum to the step loss.
+                engine.backward(loss * world, scale_wrt_gas=False)
+                if j == len(micros) - 1 and tc.zero_stage == 0:
+                    # DeepSpeed's fp32 ZeRO-0 path clips without keeping the norm; grads are already
+                    # all-reduced here (accumulation boundary), so this is the global pre-clip norm.
+                    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+                    grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                engine.step()
+                step_loss += loss.item()
+                clipped += float((was_clipped * mask).sum())
+                ratio_sum += float((torch.exp(logp.detach() - old) * mask).sum())
+            if tc.zero_stage > 0:
+                grad_norm = engine.get_global_grad_norm()
+            history.append(
+                {
+                    "loss": step_loss,
+                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                    "clip_fraction": clipped / max(n_tokens, 1),
+                    "ratio_mean": ratio_sum / max(n_tokens, 1),
+                }
+            )
+            self.log(f"train r{self.round} step {len(history)}/{len(minibatches)}: loss {step_loss:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
+
+        advs = np.concatenate([r["adv"][r["mask"] > 0] for r in batch]) if batch else np.zeros(1)
+        summary = {
+            "steps": history,
+            "responses": len(batch),
+            "tokens": int(sum(r["mask"].sum() for r in batch)),
+            "adv_min": float(advs.min()),
+            "adv_max": float(advs.max()),
+            "adv_mean": float(advs.mean()),
+            "model_dir": f"{out_dir}/model",
+        }
+        files = []
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as tmp:
+                engine.module.save_pretrained(tmp, safe_serialization=True)
+                load_tokenizer(policy).save_pretrained(tmp)
+                files = self.run.fs.upload_dir(tmp, f"{out_dir}/model")
+        return files, summary
+
+    def summarize(self, commits):
+        c = commits[0]
+        norms = np.array([s["grad_norm"] for s in c["steps"]])
+        return {
+            "policy_version": self.round + 1,
+            "model_dir": c["model_dir"],
+            "loss_mean": float(np.mean([s["loss"] for s in c["steps"]])),
+            "grad_norm_max": float(norms.max()),
+            "grad_norm_std": float(norms.std()),
+            "optimizer_steps": len(c["steps"]),
+            "adv_min": c["adv_min"],
+            "adv_max": c["adv_max"],
+            "seconds": c["seconds"],
+        }

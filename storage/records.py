@@ -1,0 +1,122 @@
+"""The records of one stage of one round: plan, claims, heartbeats, commit records, manifest.
+
+Layout (DESIGN.md, "Storage layout of a run")::
+
+    rounds/r0003/<stage>/plan.json                      work units, written once
+    rounds/r0003/<stage>/claims/<unit>/a001.json        lease for attempt 1 (exclusive create)
+    rounds/r0003/<stage>/claims/<unit>/a001.hb          heartbeat (overwritten while the lease lives)
+    rounds/r0003/<stage>/data/<unit>/a001/...           the attempt's immutable output files
+    rounds/r0003/<stage>/done/<unit>.json               commit record (exclusive create)
+    rounds/r0003/<stage>/_MANIFEST.json                 written last; what later stages and SQL read
+
+Everything here is a record operation; the policy (who may claim what, when a lease is stale) lives in
+``gndpo.pipeline.units``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from gndpo.errors import GndpoError
+from gndpo.storage.runfs import RunFS
+
+STAGES = ("rollout", "score", "normalize", "train")
+
+
+def round_prefix(round_idx: int) -> str:
+    return f"rounds/r{round_idx:04d}"
+
+
+class StageRecords:
+    """Read and create the records of ``stage`` in round ``round_idx`` of a run."""
+
+    def __init__(self, run: RunFS, round_idx: int, stage: str):
+        self.run = run
+        self.round = round_idx
+        self.stage = stage
+        self.prefix = f"{round_prefix(round_idx)}/{stage}"
+
+    # -- plan -------------------------------------------------------------------------------------
+    def plan(self) -> dict | None:
+        return self.run.read_json_or_none(f"{self.prefix}/plan.json")
+
+    def create_plan(self, units: list[dict], inputs: dict) -> dict:
+        """Write the plan once; if another worker won the race, return theirs (it must agree)."""
+        plan = {"round": self.round, "stage": self.stage, "units": units, "inputs": inputs}
+        if not self.run.create_json(f"{self.prefix}/plan.json", plan):
+            plan = self.plan()
+        if [u["unit"] for u in plan["units"]] != [u["unit"] for u in units]:
+            raise GndpoError(f"{self.run.uri(self.prefix)}/plan.json was planned from different inputs")
+        return plan
+
+    # -- leases -----------------------------------------------------------------------------------
+    def attempts(self, unit: str) -> list[int]:
+        names = self.run.listdir(f"{self.prefix}/claims/{unit}")
+        return sorted(int(n[1:4]) for n in names if n.startswith("a") and n.endswith(".json"))
+
+    def claim_path(self, unit: str, attempt: int) -> str:
+        return f"{self.prefix}/claims/{unit}/a{attempt:03d}.json"
+
+    def create_claim(self, unit: str, attempt: int, body: dict) -> bool:
+        return self.run.create_json(self.claim_path(unit, attempt), body)
+
+    def read_claim(self, unit: str, attempt: int) -> dict:
+        return self.run.read_json(self.claim_path(unit, attempt))
+
+    def heartbeat(self, unit: str, attempt: int) -> None:
+        self.run.fs.pipe_file(
+            self.run.path(f"{self.prefix}/claims/{unit}/a{attempt:03d}.hb"),
+            json.dumps({"t": time.time()}).encode(),
+        )
+
+    def last_heartbeat(self, unit: str, attempt: int) -> float | None:
+        rel = f"{self.prefix}/claims/{unit}/a{attempt:03d}.hb"
+        try:
+            return float(json.loads(self.run.read_bytes(rel))["t"])
+        except (GndpoError, ValueError, KeyError):
+            return None
+
+    def attempt_dir(self, unit: str, attempt: int) -> str:
+        return f"{self.prefix}/data/{unit}/a{attempt:03d}"
+
+    # -- commits ----------------------------------------------------------------------------------
+    def done(self, unit: str) -> dict | None:
+        return self.run.read_json_or_none(f"{self.prefix}/done/{unit}.json")
+
+    def done_units(self) -> set[str]:
+        return {n[: -len(".json")] for n in self.run.listdir(f"{self.prefix}/done") if n.endswith(".json")}
+
+    def commit(self, unit: str, attempt: int, files: list[dict], summary: dict) -> bool:
+        """Make an attempt's files visible. False if another attempt committed the unit first."""
+        record = {
+            "unit": unit,
+            "attempt": attempt,
+            "files": files,
+            "rows": sum(f.get("rows", 0) for f in files),
+            "bytes": sum(f["bytes"] for f in files),
+            "committed_at": time.time(),
+            **summary,
+        }
+        return self.run.create_json(f"{self.prefix}/done/{unit}.json", record)
+
+    # -- manifest ---------------------------------------------------------------------------------
+    def manifest(self) -> dict | None:
+        return self.run.read_json_or_none(f"{self.prefix}/_MANIFEST.json")
+
+    def require_manifest(self) -> dict:
+        m = self.manifest()
+        if m is None:
+            raise GndpoError(f"stage {self.stage} of round {self.round} is not committed yet ({self.run.uri(self.prefix)})")
+        return m
+
+    def create_manifest(self, body: dict) -> dict:
+        """Write the manifest once; a concurrent writer's identical manifest is accepted."""
+        body = {"round": self.round, "stage": self.stage, **body}
+        self.run.create_json(f"{self.prefix}/_MANIFEST.json", body)
+        return self.manifest()
+
+
+def manifest_files(manifest: dict) -> list[dict]:
+    """All file records of a manifest, in unit order."""
+    return [f for unit in manifest["units"] for f in unit["files"]]

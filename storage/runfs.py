@@ -1,0 +1,169 @@
+"""The run folder: one fsspec filesystem plus a root, and the only code that touches it.
+
+Everything a stage persists goes through :class:`RunFS`, so a run folder can be a local path, a shared
+filesystem or an object store URL (``s3://bucket/run``) without the stages knowing. Two primitives carry
+the crash-safety protocol of DESIGN.md:
+
+* :meth:`RunFS.create` writes a file only if it does not exist yet (exclusive create). Locally it writes a
+  temporary file and hard-links it into place, which fails if the target exists; on object stores it uses
+  ``pipe_file(mode="create")`` (a conditional PUT). Bodies are never empty: an empty object is not an
+  exclusive marker on S3.
+* Data files are written under attempt-scoped folders and are never overwritten, so a reader that follows
+  commit records and manifests never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from gndpo.errors import GndpoError
+
+
+class RunFS:
+    """A run folder addressed by URL; paths given to methods are relative to its root."""
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.url = url.rstrip("/")
+        fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.is_local = "file" in _protocols(fs)
+        if self.is_local:
+            self.root = os.path.abspath(self.root)
+
+    # -- addressing -------------------------------------------------------------------------------
+    def path(self, rel: str) -> str:
+        """The filesystem path (no protocol) of ``rel``."""
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def uri(self, rel: str) -> str:
+        """A URL that other tools (DuckDB, vLLM for local paths) can open."""
+        p = self.path(rel)
+        if self.is_local:
+            return p
+        proto = _protocols(self.fs)[0]
+        return f"{proto}://{p}"
+
+    # -- reading ----------------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            return self.fs.cat_file(self.path(rel))
+        except FileNotFoundError:
+            raise GndpoError(f"missing file in run folder: {self.uri(rel)}") from None
+
+    def read_json(self, rel: str) -> Any:
+        data = self.read_bytes(rel)
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise GndpoError(f"corrupt JSON record: {self.uri(rel)}") from None
+
+    def read_json_or_none(self, rel: str) -> Any:
+        return self.read_json(rel) if self.exists(rel) else None
+
+    def listdir(self, rel: str) -> list[str]:
+        """Names (not paths) directly under ``rel``; empty if it does not exist."""
+        try:
+            entries = self.fs.ls(self.path(rel), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    # -- writing ----------------------------------------------------------------------------------
+    def create(self, rel: str, data: bytes) -> bool:
+        """Write ``data`` to ``rel`` only if nothing is there. Returns False if it already existed."""
+        if not data:
+            raise ValueError("exclusive records must have a body")
+        target = self.path(rel)
+        if self.is_local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.link(tmp, target)  # atomic, and fails if target exists
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        try:
+            self.fs.pipe_file(target, data, mode="create")
+            return True
+        except FileExistsError:
+            return False
+
+    def create_json(self, rel: str, obj: Any) -> bool:
+        return self.create(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def write_new(self, rel: str, data: bytes) -> dict:
+        """Write an immutable data file and return its record (path, bytes, sha256).
+
+        Locally the bytes go to a temporary name first and are renamed into place, so a crash never
+        leaves a truncated file under the final name.
+        """
+        target = self.path(rel)
+        if self.is_local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = f"{target}.{uuid.uuid4().hex}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        else:
+            self.fs.pipe_file(target, data)
+        return {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def upload_dir(self, local_dir: str | Path, rel: str) -> list[dict]:
+        """Copy a local folder (a model export) into the run; returns the file records."""
+        records = []
+        local_dir = Path(local_dir)
+        for f in sorted(p for p in local_dir.rglob("*") if p.is_file()):
+            records.append(self.write_new(f"{rel}/{f.relative_to(local_dir).as_posix()}", f.read_bytes()))
+        return records
+
+    def local_dir(self, rel: str, cache_root: str | Path) -> str:
+        """A local path holding ``rel``: itself for local runs, else a cached download."""
+        if self.is_local:
+            return self.path(rel)
+        key = hashlib.sha1(self.uri(rel).encode()).hexdigest()[:16]
+        dest = Path(cache_root) / key
+        if not (dest / ".complete").exists():
+            tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".dl-"))
+            self.fs.get(self.path(rel).rstrip("/") + "/", str(tmp), recursive=True)
+            if dest.exists():
+                import shutil
+
+                shutil.rmtree(dest)
+            tmp.rename(dest)
+            (dest / ".complete").write_text("ok")
+        return str(dest)
+
+    def rm(self, rel: str, recursive: bool = True) -> None:
+        try:
+            self.fs.rm(self.path(rel), recursive=recursive)
+        except FileNotFoundError:
+            pass
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,127 @@
+"""Arrow schemas of the shards and the Parquet writer/reader that checks them against commit records.
+
+Shards are ordinary Parquet files (zstd), one row per response, so DuckDB, polars and pyarrow open them
+directly. A reader always starts from a manifest's file records and verifies bytes, sha256 and row count
+before trusting a file: a shard that was truncated or edited after its commit is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gndpo.errors import GndpoError
+from gndpo.storage.runfs import RunFS
+
+ROLLOUTS = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("round", pa.int32()),
+        ("policy_version", pa.int32()),
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("response_token_ids", pa.list_(pa.int32())),
+        # 1 = a token the student generated and is trained on; 0 = tool/environment or teacher prefix.
+        ("loss_mask", pa.list_(pa.int8())),
+        ("sampler_logprobs", pa.list_(pa.float32())),
+        ("finish_reason", pa.string()),
+        ("reward", pa.float64()),
+        ("rewards", pa.map_(pa.string(), pa.float64())),
+        ("temperature", pa.float32()),
+        ("top_p", pa.float32()),
+        ("top_k", pa.int32()),
+        ("max_tokens", pa.int32()),
+        ("seed", pa.int64()),
+        # vLLM returns log-probs of the raw distribution unless told otherwise; recorded per row so
+        # importance ratios are never silently computed against a truncated distribution.
+        ("logprobs_mode", pa.string()),
+        ("prompt", pa.string()),
+        ("response", pa.string()),
+    ]
+)
+
+SCORES = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("teacher_logprobs", pa.list_(pa.float32())),
+        ("student_logprobs", pa.list_(pa.float32())),
+        # Per-row partial sums of the clamped score c_t = clamp(lpT - lpS) over valid tokens, so the
+        # normalize stage's cost grows with responses, not tokens. Float64 to keep the variance exact.
+        ("n_valid", pa.int64()),
+        ("c_sum", pa.float64()),
+        ("c_sq_sum", pa.float64()),
+        ("c_min", pa.float64()),
+        ("c_max", pa.float64()),
+        ("teacher", pa.string()),
+    ]
+)
+
+STATS = pa.schema(
+    [
+        ("round", pa.int32()),
+        ("scope", pa.string()),  # "global" or a group key such as a prompt_id
+        ("name", pa.string()),
+        ("value", pa.float64()),
+    ]
+)
+
+
+def to_parquet_bytes(table: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def write_shard(run: RunFS, rel: str, table: pa.Table, schema: pa.Schema | None = None) -> dict:
+    """Write ``table`` as one immutable Parquet file; the record includes its row count."""
+    if schema is not None:
+        table = table.cast(schema) if table.schema != schema else table
+    record = run.write_new(rel, to_parquet_bytes(table))
+    record["rows"] = table.num_rows
+    return record
+
+
+def verified_bytes(run: RunFS, record: dict) -> bytes:
+    """The bytes of a committed file, refused if they no longer match its commit record."""
+    uri = run.uri(record["path"])
+    try:
+        data = run.fs.cat_file(run.path(record["path"]))
+    except FileNotFoundError:
+        raise GndpoError(f"shard listed in a commit record is missing: {uri}") from None
+    if len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise GndpoError(f"corrupt shard (checksum mismatch with its commit record): {uri}")
+    return data
+
+
+def verify_shards(run: RunFS, records: list[dict]) -> None:
+    """Check files against their commit records before another reader (DuckDB) opens them directly."""
+    for record in records:
+        verified_bytes(run, record)
+
+
+def read_shard(run: RunFS, record: dict) -> pa.Table:
+    """Read one committed shard, refusing it if it no longer matches its commit record."""
+    uri = run.uri(record["path"])
+    data = verified_bytes(run, record)
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except Exception as exc:  # pyarrow raises several types for a damaged file
+        raise GndpoError(f"corrupt shard (unreadable Parquet): {uri}: {exc}") from None
+    if table.num_rows != record["rows"]:
+        raise GndpoError(f"corrupt shard (row count {table.num_rows} != {record['rows']}): {uri}")
+    return table
+
+
+def read_shards(run: RunFS, records: list[dict], schema: pa.Schema | None = None) -> pa.Table:
+    """Concatenate committed shards in record order (an empty table of ``schema`` when none)."""
+    tables = [read_shard(run, r) for r in records]
+    if not tables:
+        if schema is None:
+            raise GndpoError("no shards to read")
+        return schema.empty_table()
+    return pa.concat_tables(tables, promote_options="default")

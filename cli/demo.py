@@ -13,6 +13,7 @@ def demo(
     folder: str = typer.Argument("demo-run", help="Where to put the demo's config and run folder."),
     rounds: int = typer.Option(3, "--rounds", "-n"),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="Config override key=value (repeatable)."),
+    assets: Optional[str] = typer.Option(None, "--assets", help="Use this prebuilt toy assets folder instead of building."),
 ):
     """Build (or reuse) the toy teacher/student and run the pipeline end to end on them."""
-    echo_table(run_demo(folder, rounds, overrides or [], log=typer.echo))
+    echo_table(run_demo(folder, rounds, overrides or [], assets=assets, log=typer.echo))

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from gndpo.errors import GndpoError
+
 from gndpo.pipeline.config import load_config
 from gndpo.pipeline.metrics import collect_metrics
 from gndpo.pipeline.rounds import run_rounds
@@ -48,12 +50,16 @@ def demo_table(metrics: list[dict], final_accuracy: float, teacher_accuracy: flo
     return rows
 
 
-def run_demo(folder: str, rounds: int = 3, overrides: list[str] = (), log=print) -> list[dict]:
+def run_demo(folder: str, rounds: int = 3, overrides: list[str] = (), assets: str | None = None, log=print) -> list[dict]:
+    """Build or reuse the toy assets (or use ``assets``: a folder laid out like them), run ``rounds``
+    rounds, evaluate the final student, and return the before/after table."""
     from gndpo.pipeline.evaluation import evaluate
 
     t0 = time.time()
     out = Path(folder).resolve()
-    assets = ensure_toy_assets(log=log)
+    assets = Path(assets).resolve() if assets else ensure_toy_assets(log=log)
+    if not (assets / "info.json").exists():
+        raise GndpoError(f"{assets} is not a toy assets folder (no info.json)")
     info = json.loads((assets / "info.json").read_text())
     log(f"toy assets: {assets} (teacher {info['teacher_heldout_accuracy']:.3f}, student {info['student_heldout_accuracy']:.3f} held-out exact match)")
     cfg = load_config(str(write_demo_config(out, assets)), list(overrides))

@@ -31,7 +31,8 @@ def run_connection(run) -> duckdb.DuckDBPyConnection:
     for view, stage, schema in (("rollouts", "rollout", ROLLOUTS), ("scores", "score", SCORES), ("stats", "normalize", STATS)):
         con.register(f"empty_{view}", schema.empty_table())
         create_view(con, run.fs, view, files[stage], f"SELECT * FROM empty_{view}")
-    metrics = pl.DataFrame(collect_metrics(run) or [{"round": 0, "stage": ""}][:0], infer_schema_length=None)
+    rows = collect_metrics(run)
+    metrics = pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame(schema={"round": pl.Int64, "stage": pl.Utf8})
     con.register("metrics_table", metrics.to_arrow())
     con.execute("CREATE VIEW metrics AS SELECT * FROM metrics_table")
     con.execute("SET lock_configuration = true")

@@ -35,9 +35,10 @@ class ModelSpec:
     layers: int
     hidden: int
     heads: int
-    steps: int
+    steps: int  # at most this many steps
     lr: float
-    batch: int = 256
+    target: float  # stop once validation exact match reaches this
+    batch: int = 128
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,11 @@ class ToySpec:
     n_train_prompts: int = 4096
     n_heldout: int = 500
     seed: int = 1234
-    teacher: ModelSpec = field(default_factory=lambda: ModelSpec(layers=3, hidden=128, heads=4, steps=1500, lr=2e-3))
-    student: ModelSpec = field(default_factory=lambda: ModelSpec(layers=2, hidden=96, heads=3, steps=300, lr=2e-3))
+    # Measured here (2 CPU cores): ~0.07 s/step; this shape learns the carry after 1000-2000 steps
+    # depending on the seed. The student is the same shape stopped as soon as it passes 15%, so it is
+    # clearly weaker but has the capacity to learn the rest from the teacher.
+    teacher: ModelSpec = field(default_factory=lambda: ModelSpec(layers=2, hidden=128, heads=4, steps=4000, lr=3e-3, target=0.97))
+    student: ModelSpec = field(default_factory=lambda: ModelSpec(layers=2, hidden=128, heads=4, steps=4000, lr=3e-3, target=0.15))
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -58,9 +62,14 @@ class ToySpec:
 # -- the task ---------------------------------------------------------------------------------------
 
 
-def answer_text(a: int, b: int) -> str:
-    """The target completion of ``a+b=``: the digits of the sum, least significant first."""
-    return str(a + b)[::-1]
+def prompt_text(a: int, b: int, digits: int) -> str:
+    """``a+b=`` with both operands zero-padded to ``digits``, so every digit sits at a fixed position."""
+    return f"{a:0{digits}d}+{b:0{digits}d}="
+
+
+def answer_text(a: int, b: int, digits: int) -> str:
+    """The exact completion: the ``digits + 1`` digits of the sum, least significant first."""
+    return str(a + b).zfill(digits + 1)[::-1]
 
 
 def is_heldout(a: int, b: int, seed: int) -> bool:
@@ -79,8 +88,8 @@ def sample_pairs(rng: random.Random, n: int, digits: int, seed: int, heldout: bo
     return out
 
 
-def toy_rows(pairs: list[tuple[int, int]]) -> list[dict]:
-    return [{"prompt": f"{a}+{b}=", "answer": answer_text(a, b)} for a, b in pairs]
+def toy_rows(pairs: list[tuple[int, int]], digits: int) -> list[dict]:
+    return [{"prompt": prompt_text(a, b, digits), "answer": answer_text(a, b, digits)} for a, b in pairs]
 
 
 # -- tokenizer and models ---------------------------------------------------------------------------
@@ -150,21 +159,30 @@ def _encode_batch(tok, rows: list[dict]):
     return ids, mask
 
 
-def train_supervised(model, tok, spec: ModelSpec, digits: int, seed: int, log=print) -> None:
-    """Next-token training on freshly sampled (never held-out) problems, cosine LR, AdamW."""
+def train_supervised(model, tok, spec: ModelSpec, digits: int, seed: int, target: float, log=print) -> tuple[int, float]:
+    """Next-token training on freshly sampled (never held-out) problems with AdamW at a constant LR
+    after warm-up, until exact match on a validation set reaches ``target`` (checked every 50 steps) or
+    ``spec.steps`` steps. Returns (steps taken, last validation accuracy).
+
+    Small transformers learn the carry abruptly (validation accuracy jumps from ~10% to ~90% within a
+    few hundred steps, at a step that depends on the seed), so stopping on a measured target, not a
+    fixed step count, is what makes the teacher reliably strong and the student reliably weak.
+    """
     import torch
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
+    # Validation problems come from the training bucket (never the held-out one) with their own rng.
+    validation = toy_rows(sample_pairs(random.Random(f"val:{seed}"), 256, digits, seed, heldout=False), digits)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = max(1, spec.steps // 20)
-    model.train()
-    for step in range(spec.steps):
-        lr = spec.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / spec.steps))
+    warmup = 100
+    acc, step = 0.0, 0
+    for step in range(1, spec.steps + 1):
         for g in opt.param_groups:
-            g["lr"] = lr
-        rows = toy_rows(sample_pairs(rng, spec.batch, digits, seed, heldout=False))
+            g["lr"] = spec.lr * min(1.0, step / warmup)
+        rows = toy_rows(sample_pairs(rng, spec.batch, digits, seed, heldout=False), digits)
         ids, mask = _encode_batch(tok, rows)
+        model.train()
         logits = model(input_ids=ids).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
@@ -172,9 +190,15 @@ def train_supervised(model, tok, spec: ModelSpec, digits: int, seed: int, log=pr
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 250 == 0 or step == spec.steps - 1:
-            log(f"  step {step:5d}  loss {loss.item():.4f}")
+        if step % 50 == 0:
+            model.eval()
+            acc = greedy_accuracy(model, tok, validation)
+            if step % 200 == 0 or acc >= target:
+                log(f"  step {step:5d}  loss {loss.item():.4f}  validation exact match {acc:.3f}")
+            if acc >= target:
+                break
     model.eval()
+    return step, acc
 
 
 def greedy_accuracy(model, tok, rows: list[dict], max_new_tokens: int = 8) -> float:
@@ -238,8 +262,8 @@ def build_toy_assets(spec: ToySpec, out: Path, log=print) -> dict:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     tok = build_tokenizer()
     rng = random.Random(spec.seed)
-    heldout = toy_rows(sample_pairs(rng, spec.n_heldout, spec.digits, spec.seed, heldout=True))
-    train = toy_rows(sample_pairs(rng, spec.n_train_prompts, spec.digits, spec.seed, heldout=False))
+    heldout = toy_rows(sample_pairs(rng, spec.n_heldout, spec.digits, spec.seed, heldout=True), spec.digits)
+    train = toy_rows(sample_pairs(rng, spec.n_train_prompts, spec.digits, spec.seed, heldout=False), spec.digits)
     for name, rows in (("train", train), ("heldout", heldout)):
         with open(out / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -249,8 +273,9 @@ def build_toy_assets(spec: ToySpec, out: Path, log=print) -> dict:
         log(f"building toy {role}: {mspec.layers} layers x {mspec.hidden} wide, {mspec.steps} steps")
         torch.manual_seed(seed)
         model = new_model(mspec, vocab_size=len(tok))
-        train_supervised(model, tok, mspec, spec.digits, seed, log=log)
+        steps, _ = train_supervised(model, tok, mspec, spec.digits, seed, mspec.target, log=log)
         acc = greedy_accuracy(model, tok, heldout)
+        info[f"{role}_steps"] = steps
         log(f"  {role} held-out exact match: {acc:.3f}")
         info[f"{role}_heldout_accuracy"] = acc
         info[f"{role}_parameters"] = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny toy assets (built once per session, offline) and configs that use them."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+# Keep tests off the user's cache, and keep each engine small on a 2-core, 24 GiB machine.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+TINY = dict(digits=2, n_train_prompts=96, n_heldout=24)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gndpo-cache")
+    old = os.environ.get("GNDPO_CACHE")
+    os.environ["GNDPO_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("GNDPO_CACHE", None)
+    else:
+        os.environ["GNDPO_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(cache_dir) -> Path:
+    """A few-step teacher and student: real HF models and tokenizer, accuracy irrelevant."""
+    from gndpo.pipeline.toy import ModelSpec, ToySpec, ensure_toy_assets
+
+    spec = ToySpec(
+        **TINY,
+        teacher=ModelSpec(layers=1, hidden=64, heads=2, steps=20, lr=3e-3, target=1.01, batch=32),
+        student=ModelSpec(layers=1, hidden=64, heads=2, steps=5, lr=3e-3, target=1.01, batch=32),
+    )
+    return ensure_toy_assets(spec, log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def other_tokenizer_teacher(tmp_path_factory, tiny_assets) -> Path:
+    """A model whose tokenizer has one token more than the toy student's."""
+    from gndpo.pipeline.toy import ModelSpec, build_tokenizer, new_model
+
+    path = tmp_path_factory.mktemp("other-teacher")
+    tok = build_tokenizer()
+    tok.add_tokens(["x"])
+    new_model(ModelSpec(layers=1, hidden=64, heads=2, steps=0, lr=0.0, target=1.0), len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def tiny_config_dict(assets: Path, **sections) -> dict:
+    cfg = {
+        "student": str(assets / "student"),
+        "teacher": str(assets / "teacher"),
+        "data": {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")},
+        "rollout": {"prompts_per_round": 16, "n": 2, "prompts_per_unit": 8, "max_tokens": 5},
+        "score": {"rows_per_chunk": 8},
+        "train": {"lr": 1e-3, "optimizer_steps": 2, "micro_batch_size": 8},
+        "engine": {"max_model_len": 32},
+    }
+    for key, value in sections.items():
+        cfg.setdefault(key, {}).update(value) if isinstance(value, dict) else cfg.__setitem__(key, value)
+    return cfg
+
+
+@pytest.fixture
+def tiny_config(tmp_path, tiny_assets) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
+    return path
+
+
+def gndpo(*args, check=True, env=None, timeout=600) -> subprocess.CompletedProcess:
+    """Run the real console entry point in a fresh process (vLLM and DeepSpeed own their process)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gndpo.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"gndpo {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc

@@ -1,0 +1,123 @@
+"""CLI behaviour without models running: config handling and user errors.
+
+Every user mistake must give one line on stderr, a non-zero exit, and leave no committed output.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from gndpo.cli.app import _register, app
+from gndpo.pipeline.config import Config, load_config
+from gndpo.pipeline.demo import DEFAULT_CONFIG
+from tests.conftest import tiny_config_dict
+
+_register()
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code != 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for frag in fragments:
+        assert frag in lines[0]
+
+
+def write_config(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_default_demo_config_parses_with_every_section():
+    cfg = load_config(str(DEFAULT_CONFIG))
+    assert isinstance(cfg, Config)
+    assert cfg.method.name == "gndpo" and cfg.method.policy_loss == "gspo"
+
+
+def test_overrides_are_typed(tmp_path):
+    cfg = load_config(None, ["train.lr=1e-4", "rollout.n=3", "method.name=opd"])
+    assert cfg.train.lr == 1e-4 and cfg.rollout.n == 3 and cfg.method.name == "opd"
+
+
+def test_init_creates_a_run_and_is_idempotent(tmp_path, tiny_config):
+    run = tmp_path / "run"
+    assert invoke("init", run, "--config", tiny_config).exit_code == 0
+    assert (run / "run.yaml").exists() and (run / "prompts/train.parquet").exists()
+    assert invoke("init", run, "--config", tiny_config).exit_code == 0
+    result = invoke("init", run, "--config", tiny_config, "train.lr=0.5")
+    assert_one_line_error(result, "another config")
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n', "malformed prompts file"),
+        ('{"question": "1+1=", "answer": "2"}\n', "no 'prompt' column"),
+        ("", "malformed prompts file"),
+    ],
+)
+def test_bad_prompts_file(tmp_path, tiny_assets, content, fragment):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    cfg = tiny_config_dict(tiny_assets)
+    cfg["data"]["train"] = str(bad)
+    run = tmp_path / "run"
+    assert_one_line_error(invoke("init", run, "--config", write_config(tmp_path, cfg)), fragment)
+    assert not run.exists()
+
+
+def test_missing_prompts_file_and_model(tmp_path, tiny_assets):
+    cfg = tiny_config_dict(tiny_assets)
+    cfg["data"]["heldout"] = str(tmp_path / "nope.jsonl")
+    assert_one_line_error(invoke("init", tmp_path / "r1", "--config", write_config(tmp_path, cfg)), "not found")
+    cfg = tiny_config_dict(tiny_assets, student=str(tmp_path / "no-model"))
+    assert_one_line_error(invoke("init", tmp_path / "r2", "--config", write_config(tmp_path, cfg)), "student model path does not exist")
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+def test_teacher_with_another_tokenizer_is_refused(tmp_path, tiny_assets, other_tokenizer_teacher):
+    cfg = tiny_config_dict(tiny_assets, teacher=str(other_tokenizer_teacher))
+    run = tmp_path / "run"
+    assert_one_line_error(invoke("init", run, "--config", write_config(tmp_path, cfg)), "tokenizer differs")
+    assert not run.exists()
+
+
+def test_config_errors(tmp_path):
+    assert_one_line_error(invoke("init", tmp_path / "r", "--config", write_config(tmp_path, {"trian": {}})), "unknown config key trian")
+    assert_one_line_error(invoke("init", tmp_path / "r", "--config", tmp_path / "missing.yaml"), "config file not found")
+    assert_one_line_error(invoke("init", tmp_path / "r", "rollout.n=many"), "rollout.n must be int")
+
+
+def test_stage_commands_refuse_missing_runs_and_out_of_order_rounds(tmp_path, tiny_config):
+    assert_one_line_error(invoke("rollout", tmp_path / "none", "--round", 0), "not a gndpo run")
+    run = tmp_path / "run"
+    assert invoke("init", run, "--config", tiny_config).exit_code == 0
+    assert_one_line_error(invoke("score", run, "--round", 0), "rollout of round 0 is not committed")
+    assert_one_line_error(invoke("rollout", run, "--round", 1), "train of round 0 is not committed")
+
+
+def test_status_and_sql_on_a_fresh_run(tmp_path, tiny_config):
+    run = tmp_path / "run"
+    invoke("init", run, "--config", tiny_config)
+    assert invoke("status", run).exit_code == 0
+    result = invoke("sql", run, "SELECT count(*) AS n FROM rollouts", "--csv")
+    assert result.exit_code == 0 and result.stdout.strip().splitlines() == ["n", "0"]
+    assert_one_line_error(invoke("sql", run, "COPY (SELECT 1) TO 'x.csv'"), "read-only")
+    assert_one_line_error(invoke("sql", run, "CREATE TABLE t (x INT)"), "read-only")
+    assert_one_line_error(invoke("sql", run, "SELECT * FROM nope"), "SQL error")
+    assert not (Path.cwd() / "x.csv").exists()
+
+
+def test_eval_needs_a_model_or_run(tmp_path, tiny_assets):
+    assert_one_line_error(invoke("eval", tmp_path / "nothing"), "does not exist")
+    assert_one_line_error(invoke("eval", tiny_assets / "student"), "needs --prompts")

@@ -1,0 +1,101 @@
+"""The storage protocol on a local run folder: exclusive create, verified shards, the unit executor."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.units import Worker
+from gndpo.storage.records import StageRecords
+from gndpo.storage.runfs import RunFS
+from gndpo.storage.shards import read_shard, write_shard
+
+
+def test_create_is_exclusive_and_never_empty(tmp_path):
+    fs = RunFS(str(tmp_path))
+    assert fs.create("a/b.json", b'{"x": 1}')
+    assert not fs.create("a/b.json", b'{"x": 2}')
+    assert fs.read_json("a/b.json") == {"x": 1}
+    with pytest.raises(ValueError):
+        fs.create("a/c.json", b"")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.json"]  # no temp files left
+
+
+def test_shard_roundtrip_and_corruption_is_named(tmp_path):
+    fs = RunFS(str(tmp_path))
+    table = pa.table({"x": list(range(100))})
+    rec = write_shard(fs, "d/part-00000.parquet", table)
+    assert rec["rows"] == 100
+    assert read_shard(fs, rec).equals(table)
+    assert pq.read_table(tmp_path / "d/part-00000.parquet").num_rows == 100  # plain Parquet
+    path = tmp_path / "d/part-00000.parquet"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(GndpoError, match="part-00000.parquet"):
+        read_shard(fs, rec)
+
+
+class CountingJob:
+    """A stage that writes one shard of ``n`` rows per unit."""
+
+    stage = "rollout"
+
+    def __init__(self, fs, sizes, fail_on=None):
+        self.fs, self.sizes, self.fail_on, self.setups = fs, sizes, fail_on, 0
+
+    def plan(self):
+        return [{"unit": f"u{i}", "n": n} for i, n in enumerate(self.sizes)], {"sizes": self.sizes}
+
+    def setup(self):
+        self.setups += 1
+
+    def run_unit(self, unit, out_dir):
+        if unit["unit"] == self.fail_on:
+            raise RuntimeError("crash")
+        rec = write_shard(self.fs, f"{out_dir}/part-00000.parquet", pa.table({"i": list(range(unit["n"]))}))
+        return [rec], {"tokens": unit["n"]}
+
+    def summarize(self, commits):
+        return {"tokens": sum(c["tokens"] for c in commits)}
+
+
+def test_worker_commits_every_unit_once_and_resumes_after_a_crash(tmp_path):
+    fs = RunFS(str(tmp_path))
+    records = StageRecords(fs, 0, "rollout")
+    with pytest.raises(RuntimeError):
+        Worker(records, CountingJob(fs, [3, 4, 5], fail_on="u1"), log=lambda *_: None).run()
+    assert records.done_units() == {"u0"}
+    assert records.manifest() is None
+    # The crashed attempt's claim belongs to this (live) process; a real crash leaves a dead pid.
+    claim = tmp_path / "rounds/r0000/rollout/claims/u1/a001.json"
+    body = json.loads(claim.read_text())
+    body["pid"] = 2**22 + 12345  # no such process
+    claim.write_text(json.dumps(body))
+    job = CountingJob(fs, [3, 4, 5])
+    manifest = Worker(records, job, log=lambda *_: None).run()
+    assert manifest["rows"] == 12 and manifest["metrics"] == {"tokens": 12}
+    assert [u["unit"] for u in manifest["units"]] == ["u0", "u1", "u2"]
+    assert records.done("u1")["attempt"] == 2
+    # A rerun after the manifest does no work at all.
+    again = CountingJob(fs, [3, 4, 5])
+    assert Worker(records, again, log=lambda *_: None).run() == manifest and again.setups == 0
+
+
+def test_live_lease_is_not_taken_and_losing_commit_removes_its_attempt(tmp_path):
+    fs = RunFS(str(tmp_path))
+    records = StageRecords(fs, 0, "score")
+    job = CountingJob(fs, [2])
+    first, second = Worker(records, job, log=lambda *_: None), Worker(records, job, log=lambda *_: None)
+    first.ensure_plan()
+    assert first.try_claim("u0") == 1
+    assert second.try_claim("u0") is None  # live heartbeat, same live pid
+    assert second.run(wait_for_others=False) is None
+    # Simulate a takeover: the second worker commits attempt 2 first; the first worker's commit loses.
+    assert records.create_claim("u0", 2, {"worker": "other", "host": "h", "pid": 1, "ttl": 60, "claimed_at": 0})
+    assert second.compute(job.plan()[0][0], 2)
+    assert not first.compute(job.plan()[0][0], 1)
+    assert not fs.exists(records.attempt_dir("u0", 1))
+    assert records.done("u0")["attempt"] == 2

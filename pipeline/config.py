@@ -64,6 +64,7 @@ class TrainConfig:
     micro_batch_size: int = 64  # responses per forward/backward
     grad_clip: float = 1.0
     zero_stage: int = 0
+    carry_optimizer_state: bool = True  # keep AdamW moments across rounds (ZeRO-0)
     num_processes: int = 1
     seed: int = 0
 

@@ -13,6 +13,7 @@ Reads top to bottom as the round's recipe:
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import random
@@ -30,7 +31,7 @@ from gndpo.stages.modeling import load_causal_lm, load_tokenizer, response_logpr
 from gndpo.stages.normalize import global_stats
 from gndpo.stages.rollout import rollout_shards
 from gndpo.storage.records import manifest_files
-from gndpo.storage.shards import read_shards
+from gndpo.storage.shards import read_shards, verified_bytes
 
 
 def ensure_distributed_env() -> None:
@@ -134,6 +135,7 @@ class TrainJob:
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=deepspeed_config(cfg, micro_batches, world),
         )
+        resumed = self._load_optimizer_state(engine)
         pad_id = load_tokenizer(policy).pad_token_id or 0
         temperature = cfg.rollout.temperature
         history = []
@@ -184,6 +186,7 @@ class TrainJob:
             "adv_max": float(advs.max()),
             "adv_mean": float(advs.mean()),
             "model_dir": f"{out_dir}/model",
+            "optimizer_state_resumed": resumed,
         }
         files = []
         if rank == 0:
@@ -191,7 +194,31 @@ class TrainJob:
                 engine.module.save_pretrained(tmp, safe_serialization=True)
                 load_tokenizer(policy).save_pretrained(tmp)
                 files = self.run.fs.upload_dir(tmp, f"{out_dir}/model")
+            if self._carries_optimizer_state():
+                buf = io.BytesIO()
+                torch.save(engine.optimizer.state_dict(), buf)
+                record = self.run.fs.write_new(f"{out_dir}/optimizer.pt", buf.getvalue())
+                files.append(record)
+                summary["optimizer_state"] = record
         return files, summary
+
+    def _carries_optimizer_state(self) -> bool:
+        # With ZeRO-0 the optimizer is plain torch AdamW, whose state dict is tensors and numbers and
+        # so loads with weights_only=True. ZeRO>=1 partitions it into DeepSpeed's own structures.
+        return self.cfg.train.carry_optimizer_state and self.cfg.train.zero_stage == 0
+
+    def _load_optimizer_state(self, engine) -> bool:
+        """Continue AdamW's moments from the previous round: a fresh Adam's first steps are
+        sign-like (size lr in every coordinate), which on a small policy undoes much of a round."""
+        if self.round == 0 or not self._carries_optimizer_state():
+            return False
+        prev = self.run.records(self.round - 1, "train").require_manifest()["units"][0]
+        record = prev.get("optimizer_state")
+        if record is None:
+            return False
+        state = torch.load(io.BytesIO(verified_bytes(self.run.fs, record)), weights_only=True)
+        engine.optimizer.load_state_dict(state)
+        return True
 
     def summarize(self, commits):
         c = commits[0]

@@ -33,8 +33,8 @@ def tiny_assets(cache_dir) -> Path:
 
     spec = ToySpec(
         **TINY,
-        teacher=ModelSpec(layers=1, hidden=64, heads=2, steps=20, lr=3e-3, target=1.01, batch=32),
-        student=ModelSpec(layers=1, hidden=64, heads=2, steps=5, lr=3e-3, target=1.01, batch=32),
+        model=ModelSpec(layers=1, hidden=64, heads=2, max_steps=20, lr=3e-3, batch=32),
+        student_max_steps=5,
     )
     return ensure_toy_assets(spec, log=lambda *_: None)
 
@@ -47,7 +47,7 @@ def other_tokenizer_teacher(tmp_path_factory, tiny_assets) -> Path:
     path = tmp_path_factory.mktemp("other-teacher")
     tok = build_tokenizer()
     tok.add_tokens(["x"])
-    new_model(ModelSpec(layers=1, hidden=64, heads=2, steps=0, lr=0.0, target=1.0), len(tok)).save_pretrained(path)
+    new_model(ModelSpec(layers=1, hidden=64, heads=2, max_steps=0, lr=0.0), len(tok)).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

@@ -54,7 +54,7 @@ def test_score_shards_are_plain_parquet_and_stats_match_numpy(run_dir):
     files = [str(run_dir / f["path"]) for f in manifest_files(run.records(0, "score").manifest())]
     by_pyarrow = pq.read_table(files[0])
     by_polars = pl.read_parquet(files[0])
-    by_duckdb = duckdb.sql(f"SELECT count(*) FROM read_parquet({files!r})").fetchone()[0]
+    by_duckdb = duckdb.sql(f"SELECT count(*) FROM read_parquet({files!r})").fetchall()[0][0]
     assert by_pyarrow.num_rows == by_polars.height and by_duckdb == PROMPTS * N
     # Global statistics from the normalize stage == numpy over every valid token of the round.
     rollouts = pl.concat([pl.read_parquet(run_dir / f["path"]) for f in rollout_shards(run.records(0, "rollout").manifest())])

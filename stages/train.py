@@ -112,6 +112,10 @@ class TrainJob:
     def setup(self):
         set_cpu_threads()
         ensure_distributed_env()
+        if int(os.environ["WORLD_SIZE"]) > 1:
+            # The step math already divides by global counts; what is missing is rank 0 owning the
+            # lease and commit while the other ranks follow it.
+            raise GndpoError("multi-rank train (train.num_processes > 1) is not supported yet; use 1 process")
 
     def run_unit(self, unit, out_dir):
         import deepspeed
@@ -137,45 +141,10 @@ class TrainJob:
         )
         resumed = self._load_optimizer_state(engine)
         pad_id = load_tokenizer(policy).pad_token_id or 0
-        temperature = cfg.rollout.temperature
         history = []
         for mb in minibatches:
-            n_seqs = len(mb)
-            n_tokens = int(sum(r["mask"].sum() for r in mb))
-            mine = mb[rank::world]
-            micros = [mine[i : i + tc.micro_batch_size] for i in range(0, len(mine), tc.micro_batch_size)]
-            step_loss, clipped, ratio_sum = 0.0, 0.0, 0.0
-            for j, micro in enumerate(micros):
-                engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
-                logp, mask, _ = response_logprobs(engine, [r["prompt"] for r in micro], [r["response"] for r in micro], pad_id, temperature)
-                width = logp.shape[1]
-                mask = mask * _padded(micro, "mask", width)
-                old = _padded(micro, "old_logp", width)
-                adv = _padded(micro, "adv", width)
-                losses, was_clipped = token_losses(cfg.method.policy_loss, logp, old, adv, mask, cfg.method.clip_low, cfg.method.clip_high)
-                loss = aggregate(losses, mask, cfg.method.loss_agg, n_seqs, n_tokens)
-                # DeepSpeed averages gradients over ranks; the shares already sum to the step loss.
-                engine.backward(loss * world, scale_wrt_gas=False)
-                if j == len(micros) - 1 and tc.zero_stage == 0:
-                    # DeepSpeed's fp32 ZeRO-0 path clips without keeping the norm; grads are already
-                    # all-reduced here (accumulation boundary), so this is the global pre-clip norm.
-                    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-                    grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-                engine.step()
-                step_loss += loss.item()
-                clipped += float((was_clipped * mask).sum())
-                ratio_sum += float((torch.exp(logp.detach() - old) * mask).sum())
-            if tc.zero_stage > 0:
-                grad_norm = engine.get_global_grad_norm()
-            history.append(
-                {
-                    "loss": step_loss,
-                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                    "clip_fraction": clipped / max(n_tokens, 1),
-                    "ratio_mean": ratio_sum / max(n_tokens, 1),
-                }
-            )
-            self.log(f"train r{self.round} step {len(history)}/{len(minibatches)}: loss {step_loss:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
+            history.append(self.optimizer_step(engine, mb, pad_id, rank, world))
+            self.log(f"train r{self.round} step {len(history)}/{len(minibatches)}: loss {history[-1]['loss']:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
 
         advs = np.concatenate([r["adv"][r["mask"] > 0] for r in batch]) if batch else np.zeros(1)
         summary = {
@@ -201,6 +170,49 @@ class TrainJob:
                 files.append(record)
                 summary["optimizer_state"] = record
         return files, summary
+
+    def optimizer_step(self, engine, minibatch: list[dict], pad_id: int, rank: int, world: int) -> dict:
+        """One optimizer step on ``minibatch`` (all ranks' responses); this rank takes every world-th
+        response and accumulates its micro-batches' shares of the step loss."""
+        cfg, tc = self.cfg, self.cfg.train
+        n_seqs = len(minibatch)
+        n_tokens = int(sum(r["mask"].sum() for r in minibatch))
+        mine = minibatch[rank::world]
+        micros = [mine[i : i + tc.micro_batch_size] for i in range(0, len(mine), tc.micro_batch_size)]
+        step_loss, clipped, ratio_sum, grad_norm = 0.0, 0.0, 0.0, None
+        for j, micro in enumerate(micros):
+            boundary = j == len(micros) - 1
+            engine.set_gradient_accumulation_boundary(boundary)
+            logp, mask, _ = response_logprobs(
+                engine, [r["prompt"] for r in micro], [r["response"] for r in micro], pad_id, cfg.rollout.temperature
+            )
+            width = logp.shape[1]
+            mask = mask * _padded(micro, "mask", width)
+            old = _padded(micro, "old_logp", width)
+            adv = _padded(micro, "adv", width)
+            losses, was_clipped = token_losses(
+                cfg.method.policy_loss, logp, old, adv, mask, cfg.method.clip_low, cfg.method.clip_high
+            )
+            loss = aggregate(losses, mask, cfg.method.loss_agg, n_seqs, n_tokens)
+            # DeepSpeed averages gradients over ranks; the shares already sum to the step loss.
+            engine.backward(loss * world, scale_wrt_gas=False)
+            if boundary and tc.zero_stage == 0:
+                # DeepSpeed's fp32 ZeRO-0 path clips without keeping the norm; grads are already
+                # all-reduced here (accumulation boundary), so this is the global pre-clip norm.
+                norms = [torch.linalg.vector_norm(p.grad) for p in engine.module.parameters() if p.grad is not None]
+                grad_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+            engine.step()
+            step_loss += loss.item()
+            clipped += float((was_clipped * mask).sum())
+            ratio_sum += float((torch.exp(logp.detach() - old) * mask).sum())
+        if tc.zero_stage > 0:
+            grad_norm = engine.get_global_grad_norm()
+        return {
+            "loss": step_loss,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "clip_fraction": clipped / max(n_tokens, 1),
+            "ratio_mean": ratio_sum / max(n_tokens, 1),
+        }
 
     def _carries_optimizer_state(self) -> bool:
         # With ZeRO-0 the optimizer is plain torch AdamW, whose state dict is tensors and numbers and

@@ -20,8 +20,9 @@ def _stage_command(stage: str):
         run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),
         round: int = typer.Option(..., "--round", "-r", help="Round index, from 0."),
         worker: bool = typer.Option(False, "--worker", help="Join other workers: exit when nothing is left to claim."),
+        lease_ttl: float = typer.Option(120.0, "--lease-ttl", help="Seconds without a heartbeat after which others may take a unit."),
     ):
-        manifest = run_stage(run, stage, round, worker=worker)
+        manifest = run_stage(run, stage, round, worker=worker, lease_ttl=lease_ttl)
         if manifest is None:
             typer.echo(f"{stage} r{round}: no unit left to claim; other workers are finishing")
         else:

@@ -65,6 +65,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     zero_stage: int = 0
     carry_optimizer_state: bool = True  # keep AdamW moments across rounds (ZeRO-0)
+    checkpoint_every: int = 8  # optimizer steps between in-round checkpoints a retry resumes from (ZeRO-0)
     num_processes: int = 1
     seed: int = 0
 

@@ -42,13 +42,15 @@ def check_round(run, round_idx: int, stage: str) -> None:
         raise GndpoError(f"cannot run {stage} of round {round_idx}: {prev_stage} of round {prev_round} is not committed")
 
 
-def run_stage(url: str, stage: str, round_idx: int, worker: bool = False, log=print) -> dict | None:
+def run_stage(url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=print) -> dict | None:
     """Run (or join, with ``worker``) one stage; returns its manifest, or None if other workers still
     hold units when this worker runs out of work."""
     run = open_run(url)
     check_round(run, round_idx, stage)
     job = stage_job(stage)(run, round_idx, log=log)
-    manifest = Worker(run.records(round_idx, stage), job, log=log).run(wait_for_others=not worker)
+    if lease_ttl <= 0:
+        raise GndpoError("--lease-ttl must be positive")
+    manifest = Worker(run.records(round_idx, stage), job, ttl=lease_ttl, log=log).run(wait_for_others=not worker)
     if manifest is not None:
         write_metrics_jsonl(run)
     return manifest

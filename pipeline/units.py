@@ -24,6 +24,7 @@ import time
 from typing import Protocol
 
 from gndpo.errors import GndpoError
+from gndpo.faults import crash_point
 from gndpo.storage.records import StageRecords
 
 
@@ -149,6 +150,7 @@ class Worker:
             stop.set()
             beat.join()
         summary = {**summary, "seconds": round(time.time() - t0, 3), "worker": self.worker_id}
+        crash_point("units.before_commit")
         if self.records.commit(uid, attempt, files, summary):
             self.log(f"{self.records.stage} r{self.records.round} {uid}: committed attempt {attempt}")
             return True

@@ -14,6 +14,7 @@ import random
 
 import pyarrow as pa
 
+from gndpo.faults import crash_point
 from gndpo.pipeline.rewards import get_reward
 from gndpo.pipeline.runs import Run
 from gndpo.stages.engine import generate, make_llm
@@ -102,6 +103,7 @@ class RolloutJob:
                 )
                 meta.append((prompt, s, seed, ids))
         gens = generate(self.llm, requests, params)
+        crash_point("rollout.generate")
         rows = []
         for (prompt, s, seed, ids), g in zip(meta, gens):
             text = self.tok.decode(g.token_ids, skip_special_tokens=True)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from gndpo.errors import GndpoError
+from gndpo.faults import crash_point
 from gndpo.pipeline.losses import aggregate, token_losses
 from gndpo.pipeline.methods import clamped_score, get_method
 from gndpo.pipeline.runs import Run
@@ -141,10 +142,18 @@ class TrainJob:
         )
         resumed = self._load_optimizer_state(engine)
         pad_id = load_tokenizer(policy).pad_token_id or 0
-        history = []
-        for mb in minibatches:
-            history.append(self.optimizer_step(engine, mb, pad_id, rank, world))
-            self.log(f"train r{self.round} step {len(history)}/{len(minibatches)}: loss {history[-1]['loss']:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
+        # A retried attempt continues from the newest checkpoint of an earlier attempt, so optimizer
+        # steps already taken are not repeated (the mini-batch order is seeded by round, not attempt).
+        history = self._resume(engine)
+        if history:
+            self.log(f"train r{self.round}: resuming after step {len(history)} from a checkpoint")
+        for i in range(len(history), len(minibatches)):
+            history.append(self.optimizer_step(engine, minibatches[i], pad_id, rank, world))
+            self.log(f"train r{self.round} step {i + 1}/{len(minibatches)}: loss {history[-1]['loss']:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
+            crash_point("train.step")
+            every = tc.checkpoint_every
+            if rank == 0 and self._carries_optimizer_state() and every and (i + 1) % every == 0 and i + 1 < len(minibatches):
+                self._save_checkpoint(engine, out_dir, history)
 
         advs = np.concatenate([r["adv"][r["mask"] > 0] for r in batch]) if batch else np.zeros(1)
         summary = {
@@ -156,6 +165,7 @@ class TrainJob:
             "adv_mean": float(advs.mean()),
             "model_dir": f"{out_dir}/model",
             "optimizer_state_resumed": resumed,
+            "resumed_after_step": self._resumed_after,
         }
         files = []
         if rank == 0:
@@ -213,6 +223,47 @@ class TrainJob:
             "clip_fraction": clipped / max(n_tokens, 1),
             "ratio_mean": ratio_sum / max(n_tokens, 1),
         }
+
+    # -- checkpoints within a round ---------------------------------------------------------------
+    def _save_checkpoint(self, engine, out_dir: str, history: list[dict]) -> None:
+        """Model and optimizer state after ``len(history)`` steps; the JSON record, written last and
+        exclusively, is what makes the checkpoint visible to a later attempt."""
+        from safetensors.torch import save as save_safetensors
+
+        step = len(history)
+        base = f"{out_dir}/ckpt/step-{step:05d}"
+        state = {k: v.contiguous() for k, v in engine.module.state_dict().items()}
+        buf = io.BytesIO()
+        torch.save(engine.optimizer.state_dict(), buf)
+        files = {
+            "model": self.run.fs.write_new(f"{base}/model.safetensors", save_safetensors(state)),
+            "optimizer": self.run.fs.write_new(f"{base}/optimizer.pt", buf.getvalue()),
+        }
+        self.run.fs.create_json(f"{base}.json", {"step": step, "history": history, "files": files})
+
+    def _resume(self, engine) -> list[dict]:
+        """Load the newest checkpoint any earlier attempt of this round left; returns its step history."""
+        from safetensors.torch import load as load_safetensors
+
+        self._resumed_after = 0
+        if not self._carries_optimizer_state():
+            return []
+        records = self.run.records(self.round, self.stage)
+        best = None
+        for attempt in records.attempts("update"):
+            ckpt = f"{records.attempt_dir('update', attempt)}/ckpt"
+            for name in self.run.fs.listdir(ckpt):
+                if name.endswith(".json"):
+                    meta = self.run.fs.read_json(f"{ckpt}/{name}")
+                    if best is None or meta["step"] > best["step"]:
+                        best = meta
+        if best is None:
+            return []
+        engine.module.load_state_dict(load_safetensors(verified_bytes(self.run.fs, best["files"]["model"])))
+        optimizer = torch.load(io.BytesIO(verified_bytes(self.run.fs, best["files"]["optimizer"])), weights_only=True)
+        engine.optimizer.load_state_dict(optimizer)
+        self._resumed_after = best["step"]
+        return list(best["history"])
 
     def _carries_optimizer_state(self) -> bool:
         # With ZeRO-0 the optimizer is plain torch AdamW, whose state dict is tensors and numbers and

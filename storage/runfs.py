@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import fsspec
 
 from gndpo.errors import GndpoError
+from gndpo.faults import crash_point
 
 
 class RunFS:
@@ -53,12 +55,18 @@ class RunFS:
         return f"{proto}://{p}"
 
     # -- reading ----------------------------------------------------------------------------------
+    def _fresh(self, path: str) -> str:
+        """Drop cached listings: other workers, on other machines, change the folder under us."""
+        if not self.is_local:
+            self.fs.invalidate_cache(path)
+        return path
+
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        return self.fs.exists(self._fresh(self.path(rel)))
 
     def read_bytes(self, rel: str) -> bytes:
         try:
-            return self.fs.cat_file(self.path(rel))
+            return self.fs.cat_file(self._fresh(self.path(rel)))
         except FileNotFoundError:
             raise GndpoError(f"missing file in run folder: {self.uri(rel)}") from None
 
@@ -75,7 +83,7 @@ class RunFS:
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under ``rel``; empty if it does not exist."""
         try:
-            entries = self.fs.ls(self.path(rel), detail=False)
+            entries = self.fs.ls(self._fresh(self.path(rel)), detail=False)
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -120,7 +128,10 @@ class RunFS:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             tmp = f"{target}.{uuid.uuid4().hex}.tmp"
             with open(tmp, "wb") as f:
-                f.write(data)
+                f.write(data[: len(data) // 2])
+                f.flush()
+                crash_point("storage.write")
+                f.write(data[len(data) // 2 :])
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, target)
@@ -144,13 +155,14 @@ class RunFS:
         dest = Path(cache_root) / key
         if not (dest / ".complete").exists():
             tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".dl-"))
-            self.fs.get(self.path(rel).rstrip("/") + "/", str(tmp), recursive=True)
-            if dest.exists():
-                import shutil
-
-                shutil.rmtree(dest)
+            src = self._fresh(self.path(rel).rstrip("/"))
+            for remote in self.fs.find(src):
+                local = tmp / remote[len(src) + 1 :]
+                local.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(remote, str(local))
+            (tmp / ".complete").write_text("ok")
+            shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
-            (dest / ".complete").write_text("ok")
         return str(dest)
 
     def rm(self, rel: str, recursive: bool = True) -> None:

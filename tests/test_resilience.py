@@ -1,0 +1,202 @@
+"""Crash safety and shared stages, through the real stages on tiny models.
+
+A reference run goes through round 0 uninterrupted. A second run with the same config is killed with
+SIGKILL at several points (during generation, half-way through a shard write, between the data write
+and the commit, during training) and rerun each time; it must end with exactly the reference's rows and
+the same trained weights. Copies of the reference's committed rollouts then serve the concurrency,
+stale-lease and corruption tests, so only two runs start vLLM.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.status import stage_rows
+from gndpo.stages.rollout import rollout_shards
+from gndpo.storage.records import manifest_files
+from tests.conftest import gndpo, tiny_config_dict
+
+pytestmark = pytest.mark.slow
+ROUND = ("--round", "0")
+
+
+def make_config(folder, assets):
+    cfg = tiny_config_dict(
+        assets,
+        rollout={"prompts_per_unit": 4},  # 4 generation units + the held-out eval unit
+        train={"optimizer_steps": 3, "checkpoint_every": 1},
+    )
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def rows_of(run_dir, stage="rollout"):
+    run = open_run(str(run_dir))
+    m = run.records(0, stage).manifest()
+    files = rollout_shards(m) if stage == "rollout" else manifest_files(m)
+    return sorted((r for f in files for r in pq.read_table(run_dir / f["path"]).to_pylist()), key=lambda r: r["rollout_id"])
+
+
+def crashed(run, stage, point, after=0):
+    """Run a stage that SIGKILLs itself at ``point``, then kill what it started (vLLM's engine process
+    outlives its parent), as when the machine under a worker dies."""
+    log = run.parent / f"crash-{stage}-{point}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gndpo.cli", stage, str(run), *ROUND],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "GNDPO_CRASH_AT": point, "GNDPO_CRASH_AFTER": str(after)},
+        )
+        code = proc.wait(timeout=600)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    assert code == -signal.SIGKILL, log.read_text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_assets):
+    folder = tmp_path_factory.mktemp("reference")
+    run = folder / "run"
+    gndpo("init", run, "--config", make_config(folder, tiny_assets))
+    gndpo("rollout", run, *ROUND)
+    # Keep a copy with only the rollouts committed, for the concurrency and lease tests.
+    shutil.copytree(run, folder / "after-rollout")
+    for stage in ("score", "normalize", "train"):
+        gndpo(stage, run, *ROUND)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def crashed_run(tmp_path_factory, tiny_assets):
+    folder = tmp_path_factory.mktemp("crashed")
+    run = folder / "run"
+    gndpo("init", run, "--config", make_config(folder, tiny_assets))
+    crashed(run, "rollout", "rollout.generate", after=1)  # u00000 committed, dies generating u00001
+    crashed(run, "rollout", "storage.write")  # dies with half of u00001's shard on disk
+    crashed(run, "rollout", "units.before_commit")  # u00001's files complete, no commit record
+    gndpo("rollout", run, *ROUND)
+    gndpo("score", run, *ROUND)
+    gndpo("normalize", run, *ROUND)
+    crashed(run, "train", "train.step", after=1)  # two optimizer steps taken, one checkpointed
+    gndpo("train", run, *ROUND)
+    return run
+
+
+def test_crashed_rollout_has_exactly_the_reference_rows(reference, crashed_run):
+    want, got = rows_of(reference / "run"), rows_of(crashed_run)
+    ids = [r["rollout_id"] for r in got]
+    assert len(ids) == len(set(ids)) == 32
+    assert ids == [r["rollout_id"] for r in want]
+    assert [r["response_token_ids"] for r in got] == [r["response_token_ids"] for r in want]
+    run = open_run(str(crashed_run))
+    assert run.records(0, "rollout").done("u00001")["attempt"] == 4
+    assert rows_of(crashed_run, "score") == rows_of(reference / "run", "score")
+
+
+def test_crashed_train_resumes_without_repeating_steps(reference, crashed_run):
+    run = open_run(str(crashed_run))
+    commit = run.records(0, "train").done("update")
+    assert commit["attempt"] == 2 and commit["resumed_after_step"] == 1 and len(commit["steps"]) == 3
+    ref = open_run(str(reference / "run"))
+    got = load_file(str(crashed_run / run.records(0, "train").manifest()["metrics"]["model_dir"] / "model.safetensors"))
+    want = load_file(str(reference / "run" / ref.records(0, "train").manifest()["metrics"]["model_dir"] / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def test_gc_removes_only_unreferenced_attempts(crashed_run):
+    out = gndpo("gc", crashed_run).stdout
+    run = open_run(str(crashed_run))
+    rec = run.records(0, "rollout")
+    for attempt in (1, 2, 3):
+        assert not (crashed_run / rec.attempt_dir("u00001", attempt)).exists()
+    assert (crashed_run / rec.attempt_dir("u00001", 4)).exists()
+    assert not (crashed_run / run.records(0, "train").attempt_dir("update", 1)).exists()
+    # u00001's attempt 1 died before writing anything, so there are three folders to remove
+    assert "3 attempt folder(s) removed" in out
+    rows_of(crashed_run)  # everything committed still reads
+
+
+def start_worker(run, stage, *extra, env=None):
+    return subprocess.Popen(
+        [sys.executable, "-m", "gndpo.cli", stage, str(run), *ROUND, "--worker", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_three_workers_commit_every_unit_once(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference / "after-rollout", run)
+    workers = [start_worker(run, "score") for _ in range(3)]
+    for w in workers:
+        _, err = w.communicate(timeout=300)
+        assert w.returncode == 0, err[-2000:]
+    rec = open_run(str(run)).records(0, "score")
+    units = [u["unit"] for u in rec.plan()["units"]]
+    assert len(units) == 4 and rec.done_units() == set(units)
+    for unit in units:  # exactly one attempt was ever made per unit: no duplicate work, no loser
+        assert rec.attempts(unit) == [1]
+    assert rec.manifest()["rows"] == 32
+    assert rows_of(run, "score") == rows_of(reference / "run", "score")
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state in /proc (T = stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_stale_lease_is_taken_over_and_the_late_commit_is_rejected(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference / "after-rollout", run)
+    # The first worker freezes (heartbeats included) right before committing its first unit.
+    slow = start_worker(run, "score", "--lease-ttl", "2", env={"GNDPO_PAUSE_AT": "units.before_commit"})
+    rec = open_run(str(run)).records(0, "score")
+    deadline = time.time() + 180
+    while process_state(slow.pid) != "T" and time.time() < deadline:
+        time.sleep(0.5)
+    assert process_state(slow.pid) == "T", "the first worker never reached its pause point"
+    time.sleep(3)  # longer than its 2 s ttl: no heartbeat comes from a stopped process
+    score = next(r for r in stage_rows(open_run(str(run))) if r["stage"] == "score")
+    assert score["stale"] == 1 and score["done"] == 0
+    gndpo("score", run, *ROUND)  # takes u00000 over as attempt 2 and finishes the stage
+    assert rec.done("u00000")["attempt"] == 2
+    os.kill(slow.pid, signal.SIGCONT)
+    _, err = slow.communicate(timeout=120)
+    assert slow.returncode == 0, err[-2000:]
+    assert rec.done("u00000")["attempt"] == 2  # the late commit lost
+    assert not (run / rec.attempt_dir("u00000", 1)).exists()  # and cleaned up after itself
+    assert rows_of(run, "score") == rows_of(reference / "run", "score")
+
+
+def test_corrupt_shard_is_refused_by_name(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference / "after-rollout", run)
+    shard = next(f for f in rollout_shards(open_run(str(run)).records(0, "rollout").manifest()))
+    path = run / shard["path"]
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    proc = gndpo("score", run, *ROUND, check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == f"error: corrupt shard (checksum mismatch with its commit record): {path}"
+    assert open_run(str(run)).records(0, "score").manifest() is None

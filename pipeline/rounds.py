@@ -9,6 +9,7 @@ start in, memory is returned between stages, and train can be launched with seve
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import time
 from gndpo.errors import GndpoError
 from gndpo.pipeline.metrics import write_metrics_jsonl
 from gndpo.pipeline.runs import open_run
-from gndpo.pipeline.units import Worker
+from gndpo.pipeline.units import Worker, run_collective
 from gndpo.storage.records import STAGES
 
 
@@ -50,7 +51,11 @@ def run_stage(url: str, stage: str, round_idx: int, worker: bool = False, lease_
     job = stage_job(stage)(run, round_idx, log=log)
     if lease_ttl <= 0:
         raise GndpoError("--lease-ttl must be positive")
-    manifest = Worker(run.records(round_idx, stage), job, ttl=lease_ttl, log=log).run(wait_for_others=not worker)
+    records = run.records(round_idx, stage)
+    if stage == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        manifest = run_collective(records, job, ttl=lease_ttl, log=log)
+    else:
+        manifest = Worker(records, job, ttl=lease_ttl, log=log).run(wait_for_others=not worker)
     if manifest is not None:
         write_metrics_jsonl(run)
     return manifest

@@ -173,3 +173,35 @@ class Worker:
             "finished_at": time.time(),
         }
         return self.records.create_manifest(body)
+
+
+def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=print) -> dict:
+    """Run a one-unit stage that every rank of a torch.distributed group computes together (train
+    under torchrun/deepspeed): rank 0 alone plans, holds the lease and commits; the others follow its
+    decision, broadcast to them, and compute the same unit in lockstep."""
+    import torch.distributed as dist
+
+    job.setup()  # joins the process group
+    rank = dist.get_rank()
+    worker = Worker(records, job, ttl=ttl, log=log)
+    worker._is_set_up = True
+    decision: list = [None]
+    if rank == 0 and records.manifest() is None:
+        plan = worker.ensure_plan()
+        (unit,) = plan["units"]
+        if records.done(unit["unit"]) is None:
+            attempt = worker.try_claim(unit["unit"])
+            decision = [{"unit": unit, "attempt": attempt}]
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] is not None:
+        unit, attempt = decision[0]["unit"], decision[0]["attempt"]
+        if attempt is None:
+            raise GndpoError(f"{records.stage} of round {records.round} is held by another live worker")
+        if rank == 0:
+            worker.compute(unit, attempt)
+        else:
+            job.run_unit(unit, records.attempt_dir(unit["unit"], attempt))
+    if rank == 0 and records.manifest() is None:
+        worker.finish(records.plan())
+    dist.barrier()
+    return records.manifest()

@@ -111,18 +111,16 @@ class TrainJob:
         return [{"unit": "update"}], {"normalize_manifest_finished_at": normalize["finished_at"], "method": self.cfg.method.name}
 
     def setup(self):
+        import deepspeed
+
         set_cpu_threads()
         ensure_distributed_env()
-        if int(os.environ["WORLD_SIZE"]) > 1:
-            # The step math already divides by global counts; what is missing is rank 0 owning the
-            # lease and commit while the other ranks follow it.
-            raise GndpoError("multi-rank train (train.num_processes > 1) is not supported yet; use 1 process")
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
     def run_unit(self, unit, out_dir):
         import deepspeed
 
         cfg, tc = self.cfg, self.cfg.train
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         batch = load_batch(self.run, self.round)
         random.Random(f"{tc.seed}:{self.round}").shuffle(batch)
@@ -188,11 +186,17 @@ class TrainJob:
         n_seqs = len(minibatch)
         n_tokens = int(sum(r["mask"].sum() for r in minibatch))
         mine = minibatch[rank::world]
-        micros = [mine[i : i + tc.micro_batch_size] for i in range(0, len(mine), tc.micro_batch_size)]
+        # Every rank runs the same number of micro-batches, so collective calls line up.
+        n_micro = max(1, math.ceil(math.ceil(n_seqs / world) / tc.micro_batch_size))
+        micros = [mine[j * len(mine) // n_micro : (j + 1) * len(mine) // n_micro] for j in range(n_micro)]
         step_loss, clipped, ratio_sum, grad_norm = 0.0, 0.0, 0.0, None
         for j, micro in enumerate(micros):
             boundary = j == len(micros) - 1
             engine.set_gradient_accumulation_boundary(boundary)
+            if not micro:  # this rank has fewer responses than micro-batches: a zero share
+                engine.backward(sum(p.sum() for p in engine.module.parameters()) * 0.0, scale_wrt_gas=False)
+                engine.step()
+                continue
             logp, mask, _ = response_logprobs(
                 engine, [r["prompt"] for r in micro], [r["response"] for r in micro], pad_id, cfg.rollout.temperature
             )
@@ -217,6 +221,12 @@ class TrainJob:
             ratio_sum += float((torch.exp(logp.detach() - old) * mask).sum())
         if tc.zero_stage > 0:
             grad_norm = engine.get_global_grad_norm()
+        if world > 1:
+            import torch.distributed as dist
+
+            totals = torch.tensor([step_loss, clipped, ratio_sum], dtype=torch.float64)
+            dist.all_reduce(totals)
+            step_loss, clipped, ratio_sum = totals.tolist()
         return {
             "loss": step_loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),

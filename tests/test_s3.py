@@ -3,6 +3,7 @@ server, started here), with `gndpo status`, `gndpo sql` and `gndpo eval` reading
 
 import os
 
+import fsspec.config
 import pytest
 import yaml
 
@@ -30,9 +31,12 @@ def s3_endpoint():
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # Subprocesses read FSSPEC_* when they import fsspec; this process imported it long ago.
+    fsspec.config.set_conf_env(fsspec.config.conf)
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
     yield env
     server.stop()
+    fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from gndpo.pipeline.metrics import committed_rounds
-from gndpo.pipeline.status import lease_state
+from gndpo.pipeline.units import lease_state
 from gndpo.storage.records import STAGES
 
 

@@ -6,17 +6,8 @@ from __future__ import annotations
 import time
 
 from gndpo.pipeline.metrics import committed_rounds
+from gndpo.pipeline.units import lease_state
 from gndpo.storage.records import STAGES
-
-
-def lease_state(records, unit: str, now: float) -> str | None:
-    """'claimed' for a live lease, 'stale' for an expired one, None if never claimed."""
-    attempts = records.attempts(unit)
-    if not attempts:
-        return None
-    claim = records.read_claim(unit, attempts[-1])
-    last = records.last_heartbeat(unit, attempts[-1]) or claim.get("claimed_at", 0)
-    return "stale" if now - last > claim.get("ttl", 120) else "claimed"
 
 
 def stage_rows(run) -> list[dict]:

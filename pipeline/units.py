@@ -54,6 +54,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def lease_state(records: StageRecords, unit: str, now: float | None = None) -> str | None:
+    """State of the newest lease on ``unit``: None (never claimed), "claimed" (its holder is alive),
+    or "stale": no heartbeat within the lease's own ttl, or its process is known dead (same host)."""
+    attempts = records.attempts(unit)
+    if not attempts:
+        return None
+    claim = records.read_claim(unit, attempts[-1])
+    if claim.get("host") == socket.gethostname() and not pid_alive(int(claim.get("pid", -1))):
+        return "stale"
+    last = records.last_heartbeat(unit, attempts[-1]) or float(claim.get("claimed_at", 0))
+    return "stale" if (now or time.time()) - last > float(claim["ttl"]) else "claimed"
+
+
 class Worker:
     """Claims, computes and commits units of one stage until none is left to claim."""
 
@@ -68,18 +81,11 @@ class Worker:
         self._is_set_up = False
 
     # -- leases -----------------------------------------------------------------------------------
-    def is_stale(self, unit: str, attempt: int) -> bool:
-        claim = self.records.read_claim(unit, attempt)
-        if claim.get("host") == self.host and not pid_alive(int(claim.get("pid", -1))):
-            return True
-        last = self.records.last_heartbeat(unit, attempt) or float(claim.get("claimed_at", 0))
-        return time.time() - last > float(claim.get("ttl", self.ttl))
-
     def try_claim(self, unit: str) -> int | None:
         """Claim ``unit`` (a fresh one, or a stale lease's next attempt); None if someone holds it."""
-        attempts = self.records.attempts(unit)
-        if attempts and not self.is_stale(unit, attempts[-1]):
+        if lease_state(self.records, unit) == "claimed":
             return None
+        attempts = self.records.attempts(unit)
         attempt = attempts[-1] + 1 if attempts else 1
         body = {
             "worker": self.worker_id,

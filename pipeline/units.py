@@ -70,7 +70,9 @@ def lease_state(records: StageRecords, unit: str, now: float | None = None) -> s
 class Worker:
     """Claims, computes and commits units of one stage until none is left to claim."""
 
-    def __init__(self, records: StageRecords, job: StageJob, ttl: float = 120.0, poll: float = 2.0, log=print):
+    def __init__(
+        self, records: StageRecords, job: StageJob, ttl: float = 120.0, poll: float = 2.0, log=print, set_up: bool = False
+    ):
         self.records = records
         self.job = job
         self.ttl = ttl
@@ -78,7 +80,7 @@ class Worker:
         self.log = log
         self.host = socket.gethostname()
         self.worker_id = f"{self.host}:{os.getpid()}:{int(time.time() * 1000) % 10**9}"
-        self._is_set_up = False
+        self._is_set_up = set_up  # True when the caller already ran job.setup()
 
     # -- leases -----------------------------------------------------------------------------------
     def try_claim(self, unit: str) -> int | None:
@@ -189,8 +191,7 @@ def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log
 
     job.setup()  # joins the process group
     rank = dist.get_rank()
-    worker = Worker(records, job, ttl=ttl, log=log)
-    worker._is_set_up = True
+    worker = Worker(records, job, ttl=ttl, log=log, set_up=True)
     decision: list = [None]
     if rank == 0 and records.manifest() is None:
         plan = worker.ensure_plan()

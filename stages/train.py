@@ -83,6 +83,11 @@ def _padded(rows: list[dict], key: str, width: int) -> torch.Tensor:
     return out
 
 
+def micro_batch_count(responses: int, world: int, micro_batch_size: int) -> int:
+    """Micro-batches each rank runs for a step of ``responses`` split over ``world`` ranks."""
+    return max(1, math.ceil(math.ceil(responses / world) / micro_batch_size))
+
+
 def deepspeed_config(cfg, micro_batches: int, world: int) -> dict:
     tc = cfg.train
     return {
@@ -127,8 +132,7 @@ class TrainJob:
         steps = max(1, min(tc.optimizer_steps, len(batch)))
         step_size = math.ceil(len(batch) / steps)
         minibatches = [batch[i : i + step_size] for i in range(0, len(batch), step_size)]
-        per_rank = math.ceil(step_size / world)
-        micro_batches = max(1, math.ceil(per_rank / tc.micro_batch_size))
+        micro_batches = micro_batch_count(step_size, world, tc.micro_batch_size)
 
         policy = self.run.policy_path(self.round)
         torch.manual_seed(tc.seed)
@@ -143,6 +147,7 @@ class TrainJob:
         # A retried attempt continues from the newest checkpoint of an earlier attempt, so optimizer
         # steps already taken are not repeated (the mini-batch order is seeded by round, not attempt).
         history = self._resume(engine)
+        resumed_after = len(history)
         if history:
             self.log(f"train r{self.round}: resuming after step {len(history)} from a checkpoint")
         for i in range(len(history), len(minibatches)):
@@ -163,7 +168,7 @@ class TrainJob:
             "adv_mean": float(advs.mean()),
             "model_dir": f"{out_dir}/model",
             "optimizer_state_resumed": resumed,
-            "resumed_after_step": self._resumed_after,
+            "resumed_after_step": resumed_after,
         }
         files = []
         if rank == 0:
@@ -172,9 +177,7 @@ class TrainJob:
                 load_tokenizer(policy).save_pretrained(tmp)
                 files = self.run.fs.upload_dir(tmp, f"{out_dir}/model")
             if self._carries_optimizer_state():
-                buf = io.BytesIO()
-                torch.save(engine.optimizer.state_dict(), buf)
-                record = self.run.fs.write_new(f"{out_dir}/optimizer.pt", buf.getvalue())
+                record = self._write_optimizer_state(engine, f"{out_dir}/optimizer.pt")
                 files.append(record)
                 summary["optimizer_state"] = record
         return files, summary
@@ -187,7 +190,7 @@ class TrainJob:
         n_tokens = int(sum(r["mask"].sum() for r in minibatch))
         mine = minibatch[rank::world]
         # Every rank runs the same number of micro-batches, so collective calls line up.
-        n_micro = max(1, math.ceil(math.ceil(n_seqs / world) / tc.micro_batch_size))
+        n_micro = micro_batch_count(n_seqs, world, tc.micro_batch_size)
         micros = [mine[j * len(mine) // n_micro : (j + 1) * len(mine) // n_micro] for j in range(n_micro)]
         step_loss, clipped, ratio_sum, grad_norm = 0.0, 0.0, 0.0, None
         for j, micro in enumerate(micros):
@@ -243,11 +246,9 @@ class TrainJob:
         step = len(history)
         base = f"{out_dir}/ckpt/step-{step:05d}"
         state = {k: v.contiguous() for k, v in engine.module.state_dict().items()}
-        buf = io.BytesIO()
-        torch.save(engine.optimizer.state_dict(), buf)
         files = {
             "model": self.run.fs.write_new(f"{base}/model.safetensors", save_safetensors(state)),
-            "optimizer": self.run.fs.write_new(f"{base}/optimizer.pt", buf.getvalue()),
+            "optimizer": self._write_optimizer_state(engine, f"{base}/optimizer.pt"),
         }
         self.run.fs.create_json(f"{base}.json", {"step": step, "history": history, "files": files})
 
@@ -255,7 +256,6 @@ class TrainJob:
         """Load the newest checkpoint any earlier attempt of this round left; returns its step history."""
         from safetensors.torch import load as load_safetensors
 
-        self._resumed_after = 0
         if not self._carries_optimizer_state():
             return []
         records = self.run.records(self.round, self.stage)
@@ -270,10 +270,17 @@ class TrainJob:
         if best is None:
             return []
         engine.module.load_state_dict(load_safetensors(verified_bytes(self.run.fs, best["files"]["model"])))
-        optimizer = torch.load(io.BytesIO(verified_bytes(self.run.fs, best["files"]["optimizer"])), weights_only=True)
-        engine.optimizer.load_state_dict(optimizer)
-        self._resumed_after = best["step"]
+        self._read_optimizer_state(engine, best["files"]["optimizer"])
         return list(best["history"])
+
+    def _write_optimizer_state(self, engine, rel: str) -> dict:
+        buf = io.BytesIO()
+        torch.save(engine.optimizer.state_dict(), buf)
+        return self.run.fs.write_new(rel, buf.getvalue())
+
+    def _read_optimizer_state(self, engine, record: dict) -> None:
+        state = torch.load(io.BytesIO(verified_bytes(self.run.fs, record)), weights_only=True)
+        engine.optimizer.load_state_dict(state)
 
     def _carries_optimizer_state(self) -> bool:
         # With ZeRO-0 the optimizer is plain torch AdamW, whose state dict is tensors and numbers and
@@ -289,8 +296,7 @@ class TrainJob:
         record = prev.get("optimizer_state")
         if record is None:
             return False
-        state = torch.load(io.BytesIO(verified_bytes(self.run.fs, record)), weights_only=True)
-        engine.optimizer.load_state_dict(state)
+        self._read_optimizer_state(engine, record)
         return True
 
     def summarize(self, commits):

@@ -28,14 +28,85 @@ class DataConfig:
 
 
 @dataclass
+class TipConfig:
+    """Section 4: keep the most informative tokens (student entropy OR teacher-student KL)."""
+
+    enabled: bool = False
+    keep_ratio: float = 0.5
+    entropy_quantile: float = 0.98  # h is capped at this batch quantile before min-max scaling
+
+
+@dataclass
+class PacedConfig:
+    """Section 5: weight each prompt by p^a (1-p)^b of its pass rate p this round."""
+
+    enabled: bool = False
+    a: float = 1.0
+    b: float = 1.0
+
+
+@dataclass
+class TropdConfig:
+    """Section 6 (interp): trust region on the speculative-decoding acceptance P = min(pi_T/pi_S, 1)."""
+
+    base: str = "gndpo"  # PG term on trusted tokens: opd | gndpo
+    tau: float = 1.0  # trusted when P >= tau
+    tau_quantile: float = -1.0  # >= 0: tau is this quantile of P over the batch instead
+    outlier: str = "fkl"  # mask | clip | fkl
+    clip_value: float = -1.0  # clip mode: r_t <- max(r_t, clip_value)
+    fkl_coef: float = 1.0  # fkl mode: weight (lambda) of forward_kl_topk on outlier tokens
+
+
+@dataclass
+class EopdConfig:
+    """Section 7: OPD plus forward KL on tokens where the teacher is uncertain."""
+
+    entropy_threshold: float = 0.8  # nats
+    fkl_coef: float = 1.0
+
+
+@dataclass
+class ReopoldConfig:
+    """Section 8: floored log-ratio reward, phase 1 masks below the floor, phase 2 keeps high entropy."""
+
+    lam: float = 0.1  # floor = log(lam) / (1 - lam)
+    switch_round: int = 1  # rounds < switch_round are phase 1
+    beta: float = 0.2  # phase 2 keeps tokens with student entropy >= quantile_{1-beta}
+
+
+@dataclass
+class OutcomeConfig:
+    """Section 9: outcome rewards for GRPO / GDPO, and mixing an outcome advantage into distillation."""
+
+    rewards: list = field(default_factory=lambda: ["exact_match"])  # names in gndpo.pipeline.rewards
+    weights: list = field(default_factory=list)  # one per reward; empty = all 1
+    gdpo_batch_norm: str = "sequence"  # sequence (TRL) | token (verl)
+    coef: float = 0.0  # distillation methods: A_t = A_dist_t + coef * A_GRPO_i (first reward); 0 = off
+
+
+@dataclass
 class MethodConfig:
-    name: str = "gndpo"  # opd | gndpo
+    """Which method trains the student, and its knobs (formulas: shared/ALGORITHMS.md).
+
+    ``policy_loss`` and ``loss_agg`` left empty take the method's own default (``gndpo methods``)."""
+
+    name: str = "gndpo"  # see gndpo.pipeline.methods.METHODS
     clamp: float = 5.0  # c_t = clamp(lpT - lpS, -clamp, clamp)
-    policy_loss: str = "gspo"  # gspo | ppo | reinforce
-    loss_agg: str = "seq-mean-token-mean"  # seq-mean-token-mean | token-mean
+    policy_loss: str = ""  # gspo | ppo | reinforce | is ("" = the method's default)
+    loss_agg: str = ""  # seq-mean-token-mean | token-mean ("" = the method's default)
     clip_low: float = 0.2
     clip_high: float = 0.2
     std_eps: float = 1e-8
+    jsd_beta: float = 0.5
+    schedule: str = ""  # divergence methods, e.g. "fkl:2,rkl:4": forward KL rounds 0-1, then reverse KL
+    reward_beta: float = 0.0  # > 0: reward-weighted responses, w_i = B softmax(r_i / reward_beta)
+    minillm_gamma: float = 0.95
+    tip: TipConfig = field(default_factory=TipConfig)
+    paced: PacedConfig = field(default_factory=PacedConfig)
+    tropd: TropdConfig = field(default_factory=TropdConfig)
+    eopd: EopdConfig = field(default_factory=EopdConfig)
+    reopold: ReopoldConfig = field(default_factory=ReopoldConfig)
+    outcome: OutcomeConfig = field(default_factory=OutcomeConfig)
 
 
 @dataclass
@@ -49,11 +120,17 @@ class RolloutConfig:
     max_tokens: int = 8
     seed: int = 0
     eval_heldout: bool = True  # also log the policy's greedy held-out accuracy with the same engine
+    # Off-policy guidance (TrOPD, section 6): for this fraction of prompts the teacher writes the first
+    # guide_prefix_tokens tokens and the student continues; prefix tokens are not trained by policy
+    # gradient (loss_mask 0) but by forward KL on the teacher's top-k.
+    guided_fraction: float = 0.0
+    guide_prefix_tokens: int = 2
 
 
 @dataclass
 class ScoreConfig:
     rows_per_chunk: int = 128  # responses per forward pass; bounds memory (B x T x V per chunk)
+    teacher_topk: int = 16  # k of the teacher top-k (ids, log-probs) stored for divergence methods
 
 
 @dataclass

@@ -7,9 +7,11 @@ gradient accumulation and data parallelism do not change the objective (shared/A
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-POLICY_LOSSES = ("gspo", "ppo", "reinforce")
+POLICY_LOSSES = ("gspo", "ppo", "reinforce", "is")
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
 
 
@@ -33,9 +35,15 @@ def token_losses(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss L_t and a 0/1 tensor marking tokens where the clipped branch was taken."""
+    """Per-token loss L_t and a 0/1 tensor marking tokens where the clipped branch was taken.
+
+    gspo / ppo: clipped surrogate with the GSPO-token or the per-token ratio; reinforce: -A log pi;
+    is: -A exp(logp - old_logp), an unclipped importance ratio (Tinker, against the sampler).
+    """
     if kind == "reinforce":
         return -adv * logp, torch.zeros_like(logp)
+    if kind == "is":
+        return -adv * torch.exp(logp - old_logp), torch.zeros_like(logp)
     if kind == "gspo":
         ratio = gspo_token_ratio(logp, old_logp, mask)
     elif kind == "ppo":
@@ -60,3 +68,28 @@ def aggregate(losses: torch.Tensor, mask: torch.Tensor, mode: str, n_seqs: int, 
     if mode == "token-mean":
         return (losses * mask).sum() / max(n_tokens, 1)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGGREGATIONS}")
+
+
+def topk_divergence(kind: str, student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """Per-token divergence on the teacher's top-k ids (section 3, offline form), [..., k] -> [...].
+
+    ``student_topk_logp`` are the student's FULL-softmax log-probs at the teacher's top-k ids,
+    ``teacher_topk_logp`` the teacher's. p~_T is the teacher renormalized over its top-k.
+
+    forward_kl: sum_k p~_T (log p~_T - slp)                       (as specified)
+    reverse_kl: sum_k p~_S (log p~_S - log p~_T)                  (p~_S: student renormalized on top-k)
+    jsd:        beta KL(p~_T || m) + (1 - beta) KL(p~_S || m),   m = beta p~_T + (1 - beta) p~_S
+    The renormalized student in reverse_kl / jsd keeps them divergences on the top-k support [interp].
+    """
+    log_pt = teacher_topk_logp - torch.logsumexp(teacher_topk_logp, dim=-1, keepdim=True)
+    pt = log_pt.exp()
+    if kind == "forward_kl":
+        return (pt * (log_pt - student_topk_logp)).sum(-1)
+    log_ps = student_topk_logp - torch.logsumexp(student_topk_logp, dim=-1, keepdim=True)
+    ps = log_ps.exp()
+    if kind == "reverse_kl":
+        return (ps * (log_ps - log_pt)).sum(-1)
+    if kind == "jsd":
+        log_m = torch.logsumexp(torch.stack([log_pt + math.log(beta), log_ps + math.log(1.0 - beta)]), dim=0)
+        return beta * (pt * (log_pt - log_m)).sum(-1) + (1.0 - beta) * (ps * (log_ps - log_m)).sum(-1)
+    raise ValueError(f"unknown divergence {kind!r}")

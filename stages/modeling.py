@@ -75,19 +75,12 @@ def pad_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int)
     return ids, attn, starts, lengths
 
 
-def response_logprobs(
-    model,
-    prompts: list[list[int]],
-    responses: list[list[int]],
-    pad_id: int,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-):
-    """Sampled-token log-probs of each response under ``model``, as a right-padded [B, Tr] tensor.
+def response_distributions(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, temperature: float = 1.0):
+    """Full-vocabulary log-probs at every response position, as a right-padded [B, Tr, V] tensor.
 
-    log_softmax(logits / temperature) over the full vocabulary, gathered at the response tokens; the
-    logits of position j predict token j+1. Only one chunk's [B, T, V] logits exist at a time.
-    Returns (logprobs [B, Tr], mask [B, Tr], entropy [B, Tr] or None).
+    log_softmax(logits / temperature); the logits of position j predict token j+1. Callers pass one
+    chunk (score) or micro-batch (train) at a time, so only that chunk's [B, T, V] logits exist.
+    Returns (logp_all [B, Tr, V], sampled-token log-probs [B, Tr], mask [B, Tr]).
     """
     ids, attn, starts, lengths = pad_batch(prompts, responses, pad_id)
     logits = model(input_ids=ids, attention_mask=attn).logits.float()
@@ -102,10 +95,18 @@ def response_logprobs(
     picked = torch.gather(logits, 1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
     logp_all = torch.log_softmax(picked, dim=-1)
     logp = torch.gather(logp_all, 2, target.unsqueeze(-1)).squeeze(-1) * mask
-    entropy = None
-    if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
-    return logp, mask, entropy
+    return logp_all, logp, mask
+
+
+def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, temperature: float = 1.0):
+    """Sampled-token log-probs of each response under ``model`` ([B, Tr]) and the response mask."""
+    _, logp, mask = response_distributions(model, prompts, responses, pad_id, temperature)
+    return logp, mask
+
+
+def entropy(logp_all: torch.Tensor) -> torch.Tensor:
+    """H(p) in nats over the last axis."""
+    return -(logp_all.exp() * logp_all).sum(-1)
 
 
 def set_cpu_threads() -> None:

@@ -1,17 +1,19 @@
 """Normalize: the round's batch statistics, computed by DuckDB over the committed score shards.
 
-GNDPO needs the token count, mean and unbiased std of the clamped score c_t over ALL valid tokens of the
-round (every worker's shards, hence global across data-parallel ranks of train). DuckDB sums the
-per-response partial sums written by score (n_valid, sum c, sum c^2), so the cost grows with responses,
-not tokens. The result is a small long-format table (round, scope, name, value) plus the manifests it
-was computed from, recorded in the stage's manifest.
+Always: the token count, mean and unbiased std of the clamped score c_t over ALL valid tokens of the
+round (every worker's shards, hence global across data-parallel ranks of train), from the per-response
+partial sums written by score, so that cost grows with responses, not tokens; plus reward, length and
+KL figures for the logs. Then whatever the run's method asks for (gndpo.pipeline.methods): quantiles,
+min/max, group statistics per prompt, ... as DuckDB queries over two views, ``responses`` (rollouts
+joined with scores) and ``tokens`` (one row per valid token). The result is a small long-format table
+(round, scope, name, value): scope "global", or a prompt_id for group statistics.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-from gndpo.pipeline.methods import get_method, gndpo_stats_from_sums
+from gndpo.pipeline.methods import Stats, StatsQuery, gndpo_stats_from_sums, method_statistics
 from gndpo.pipeline.runs import Run
 from gndpo.stages.rollout import rollout_shards
 from gndpo.storage.duck import connect, parquet_source
@@ -41,31 +43,52 @@ class NormalizeJob:
         # DuckDB reads the files directly; check them against their commit records first.
         verify_shards(fs, score_files + rollout_files)
         con = connect(fs)
+        scores, rollouts = parquet_source(fs, score_files), parquet_source(fs, rollout_files)
+        con.sql(
+            f"""CREATE VIEW responses AS
+                SELECT r.rollout_id, r.prompt_id, r.reward, r.rewards, s.n_valid, s.c_sum, s.c_sq_sum
+                FROM {rollouts} r JOIN {scores} s USING (rollout_id)"""
+        )
+        con.sql(
+            f"""CREATE VIEW tokens AS
+                SELECT * EXCLUDE (m) FROM (
+                    SELECT r.rollout_id, r.prompt_id, unnest(range(len(r.loss_mask))) AS t, unnest(r.loss_mask) AS m,
+                           unnest(s.teacher_logprobs) AS lpT, unnest(s.student_logprobs) AS lpS,
+                           unnest(s.teacher_entropy) AS hT, unnest(s.student_entropy) AS hS, unnest(s.token_kl) AS kl
+                    FROM {rollouts} r JOIN {scores} s USING (rollout_id))
+                WHERE m = 1"""
+        )
         n, c_sum, c_sq, c_min, c_max, responses = con.execute(
-            f"SELECT sum(n_valid), sum(c_sum), sum(c_sq_sum), min(c_min), max(c_max), count(*) FROM {parquet_source(fs, score_files)}"
-        ).fetchone()
+            f"SELECT sum(n_valid), sum(c_sum), sum(c_sq_sum), min(c_min), max(c_max), count(*) FROM {scores}"
+        ).fetchall()[0]
         stats = gndpo_stats_from_sums(n or 0, c_sum or 0.0, c_sq or 0.0)
         stats.update({"c_min": c_min, "c_max": c_max, "responses": responses})
         reward_mean, len_mean, truncated = con.execute(
-            f"SELECT avg(reward), avg(len(response_token_ids)), avg((finish_reason = 'length')::INT) "
-            f"FROM {parquet_source(fs, rollout_files)}"
-        ).fetchone()
+            f"SELECT avg(reward), avg(len(response_token_ids)), avg((finish_reason = 'length')::INT) FROM {rollouts}"
+        ).fetchall()[0]
         stats.update({"reward_mean": reward_mean, "response_length_mean": len_mean, "truncated_fraction": truncated})
         # E[c] = -KL(pi_S || pi_T) (k1 estimator, clamped): logged as the round's distillation gap.
         stats["reverse_kl_estimate"] = -stats["c_mean"]
-        get_method(self.cfg.method.name)  # fail here, not in train, on an unknown method
-        table = pa.Table.from_pylist(
-            [{"round": self.round, "scope": "global", "name": k, "value": float(v)} for k, v in sorted(stats.items()) if v is not None],
-            schema=STATS,
-        )
-        record = write_shard(fs, f"{out_dir}/stats.parquet", table)
-        return [record], {"stats": {k: (float(v) if v is not None else None) for k, v in stats.items()}}
+        method_glob, groups = method_statistics(StatsQuery(con), self.cfg.method, self.round)
+        stats.update(method_glob)
+        rows = [{"round": self.round, "scope": "global", "name": k, "value": float(v)} for k, v in sorted(stats.items()) if v is not None]
+        rows += [
+            {"round": self.round, "scope": pid, "name": k, "value": float(v)}
+            for pid, values in sorted(groups.items()) for k, v in sorted(values.items()) if v is not None
+        ]
+        record = write_shard(fs, f"{out_dir}/stats.parquet", pa.Table.from_pylist(rows, schema=STATS))
+        summary = {k: (float(v) if v is not None else None) for k, v in stats.items()}
+        return [record], {"stats": summary, "groups": len(groups)}
 
     def summarize(self, commits):
         return dict(commits[0]["stats"])
 
 
-def global_stats(run: Run, round_idx: int) -> dict:
-    """The committed global statistics of a round as {name: value}, read from its stats shard."""
+def round_stats(run: Run, round_idx: int) -> Stats:
+    """The committed statistics of a round (global and per prompt), read from its stats shard."""
     table = read_shards(run.fs, manifest_files(run.records(round_idx, "normalize").require_manifest()))
-    return {r["name"]: r["value"] for r in table.to_pylist() if r["scope"] == "global"}
+    stats = Stats()
+    for r in table.to_pylist():
+        target = stats.glob if r["scope"] == "global" else stats.groups.setdefault(r["scope"], {})
+        target[r["name"]] = r["value"]
+    return stats

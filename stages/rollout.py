@@ -2,8 +2,11 @@
 
 Units are fixed slices of the round's prompt list. Every request carries its own seed derived from
 (run seed, round, prompt_id, sample index), never from a worker, so a retried unit reproduces its rows.
-Rows store token ids, the sampler's log-probs, the loss mask, the verifiable rewards (GNDPO only logs
-them) and the sampling settings. With ``rollout.eval_heldout`` an extra unit measures the same policy's
+Rows store token ids, the sampler's log-probs, the loss mask, every registered verifiable reward
+(GNDPO only logs them) and the sampling settings. With ``rollout.guided_fraction`` > 0 (TrOPD's
+off-policy guidance) the teacher writes the first ``guide_prefix_tokens`` tokens of a seeded subset
+of prompts and the student continues; those tokens get loss_mask 0 and ``teacher_prefix_len`` says
+how many there are. With ``rollout.eval_heldout`` an extra unit measures the same policy's
 greedy held-out accuracy on the same engine, which is what the demo's per-round table reports.
 """
 
@@ -15,10 +18,10 @@ import random
 import pyarrow as pa
 
 from gndpo.faults import crash_point
-from gndpo.pipeline.rewards import get_reward
+from gndpo.pipeline.rewards import REWARDS, get_reward
 from gndpo.pipeline.runs import Run
 from gndpo.stages.engine import generate, make_llm
-from gndpo.stages.modeling import load_tokenizer
+from gndpo.stages.modeling import check_same_tokenizer, load_causal_lm, load_tokenizer
 from gndpo.storage.shards import ROLLOUTS, write_shard
 
 EVAL_UNIT = "eval-heldout"
@@ -75,6 +78,32 @@ class RolloutJob:
         self.tok = load_tokenizer(policy)
         self.llm = make_llm(policy, self.cfg.engine, seed=self.cfg.rollout.seed)
         self.reward = get_reward(self.cfg.reward)
+        self.teacher = None
+        if self.cfg.rollout.guided_fraction > 0:
+            check_same_tokenizer(policy, self.cfg.teacher)
+            self.teacher = load_causal_lm(self.cfg.teacher).eval()
+
+    def is_guided(self, prompt_id: str) -> bool:
+        """A seeded, worker-independent choice of the round's guided prompts."""
+        rc = self.cfg.rollout
+        u = sample_seed(rc.seed, self.round, f"guide:{prompt_id}", 0) / 2**32
+        return u < rc.guided_fraction
+
+    def teacher_prefix(self, ids: list[int], seed: int) -> list[int]:
+        """Up to ``guide_prefix_tokens`` tokens sampled from the teacher (stops after EOS)."""
+        import torch
+
+        rc = self.cfg.rollout
+        gen = torch.Generator().manual_seed(seed)
+        out: list[int] = []
+        with torch.no_grad():
+            for _ in range(min(rc.guide_prefix_tokens, rc.max_tokens - 1)):
+                logits = self.teacher(input_ids=torch.tensor([ids + out])).logits[0, -1].float()
+                probs = torch.softmax(logits / max(rc.temperature, 1e-6), dim=-1)
+                out.append(int(torch.multinomial(probs, 1, generator=gen)))
+                if out[-1] == self.tok.eos_token_id:
+                    break
+        return out
 
     def run_unit(self, unit, out_dir):
         if unit["unit"] == EVAL_UNIT:
@@ -87,27 +116,33 @@ class RolloutJob:
         for pid in unit["prompt_ids"]:
             prompt = by_id[pid]
             ids = self.tok(prompt["prompt"])["input_ids"]
+            guided = self.teacher is not None and self.is_guided(pid)
             for s in range(rc.n):
                 seed = sample_seed(rc.seed, self.round, pid, s)
-                requests.append(ids)
+                prefix = self.teacher_prefix(ids, seed) if guided else []
+                requests.append(ids + prefix)
                 params.append(
                     SamplingParams(
                         n=1,
                         temperature=rc.temperature,
                         top_p=rc.top_p,
                         top_k=rc.top_k,
-                        max_tokens=rc.max_tokens,
+                        # A prefix that already ended (EOS) still gets one request; its output is dropped.
+                        max_tokens=max(rc.max_tokens - len(prefix), 1),
                         seed=seed,
                         logprobs=0,
                     )
                 )
-                meta.append((prompt, s, seed, ids))
+                meta.append((prompt, s, seed, ids, prefix))
         gens = generate(self.llm, requests, params)
         crash_point("rollout.generate")
         rows = []
-        for (prompt, s, seed, ids), g in zip(meta, gens):
-            text = self.tok.decode(g.token_ids, skip_special_tokens=True)
-            reward = self.reward(text, prompt["answer"])
+        for (prompt, s, seed, ids, prefix), g in zip(meta, gens):
+            if prefix and prefix[-1] == self.tok.eos_token_id:
+                g.token_ids, g.logprobs, g.finish_reason = [], [], "stop"
+            response = prefix + list(g.token_ids)
+            text = self.tok.decode(response, skip_special_tokens=True)
+            rewards = {name: fn(text, prompt["answer"]) for name, fn in REWARDS.items()}
             rows.append(
                 {
                     "rollout_id": f"r{self.round:04d}-{prompt['prompt_id']}-{s:03d}",
@@ -116,12 +151,14 @@ class RolloutJob:
                     "round": self.round,
                     "policy_version": self.round,
                     "prompt_token_ids": ids,
-                    "response_token_ids": g.token_ids,
-                    "loss_mask": [1] * len(g.token_ids),
-                    "sampler_logprobs": g.logprobs,
+                    "response_token_ids": response,
+                    "loss_mask": [0] * len(prefix) + [1] * len(g.token_ids),
+                    "teacher_prefix_len": len(prefix),
+                    # Prefix tokens were not sampled by the student: no sampler log-prob (0 here).
+                    "sampler_logprobs": [0.0] * len(prefix) + list(g.logprobs),
                     "finish_reason": g.finish_reason,
-                    "reward": reward,
-                    "rewards": {self.cfg.reward: reward},
+                    "reward": rewards[self.cfg.reward],
+                    "rewards": rewards,
                     "temperature": rc.temperature,
                     "top_p": rc.top_p,
                     "top_k": rc.top_k,

@@ -2,8 +2,10 @@
 
 Reads top to bottom as the round's recipe:
 
-1. join rollouts and scores by rollout_id; compute each response's per-token advantage with the run's
-   method (GNDPO: global normalization with the statistics normalize committed);
+1. join rollouts and scores by rollout_id; ask the run's method (gndpo.pipeline.methods) for each
+   response's targets, using the statistics normalize committed: the policy-gradient advantage and
+   its tokens, the weight of a divergence term on the teacher's top-k per token, the loss mask and a
+   response weight. The token loss is L_t = pg_mask L_pg(A_t) + div_t D_t, times the response weight;
 2. start a DeepSpeed engine on the round's policy (ZeRO stage from the config; gloo on CPU);
 3. split the responses into ``train.optimizer_steps`` mini-batches (one step per rollout batch by
    default, so pi_theta = pi_old at loss time) and each mini-batch into micro-batches; every micro-batch
@@ -25,11 +27,12 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.faults import crash_point
-from gndpo.pipeline.losses import aggregate, token_losses
-from gndpo.pipeline.methods import clamped_score, get_method
+from gndpo.pipeline.losses import aggregate, token_losses, topk_divergence
+from gndpo.pipeline.methods import Response, divergence_of, get_method, policy_settings, response_targets, score_needs
+from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.runs import Run
-from gndpo.stages.modeling import load_causal_lm, load_tokenizer, response_logprobs, set_cpu_threads
-from gndpo.stages.normalize import global_stats
+from gndpo.stages.modeling import load_causal_lm, load_tokenizer, response_distributions, set_cpu_threads
+from gndpo.stages.normalize import round_stats
 from gndpo.stages.rollout import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards, verified_bytes
@@ -46,29 +49,47 @@ def ensure_distributed_env() -> None:
 
 
 def load_batch(run: Run, round_idx: int) -> list[dict]:
-    """One dict per response: token ids, loss mask, old log-probs and the method's advantages."""
+    """One dict per response: token ids, old log-probs, the teacher's top-k where the method needs it,
+    and the method's targets (advantage, policy-gradient mask, divergence weight, loss mask, weight)."""
     cfg = run.cfg
-    method = get_method(cfg.method.name)
+    mc = cfg.method
+    method = get_method(mc.name)
+    needs_topk = TOPK in score_needs(mc)
     rollouts = read_shards(run.fs, rollout_shards(run.records(round_idx, "rollout").require_manifest()))
     scores = read_shards(run.fs, manifest_files(run.records(round_idx, "score").require_manifest()))
-    stats = global_stats(run, round_idx)
-    by_id = {r["rollout_id"]: r for r in scores.select(["rollout_id", "teacher_logprobs", "student_logprobs"]).to_pylist()}
+    stats = round_stats(run, round_idx)
+    score_cols = ["rollout_id", "teacher_logprobs", "student_logprobs", "teacher_entropy", "student_entropy", "token_kl"]
+    if needs_topk:
+        score_cols += ["teacher_topk_ids", "teacher_topk_logprobs"]
+    by_id = {r["rollout_id"]: r for r in scores.select(score_cols).to_pylist()}
     batch = []
-    for r in rollouts.select(["rollout_id", "prompt_token_ids", "response_token_ids", "loss_mask"]).to_pylist():
+    cols = ["rollout_id", "prompt_id", "prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs",
+            "reward", "rewards", "teacher_prefix_len"]
+    for r in rollouts.select(cols).to_pylist():
         s = by_id.get(r["rollout_id"])
         if s is None:
             raise GndpoError(f"rollout {r['rollout_id']} of round {round_idx} has no score row")
-        mask = np.asarray(r["loss_mask"], dtype=np.float64)
-        c = clamped_score(np.asarray(s["teacher_logprobs"]), np.asarray(s["student_logprobs"]), cfg.method.clamp)
-        adv = method.advantages(c, mask, stats, cfg.method)
+        if needs_topk and s["teacher_topk_ids"] is None:
+            raise GndpoError(f"score row of {r['rollout_id']} has no teacher top-k, which method {mc.name} needs")
+        n = len(r["response_token_ids"])
+        prefix = np.zeros(n)
+        prefix[: r["teacher_prefix_len"] or 0] = 1.0
+        arr = lambda v: None if v is None else np.asarray(v, dtype=np.float64)  # noqa: E731
+        resp = Response(
+            rollout_id=r["rollout_id"], prompt_id=r["prompt_id"], mask=arr(r["loss_mask"]),
+            teacher_lp=arr(s["teacher_logprobs"]), student_lp=arr(s["student_logprobs"]),
+            sampler_lp=arr(r["sampler_logprobs"]), rewards=dict(r["rewards"] or {}), reward=r["reward"], prefix=prefix,
+            teacher_entropy=arr(s["teacher_entropy"]), student_entropy=arr(s["student_entropy"]), token_kl=arr(s["token_kl"]),
+        )
+        t = response_targets(resp, stats, mc, round_idx)
         batch.append(
             {
                 "rollout_id": r["rollout_id"],
                 "prompt": r["prompt_token_ids"],
                 "response": r["response_token_ids"],
-                "mask": mask,
-                "old_logp": np.asarray(s["student_logprobs"], dtype=np.float64),
-                "adv": adv,
+                "old_logp": resp.sampler_lp if method.old_logprobs == "sampler" else resp.student_lp,
+                "adv": t.adv, "pg_mask": t.pg_mask, "div": t.div, "mask": t.mask, "weight": t.weight,
+                "topk_ids": s.get("teacher_topk_ids"), "topk_logp": s.get("teacher_topk_logprobs"),
             }
         )
     if len(batch) != len(by_id):
@@ -80,6 +101,15 @@ def _padded(rows: list[dict], key: str, width: int) -> torch.Tensor:
     out = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, r in enumerate(rows):
         out[i, : len(r[key])] = torch.as_tensor(r[key], dtype=torch.float32)
+    return out
+
+
+def _padded_topk(rows: list[dict], key: str, width: int, dtype) -> torch.Tensor:
+    k = max(len(r[key][0]) for r in rows if r[key])
+    out = torch.zeros((len(rows), width, k), dtype=dtype)
+    for i, r in enumerate(rows):
+        if r[key]:
+            out[i, : len(r[key])] = torch.as_tensor(r[key], dtype=dtype)
     return out
 
 
@@ -128,6 +158,9 @@ class TrainJob:
         cfg, tc = self.cfg, self.cfg.train
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         batch = load_batch(self.run, self.round)
+        self.policy_loss, self.loss_agg = policy_settings(cfg.method)
+        # A div term is computed only where the method stored the teacher top-k for one.
+        self.divergence = divergence_of(cfg.method, self.round) if TOPK in score_needs(cfg.method) else None
         random.Random(f"{tc.seed}:{self.round}").shuffle(batch)
         steps = max(1, min(tc.optimizer_steps, len(batch)))
         step_size = math.ceil(len(batch) / steps)
@@ -158,14 +191,16 @@ class TrainJob:
             if rank == 0 and self._carries_optimizer_state() and every and (i + 1) % every == 0 and i + 1 < len(minibatches):
                 self._save_checkpoint(engine, out_dir, history)
 
-        advs = np.concatenate([r["adv"][r["mask"] > 0] for r in batch]) if batch else np.zeros(1)
+        # Advantage range over the tokens with a policy-gradient term (none for pure divergence methods).
+        advs = np.concatenate([r["adv"][r["pg_mask"] > 0] for r in batch] + [np.zeros(0)])
         summary = {
             "steps": history,
             "responses": len(batch),
             "tokens": int(sum(r["mask"].sum() for r in batch)),
-            "adv_min": float(advs.min()),
-            "adv_max": float(advs.max()),
-            "adv_mean": float(advs.mean()),
+            "adv_min": float(advs.min()) if advs.size else None,
+            "adv_max": float(advs.max()) if advs.size else None,
+            "adv_mean": float(advs.mean()) if advs.size else None,
+            "divergence": self.divergence,
             "model_dir": f"{out_dir}/model",
             "optimizer_state_resumed": resumed,
             "resumed_after_step": resumed_after,
@@ -200,17 +235,28 @@ class TrainJob:
                 engine.backward(sum(p.sum() for p in engine.module.parameters()) * 0.0, scale_wrt_gas=False)
                 engine.step()
                 continue
-            logp, mask, _ = response_logprobs(
+            logp_all, logp, resp_mask = response_distributions(
                 engine, [r["prompt"] for r in micro], [r["response"] for r in micro], pad_id, cfg.rollout.temperature
             )
             width = logp.shape[1]
-            mask = mask * _padded(micro, "mask", width)
+            mask = resp_mask * _padded(micro, "mask", width)
+            pg_mask = resp_mask * _padded(micro, "pg_mask", width)
             old = _padded(micro, "old_logp", width)
-            adv = _padded(micro, "adv", width)
-            losses, was_clipped = token_losses(
-                cfg.method.policy_loss, logp, old, adv, mask, cfg.method.clip_low, cfg.method.clip_high
-            )
-            loss = aggregate(losses, mask, cfg.method.loss_agg, n_seqs, n_tokens)
+            losses = torch.zeros_like(logp)
+            was_clipped = torch.zeros_like(logp)
+            if self.policy_loss != "none":
+                adv = _padded(micro, "adv", width)
+                pg, was_clipped = token_losses(self.policy_loss, logp, old, adv, pg_mask, cfg.method.clip_low, cfg.method.clip_high)
+                losses = losses + pg * pg_mask
+            if self.divergence is not None:
+                # The student's full-softmax log-probs at the teacher's top-k ids of each position.
+                ids = _padded_topk(micro, "topk_ids", width, torch.long)
+                student_topk = torch.gather(logp_all, 2, ids)
+                teacher_topk = _padded_topk(micro, "topk_logp", width, torch.float32)
+                d = topk_divergence(self.divergence, student_topk, teacher_topk, cfg.method.jsd_beta)
+                losses = losses + d * _padded(micro, "div", width)
+            weights = torch.tensor([r["weight"] for r in micro], dtype=torch.float32).unsqueeze(-1)
+            loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens)
             # DeepSpeed averages gradients over ranks; the shares already sum to the step loss.
             engine.backward(loss * world, scale_wrt_gas=False)
             if boundary and tc.zero_stage == 0:
@@ -220,7 +266,7 @@ class TrainJob:
                 grad_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
             engine.step()
             step_loss += loss.item()
-            clipped += float((was_clipped * mask).sum())
+            clipped += float((was_clipped * pg_mask).sum())
             ratio_sum += float((torch.exp(logp.detach() - old) * mask).sum())
         if tc.zero_stage > 0:
             grad_norm = engine.get_global_grad_norm()
@@ -311,5 +357,6 @@ class TrainJob:
             "optimizer_steps": len(c["steps"]),
             "adv_min": c["adv_min"],
             "adv_max": c["adv_max"],
+            "divergence": c.get("divergence"),
             "seconds": c["seconds"],
         }

@@ -27,6 +27,8 @@ ROLLOUTS = pa.schema(
         ("response_token_ids", pa.list_(pa.int32())),
         # 1 = a token the student generated and is trained on; 0 = tool/environment or teacher prefix.
         ("loss_mask", pa.list_(pa.int8())),
+        # Off-policy guidance: the first teacher_prefix_len response tokens were written by the teacher.
+        ("teacher_prefix_len", pa.int32()),
         ("sampler_logprobs", pa.list_(pa.float32())),
         ("finish_reason", pa.string()),
         ("reward", pa.float64()),
@@ -58,6 +60,14 @@ SCORES = pa.schema(
         ("c_min", pa.float64()),
         ("c_max", pa.float64()),
         ("teacher", pa.string()),
+        # Written only when the run's method needs them (null otherwise), per token of the response:
+        # the teacher's top-k ids and full-softmax log-probs (k = score.teacher_topk), teacher and
+        # student entropies in nats, and the full-vocabulary KL(p_S || p_T).
+        ("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),
+        ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+        ("teacher_entropy", pa.list_(pa.float32())),
+        ("student_entropy", pa.list_(pa.float32())),
+        ("token_kl", pa.list_(pa.float32())),
     ]
 )
 

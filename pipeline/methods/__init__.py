@@ -1,0 +1,107 @@
+"""The method family: every method of shared/ALGORITHMS.md, selected by ``method.name``.
+
+Each module declares its methods whole (score columns, normalize statistics, train targets):
+
+* :mod:`.distill`: OPD, GNDPO, Tinker-style OPD, MiniLLM (sections 1, 2, 10);
+* :mod:`.divergence`: reverse KL / forward KL / JSD on the teacher's top-k, PACED, reward weighting (3, 5);
+* :mod:`.tip`: TIP token selection (4);
+* :mod:`.trust`: TrOPD, EOPD, REOPOLD (6, 7, 8);
+* :mod:`.outcome`: GRPO, GDPO, outcome-advantage mixing (9).
+
+Modifiers (TIP, PACED weights, reward weights, outcome mixing) compose with any method. The three
+functions below are what the stages call: :func:`score_needs` (score), :func:`method_statistics`
+(normalize) and :func:`response_targets` (train).
+"""
+
+from __future__ import annotations
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.losses import AGGREGATIONS, POLICY_LOSSES
+from gndpo.pipeline.methods import distill, divergence, outcome, tip, trust
+from gndpo.pipeline.methods.base import (
+    SCORE_EXTRAS,
+    Method,
+    Response,
+    Stats,
+    StatsQuery,
+    Targets,
+    merge_groups,
+)
+from gndpo.pipeline.methods.distill import clamped_score, gndpo_stats_from_sums, score_partial_sums
+
+METHODS: dict[str, Method] = {m.name: m for mod in (distill, divergence, trust, outcome) for m in mod.METHODS}
+MODIFIERS = [*tip.MODIFIERS, *divergence.MODIFIERS, *outcome.MODIFIERS]
+
+__all__ = [
+    "METHODS", "MODIFIERS", "Method", "Response", "Stats", "StatsQuery", "Targets", "clamped_score",
+    "get_method", "gndpo_stats_from_sums", "method_statistics", "policy_settings", "response_targets",
+    "score_needs", "score_partial_sums",
+]
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise GndpoError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
+    return METHODS[name]
+
+
+def active_modifiers(cfg) -> list:
+    return [m for m in MODIFIERS if m.enabled(cfg)]
+
+
+def validate(cfg) -> Method:
+    """Check the method config as a whole; a one-line user error for anything out of range."""
+    method = get_method(cfg.name)
+    loss, agg = policy_settings(cfg)
+    if loss not in (*POLICY_LOSSES, "none"):
+        raise GndpoError(f"method.policy_loss must be one of {', '.join(POLICY_LOSSES)}, got {loss!r}")
+    if agg not in AGGREGATIONS:
+        raise GndpoError(f"method.loss_agg must be one of {', '.join(AGGREGATIONS)}, got {agg!r}")
+    if not 0.0 < cfg.jsd_beta < 1.0:
+        raise GndpoError(f"method.jsd_beta must be in (0, 1), got {cfg.jsd_beta}")
+    if cfg.schedule:
+        divergence.parse_schedule(cfg.schedule)
+    if cfg.tip.enabled and not 0.0 < cfg.tip.keep_ratio <= 1.0:
+        raise GndpoError(f"method.tip.keep_ratio must be in (0, 1], got {cfg.tip.keep_ratio}")
+    if cfg.outcome.coef != 0 or cfg.name in ("grpo", "gdpo"):
+        outcome.outcome_rewards(cfg)
+    return method
+
+
+def policy_settings(cfg) -> tuple[str, str]:
+    """(policy loss, aggregation): the config's, or the method's defaults where the config is empty."""
+    method = get_method(cfg.name)
+    return cfg.policy_loss or method.policy_loss, cfg.loss_agg or method.loss_agg
+
+
+def score_needs(cfg) -> frozenset:
+    """The optional score columns the run's method and modifiers need (see base.SCORE_EXTRAS)."""
+    needs = set(get_method(cfg.name).needs)
+    for m in active_modifiers(cfg):
+        needs |= m.needs
+    return frozenset(n for n in SCORE_EXTRAS if n in needs)
+
+
+def method_statistics(q: StatsQuery, cfg, round_idx: int) -> tuple[dict, dict]:
+    """The method's and modifiers' statistics, from the normalize stage's DuckDB views."""
+    method = validate(cfg)
+    glob, groups = method.statistics(q, cfg, round_idx)
+    glob, groups = dict(glob), [groups]
+    for m in active_modifiers(cfg):
+        g, per_prompt = m.statistics(q, cfg, round_idx)
+        glob.update(g)
+        groups.append(per_prompt)
+    return glob, merge_groups(*groups)
+
+
+def response_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+    """What train optimizes for ``resp``: the method's targets, then each active modifier's change."""
+    targets = get_method(cfg.name).targets(resp, stats, cfg, round_idx)
+    for m in active_modifiers(cfg):
+        targets = m.apply(targets, resp, stats, cfg, round_idx)
+    return targets
+
+
+def divergence_of(cfg, round_idx: int) -> str:
+    """The divergence used by the div term this round."""
+    return get_method(cfg.name).divergence(cfg, round_idx)

@@ -1,0 +1,154 @@
+"""What every method is made of, and the data it sees.
+
+A method (shared/ALGORITHMS.md) is three things, declared together in one module of this package:
+
+* ``needs``: the optional per-token columns the score stage must store for it (teacher top-k ids and
+  log-probs, teacher / student entropy, full-vocabulary KL(p_S || p_T));
+* ``statistics``: the batch statistics it asks the normalize stage for, as DuckDB queries over the
+  round's committed shards (global over every worker and data-parallel rank);
+* ``targets``: per response, what train optimizes: the policy-gradient advantage and the tokens it
+  applies to, the weight of a divergence term per token, the tokens in the loss denominator, and a
+  response weight.
+
+Train turns targets into one loss (:mod:`gndpo.pipeline.losses`):
+``L_t = pg_mask_t * L_pg(A_t) + div_t * D_t``, times the response weight, aggregated over ``mask``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from gndpo.errors import GndpoError
+
+# Optional score columns (per token, one list per response).
+TOPK = "teacher_topk"  # teacher_topk_ids + teacher_topk_logprobs
+TEACHER_ENTROPY = "teacher_entropy"
+STUDENT_ENTROPY = "student_entropy"
+TOKEN_KL = "token_kl"  # full-vocabulary KL(p_S || p_T) at each position
+SCORE_EXTRAS = (TOPK, TEACHER_ENTROPY, STUDENT_ENTROPY, TOKEN_KL)
+
+DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")
+
+
+@dataclass
+class Response:
+    """One response as train sees it: rollout row joined with its score row (numpy, float64)."""
+
+    rollout_id: str
+    prompt_id: str
+    mask: np.ndarray  # rollout loss mask: 1 = a token the student sampled
+    teacher_lp: np.ndarray
+    student_lp: np.ndarray  # recomputed by the training engine's forward ("old log-probs")
+    sampler_lp: np.ndarray  # what vLLM reported while sampling
+    rewards: dict  # every registered reward, by name
+    reward: float  # the run's primary reward
+    prefix: np.ndarray  # 1 = a token written by the teacher (off-policy guidance)
+    teacher_entropy: np.ndarray | None = None
+    student_entropy: np.ndarray | None = None
+    token_kl: np.ndarray | None = None
+
+    @property
+    def log_ratio(self) -> np.ndarray:
+        """lpT_t - lpS_t, unclamped."""
+        return self.teacher_lp - self.student_lp
+
+
+@dataclass
+class Targets:
+    """What train optimizes for one response (arrays of the response's length)."""
+
+    adv: np.ndarray  # policy-gradient advantage A_t
+    pg_mask: np.ndarray  # tokens with a policy-gradient term (also the GSPO sequence ratio's tokens)
+    div: np.ndarray  # weight of the divergence term D_t per token (0 = none)
+    mask: np.ndarray  # tokens in the loss denominator
+    weight: float = 1.0  # response weight (PACED, reward-weighted distillation)
+
+    @staticmethod
+    def policy_gradient(adv: np.ndarray, mask: np.ndarray) -> "Targets":
+        return Targets(adv=adv * mask, pg_mask=mask.copy(), div=np.zeros_like(mask), mask=mask.copy())
+
+    @staticmethod
+    def divergence(mask: np.ndarray) -> "Targets":
+        return Targets(adv=np.zeros_like(mask), pg_mask=np.zeros_like(mask), div=mask.copy(), mask=mask.copy())
+
+
+@dataclass
+class Stats:
+    """The round's committed statistics: global {name: value} and per prompt {prompt_id: {name: value}}."""
+
+    glob: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> float:
+        if name not in self.glob:
+            raise GndpoError(f"statistic {name!r} is missing from the round's normalize output")
+        return self.glob[name]
+
+    def group(self, prompt_id: str) -> dict:
+        return self.groups.get(prompt_id, {})
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    # (StatsQuery, method config, round) -> (global stats, {prompt_id: stats})
+    statistics: Callable
+    # (Response, Stats, method config, round) -> Targets
+    targets: Callable
+    needs: frozenset = frozenset()
+    policy_loss: str = "gspo"  # default when the config leaves it empty; "none" = no PG term
+    loss_agg: str = "seq-mean-token-mean"
+    old_logprobs: str = "student"  # "sampler": ratios against vLLM's log-probs (Tinker)
+    # (method config, round) -> divergence for the div term (forward KL unless the method chooses)
+    divergence: Callable = lambda cfg, round_idx: "forward_kl"
+
+
+def no_statistics(q, cfg, round_idx) -> tuple[dict, dict]:
+    return {}, {}
+
+
+class StatsQuery:
+    """DuckDB over the round's committed shards, as the views normalize creates:
+
+    * ``responses``: one row per response: rollout_id, prompt_id, reward, rewards (map), n_valid,
+      c_sum, c_sq_sum (score's partial sums);
+    * ``tokens``: one row per VALID token (loss mask 1): rollout_id, prompt_id, t (position in the
+      response), lpT, lpS, hT, hS, kl (NULL where score did not store the column).
+    """
+
+    def __init__(self, con):
+        self.con = con
+
+    def one(self, sql: str) -> dict:
+        rel = self.con.sql(sql)
+        row = rel.fetchall()[0]
+        return {k: (float(v) if v is not None else None) for k, v in zip(rel.columns, row)}
+
+    def by_prompt(self, sql: str) -> dict:
+        """{prompt_id: {column: value}} from a query whose first column is prompt_id."""
+        rel = self.con.sql(sql)
+        cols = rel.columns[1:]
+        return {row[0]: {k: (float(v) if v is not None else None) for k, v in zip(cols, row[1:])} for row in rel.fetchall()}
+
+
+def merge_groups(*parts: dict) -> dict:
+    out: dict = {}
+    for part in parts:
+        for pid, values in part.items():
+            out.setdefault(pid, {}).update(values)
+    return out
+
+
+@dataclass(frozen=True)
+class Modifier:
+    """A knob that changes any method's targets (token selection, response weights, outcome mixing)."""
+
+    name: str
+    enabled: Callable  # (method config) -> bool
+    statistics: Callable  # like Method.statistics
+    apply: Callable  # (Targets, Response, Stats, method config, round) -> Targets
+    needs: frozenset = frozenset()

@@ -1,0 +1,125 @@
+"""Outcome-reward methods (ALGORITHMS.md 9): GRPO, GDPO, and mixing an outcome advantage into
+distillation. Rewards are the named functions of :mod:`gndpo.pipeline.rewards`; rollout stores every
+registered reward per response, ``method.outcome.rewards`` picks the ones used and ``weights`` their
+weights. Normalize computes the per-prompt group statistics (scope = prompt_id) and GDPO's batch
+statistics of A_pre with DuckDB window functions.
+
+GRPO: A_i = (r_i - mean_g) / (std_g + 1e-6), unbiased std; a singleton group gives mean 0, std 1.
+GDPO: A_k,i = (R_k,i - mean_g) / (std_g + 1e-4) (NaN -> 0), A_pre = sum_k w_k A_k, then A_pre is
+whitened over the batch's responses (``sequence``, TRL: / (std + 1e-4)) or tokens (``token``, verl:
+/ sqrt(var + 1e-8)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.methods.base import Method, Modifier, Response, Stats, Targets
+from gndpo.pipeline.rewards import REWARDS
+
+GRPO_EPS = 1e-6
+GDPO_EPS = 1e-4
+GDPO_BATCH_NORMS = ("sequence", "token")
+
+
+def outcome_rewards(cfg) -> list[tuple[str, float]]:
+    """[(reward name, weight)] from ``method.outcome``; a user error if unknown or mismatched."""
+    oc = cfg.outcome
+    names = list(oc.rewards)
+    if not names:
+        raise GndpoError("method.outcome.rewards is empty")
+    for name in names:
+        if name not in REWARDS:
+            raise GndpoError(f"unknown reward {name!r} in method.outcome.rewards; choose from: {', '.join(sorted(REWARDS))}")
+    weights = list(oc.weights) or [1.0] * len(names)
+    if len(weights) != len(names) or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+        raise GndpoError(f"method.outcome.weights must be {len(names)} numbers, one per reward, got {oc.weights!r}")
+    return list(zip(names, map(float, weights)))
+
+
+def _col(name: str) -> str:
+    return f"rewards['{name}']"
+
+
+def group_statistics(q, names: list[str]) -> dict:
+    """Per prompt, for each reward: mean, unbiased std (NULL for a singleton group) and size."""
+    cols = ", ".join(f"avg({_col(n)}) AS \"{n}_mean\", stddev_samp({_col(n)}) AS \"{n}_std\"" for n in names)
+    return q.by_prompt(f"SELECT prompt_id, count(*) AS group_size, {cols} FROM responses GROUP BY prompt_id")
+
+
+def grpo_advantage(r: float, group: dict, name: str) -> float:
+    if group["group_size"] < 2:
+        mean, std = 0.0, 1.0
+    else:
+        mean, std = group[f"{name}_mean"], group[f"{name}_std"]
+    return (r - mean) / (std + GRPO_EPS)
+
+
+def gdpo_pre_advantage(rewards: dict, group: dict, weighted: list[tuple[str, float]]) -> float:
+    total = 0.0
+    for name, w in weighted:
+        std = group.get(f"{name}_std")  # absent for a singleton group (NULL in DuckDB, NaN in torch)
+        a = (rewards[name] - group[f"{name}_mean"]) / (std + GDPO_EPS) if std is not None else math.nan
+        total += w * (0.0 if math.isnan(a) else a)
+    return total
+
+
+def _grpo_statistics(q, cfg, round_idx):
+    return {}, group_statistics(q, [outcome_rewards(cfg)[0][0]])
+
+
+def _grpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+    name = outcome_rewards(cfg)[0][0]
+    a = grpo_advantage(resp.rewards[name], stats.group(resp.prompt_id), name)
+    return Targets.policy_gradient(np.full_like(resp.mask, a), resp.mask)
+
+
+def _gdpo_statistics(q, cfg, round_idx):
+    weighted = outcome_rewards(cfg)
+    mode = cfg.outcome.gdpo_batch_norm
+    if mode not in GDPO_BATCH_NORMS:
+        raise GndpoError(f"method.outcome.gdpo_batch_norm must be sequence or token, got {mode!r}")
+    groups = group_statistics(q, [n for n, _ in weighted])
+    terms = " + ".join(
+        f"{w} * coalesce((({_col(n)}) - avg({_col(n)}) OVER g) / (stddev_samp({_col(n)}) OVER g + {GDPO_EPS}), 0)"
+        for n, w in weighted
+    )
+    pre = f"SELECT n_valid, {terms} AS a FROM responses WINDOW g AS (PARTITION BY prompt_id)"
+    if mode == "sequence":
+        glob = q.one(f"SELECT avg(a) AS gdpo_mean, stddev_samp(a) AS gdpo_std FROM ({pre})")
+    else:  # every valid token carries its response's A_pre
+        glob = q.one(
+            f"""SELECT sum(n_valid * a) / sum(n_valid) AS gdpo_mean,
+                   (sum(n_valid * a * a) - sum(n_valid * a) ^ 2 / sum(n_valid)) / (sum(n_valid) - 1) AS gdpo_var
+                FROM ({pre})"""
+        )
+    return glob, groups
+
+
+def _gdpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+    pre = gdpo_pre_advantage(resp.rewards, stats.group(resp.prompt_id), outcome_rewards(cfg))
+    if cfg.outcome.gdpo_batch_norm == "sequence":
+        a = (pre - stats["gdpo_mean"]) / (stats["gdpo_std"] + GDPO_EPS)
+    else:
+        a = (pre - stats["gdpo_mean"]) / math.sqrt(stats["gdpo_var"] + 1e-8)
+    return Targets.policy_gradient(np.full_like(resp.mask, a), resp.mask)
+
+
+def _apply_outcome_mix(t: Targets, resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+    """A_t = A_dist_t + coef * A_GRPO_i on the tokens with a policy-gradient term (slime-style)."""
+    name = outcome_rewards(cfg)[0][0]
+    t.adv = t.adv + cfg.outcome.coef * grpo_advantage(resp.rewards[name], stats.group(resp.prompt_id), name) * t.pg_mask
+    return t
+
+
+METHODS = [
+    Method("grpo", "group-normalized outcome reward, first of method.outcome.rewards (section 9)",
+           _grpo_statistics, _grpo_targets, policy_loss="ppo"),
+    Method("gdpo", "per-reward group normalization, weighted sum, batch whitening (section 9)",
+           _gdpo_statistics, _gdpo_targets, policy_loss="ppo"),
+]
+
+MODIFIERS = [Modifier("outcome_mix", lambda cfg: cfg.outcome.coef != 0, _grpo_statistics, _apply_outcome_mix)]

@@ -1,0 +1,60 @@
+"""TIP token selection (ALGORITHMS.md 4): train only on the tokens where the student is uncertain or
+disagrees with the teacher. Applies to any method (``method.tip.enabled``).
+
+    h_t = H(p_S) (student entropy)   d_t = max(0, KL(p_S || p_T)) (full vocabulary, from score)
+    h_t = min(h_t, quantile_q(h over the batch));  h^, d^ = min-max scaled over the batch
+    score_t = h^ + d^ - h^ d^  (soft OR);  keep the top floor(keep_ratio * L) tokens of each response
+
+The spec divides h by ln V first; a constant factor cancels in the min-max scaling, so it is omitted.
+Ties keep the earlier token. Normalize computes the quantile and the min/max with DuckDB.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TOKEN_KL, Modifier, Response, Stats, Targets
+
+
+def _statistics(q, cfg, round_idx):
+    qq = cfg.tip.entropy_quantile
+    return q.one(
+        f"""
+        WITH c AS (SELECT quantile_cont(hS, {qq}) AS cap FROM tokens),
+        v AS (SELECT least(hS, c.cap) AS h, greatest(kl, 0) AS d FROM tokens, c)
+        SELECT any_value(c.cap) AS tip_h_cap, min(h) AS tip_h_min, max(h) AS tip_h_max,
+               min(d) AS tip_d_min, max(d) AS tip_d_max
+        FROM v, c
+        """
+    ), {}
+
+
+def _minmax(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    return (x - lo) / (hi - lo) if hi > lo else np.zeros_like(x)
+
+
+def tip_scores(student_entropy: np.ndarray, token_kl: np.ndarray, stats: Stats) -> np.ndarray:
+    h = _minmax(np.minimum(student_entropy, stats["tip_h_cap"]), stats["tip_h_min"], stats["tip_h_max"])
+    d = _minmax(np.maximum(token_kl, 0.0), stats["tip_d_min"], stats["tip_d_max"])
+    return h + d - h * d
+
+
+def tip_selection(scores: np.ndarray, mask: np.ndarray, keep_ratio: float) -> np.ndarray:
+    """0/1 over the response: the top floor(keep_ratio * L) valid tokens by score, ties -> earlier."""
+    valid = np.flatnonzero(mask > 0)
+    keep = int(np.floor(keep_ratio * valid.size))
+    # A stable sort of -score keeps the earlier position first among equal scores.
+    chosen = valid[np.argsort(-scores[valid], kind="stable")[:keep]]
+    out = np.zeros_like(mask, dtype=np.float64)
+    out[chosen] = 1.0
+    return out
+
+
+def _apply(t: Targets, resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+    selected = tip_selection(tip_scores(resp.student_entropy, resp.token_kl, stats), resp.mask, cfg.tip.keep_ratio)
+    t.mask, t.pg_mask, t.div = t.mask * selected, t.pg_mask * selected, t.div * selected
+    t.adv = t.adv * selected
+    return t
+
+
+MODIFIERS = [Modifier("tip", lambda cfg: cfg.tip.enabled, _statistics, _apply, needs=frozenset({STUDENT_ENTROPY, TOKEN_KL}))]

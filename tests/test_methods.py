@@ -10,7 +10,12 @@ import torch
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config import MethodConfig
 from gndpo.pipeline.losses import aggregate, token_losses
-from gndpo.pipeline.methods import clamped_score, get_method, gndpo_stats_from_sums, score_partial_sums
+from gndpo.pipeline.methods import Response, Stats, clamped_score, get_method, gndpo_stats_from_sums, response_targets, score_partial_sums
+
+
+def as_response(t, s, mask) -> Response:
+    z = np.zeros_like(mask)
+    return Response("r", "p", mask, t, s, s, {}, 0.0, z)
 
 
 def make_responses(seed=0, n=7):
@@ -48,8 +53,7 @@ def implementation_gndpo(responses, cfg=MethodConfig()):
     stats = gndpo_stats_from_sums(
         sum(p["n_valid"] for p in parts), sum(p["c_sum"] for p in parts), sum(p["c_sq_sum"] for p in parts)
     )
-    method = get_method("gndpo")
-    advs = [method.advantages(clamped_score(t, s, cfg.clamp), m, stats, cfg) for t, s, m in responses]
+    advs = [response_targets(as_response(t, s, m), Stats(stats), cfg, 0).adv for t, s, m in responses]
     return stats, advs
 
 
@@ -83,8 +87,7 @@ def test_opd_advantage_is_clamped_score_times_mask():
     t = np.array([-1.0, -20.0, -0.5, -3.0])
     s = np.array([-2.0, -0.5, -9.0, -3.5])
     m = np.array([1.0, 1.0, 1.0, 0.0])
-    c = clamped_score(t, s, 5.0)
-    adv = get_method("opd").advantages(c, m, {}, MethodConfig())
+    adv = response_targets(as_response(t, s, m), Stats(), MethodConfig(name="opd"), 0).adv
     np.testing.assert_allclose(adv, [1.0, -5.0, 5.0, 0.0])
 
 

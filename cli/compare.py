@@ -1,0 +1,20 @@
+from typing import List, Optional
+
+import typer
+
+from gndpo.cli.app import app
+from gndpo.cli.common import echo_table, user_errors
+from gndpo.pipeline.compare import run_compare
+
+
+@app.command()
+@user_errors
+def compare(
+    methods: List[str] = typer.Argument(..., help="Methods to run, e.g. opd gndpo gdpo reverse_kl; per-method overrides with +key=value."),
+    out: str = typer.Option("compare-run", "--out", help="Folder for the runs, compare.json and compare.md."),
+    rounds: int = typer.Option(3, "--rounds", "-n"),
+    overrides: Optional[List[str]] = typer.Option(None, "--set", help="Config override for every method (repeatable)."),
+    assets: Optional[str] = typer.Option(None, "--assets", help="Use this prebuilt toy assets folder instead of building."),
+):
+    """Run several methods on the toy task for the same rounds; print held-out accuracy and stability."""
+    echo_table(run_compare(methods, out, rounds, overrides or [], assets=assets, log=typer.echo))

@@ -1,6 +1,7 @@
 """Data-parallel invariance of train: the same round trained by 2 DeepSpeed ranks (torchrun, gloo)
 gives the same per-step losses and the same updated weights as 1 rank, because every micro-batch's
-loss share is normalised by the GLOBAL sequence/token count of its optimizer step."""
+loss share is normalised by the GLOBAL sequence/token count of its optimizer step. Checked for GNDPO
+and for a divergence loss (JSD on the teacher's top-k)."""
 
 import shutil
 import subprocess
@@ -18,13 +19,27 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def normalized_run(tmp_path_factory, tiny_assets):
-    folder = tmp_path_factory.mktemp("dp")
+def rollout_dir(tmp_path_factory, tiny_assets):
+    folder = tmp_path_factory.mktemp("dp-rollout")
     config = folder / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets, train={"optimizer_steps": 2, "micro_batch_size": 4})))
+    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
+    gndpo("init", folder / "run", "--config", config)
+    gndpo("rollout", folder / "run", "--round", 0)
+    return folder / "run" / "rounds" / "r0000" / "rollout"
+
+
+@pytest.fixture(scope="module", params=["gndpo", "jsd"])
+def normalized_run(request, tmp_path_factory, tiny_assets, rollout_dir):
+    """GNDPO (policy gradient, seq-mean-token-mean) and JSD on the teacher top-k (divergence, global
+    token mean), each scored and normalized from the same rollouts."""
+    folder = tmp_path_factory.mktemp(f"dp-{request.param}")
+    config = folder / "config.yaml"
+    train = {"optimizer_steps": 2, "micro_batch_size": 4}
+    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets, method={"name": request.param}, train=train)))
     run = folder / "run"
     gndpo("init", run, "--config", config)
-    for stage in ("rollout", "score", "normalize"):
+    shutil.copytree(rollout_dir, run / "rounds" / "r0000" / "rollout")
+    for stage in ("score", "normalize"):
         gndpo(stage, run, "--round", 0)
     return run
 

@@ -16,6 +16,7 @@ import yaml
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config import Config, config_from_dict, config_to_yaml
+from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.prompts import load_prompts
 from gndpo.storage.records import StageRecords
 from gndpo.storage.runfs import RunFS
@@ -89,6 +90,7 @@ def init_run(url: str, cfg: Config) -> Run:
         if existing.cfg.fingerprint() != cfg.fingerprint():
             raise GndpoError(f"run folder {url} was created from another config; use a new folder")
         return existing
+    validate_method(cfg.method)
     check_models(cfg)
     splits = {}
     for split in PROMPT_SPLITS:

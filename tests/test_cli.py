@@ -96,6 +96,9 @@ def test_config_errors(tmp_path):
     assert_one_line_error(invoke("init", tmp_path / "r", "--config", write_config(tmp_path, {"trian": {}})), "unknown config key trian")
     assert_one_line_error(invoke("init", tmp_path / "r", "--config", tmp_path / "missing.yaml"), "config file not found")
     assert_one_line_error(invoke("init", tmp_path / "r", "rollout.n=many"), "rollout.n must be int")
+    assert_one_line_error(invoke("init", tmp_path / "r", "method.name=dpo"), "unknown method 'dpo'")
+    assert_one_line_error(invoke("init", tmp_path / "r", "method.name=gdpo", "method.outcome.rewards=[nope]"), "unknown reward 'nope'")
+    assert not (tmp_path / "r").exists()
 
 
 def test_stage_commands_refuse_missing_runs_and_out_of_order_rounds(tmp_path, tiny_config):

@@ -1,0 +1,17 @@
+import typer
+
+from gndpo.cli.app import app
+from gndpo.cli.common import echo_table
+from gndpo.pipeline.methods import METHODS, MODIFIERS
+
+
+@app.command()
+def methods():
+    """List the methods (method.name), their default loss and what they need from score."""
+    echo_table([
+        {"method": m.name, "policy_loss": m.policy_loss, "loss_agg": m.loss_agg,
+         "score_extras": ",".join(sorted(m.needs)) or "-", "what": m.summary}
+        for m in METHODS.values()
+    ])
+    typer.echo("modifiers (any method): " + ", ".join(m.name for m in MODIFIERS)
+               + "  (method.tip.enabled, method.paced.enabled, method.reward_beta > 0, method.outcome.coef != 0)")

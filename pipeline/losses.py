@@ -93,3 +93,29 @@ def topk_divergence(kind: str, student_topk_logp: torch.Tensor, teacher_topk_log
         log_m = torch.logsumexp(torch.stack([log_pt + math.log(beta), log_ps + math.log(1.0 - beta)]), dim=0)
         return beta * (pt * (log_pt - log_m)).sum(-1) + (1.0 - beta) * (ps * (log_ps - log_m)).sum(-1)
     raise ValueError(f"unknown divergence {kind!r}")
+
+
+def combined_token_losses(
+    policy_loss: str,
+    divergence: str | None,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    pg_mask: torch.Tensor,
+    div_weight: torch.Tensor,
+    student_topk_logp: torch.Tensor | None = None,
+    teacher_topk_logp: torch.Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    jsd_beta: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A method's per-token loss: L_t = pg_mask_t L_pg_t + div_t D_t (policy_loss "none": no PG term,
+    divergence None: no D term), and the 0/1 clipped-branch marker of the PG term."""
+    losses = torch.zeros_like(logp)
+    clipped = torch.zeros_like(logp)
+    if policy_loss != "none":
+        pg, clipped = token_losses(policy_loss, logp, old_logp, adv, pg_mask, clip_low, clip_high)
+        losses = losses + pg * pg_mask
+    if divergence is not None:
+        losses = losses + div_weight * topk_divergence(divergence, student_topk_logp, teacher_topk_logp, jsd_beta)
+    return losses, clipped * pg_mask

@@ -27,7 +27,7 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.faults import crash_point
-from gndpo.pipeline.losses import aggregate, token_losses, topk_divergence
+from gndpo.pipeline.losses import aggregate, combined_token_losses
 from gndpo.pipeline.methods import Response, divergence_of, get_method, policy_settings, response_targets, score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.runs import Run
@@ -105,7 +105,7 @@ def _padded(rows: list[dict], key: str, width: int) -> torch.Tensor:
 
 
 def _padded_topk(rows: list[dict], key: str, width: int, dtype) -> torch.Tensor:
-    k = max(len(r[key][0]) for r in rows if r[key])
+    k = max((len(r[key][0]) for r in rows if r[key]), default=1)
     out = torch.zeros((len(rows), width, k), dtype=dtype)
     for i, r in enumerate(rows):
         if r[key]:
@@ -242,19 +242,16 @@ class TrainJob:
             mask = resp_mask * _padded(micro, "mask", width)
             pg_mask = resp_mask * _padded(micro, "pg_mask", width)
             old = _padded(micro, "old_logp", width)
-            losses = torch.zeros_like(logp)
-            was_clipped = torch.zeros_like(logp)
-            if self.policy_loss != "none":
-                adv = _padded(micro, "adv", width)
-                pg, was_clipped = token_losses(self.policy_loss, logp, old, adv, pg_mask, cfg.method.clip_low, cfg.method.clip_high)
-                losses = losses + pg * pg_mask
+            student_topk = teacher_topk = None
             if self.divergence is not None:
                 # The student's full-softmax log-probs at the teacher's top-k ids of each position.
-                ids = _padded_topk(micro, "topk_ids", width, torch.long)
-                student_topk = torch.gather(logp_all, 2, ids)
+                student_topk = torch.gather(logp_all, 2, _padded_topk(micro, "topk_ids", width, torch.long))
                 teacher_topk = _padded_topk(micro, "topk_logp", width, torch.float32)
-                d = topk_divergence(self.divergence, student_topk, teacher_topk, cfg.method.jsd_beta)
-                losses = losses + d * _padded(micro, "div", width)
+            losses, was_clipped = combined_token_losses(
+                self.policy_loss, self.divergence, logp, old, _padded(micro, "adv", width), pg_mask,
+                _padded(micro, "div", width), student_topk, teacher_topk,
+                cfg.method.clip_low, cfg.method.clip_high, cfg.method.jsd_beta,
+            )
             weights = torch.tensor([r["weight"] for r in micro], dtype=torch.float32).unsqueeze(-1)
             loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens)
             # DeepSpeed averages gradients over ranks; the shares already sum to the step loss.
@@ -266,7 +263,7 @@ class TrainJob:
                 grad_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
             engine.step()
             step_loss += loss.item()
-            clipped += float((was_clipped * pg_mask).sum())
+            clipped += float(was_clipped.sum())
             ratio_sum += float((torch.exp(logp.detach() - old) * mask).sum())
         if tc.zero_stage > 0:
             grad_norm = engine.get_global_grad_norm()

@@ -396,3 +396,33 @@ def test_bad_method_knobs_are_one_line_errors(cfg_kwargs, fragment):
     cfg = config_from_dict({"method": cfg_kwargs}).method
     with pytest.raises(GndpoError, match=fragment):
         stats_for(make_batch(seed=15), cfg)
+
+
+def test_eopd_loss_is_ppo_opd_plus_gated_forward_kl():
+    """Section 7 at the loss level: L_t = L_OPD_t + [H^T_t > 0.8] forward_kl_topk_t, global token mean."""
+    from gndpo.pipeline.losses import aggregate, combined_token_losses
+
+    rng = np.random.default_rng(16)
+    B, T, V, k = 2, 3, 7, 3
+    s_full = torch.log_softmax(torch.tensor(rng.normal(size=(B, T, V))), -1)
+    t_full = torch.log_softmax(torch.tensor(rng.normal(size=(B, T, V)) * 2), -1)
+    ids = torch.tensor(rng.integers(0, V, size=(B, T, 1))).expand(B, T, 1)
+    logp = torch.gather(s_full, 2, ids).squeeze(-1)
+    old = logp + torch.tensor(rng.normal(0, 0.3, size=(B, T)))
+    adv = torch.tensor(rng.normal(size=(B, T)))
+    gate = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    t_topk, top_ids = t_full.topk(k, dim=-1)
+    losses, _ = combined_token_losses("ppo", "forward_kl", logp, old, adv, mask, gate * mask, torch.gather(s_full, 2, top_ids), t_topk)
+    got = aggregate(losses, mask, "token-mean", B, int(mask.sum()))
+    total = 0.0
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            ratio = math.exp(float(logp[b, t] - old[b, t]))
+            a = float(adv[b, t])
+            ppo = max(-a * ratio, -a * min(max(ratio, 0.8), 1.2))
+            fkl = divergence_reference("forward_kl", s_full[b, t].tolist(), t_topk[b, t].tolist(), top_ids[b, t].tolist())
+            total += ppo + float(gate[b, t]) * fkl
+    assert float(got) == pytest.approx(total / float(mask.sum()), rel=1e-9)

@@ -120,3 +120,23 @@ def test_demo_on_prebuilt_assets(tmp_path, tiny_assets):
         "--set", "engine.max_model_len=32",
     ).stdout
     assert "teacher" in out and "student (start)" in out and "student after round 1" in out
+
+
+def test_compare_two_methods(tmp_path, tiny_assets):
+    """`gndpo compare` runs each method for the same rounds and tabulates accuracy and stability."""
+    import json
+
+    small = ["--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.micro_batch_size=8",
+             "--set", "train.optimizer_steps=2", "--set", "engine.max_model_len=32"]
+    out = gndpo("compare", "opd", "forward_kl", "--rounds", "1", "--out", tmp_path / "cmp", "--assets", tiny_assets, *small).stdout
+    assert "opd" in out and "forward_kl" in out and "grad_norm_max" in out
+    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["opd", "forward_kl"]
+    for r in rows:
+        assert 0.0 <= r["acc_r0"] <= 1.0 and 0.0 <= r["acc_r1"] <= 1.0 and r["grad_norm_max"] > 0
+    assert rows[0]["adv_min"] >= -5.0 and rows[0]["adv_max"] <= 5.0  # OPD's clamp
+    assert rows[1]["adv_min"] is None  # a pure divergence loss has no policy-gradient advantage
+    assert (tmp_path / "cmp" / "compare.md").read_text().startswith("| method |")
+    bad = gndpo("compare", "opd", "nope", "--out", tmp_path / "bad", check=False)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "unknown method 'nope'" in bad.stderr
+    assert not (tmp_path / "bad").exists()

@@ -15,11 +15,13 @@ Reads top to bottom as the round's recipe:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import os
 import random
 import socket
+import sys
 import tempfile
 
 import numpy as np
@@ -36,6 +38,17 @@ from gndpo.stages.normalize import round_stats
 from gndpo.stages.rollout import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards, verified_bytes
+
+
+def isolate_extension_builds() -> None:
+    """Give this Python environment its own folder for DeepSpeed's JIT-built ops.
+
+    torch's default folder is shared by every environment of the user; DeepSpeed rebuilds an op when
+    its sources' path differs, so two venvs running at once rebuild over each other and one of them
+    loads a half-written module. An explicit TORCH_EXTENSIONS_DIR is left alone."""
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.expanduser("~/.cache/torch_extensions"), f"gndpo-{tag}")
 
 
 def ensure_distributed_env() -> None:
@@ -149,6 +162,7 @@ class TrainJob:
         import deepspeed
 
         set_cpu_threads()
+        isolate_extension_builds()
         ensure_distributed_env()
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 

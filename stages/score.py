@@ -19,7 +19,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.methods import clamped_score, score_needs, score_partial_sums
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
 from gndpo.pipeline.runs import Run
-from gndpo.stages.modeling import check_same_tokenizer, load_causal_lm, entropy, load_tokenizer, response_distributions, set_cpu_threads
+from gndpo.stages.modeling import check_same_tokenizer, entropy, load_causal_lm, load_tokenizer, response_distributions, set_cpu_threads
 from gndpo.stages.rollout import EVAL_UNIT
 from gndpo.storage.shards import SCORES, read_shard, write_shard
 
@@ -93,10 +93,12 @@ class ScoreJob:
             out["teacher_topk_logprobs"], out["teacher_topk_ids"] = values, ids.int()
         if TEACHER_ENTROPY in needs:
             out["teacher_entropy"] = entropy(t_all)
-        if STUDENT_ENTROPY in needs:
-            out["student_entropy"] = entropy(s_all)
-        if TOKEN_KL in needs:
-            out["token_kl"] = (s_all.exp() * (s_all - t_all)).sum(-1)
+        if STUDENT_ENTROPY in needs or TOKEN_KL in needs:
+            s_prob = s_all.exp()  # one full-vocabulary exp shared by the entropy and the KL
+            if STUDENT_ENTROPY in needs:
+                out["student_entropy"] = -(s_prob * s_all).sum(-1)
+            if TOKEN_KL in needs:
+                out["token_kl"] = (s_prob * (s_all - t_all)).sum(-1)
         return out
 
     def summarize(self, commits):

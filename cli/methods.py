@@ -13,5 +13,4 @@ def methods():
          "score_extras": ",".join(sorted(m.needs)) or "-", "what": m.summary}
         for m in METHODS.values()
     ])
-    typer.echo("modifiers (any method): " + ", ".join(m.name for m in MODIFIERS)
-               + "  (method.tip.enabled, method.paced.enabled, method.reward_beta > 0, method.outcome.coef != 0)")
+    typer.echo("modifiers (any method): " + ", ".join(f"{m.name} ({m.knob})" for m in MODIFIERS))

@@ -148,6 +148,7 @@ class Modifier:
     """A knob that changes any method's targets (token selection, response weights, outcome mixing)."""
 
     name: str
+    knob: str  # the config setting that turns it on, as users write it
     enabled: Callable  # (method config) -> bool
     statistics: Callable  # like Method.statistics
     apply: Callable  # (Targets, Response, Stats, method config, round) -> Targets

@@ -122,4 +122,4 @@ METHODS = [
            _gdpo_statistics, _gdpo_targets, policy_loss="ppo"),
 ]
 
-MODIFIERS = [Modifier("outcome_mix", lambda cfg: cfg.outcome.coef != 0, _grpo_statistics, _apply_outcome_mix)]
+MODIFIERS = [Modifier("outcome_mix", "method.outcome.coef != 0", lambda cfg: cfg.outcome.coef != 0, _grpo_statistics, _apply_outcome_mix)]

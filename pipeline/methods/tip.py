@@ -57,4 +57,4 @@ def _apply(t: Targets, resp: Response, stats: Stats, cfg, round_idx: int) -> Tar
     return t
 
 
-MODIFIERS = [Modifier("tip", lambda cfg: cfg.tip.enabled, _statistics, _apply, needs=frozenset({STUDENT_ENTROPY, TOKEN_KL}))]
+MODIFIERS = [Modifier("tip", "method.tip.enabled", lambda cfg: cfg.tip.enabled, _statistics, _apply, needs=frozenset({STUDENT_ENTROPY, TOKEN_KL}))]

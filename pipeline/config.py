@@ -101,6 +101,10 @@ class MethodConfig:
     schedule: str = ""  # divergence methods, e.g. "fkl:2,rkl:4": forward KL rounds 0-1, then reverse KL
     reward_beta: float = 0.0  # > 0: reward-weighted responses, w_i = B softmax(r_i / reward_beta)
     minillm_gamma: float = 0.95
+    # Top-k divergences: "bucket" compares the k teacher ids plus one "rest" bucket per model (1 - its
+    # top-k mass), so student mass outside the teacher's top-k is paid for; "renormalized" compares both
+    # models renormalized over the k ids (the student's tail is then free).
+    topk_form: str = "bucket"
     tip: TipConfig = field(default_factory=TipConfig)
     paced: PacedConfig = field(default_factory=PacedConfig)
     tropd: TropdConfig = field(default_factory=TropdConfig)
@@ -128,8 +132,22 @@ class RolloutConfig:
 
 
 @dataclass
+class ModelConfig:
+    """How score and train place and run the student and teacher (resolved in gndpo.stages.device)."""
+
+    dtype: str = "auto"  # auto (bf16 on a GPU that supports it, else fp32) | float32 | bfloat16 | float16
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (where installed)
+    # Full-vocabulary logits exist for at most this many response positions at a time (lm_head and
+    # log-softmax run chunk by chunk after one backbone pass; train recomputes a chunk in backward).
+    token_chunk: int = 1024
+
+
+@dataclass
 class ScoreConfig:
-    rows_per_chunk: int = 128  # responses per forward pass; bounds memory (B x T x V per chunk)
+    # A forward pass holds at most max_tokens_per_batch (padded prompt + response) tokens and at most
+    # rows_per_chunk responses; responses are grouped by length so padding stays small.
+    max_tokens_per_batch: int = 32768
+    rows_per_chunk: int = 128
     teacher_topk: int = 16  # k of the teacher top-k (ids, log-probs) stored for divergence methods
 
 
@@ -138,12 +156,16 @@ class TrainConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
     optimizer_steps: int = 1  # mini-batches per round (1 = one step per rollout batch, as the paper)
-    micro_batch_size: int = 64  # responses per forward/backward
+    # A micro-batch (one forward/backward on one rank) holds at most max_tokens_per_batch padded tokens
+    # and at most micro_batch_size responses.
+    max_tokens_per_batch: int = 16384
+    micro_batch_size: int = 64
     grad_clip: float = 1.0
-    zero_stage: int = 0
-    carry_optimizer_state: bool = True  # keep AdamW moments across rounds (ZeRO-0)
-    checkpoint_every: int = 8  # optimizer steps between in-round checkpoints a retry resumes from (ZeRO-0)
-    num_processes: int = 1
+    zero_stage: int = 0  # 0-3; with 3 the model is built partitioned and the export gathers it
+    gradient_checkpointing: bool = False
+    carry_optimizer_state: bool = True  # keep AdamW moments across rounds
+    checkpoint_every: int = 8  # optimizer steps between in-round checkpoints a retry resumes from
+    num_processes: int = 0  # train ranks on this node; 0 = one per visible GPU (1 on CPU)
     seed: int = 0
 
 
@@ -151,11 +173,12 @@ class TrainConfig:
 class EngineConfig:
     """vLLM engine settings shared by rollout and eval."""
 
-    dtype: str = "float32"
-    max_model_len: int = 64
-    enforce_eager: bool = True
+    dtype: str = "auto"  # auto = model.dtype's resolution (bf16 on a capable GPU, fp32 on CPU)
+    max_model_len: int = 0  # 0 = the model's own context length (max_position_embeddings)
+    cuda_graphs: bool = True  # False = vLLM's enforce_eager; the CPU build always runs eager
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU machines
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 256
     tensor_parallel_size: int = 1
 
 
@@ -165,6 +188,7 @@ class Config:
     teacher: str = ""
     reward: str = "exact_match"
     data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)

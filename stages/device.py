@@ -1,0 +1,70 @@
+"""Where models run and in what precision: decided here, once, for score, train and vLLM.
+
+A process uses the CUDA device of its local rank (``LOCAL_RANK``, set by torchrun and by ``gndpo run``'s
+per-GPU workers, which pin one GPU each with CUDA_VISIBLE_DEVICES) when CUDA is present, else the CPU.
+``model.dtype: auto`` means bf16 on a GPU that supports it and fp32 everywhere else: CPU matmuls in bf16
+are slower than fp32 on most CPUs, and fp32 keeps the CPU toy's numbers exact.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from gndpo.errors import GndpoError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+@lru_cache(maxsize=None)
+def local_device() -> torch.device:
+    """This process's device: cuda:LOCAL_RANK (modulo the visible GPUs) when CUDA is present, else cpu."""
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
+    """The torch dtype for ``model.dtype`` / ``engine.dtype`` on ``device`` (default: the local one)."""
+    device = device or local_device()
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if name not in DTYPES:
+        raise GndpoError(f"unknown dtype {name!r}; choose auto or one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
+def attn_implementation(name: str) -> str:
+    """The attention kernel to ask transformers for; flash_attention_2 only where it is installed."""
+    if name not in ATTN_IMPLEMENTATIONS:
+        raise GndpoError(f"unknown model.attn_implementation {name!r}; choose one of {', '.join(ATTN_IMPLEMENTATIONS)}")
+    if name == "flash_attention_2":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise GndpoError("model.attn_implementation flash_attention_2 needs the flash-attn package") from None
+        if local_device().type != "cuda":
+            raise GndpoError("model.attn_implementation flash_attention_2 needs a CUDA GPU")
+    return name
+
+
+def visible_gpus() -> int:
+    """GPUs this process may use (0 on a machine without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def set_cpu_threads() -> None:
+    """Use the cores we were given; torch's default may oversubscribe a small machine."""
+    n = int(os.environ.get("GNDPO_THREADS", "0")) or (os.cpu_count() or 1)
+    torch.set_num_threads(n)

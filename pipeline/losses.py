@@ -70,29 +70,84 @@ def aggregate(losses: torch.Tensor, mask: torch.Tensor, mode: str, n_seqs: int, 
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 
-def topk_divergence(kind: str, student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
-    """Per-token divergence on the teacher's top-k ids (section 3, offline form), [..., k] -> [...].
+TOPK_FORMS = ("bucket", "renormalized")
+# Smallest "rest" bucket mass: keeps log(rest) finite (and 0 * log 0 out) when the k ids hold all of a
+# model's mass, or more than all of it after rounding. A clamped bucket gets no gradient.
+REST_MASS_FLOOR = 1e-12
+# Log-probs below this are treated as this (exp is exactly 0 either way); keeps -inf inputs from
+# turning 0 * (-inf) into NaN in the loss or its gradient.
+LOGP_FLOOR = -1e4
 
-    ``student_topk_logp`` are the student's FULL-softmax log-probs at the teacher's top-k ids,
-    ``teacher_topk_logp`` the teacher's. p~_T is the teacher renormalized over its top-k.
 
-    forward_kl: sum_k p~_T (log p~_T - slp)                       (as specified)
-    reverse_kl: sum_k p~_S (log p~_S - log p~_T)                  (p~_S: student renormalized on top-k)
-    jsd:        beta KL(p~_T || m) + (1 - beta) KL(p~_S || m),   m = beta p~_T + (1 - beta) p~_S
-    The renormalized student in reverse_kl / jsd keeps them divergences on the top-k support [interp].
-    """
-    log_pt = teacher_topk_logp - torch.logsumexp(teacher_topk_logp, dim=-1, keepdim=True)
-    pt = log_pt.exp()
+def _with_rest_bucket(topk_logp: torch.Tensor) -> torch.Tensor:
+    """[..., k] full-softmax log-probs -> [..., k + 1] log-probs of the k ids plus one "rest" bucket,
+    log(1 - sum_k p) computed as log(-expm1(logsumexp)) with the rest mass clamped at REST_MASS_FLOOR.
+    Gradients reach every input through the rest bucket too (d log rest / d lp_i = -p_i / rest)."""
+    rest = torch.clamp(-torch.expm1(torch.logsumexp(topk_logp, dim=-1, keepdim=True)), min=REST_MASS_FLOOR)
+    return torch.cat([topk_logp, rest.log()], dim=-1)
+
+
+def _divergence(kind: str, log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
+    """forward_kl / reverse_kl / jsd between two distributions given as log-probs over the last dim."""
+    pt, ps = log_pt.exp(), log_ps.exp()
     if kind == "forward_kl":
-        return (pt * (log_pt - student_topk_logp)).sum(-1)
-    log_ps = student_topk_logp - torch.logsumexp(student_topk_logp, dim=-1, keepdim=True)
-    ps = log_ps.exp()
+        return (pt * (log_pt - log_ps)).sum(-1)
     if kind == "reverse_kl":
         return (ps * (log_ps - log_pt)).sum(-1)
     if kind == "jsd":
         log_m = torch.logsumexp(torch.stack([log_pt + math.log(beta), log_ps + math.log(1.0 - beta)]), dim=0)
         return beta * (pt * (log_pt - log_m)).sum(-1) + (1.0 - beta) * (ps * (log_ps - log_m)).sum(-1)
     raise ValueError(f"unknown divergence {kind!r}")
+
+
+def topk_divergence(
+    kind: str,
+    student_topk_logp: torch.Tensor,
+    teacher_topk_logp: torch.Tensor,
+    beta: float = 0.5,
+    form: str = "bucket",
+) -> torch.Tensor:
+    """Per-token divergence on the teacher's top-k ids (section 3, offline form), [..., k] -> [...].
+
+    ``student_topk_logp`` are the student's FULL-softmax log-probs at the teacher's top-k ids,
+    ``teacher_topk_logp`` the teacher's full-softmax log-probs at its own top-k ids.
+
+    form "bucket" (default, ``method.topk_form``): each model becomes a (k+1)-bucket distribution, its
+    probabilities at the k ids plus one "rest" bucket holding 1 - (its mass on the k ids), and
+      forward_kl: KL(b_T || b_S),  reverse_kl: KL(b_S || b_T),
+      jsd:        beta KL(b_T || m) + (1 - beta) KL(b_S || m),   m = beta b_T + (1 - beta) b_S
+    exactly on those k+1 buckets, with no renormalization. This is the exact divergence between the two
+    models' distributions coarsened to {the k ids, everything else}, so it lower-bounds the
+    full-vocabulary divergence (data processing) and equals it when the k ids cover the vocabulary. The
+    student's mass outside the teacher's top-k is paid for: in reverse KL and JSD it is the rest bucket
+    against the teacher's (small) rest, and the gradient through the rest bucket pushes it back onto
+    the k ids. That is why it is the default.
+
+    form "renormalized" (the earlier behaviour): p~_T is the teacher renormalized over its top-k,
+      forward_kl: sum_k p~_T (log p~_T - slp)                     (slp: the student's unrenormalized log-probs)
+      reverse_kl: sum_k p~_S (log p~_S - log p~_T)                (p~_S: student renormalized on top-k)
+      jsd:        beta KL(p~_T || m) + (1 - beta) KL(p~_S || m),   m = beta p~_T + (1 - beta) p~_S
+    Renormalizing the student keeps reverse_kl / jsd divergences on the top-k support [interp], but the
+    student's mass outside the teacher's top-k costs nothing there: a student with most of its mass in
+    the tail can score a small reverse KL while the full-vocabulary one is large.
+
+    Numerics (bucket): the rest mass is computed as -expm1(logsumexp(topk_logp)) in at least float32 and
+    clamped at REST_MASS_FLOOR, so an empty rest bucket (k = vocabulary, or rounding past 1) contributes
+    0 and finite (zero) gradients rather than 0 * log 0 = NaN.
+    """
+    if form == "renormalized":
+        log_pt = teacher_topk_logp - torch.logsumexp(teacher_topk_logp, dim=-1, keepdim=True)
+        if kind == "forward_kl":
+            pt = log_pt.exp()
+            return (pt * (log_pt - student_topk_logp)).sum(-1)
+        log_ps = student_topk_logp - torch.logsumexp(student_topk_logp, dim=-1, keepdim=True)
+        return _divergence(kind, log_ps, log_pt, beta)
+    if form != "bucket":
+        raise ValueError(f"unknown top-k divergence form {form!r}; choose one of {TOPK_FORMS}")
+    dtype = torch.promote_types(torch.promote_types(student_topk_logp.dtype, teacher_topk_logp.dtype), torch.float32)
+    log_ps = _with_rest_bucket(student_topk_logp.to(dtype).clamp(min=LOGP_FLOOR))
+    log_pt = _with_rest_bucket(teacher_topk_logp.to(dtype).clamp(min=LOGP_FLOOR))
+    return _divergence(kind, log_ps, log_pt, beta)
 
 
 def combined_token_losses(
@@ -108,14 +163,18 @@ def combined_token_losses(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     jsd_beta: float = 0.5,
+    topk_form: str = "bucket",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A method's per-token loss: L_t = pg_mask_t L_pg_t + div_t D_t (policy_loss "none": no PG term,
-    divergence None: no D term), and the 0/1 clipped-branch marker of the PG term."""
+    divergence None: no D term), and the 0/1 clipped-branch marker of the PG term. ``topk_form`` is
+    :func:`topk_divergence`'s ``form`` ("bucket" | "renormalized")."""
     losses = torch.zeros_like(logp)
     clipped = torch.zeros_like(logp)
     if policy_loss != "none":
         pg, clipped = token_losses(policy_loss, logp, old_logp, adv, pg_mask, clip_low, clip_high)
         losses = losses + pg * pg_mask
     if divergence is not None:
-        losses = losses + div_weight * topk_divergence(divergence, student_topk_logp, teacher_topk_logp, jsd_beta)
+        losses = losses + div_weight * topk_divergence(
+            divergence, student_topk_logp, teacher_topk_logp, jsd_beta, form=topk_form
+        )
     return losses, clipped * pg_mask

@@ -1,7 +1,8 @@
 """Creating and opening a run: the frozen config, the imported prompts, and where each round's policy is.
 
-``init_run`` validates everything before writing anything (config, model paths, tokenizers, prompt
-files), then writes the prompts and, last, ``run.yaml`` with exclusive create. A run folder therefore
+``init_run`` validates everything before writing anything (config, model paths, tokenizers, precision
+and attention names, prompt files, and that the longest prompt plus ``rollout.max_tokens`` fits the
+engine's context), then writes the prompts and, last, ``run.yaml`` with exclusive create. A run folder therefore
 either has a complete ``run.yaml`` or is not a run; re-initialising it with the same config is a no-op and
 with another config is an error.
 """
@@ -83,6 +84,72 @@ def check_models(cfg: Config) -> None:
     check_same_tokenizer(cfg.student, cfg.teacher)
 
 
+def check_precision(cfg: Config) -> None:
+    """``model.dtype``, ``engine.dtype`` and ``model.attn_implementation`` name things that exist.
+
+    Names are checked everywhere; whether flash_attention_2 can run (flash-attn installed, a CUDA GPU)
+    only where this machine has a GPU, since a run is often created on a machine without one."""
+    import torch
+
+    from gndpo.stages.device import ATTN_IMPLEMENTATIONS, attn_implementation, resolve_dtype, visible_gpus
+
+    for key, name in (("model.dtype", cfg.model.dtype), ("engine.dtype", cfg.engine.dtype)):
+        try:
+            resolve_dtype(name, torch.device("cpu"))
+        except GndpoError as exc:
+            raise GndpoError(f"{key}: {exc}") from None
+    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS or visible_gpus() > 0:
+        attn_implementation(cfg.model.attn_implementation)
+
+
+def longest_prompt_tokens(model_path: str, prompts: list[str]) -> int:
+    """The most tokens any prompt has, tokenized as rollout does (the student's tokenizer on the prompt
+    text; a batch call without padding or truncation gives the same ids as one call per prompt)."""
+    from transformers.utils import logging as hf_logging
+
+    from gndpo.stages.modeling import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "longer than model_max_length" warnings: check_context says it
+    try:
+        longest = 0
+        for i in range(0, len(prompts), 4096):
+            longest = max([longest, *map(len, tok(prompts[i : i + 4096])["input_ids"])])
+        return longest
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def check_context(cfg: Config, splits: dict) -> None:
+    """Every prompt plus ``rollout.max_tokens`` fits vLLM's ``max_model_len`` (rollout samples the train
+    prompts and, with ``rollout.eval_heldout``, decodes the held-out ones with the same budget), and
+    ``engine.max_model_len`` is not beyond the student's own context length (vLLM would refuse it)."""
+    from gndpo.stages.engine import model_context_length, resolve_max_model_len
+
+    if cfg.rollout.max_tokens < 1:
+        raise GndpoError(f"rollout.max_tokens must be >= 1, got {cfg.rollout.max_tokens}")
+    own = model_context_length(cfg.student)
+    max_len = resolve_max_model_len(cfg.student, cfg.engine)
+    if max_len > own:
+        raise GndpoError(
+            f"engine.max_model_len {max_len} exceeds the student's context length {own} (max_position_embeddings); "
+            f"set engine.max_model_len <= {own}, or 0 for the model's own"
+        )
+    names = [s for s in PROMPT_SPLITS if s == "train" or cfg.rollout.eval_heldout]
+    prompts = {s: splits[s]["prompt"].to_list() for s in names}
+    longest, where = max((longest_prompt_tokens(cfg.student, prompts[s]), s) for s in names)
+    total = longest + cfg.rollout.max_tokens
+    if total > max_len:
+        source = "engine.max_model_len" if cfg.engine.max_model_len else "engine.max_model_len 0 = the student's own"
+        knobs = [f"raise engine.max_model_len (at most {own}, the student's context length)"] if max_len < own else []
+        knobs += ["lower rollout.max_tokens", "shorten the prompts"]
+        raise GndpoError(
+            f"the longest data.{where} prompt has {longest} tokens; plus rollout.max_tokens {cfg.rollout.max_tokens} "
+            f"that is {total}, more than max_model_len {max_len} ({source}): {', or '.join(knobs)}"
+        )
+
+
 def init_run(url: str, cfg: Config) -> Run:
     fs = RunFS(url)
     if fs.exists("run.yaml"):
@@ -91,6 +158,7 @@ def init_run(url: str, cfg: Config) -> Run:
             raise GndpoError(f"run folder {url} was created from another config; use a new folder")
         return existing
     validate_method(cfg.method)
+    check_precision(cfg)
     check_models(cfg)
     splits = {}
     for split in PROMPT_SPLITS:
@@ -98,6 +166,7 @@ def init_run(url: str, cfg: Config) -> Run:
         if not source:
             raise GndpoError(f"config has no data.{split} prompts file")
         splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key)
+    check_context(cfg, splits)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
     if not fs.create("run.yaml", config_to_yaml(cfg).encode()):

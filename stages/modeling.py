@@ -1,18 +1,17 @@
-"""Model loading and the one forward pass that score and train share.
+"""Loading tokenizers and models onto this process's device, and the same-tokenizer check.
 
-The student log-probs stored by score ("old log-probs") and the ones train differentiates come from the
-same function on the same module, so at the first optimizer step of a round the importance ratio is 1
-up to float error, as in verl's recompute of old log-probs.
+Models are loaded in ``model.dtype`` on the device :mod:`gndpo.stages.device` picks; the per-token
+log-prob computation that score and train share lives in :mod:`gndpo.stages.logprobs`.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from gndpo.errors import GndpoError
+from gndpo.stages.device import attn_implementation, local_device, resolve_dtype
 
 
 def load_tokenizer(path: str):
@@ -26,16 +25,25 @@ def load_tokenizer(path: str):
         raise GndpoError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None
 
 
-def load_causal_lm(path: str, dtype: torch.dtype = torch.float32):
+def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    """A causal LM from ``path`` in ``model.dtype`` with ``model.attn_implementation``, on ``device``
+    (default: this process's)."""
     from transformers import AutoModelForCausalLM
 
+    from gndpo.pipeline.config import ModelConfig
+
+    model_cfg = model_cfg or ModelConfig()
+    device = device or local_device()
+    dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     if not Path(path).exists():
         raise GndpoError(f"model path does not exist: {path}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation(model_cfg.attn_implementation), trust_remote_code=False
+        )
     except Exception as exc:
         raise GndpoError(f"cannot load a model from {path}: {str(exc).splitlines()[0]}") from None
-    return model
+    return model.to(device)
 
 
 def model_vocab_size(path: str) -> int | None:
@@ -59,57 +67,3 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
     s_vocab, t_vocab = model_vocab_size(student), model_vocab_size(teacher)
     if s_vocab != t_vocab:
         raise GndpoError(f"teacher vocab_size {t_vocab} differs from the student's {s_vocab}")
-
-
-def pad_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int):
-    """Right-padded prompt+response ids, attention mask, and each response's start and length."""
-    seqs = [p + r for p, r in zip(prompts, responses)]
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[i, : len(s)] = 1
-    starts = torch.tensor([len(p) for p in prompts])
-    lengths = torch.tensor([len(r) for r in responses])
-    return ids, attn, starts, lengths
-
-
-def response_distributions(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, temperature: float = 1.0):
-    """Full-vocabulary log-probs at every response position, as a right-padded [B, Tr, V] tensor.
-
-    log_softmax(logits / temperature); the logits of position j predict token j+1. Callers pass one
-    chunk (score) or micro-batch (train) at a time, so only that chunk's [B, T, V] logits exist.
-    Returns (logp_all [B, Tr, V], sampled-token log-probs [B, Tr], mask [B, Tr]).
-    """
-    ids, attn, starts, lengths = pad_batch(prompts, responses, pad_id)
-    logits = model(input_ids=ids, attention_mask=attn).logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    width = int(lengths.max()) if len(responses) else 0
-    # Position of the logit that predicts response token t: start + t - 1.
-    offs = torch.arange(width).unsqueeze(0)
-    pos = (starts.unsqueeze(1) + offs - 1).clamp(max=ids.shape[1] - 2)
-    mask = (offs < lengths.unsqueeze(1)).float()
-    target = torch.gather(ids, 1, (pos + 1).clamp(max=ids.shape[1] - 1))
-    picked = torch.gather(logits, 1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-    logp_all = torch.log_softmax(picked, dim=-1)
-    logp = torch.gather(logp_all, 2, target.unsqueeze(-1)).squeeze(-1) * mask
-    return logp_all, logp, mask
-
-
-def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int, temperature: float = 1.0):
-    """Sampled-token log-probs of each response under ``model`` ([B, Tr]) and the response mask."""
-    _, logp, mask = response_distributions(model, prompts, responses, pad_id, temperature)
-    return logp, mask
-
-
-def entropy(logp_all: torch.Tensor) -> torch.Tensor:
-    """H(p) in nats over the last axis."""
-    return -(logp_all.exp() * logp_all).sum(-1)
-
-
-def set_cpu_threads() -> None:
-    """Use the cores we were given; torch's default may oversubscribe a small machine."""
-    n = int(os.environ.get("GNDPO_THREADS", "0")) or (os.cpu_count() or 1)
-    torch.set_num_threads(n)

@@ -1,12 +1,14 @@
 """Score: the teacher's and the (recomputed) student's log-prob of every sampled token.
 
-One score unit per rollout unit. Both models run the same forward as train (``response_distributions``) in
-chunks of ``score.rows_per_chunk`` responses, so only one chunk's logits exist at a time. The student's
-log-probs use the sampling temperature, the teacher's temperature 1 (shared/ALGORITHMS.md, notation).
-Each row also carries the partial sums of the clamped score c_t that normalize aggregates, and the
-optional per-token columns the run's method needs (teacher top-k, entropies, full-vocabulary KL),
-computed from the same chunk's full distributions. Non-finite values are refused: a NaN here would
-silently poison the round's global statistics.
+One score unit per rollout unit. Responses are grouped by length into batches of at most
+``score.max_tokens_per_batch`` padded tokens; each batch runs both backbones once and then the output
+layers over ``model.token_chunk`` response positions at a time (:mod:`gndpo.stages.logprobs`), so
+full-vocabulary logits exist for one chunk only and never for prompt positions. The student's log-probs
+use the sampling temperature, the teacher's temperature 1 (the same function train differentiates, so
+the importance ratio at a round's first step is 1 up to float error). Each row also carries the partial
+sums of the clamped score c_t that normalize aggregates, and the optional per-token columns the run's
+method needs (teacher top-k, entropies, full-vocabulary KL). Non-finite values are refused: a NaN here
+would silently poison the round's global statistics.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.methods import clamped_score, score_needs, score_partial_sums
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
 from gndpo.pipeline.runs import Run
-from gndpo.stages.modeling import check_same_tokenizer, entropy, load_causal_lm, load_tokenizer, response_distributions, set_cpu_threads
+from gndpo.stages.device import local_device, set_cpu_threads
+from gndpo.stages.logprobs import make_batch, pair_token_stats, token_budget_batches
+from gndpo.stages.modeling import check_same_tokenizer, load_causal_lm, load_tokenizer
 from gndpo.stages.rollout import EVAL_UNIT
-from gndpo.storage.shards import SCORES, read_shard, write_shard
-
+from gndpo.storage.shards import flat_values, list_column, read_shard, scores_schema, write_shard
 
 class ScoreJob:
     stage = "score"
@@ -43,63 +46,70 @@ class ScoreJob:
         policy = self.run.policy_path(self.round)
         check_same_tokenizer(policy, self.cfg.teacher)
         self.pad_id = load_tokenizer(policy).pad_token_id or 0
-        self.student = load_causal_lm(policy).eval()
-        self.teacher = load_causal_lm(self.cfg.teacher).eval()
+        self.device = local_device()
+        self.student = load_causal_lm(policy, self.cfg.model, self.device).eval()
+        self.teacher = load_causal_lm(self.cfg.teacher, self.cfg.model, self.device).eval()
 
     @torch.no_grad()
     def run_unit(self, unit, out_dir):
+        sc, needs = self.cfg.score, score_needs(self.cfg.method)
         table = pa.concat_tables([read_shard(self.run.fs, f) for f in unit["rollout_files"]])
-        prompts = table.column("prompt_token_ids").to_pylist()
-        responses = table.column("response_token_ids").to_pylist()
-        masks = table.column("loss_mask").to_pylist()
+        prompts, prompt_offsets = flat_values(table.column("prompt_token_ids"))
+        responses, offsets = flat_values(table.column("response_token_ids"))
+        lengths = np.diff(offsets)
         temps = table.column("temperature").to_pylist()
         temperature = temps[0] if temps else 1.0
-        chunk = self.cfg.score.rows_per_chunk
-        needs = score_needs(self.cfg.method)
-        rows = []
-        for start in range(0, len(responses), chunk):
-            sl = slice(start, start + chunk)
-            t_all, t_lp, _ = response_distributions(self.teacher, prompts[sl], responses[sl], self.pad_id, 1.0)
-            s_all, s_lp, _ = response_distributions(self.student, prompts[sl], responses[sl], self.pad_id, temperature)
-            extras = self._extras(needs, t_all, s_all)
-            for i, (resp, mask) in enumerate(zip(responses[sl], masks[sl])):
-                n = len(resp)
-                row = {"teacher_logprobs": t_lp[i, :n].numpy(), "student_logprobs": s_lp[i, :n].numpy()}
-                row.update({k: v[i, :n].numpy() for k, v in extras.items()})
-                for name, values in row.items():
-                    if not np.isfinite(values).all():
-                        rid = table.column("rollout_id")[start + i].as_py()
-                        raise GndpoError(f"non-finite {name} for rollout {rid} in round {self.round}; refusing to score")
-                c = clamped_score(row["teacher_logprobs"], row["student_logprobs"], self.cfg.method.clamp)
-                rows.append({**row, **score_partial_sums(c, np.asarray(mask, dtype=np.float64))})
+        topk = sc.teacher_topk if TOPK in needs else 0
+        per_token: dict[str, np.ndarray] = {}
+        for rows in token_budget_batches(np.diff(prompt_offsets) + lengths, sc.max_tokens_per_batch, sc.rows_per_chunk):
+            batch = make_batch(
+                [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in rows],
+                [responses[offsets[i] : offsets[i + 1]] for i in rows], self.pad_id, self.device,
+            )
+            stats = pair_token_stats(
+                self.teacher, self.student, batch, self.cfg.model.token_chunk, temperature, topk,
+                (TEACHER_ENTROPY in needs, STUDENT_ENTROPY in needs), TOKEN_KL in needs,
+            )
+            # Put the batch's tokens back at their rows' places in the unit's flat token order.
+            where = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in rows] + [np.zeros(0, np.int64)])
+            for name, values in stats.items():
+                values = values.float().numpy() if values.is_floating_point() else values.numpy()
+                if name not in per_token:
+                    per_token[name] = np.zeros((len(responses), *values.shape[1:]), dtype=values.dtype)
+                per_token[name][where] = values
+        self._refuse_non_finite(table, per_token, offsets)
+        c = clamped_score(per_token["teacher_logprobs"], per_token["student_logprobs"], self.cfg.method.clamp)
+        masks, _ = flat_values(table.column("loss_mask"))
+        partial = [score_partial_sums(c[offsets[i] : offsets[i + 1]], masks[offsets[i] : offsets[i + 1]].astype(np.float64)) for i in range(len(lengths))]
+        k = per_token["teacher_topk_ids"].shape[1] if "teacher_topk_ids" in per_token else sc.teacher_topk
+        schema = scores_schema(k)
         columns = {
             "rollout_id": table.column("rollout_id"),
             "prompt_id": table.column("prompt_id"),
-            "teacher": pa.array([self.cfg.teacher] * len(rows), pa.string()),
+            "teacher": pa.array([self.cfg.teacher] * table.num_rows, pa.string()),
         }
-        for name in SCORES.names:
-            if name not in columns:
-                values = [r.get(name) for r in rows]
-                columns[name] = pa.array([v.tolist() if isinstance(v, np.ndarray) else v for v in values], SCORES.field(name).type)
-        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", pa.table(columns, schema=SCORES))
-        return [record], {"tokens": int(sum(r["n_valid"] for r in rows))}
+        for name in schema.names:
+            if name in columns:
+                continue
+            typ = schema.field(name).type
+            if name in per_token:
+                columns[name] = list_column(per_token[name], lengths, typ)
+            elif pa.types.is_list(typ):
+                columns[name] = pa.nulls(table.num_rows, typ)
+            else:
+                columns[name] = pa.array([p[name] for p in partial], typ)
+        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", pa.table(columns, schema=schema))
+        return [record], {"tokens": int(sum(p["n_valid"] for p in partial))}
 
-    def _extras(self, needs, t_all, s_all) -> dict:
-        """The optional per-token columns of one chunk ([B, Tr] or [B, Tr, k] tensors)."""
-        out = {}
-        if TOPK in needs:
-            k = min(self.cfg.score.teacher_topk, t_all.shape[-1])
-            values, ids = t_all.topk(k, dim=-1)
-            out["teacher_topk_logprobs"], out["teacher_topk_ids"] = values, ids.int()
-        if TEACHER_ENTROPY in needs:
-            out["teacher_entropy"] = entropy(t_all)
-        if STUDENT_ENTROPY in needs or TOKEN_KL in needs:
-            s_prob = s_all.exp()  # one full-vocabulary exp shared by the entropy and the KL
-            if STUDENT_ENTROPY in needs:
-                out["student_entropy"] = -(s_prob * s_all).sum(-1)
-            if TOKEN_KL in needs:
-                out["token_kl"] = (s_prob * (s_all - t_all)).sum(-1)
-        return out
+    def _refuse_non_finite(self, table, per_token: dict, offsets: np.ndarray) -> None:
+        for name, values in per_token.items():
+            if values.dtype.kind != "f":
+                continue
+            bad = ~np.isfinite(values.reshape(len(values), -1)).all(-1)
+            if bad.any():
+                row = int(np.searchsorted(offsets, np.argmax(bad), side="right") - 1)
+                rid = table.column("rollout_id")[row].as_py()
+                raise GndpoError(f"non-finite {name} for rollout {rid} in round {self.round}; refusing to score")
 
     def summarize(self, commits):
         return {"tokens": sum(c["tokens"] for c in commits), "seconds": sum(c["seconds"] for c in commits)}

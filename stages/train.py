@@ -2,53 +2,38 @@
 
 Reads top to bottom as the round's recipe:
 
-1. join rollouts and scores by rollout_id; ask the run's method (gndpo.pipeline.methods) for each
-   response's targets, using the statistics normalize committed: the policy-gradient advantage and
-   its tokens, the weight of a divergence term on the teacher's top-k per token, the loss mask and a
-   response weight. The token loss is L_t = pg_mask L_pg(A_t) + div_t D_t, times the response weight;
-2. start a DeepSpeed engine on the round's policy (ZeRO stage from the config; gloo on CPU);
-3. split the responses into ``train.optimizer_steps`` mini-batches (one step per rollout batch by
-   default, so pi_theta = pi_old at loss time) and each mini-batch into micro-batches; every micro-batch
-   contributes its share of the step loss, normalised by the step's GLOBAL sequence or token count;
+1. this rank's share of the round, joined with its scores and the method's targets
+   (:mod:`gndpo.stages.train_batch`): the policy-gradient advantage and its tokens, the weight of a
+   divergence term on the teacher's top-k per token, the loss mask and a response weight. The token
+   loss is L_t = pg_mask L_pg(A_t) + div_t D_t, times the response weight;
+2. a DeepSpeed engine on the round's policy (:mod:`gndpo.stages.train_engine`: dtype, ZeRO stage,
+   checkpoints), continuing the previous round's optimizer state, or an earlier attempt's checkpoint;
+3. ``train.optimizer_steps`` mini-batches (one step per rollout batch by default, so pi_theta = pi_old
+   at loss time), each cut into token-budgeted micro-batches; every micro-batch contributes its share of
+   the step loss, normalised by the step's GLOBAL sequence or token count, so the step is the same for
+   any number of ranks and micro-batches. Log-probs come chunked from :mod:`gndpo.stages.logprobs`;
 4. export the updated student in Hugging Face format; it rolls out the next round.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import math
 import os
-import random
 import socket
-import sys
 import tempfile
 
 import numpy as np
 import torch
 
-from gndpo.errors import GndpoError
 from gndpo.faults import crash_point
 from gndpo.pipeline.losses import aggregate, combined_token_losses
-from gndpo.pipeline.methods import Response, divergence_of, get_method, policy_settings, response_targets, score_needs
+from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.runs import Run
-from gndpo.stages.modeling import load_causal_lm, load_tokenizer, response_distributions, set_cpu_threads
-from gndpo.stages.normalize import round_stats
-from gndpo.stages.rollout import rollout_shards
-from gndpo.storage.records import manifest_files
-from gndpo.storage.shards import read_shards, verified_bytes
-
-
-def isolate_extension_builds() -> None:
-    """Give this Python environment its own folder for DeepSpeed's JIT-built ops.
-
-    torch's default folder is shared by every environment of the user; DeepSpeed rebuilds an op when
-    its sources' path differs, so two venvs running at once rebuild over each other and one of them
-    loads a half-written module. An explicit TORCH_EXTENSIONS_DIR is left alone."""
-    if "TORCH_EXTENSIONS_DIR" not in os.environ:
-        tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
-        os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.expanduser("~/.cache/torch_extensions"), f"gndpo-{tag}")
+from gndpo.stages.device import local_device, set_cpu_threads
+from gndpo.stages.logprobs import make_batch, policy_token_logprobs, token_budget_batches
+from gndpo.stages.modeling import load_tokenizer
+from gndpo.stages.train_batch import TrainRow, load_share
+from gndpo.stages.train_engine import build_engine, export_model, isolate_extension_builds, load_state, save_state
 
 
 def ensure_distributed_env() -> None:
@@ -61,91 +46,25 @@ def ensure_distributed_env() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
-def load_batch(run: Run, round_idx: int) -> list[dict]:
-    """One dict per response: token ids, old log-probs, the teacher's top-k where the method needs it,
-    and the method's targets (advantage, policy-gradient mask, divergence weight, loss mask, weight)."""
-    cfg = run.cfg
-    mc = cfg.method
-    method = get_method(mc.name)
-    needs_topk = TOPK in score_needs(mc)
-    rollouts = read_shards(run.fs, rollout_shards(run.records(round_idx, "rollout").require_manifest()))
-    scores = read_shards(run.fs, manifest_files(run.records(round_idx, "score").require_manifest()))
-    stats = round_stats(run, round_idx)
-    score_cols = ["rollout_id", "teacher_logprobs", "student_logprobs", "teacher_entropy", "student_entropy", "token_kl"]
-    if needs_topk:
-        score_cols += ["teacher_topk_ids", "teacher_topk_logprobs"]
-    by_id = {r["rollout_id"]: r for r in scores.select(score_cols).to_pylist()}
-    batch = []
-    cols = ["rollout_id", "prompt_id", "prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs",
-            "reward", "rewards", "teacher_prefix_len"]
-    for r in rollouts.select(cols).to_pylist():
-        s = by_id.get(r["rollout_id"])
-        if s is None:
-            raise GndpoError(f"rollout {r['rollout_id']} of round {round_idx} has no score row")
-        if needs_topk and s["teacher_topk_ids"] is None:
-            raise GndpoError(f"score row of {r['rollout_id']} has no teacher top-k, which method {mc.name} needs")
-        n = len(r["response_token_ids"])
-        prefix = np.zeros(n)
-        prefix[: r["teacher_prefix_len"] or 0] = 1.0
-        arr = lambda v: None if v is None else np.asarray(v, dtype=np.float64)  # noqa: E731
-        resp = Response(
-            rollout_id=r["rollout_id"], prompt_id=r["prompt_id"], mask=arr(r["loss_mask"]),
-            teacher_lp=arr(s["teacher_logprobs"]), student_lp=arr(s["student_logprobs"]),
-            sampler_lp=arr(r["sampler_logprobs"]), rewards=dict(r["rewards"] or {}), reward=r["reward"], prefix=prefix,
-            teacher_entropy=arr(s["teacher_entropy"]), student_entropy=arr(s["student_entropy"]), token_kl=arr(s["token_kl"]),
-        )
-        t = response_targets(resp, stats, mc, round_idx)
-        batch.append(
-            {
-                "rollout_id": r["rollout_id"],
-                "prompt": r["prompt_token_ids"],
-                "response": r["response_token_ids"],
-                "old_logp": resp.sampler_lp if method.old_logprobs == "sampler" else resp.student_lp,
-                "adv": t.adv, "pg_mask": t.pg_mask, "div": t.div, "mask": t.mask, "weight": t.weight,
-                "topk_ids": s.get("teacher_topk_ids"), "topk_logp": s.get("teacher_topk_logprobs"),
-            }
-        )
-    if len(batch) != len(by_id):
-        raise GndpoError(f"round {round_idx}: {len(by_id)} score rows but {len(batch)} rollouts")
-    return batch
+def all_reduce(values: np.ndarray, op: str = "sum") -> np.ndarray:
+    """Element-wise sum / max / min of ``values`` over ranks (identity on one rank)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.as_tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return t.numpy()
 
 
-def _padded(rows: list[dict], key: str, width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
+def padded(rows: list[TrainRow], key: str, width: int, device, dtype=torch.float32) -> torch.Tensor:
+    """Per-token fields of ``rows`` as a right-padded [B, width(, k)] tensor on ``device``."""
+    first = getattr(rows[0], key)
+    out = np.zeros((len(rows), width, *first.shape[1:]), dtype=np.float64 if dtype.is_floating_point else np.int64)
     for i, r in enumerate(rows):
-        out[i, : len(r[key])] = torch.as_tensor(r[key], dtype=torch.float32)
-    return out
-
-
-def _padded_topk(rows: list[dict], key: str, width: int, dtype) -> torch.Tensor:
-    k = max((len(r[key][0]) for r in rows if r[key]), default=1)
-    out = torch.zeros((len(rows), width, k), dtype=dtype)
-    for i, r in enumerate(rows):
-        if r[key]:
-            out[i, : len(r[key])] = torch.as_tensor(r[key], dtype=dtype)
-    return out
-
-
-def micro_batch_count(responses: int, world: int, micro_batch_size: int) -> int:
-    """Micro-batches each rank runs for a step of ``responses`` split over ``world`` ranks."""
-    return max(1, math.ceil(math.ceil(responses / world) / micro_batch_size))
-
-
-def deepspeed_config(cfg, micro_batches: int, world: int) -> dict:
-    tc = cfg.train
-    return {
-        "train_micro_batch_size_per_gpu": tc.micro_batch_size,
-        "gradient_accumulation_steps": micro_batches,
-        "train_batch_size": tc.micro_batch_size * micro_batches * world,
-        "gradient_clipping": tc.grad_clip,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True},
-        },
-        "zero_optimization": {"stage": tc.zero_stage},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+        values = getattr(r, key)
+        out[i, : len(values)] = values
+    return torch.from_numpy(out).to(device=device, dtype=dtype)
 
 
 class TrainJob:
@@ -167,126 +86,98 @@ class TrainJob:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
     def run_unit(self, unit, out_dir):
-        import deepspeed
-
         cfg, tc = self.cfg, self.cfg.train
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        batch = load_batch(self.run, self.round)
+        self.device, self.world = local_device(), world
+        share = load_share(self.run, self.round, rank, world)
         self.policy_loss, self.loss_agg = policy_settings(cfg.method)
         # A div term is computed only where the method stored the teacher top-k for one.
         self.divergence = divergence_of(cfg.method, self.round) if TOPK in score_needs(cfg.method) else None
-        random.Random(f"{tc.seed}:{self.round}").shuffle(batch)
-        steps = max(1, min(tc.optimizer_steps, len(batch)))
-        step_size = math.ceil(len(batch) / steps)
-        minibatches = [batch[i : i + step_size] for i in range(0, len(batch), step_size)]
-        micro_batches = micro_batch_count(step_size, world, tc.micro_batch_size)
+        steps = self.plan_steps(share)
 
         policy = self.run.policy_path(self.round)
-        torch.manual_seed(tc.seed)
-        model = load_causal_lm(policy)
-        model.config.use_cache = False
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=deepspeed_config(cfg, micro_batches, world),
-        )
-        resumed = self._load_optimizer_state(engine)
-        pad_id = load_tokenizer(policy).pad_token_id or 0
+        engine, _ = build_engine(cfg, policy, world)
+        self.pad_id = load_tokenizer(policy).pad_token_id or 0
         # A retried attempt continues from the newest checkpoint of an earlier attempt, so optimizer
         # steps already taken are not repeated (the mini-batch order is seeded by round, not attempt).
-        history = self._resume(engine)
-        resumed_after = len(history)
-        if history:
-            self.log(f"train r{self.round}: resuming after step {len(history)} from a checkpoint")
-        for i in range(len(history), len(minibatches)):
-            history.append(self.optimizer_step(engine, minibatches[i], pad_id, rank, world))
-            self.log(f"train r{self.round} step {i + 1}/{len(minibatches)}: loss {history[-1]['loss']:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
+        history = self._resume(engine, rank)
+        resumed = bool(history) or self._continue_optimizer(engine)
+        for i in range(len(history), len(steps)):
+            history.append(self.optimizer_step(engine, **steps[i]))
+            self.log(f"train r{self.round} step {i + 1}/{len(steps)}: loss {history[-1]['loss']:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
             crash_point("train.step")
             every = tc.checkpoint_every
-            if rank == 0 and self._carries_optimizer_state() and every and (i + 1) % every == 0 and i + 1 < len(minibatches):
-                self._save_checkpoint(engine, out_dir, history)
+            if tc.carry_optimizer_state and every and (i + 1) % every == 0 and i + 1 < len(steps):
+                self._save_checkpoint(engine, out_dir, history, rank)
 
-        # Advantage range over the tokens with a policy-gradient term (none for pure divergence methods).
-        advs = np.concatenate([r["adv"][r["pg_mask"] > 0] for r in batch] + [np.zeros(0)])
         summary = {
             "steps": history,
-            "responses": len(batch),
-            "tokens": int(sum(r["mask"].sum() for r in batch)),
-            "adv_min": float(advs.min()) if advs.size else None,
-            "adv_max": float(advs.max()) if advs.size else None,
-            "adv_mean": float(advs.mean()) if advs.size else None,
+            "responses": int(sum(share.step_sizes)),
+            "tokens": int(sum(s["n_tokens"] for s in steps)),
+            **self._advantage_range(share),
             "divergence": self.divergence,
             "model_dir": f"{out_dir}/model",
             "optimizer_state_resumed": resumed,
-            "resumed_after_step": resumed_after,
+            "resumed_after_step": self._resumed_after,
         }
         files = []
-        if rank == 0:
-            with tempfile.TemporaryDirectory() as tmp:
-                engine.module.save_pretrained(tmp, safe_serialization=True)
-                load_tokenizer(policy).save_pretrained(tmp)
+        with tempfile.TemporaryDirectory() as tmp:
+            export_model(engine, policy, tmp, tc.zero_stage, rank)
+            if rank == 0:
                 files = self.run.fs.upload_dir(tmp, f"{out_dir}/model")
-            if self._carries_optimizer_state():
-                record = self._write_optimizer_state(engine, f"{out_dir}/optimizer.pt")
-                files.append(record)
-                summary["optimizer_state"] = record
+        if tc.carry_optimizer_state:
+            records = save_state(engine, self.run.fs, f"{out_dir}/optimizer", rank, world)
+            if rank == 0:
+                files += records
+                summary["optimizer_state"] = {"world": world, "files": records}
         return files, summary
 
-    def optimizer_step(self, engine, minibatch: list[dict], pad_id: int, rank: int, world: int) -> dict:
-        """One optimizer step on ``minibatch`` (all ranks' responses); this rank takes every world-th
-        response and accumulates its micro-batches' shares of the step loss."""
-        cfg, tc = self.cfg, self.cfg.train
-        n_seqs = len(minibatch)
-        n_tokens = int(sum(r["mask"].sum() for r in minibatch))
-        mine = minibatch[rank::world]
-        # Every rank runs the same number of micro-batches, so collective calls line up.
-        n_micro = micro_batch_count(n_seqs, world, tc.micro_batch_size)
-        micros = [mine[j * len(mine) // n_micro : (j + 1) * len(mine) // n_micro] for j in range(n_micro)]
+    def plan_steps(self, share) -> list[dict]:
+        """Per optimizer step: this rank's token-budgeted micro-batches and the numbers every rank must
+        agree on: the step's global response and loss-token counts (the loss normalisers), and how many
+        micro-batches and output chunks to run, the maximum over ranks. Equal counts keep collective
+        calls aligned (gradient all-reduce, and ZeRO-3's per-call parameter gathers)."""
+        tc, chunk = self.cfg.train, self.cfg.model.token_chunk
+        micros = [
+            [[rows[i] for i in idx] for idx in token_budget_batches(np.array([r.tokens for r in rows]), tc.max_tokens_per_batch, tc.micro_batch_size)]
+            for rows in share.steps
+        ]
+        n_tokens = all_reduce(np.array([sum(float(r.mask.sum()) for r in rows) for rows in share.steps]))
+        n_micro = all_reduce(np.array([max(len(m), 1) for m in micros]), "max").astype(int)
+        chunks = np.zeros((len(micros), int(n_micro.max(initial=1))))
+        for i, step in enumerate(micros):
+            for j, micro in enumerate(step):
+                chunks[i, j] = -(-sum(len(r.response) for r in micro) // chunk)
+        chunks = all_reduce(chunks, "max").astype(int)
+        return [
+            {"micros": micros[i], "n_micro": int(n_micro[i]), "chunks": chunks[i].tolist(),
+             "n_seqs": share.step_sizes[i], "n_tokens": int(n_tokens[i])}
+            for i in range(len(micros))
+        ]
+
+    def optimizer_step(self, engine, micros: list[list[TrainRow]], n_micro: int, chunks: list[int], n_seqs: int, n_tokens: int) -> dict:
+        """One optimizer step: this rank's micro-batches each add their share of the step loss."""
+        tc = self.cfg.train
         step_loss, clipped, ratio_sum, grad_norm = 0.0, 0.0, 0.0, None
-        for j, micro in enumerate(micros):
-            boundary = j == len(micros) - 1
+        for j in range(n_micro):
+            boundary = j == n_micro - 1
             engine.set_gradient_accumulation_boundary(boundary)
-            if not micro:  # this rank has fewer responses than micro-batches: a zero share
-                engine.backward(sum(p.sum() for p in engine.module.parameters()) * 0.0, scale_wrt_gas=False)
-                engine.step()
-                continue
-            logp_all, logp, resp_mask = response_distributions(
-                engine, [r["prompt"] for r in micro], [r["response"] for r in micro], pad_id, cfg.rollout.temperature
-            )
-            width = logp.shape[1]
-            mask = resp_mask * _padded(micro, "mask", width)
-            pg_mask = resp_mask * _padded(micro, "pg_mask", width)
-            old = _padded(micro, "old_logp", width)
-            student_topk = teacher_topk = None
-            if self.divergence is not None:
-                # The student's full-softmax log-probs at the teacher's top-k ids of each position.
-                student_topk = torch.gather(logp_all, 2, _padded_topk(micro, "topk_ids", width, torch.long))
-                teacher_topk = _padded_topk(micro, "topk_logp", width, torch.float32)
-            losses, was_clipped = combined_token_losses(
-                self.policy_loss, self.divergence, logp, old, _padded(micro, "adv", width), pg_mask,
-                _padded(micro, "div", width), student_topk, teacher_topk,
-                cfg.method.clip_low, cfg.method.clip_high, cfg.method.jsd_beta,
-            )
-            weights = torch.tensor([r["weight"] for r in micro], dtype=torch.float32).unsqueeze(-1)
-            loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens)
+            micro = micros[j] if j < len(micros) else []
+            loss, stats = self.micro_batch_loss(engine.module, micro, chunks[j], n_seqs, n_tokens)
             # DeepSpeed averages gradients over ranks; the shares already sum to the step loss.
-            engine.backward(loss * world, scale_wrt_gas=False)
-            if boundary and tc.zero_stage == 0:
+            engine.backward(loss * self.world, scale_wrt_gas=False)
+            if boundary and tc.zero_stage == 0 and "bf16" not in engine.config and "fp16" not in engine.config:
                 # DeepSpeed's fp32 ZeRO-0 path clips without keeping the norm; grads are already
                 # all-reduced here (accumulation boundary), so this is the global pre-clip norm.
                 norms = [torch.linalg.vector_norm(p.grad) for p in engine.module.parameters() if p.grad is not None]
                 grad_norm = float(torch.linalg.vector_norm(torch.stack(norms)))
             engine.step()
-            step_loss += loss.item()
-            clipped += float(was_clipped.sum())
-            ratio_sum += float((torch.exp(logp.detach() - old) * mask).sum())
-        if tc.zero_stage > 0:
+            step_loss += stats[0]
+            clipped += stats[1]
+            ratio_sum += stats[2]
+        if grad_norm is None:
             grad_norm = engine.get_global_grad_norm()
-        if world > 1:
-            import torch.distributed as dist
-
-            totals = torch.tensor([step_loss, clipped, ratio_sum], dtype=torch.float64)
-            dist.all_reduce(totals)
-            step_loss, clipped, ratio_sum = totals.tolist()
+        step_loss, clipped, ratio_sum = all_reduce(np.array([step_loss, clipped, ratio_sum])).tolist()
         return {
             "loss": step_loss,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -294,66 +185,106 @@ class TrainJob:
             "ratio_mean": ratio_sum / max(n_tokens, 1),
         }
 
-    # -- checkpoints within a round ---------------------------------------------------------------
-    def _save_checkpoint(self, engine, out_dir: str, history: list[dict]) -> None:
-        """Model and optimizer state after ``len(history)`` steps; the JSON record, written last and
-        exclusively, is what makes the checkpoint visible to a later attempt."""
-        from safetensors.torch import save as save_safetensors
+    def micro_batch_loss(self, model, micro: list[TrainRow], min_chunks: int, n_seqs: int, n_tokens: int):
+        """(this micro-batch's share of the step loss, [loss, clipped tokens, sum of ratios]).
 
+        A rank with fewer micro-batches than another runs an empty one: a forward on one pad token times
+        zero, so every rank calls every module (and ZeRO-3 gathers) the same number of times."""
+        cfg, device = self.cfg, self.device
+        if not micro:
+            batch = make_batch([[self.pad_id]], [[self.pad_id]], self.pad_id, device)
+            logp, _, pad_term = policy_token_logprobs(model, batch, cfg.model.token_chunk, cfg.rollout.temperature, None, min_chunks)
+            return logp.sum() * 0.0 + pad_term, (0.0, 0.0, 0.0)
+        batch = make_batch([r.prompt for r in micro], [r.response for r in micro], self.pad_id, device)
+        topk_ids = None
+        if self.divergence is not None:
+            topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro])).to(device)
+        flat_logp, flat_topk, pad_term = policy_token_logprobs(
+            model, batch, cfg.model.token_chunk, cfg.rollout.temperature, topk_ids, min_chunks
+        )
+        logp = batch.padded(flat_logp)
+        width = logp.shape[1]
+        resp_mask = batch.mask()
+        mask = resp_mask * padded(micro, "mask", width, device)
+        pg_mask = resp_mask * padded(micro, "pg_mask", width, device)
+        old = padded(micro, "old_logp", width, device)
+        student_topk = teacher_topk = None
+        if self.divergence is not None:
+            # Padding positions get a uniform (k+1)-bucket distribution for both models, so every
+            # divergence form is finite there (then masked out): a NaN times 0 would still be NaN.
+            k = flat_topk.shape[-1]
+            fill = -float(np.log(k + 1))
+            student_topk = batch.padded(flat_topk, fill)
+            teacher_topk = padded(micro, "topk_logp", width, device)
+            teacher_topk[resp_mask == 0] = fill
+        losses, was_clipped = combined_token_losses(
+            self.policy_loss, self.divergence, logp, old, padded(micro, "adv", width, device), pg_mask,
+            padded(micro, "div", width, device), student_topk, teacher_topk,
+            cfg.method.clip_low, cfg.method.clip_high, cfg.method.jsd_beta, topk_form=cfg.method.topk_form,
+        )
+        weights = torch.tensor([r.weight for r in micro], dtype=torch.float32, device=device).unsqueeze(-1)
+        loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens)
+        ratio = float((torch.exp(logp.detach() - old) * mask).sum())
+        return loss + pad_term, (loss.item(), float(was_clipped.sum()), ratio)
+
+    def _advantage_range(self, share) -> dict:
+        """Advantage min/max/mean over the tokens with a policy-gradient term, over all ranks (None for
+        pure divergence methods)."""
+        advs = np.concatenate([r.adv[r.pg_mask > 0] for rows in share.steps for r in rows] + [np.zeros(0)])
+        total, count = all_reduce(np.array([advs.sum(), advs.size]))
+        lo = all_reduce(np.array([advs.min() if advs.size else np.inf]), "min")[0]
+        hi = all_reduce(np.array([advs.max() if advs.size else -np.inf]), "max")[0]
+        if not count:
+            return {"adv_min": None, "adv_max": None, "adv_mean": None}
+        return {"adv_min": float(lo), "adv_max": float(hi), "adv_mean": float(total / count)}
+
+    # -- optimizer state within and across rounds ---------------------------------------------------
+    def _save_checkpoint(self, engine, out_dir: str, history: list[dict], rank: int) -> None:
+        """Full engine state after ``len(history)`` steps (collective); rank 0's JSON record, written
+        last and exclusively, is what makes the checkpoint visible to a later attempt."""
         step = len(history)
         base = f"{out_dir}/ckpt/step-{step:05d}"
-        state = {k: v.contiguous() for k, v in engine.module.state_dict().items()}
-        files = {
-            "model": self.run.fs.write_new(f"{base}/model.safetensors", save_safetensors(state)),
-            "optimizer": self._write_optimizer_state(engine, f"{base}/optimizer.pt"),
-        }
-        self.run.fs.create_json(f"{base}.json", {"step": step, "history": history, "files": files})
+        files = save_state(engine, self.run.fs, base, rank, self.world)
+        if rank == 0:
+            self.run.fs.create_json(f"{base}.json", {"step": step, "history": history, "world": self.world, "files": files})
 
-    def _resume(self, engine) -> list[dict]:
-        """Load the newest checkpoint any earlier attempt of this round left; returns its step history."""
-        from safetensors.torch import load as load_safetensors
+    def _resume(self, engine, rank: int) -> list[dict]:
+        """Load the newest checkpoint an earlier attempt of this round left; returns its step history.
+        Rank 0 chooses it and tells the others, so every rank loads the same one."""
+        import torch.distributed as dist
 
-        if not self._carries_optimizer_state():
+        best = [None]
+        if rank == 0 and self.cfg.train.carry_optimizer_state:
+            records = self.run.records(self.round, self.stage)
+            for attempt in records.attempts("update"):
+                ckpt = f"{records.attempt_dir('update', attempt)}/ckpt"
+                for name in self.run.fs.listdir(ckpt):
+                    if name.endswith(".json"):
+                        meta = self.run.fs.read_json(f"{ckpt}/{name}")
+                        if best[0] is None or meta["step"] > best[0]["step"]:
+                            best[0] = meta
+        if self.world > 1:
+            dist.broadcast_object_list(best, src=0)
+        self._resumed_after = 0
+        if best[0] is None or not load_state(engine, self.run.fs, best[0], self.world):
             return []
-        records = self.run.records(self.round, self.stage)
-        best = None
-        for attempt in records.attempts("update"):
-            ckpt = f"{records.attempt_dir('update', attempt)}/ckpt"
-            for name in self.run.fs.listdir(ckpt):
-                if name.endswith(".json"):
-                    meta = self.run.fs.read_json(f"{ckpt}/{name}")
-                    if best is None or meta["step"] > best["step"]:
-                        best = meta
-        if best is None:
-            return []
-        engine.module.load_state_dict(load_safetensors(verified_bytes(self.run.fs, best["files"]["model"])))
-        self._read_optimizer_state(engine, best["files"]["optimizer"])
-        return list(best["history"])
+        self._resumed_after = best[0]["step"]
+        self.log(f"train r{self.round}: resuming after step {best[0]['step']} from a checkpoint")
+        return list(best[0]["history"])
 
-    def _write_optimizer_state(self, engine, rel: str) -> dict:
-        buf = io.BytesIO()
-        torch.save(engine.optimizer.state_dict(), buf)
-        return self.run.fs.write_new(rel, buf.getvalue())
-
-    def _read_optimizer_state(self, engine, record: dict) -> None:
-        state = torch.load(io.BytesIO(verified_bytes(self.run.fs, record)), weights_only=True)
-        engine.optimizer.load_state_dict(state)
-
-    def _carries_optimizer_state(self) -> bool:
-        # With ZeRO-0 the optimizer is plain torch AdamW, whose state dict is tensors and numbers and
-        # so loads with weights_only=True. ZeRO>=1 partitions it into DeepSpeed's own structures.
-        return self.cfg.train.carry_optimizer_state and self.cfg.train.zero_stage == 0
-
-    def _load_optimizer_state(self, engine) -> bool:
-        """Continue AdamW's moments from the previous round: a fresh Adam's first steps are
-        sign-like (size lr in every coordinate), which on a small policy undoes much of a round."""
-        if self.round == 0 or not self._carries_optimizer_state():
+    def _continue_optimizer(self, engine) -> bool:
+        """Continue AdamW's moments (and, in bf16, the fp32 master weights) from the previous round: a
+        fresh Adam's first steps are sign-like (size lr in every coordinate), which on a small policy
+        undoes much of a round."""
+        if self.round == 0 or not self.cfg.train.carry_optimizer_state:
             return False
         prev = self.run.records(self.round - 1, "train").require_manifest()["units"][0]
-        record = prev.get("optimizer_state")
-        if record is None:
+        state = prev.get("optimizer_state")
+        if not state or "files" not in state:
             return False
-        self._read_optimizer_state(engine, record)
+        if not load_state(engine, self.run.fs, state, self.world):
+            self.log(f"train r{self.round}: optimizer state of round {self.round - 1} was written by {state['world']} ranks; starting a fresh one")
+            return False
         return True
 
     def summarize(self, commits):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import io
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -63,13 +64,52 @@ SCORES = pa.schema(
         # Written only when the run's method needs them (null otherwise), per token of the response:
         # the teacher's top-k ids and full-softmax log-probs (k = score.teacher_topk), teacher and
         # student entropies in nats, and the full-vocabulary KL(p_S || p_T).
-        ("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),
-        ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32()))),
+        # Top-k as fixed-size lists: one flat buffer per column that readers view as [tokens, k].
+        ("teacher_topk_ids", pa.list_(pa.list_(pa.int32(), 16))),
+        ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32(), 16))),
         ("teacher_entropy", pa.list_(pa.float32())),
         ("student_entropy", pa.list_(pa.float32())),
         ("token_kl", pa.list_(pa.float32())),
     ]
 )
+
+
+
+def scores_schema(topk: int) -> pa.Schema:
+    """SCORES with a teacher top-k of ``topk`` ids per token (min(score.teacher_topk, vocabulary))."""
+    schema = SCORES
+    for name, typ in (("teacher_topk_ids", pa.int32()), ("teacher_topk_logprobs", pa.float32())):
+        schema = schema.set(schema.get_field_index(name), pa.field(name, pa.list_(pa.list_(typ, topk))))
+    return schema
+
+
+def list_column(values: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """A list<typ> column (or list<fixed_size_list>) from one flat array of all rows' values [N] or
+    [N, k] and each row's length, without per-element Python objects."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    if values.ndim == 2:
+        inner = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), typ.value_type.value_type), values.shape[1])
+    else:
+        inner = pa.array(values, typ.value_type)
+    return pa.ListArray.from_arrays(pa.array(offsets), inner)
+
+
+def flat_values(column) -> tuple[np.ndarray, np.ndarray]:
+    """(all rows' values as one numpy array, [N] or [N, k] for fixed-size lists; row offsets [rows+1])
+    of a list column. Null rows count as empty."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if array.null_count:
+        array = array.fill_null(pa.scalar([], array.type))
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.values.slice(offsets[0], offsets[-1] - offsets[0])
+    offsets = offsets - offsets[0]
+    if pa.types.is_fixed_size_list(values.type):
+        k = values.type.list_size
+        flat = values.flatten().to_numpy(zero_copy_only=False).reshape(-1, k)
+    else:
+        flat = values.to_numpy(zero_copy_only=False)
+    return flat, offsets
+
 
 STATS = pa.schema(
     [

@@ -158,7 +158,7 @@ def test_topk_divergences_match_reference(kind):
     s_full = torch.log_softmax(torch.tensor(rng.normal(size=(2, 3, V))), -1)
     t_full = torch.log_softmax(torch.tensor(rng.normal(size=(2, 3, V)) * 2), -1)
     t_topk, ids = t_full.topk(k, dim=-1)
-    got = topk_divergence(kind, torch.gather(s_full, 2, ids), t_topk, beta=0.3)
+    got = topk_divergence(kind, torch.gather(s_full, 2, ids), t_topk, beta=0.3, form="renormalized")
     for b in range(2):
         for t in range(3):
             want = divergence_reference(kind, s_full[b, t].tolist(), t_topk[b, t].tolist(), ids[b, t].tolist(), beta=0.3)
@@ -174,8 +174,8 @@ def test_full_vocabulary_topk_is_the_exact_divergence():
     s_topk = torch.gather(s, 2, ids)
     fkl = sum(math.exp(a) * (a - b) for a, b in zip(t[0, 0].tolist(), s[0, 0].tolist()))
     rkl = sum(math.exp(b) * (b - a) for a, b in zip(t[0, 0].tolist(), s[0, 0].tolist()))
-    assert float(topk_divergence("forward_kl", s_topk, t_topk)[0, 0]) == pytest.approx(fkl, rel=1e-9)
-    assert float(topk_divergence("reverse_kl", s_topk, t_topk)[0, 0]) == pytest.approx(rkl, rel=1e-9)
+    assert float(topk_divergence("forward_kl", s_topk, t_topk, form="renormalized")[0, 0]) == pytest.approx(fkl, rel=1e-9)
+    assert float(topk_divergence("reverse_kl", s_topk, t_topk, form="renormalized")[0, 0]) == pytest.approx(rkl, rel=1e-9)
 
 
 def test_divergence_methods_train_every_sampled_token():
@@ -413,7 +413,7 @@ def test_eopd_loss_is_ppo_opd_plus_gated_forward_kl():
     gate = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     t_topk, top_ids = t_full.topk(k, dim=-1)
-    losses, _ = combined_token_losses("ppo", "forward_kl", logp, old, adv, mask, gate * mask, torch.gather(s_full, 2, top_ids), t_topk)
+    losses, _ = combined_token_losses("ppo", "forward_kl", logp, old, adv, mask, gate * mask, torch.gather(s_full, 2, top_ids), t_topk, topk_form="renormalized")
     got = aggregate(losses, mask, "token-mean", B, int(mask.sum()))
     total = 0.0
     for b in range(B):

@@ -16,7 +16,7 @@ functions below are what the stages call: :func:`score_needs` (score), :func:`me
 from __future__ import annotations
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.losses import AGGREGATIONS, POLICY_LOSSES
+from gndpo.pipeline.losses import AGGREGATIONS, POLICY_LOSSES, TOPK_FORMS
 from gndpo.pipeline.methods import distill, divergence, outcome, tip, trust
 from gndpo.pipeline.methods.base import (
     SCORE_EXTRAS,
@@ -59,6 +59,8 @@ def validate(cfg) -> Method:
         raise GndpoError(f"method.loss_agg must be one of {', '.join(AGGREGATIONS)}, got {agg!r}")
     if not 0.0 < cfg.jsd_beta < 1.0:
         raise GndpoError(f"method.jsd_beta must be in (0, 1), got {cfg.jsd_beta}")
+    if cfg.topk_form not in TOPK_FORMS:
+        raise GndpoError(f"method.topk_form must be one of {', '.join(TOPK_FORMS)}, got {cfg.topk_form!r}")
     if cfg.schedule:
         divergence.parse_schedule(cfg.schedule)
     if cfg.tip.enabled and not 0.0 < cfg.tip.keep_ratio <= 1.0:

@@ -1,7 +1,17 @@
 """Divergence losses on the teacher's top-k, reward-weighted distillation, PACED (ALGORITHMS.md 3, 5).
 
 The loss term itself, D_t over the stored teacher top-k and the student's full softmax, is
-:func:`gndpo.pipeline.losses.topk_divergence`; here is what each method asks of it.
+:func:`gndpo.pipeline.losses.topk_divergence`; here is what each method asks of it. ``method.topk_form``
+picks how the k ids become distributions:
+
+* ``bucket`` (default): each model gets k+1 buckets, its probabilities at the teacher's k ids plus one
+  "rest" bucket with the remainder (1 - its top-k mass), and the divergence is exact on those buckets,
+  nothing renormalized. Student mass outside the teacher's top-k shows up in the rest bucket and is
+  paid for; the value lower-bounds the full-vocabulary divergence and equals it when k covers the
+  vocabulary.
+* ``renormalized``: the earlier form. Both models renormalized over the k ids (forward KL: only the
+  teacher), so the student's tail outside the teacher's top-k is free; reverse KL and JSD can then be
+  far below their full-vocabulary values.
 
 * ``reverse_kl`` / ``forward_kl`` / ``jsd``: D_t on every sampled token, global token mean. With
   ``method.schedule`` (e.g. ``fkl:2,rkl:4``) the divergence changes by round.

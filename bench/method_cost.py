@@ -1,10 +1,9 @@
 """What the method family costs on top of GNDPO, measured as ratios within one run.
 
-1. Score: one chunk of responses through teacher and student (the score stage's forward), without
-   extras (GNDPO) and with every optional column (teacher top-k, both entropies, full-vocab KL).
-   The toy vocabulary has 15 tokens, so the same post-processing is also timed on random logits of a
-   realistic vocabulary (``--vocab``, default 32000): log-softmax + sampled-token gather vs the same
-   plus the extras.
+1. Score: one batch of responses through teacher and student (the score stage's chunked forward),
+   without extras (GNDPO) and with every optional column (teacher top-k, both entropies, full-vocab KL).
+   The toy vocabulary has 15 tokens, so the same is also timed on a pair with a realistic vocabulary
+   (``--vocab``, default 32000; random weights, built in a temporary folder).
 2. Train: forward + backward of one micro-batch with GNDPO's GSPO loss, and with the forward-KL
    divergence on the teacher's top-k (the student's full softmax gathered at the top-k ids).
 
@@ -17,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,9 +24,11 @@ import torch
 
 from gndpo.pipeline.losses import aggregate, combined_token_losses
 from gndpo.pipeline.methods.base import SCORE_EXTRAS
+from gndpo.pipeline.realistic import ShapeSpec, build_realistic_pair
 from gndpo.pipeline.toy import ensure_toy_assets
-from gndpo.stages.modeling import load_causal_lm, load_tokenizer, response_distributions, set_cpu_threads
-from gndpo.stages.score import ScoreJob
+from gndpo.stages.device import set_cpu_threads
+from gndpo.stages.logprobs import make_batch, pair_token_stats, policy_token_logprobs
+from gndpo.stages.modeling import load_causal_lm, load_tokenizer
 
 OUT = Path(__file__).parent / "results"
 
@@ -41,6 +43,37 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def measure(student, teacher, prompts, responses, pad, topk: int, repeats: int) -> dict:
+    """Score and train costs of the method extras on one batch, as ratios to GNDPO's."""
+    batch = make_batch(prompts, responses, pad, torch.device("cpu"))
+    chunk = 1024
+
+    def score(extras: bool):
+        pair_token_stats(teacher, student, batch, chunk, 1.0, topk if extras else 0, (extras, extras), extras)
+
+    stored = pair_token_stats(teacher, student, batch, chunk, 1.0, topk)
+    t_topk, ids = stored["teacher_topk_logprobs"], stored["teacher_topk_ids"].long()
+    mask = batch.mask().double()
+
+    def train_step(divergence):
+        student.zero_grad()
+        flat, at_ids, _ = policy_token_logprobs(student, batch, chunk, 1.0, ids if divergence else None)
+        logp = batch.padded(flat)
+        adv = torch.randn_like(logp)
+        s_topk = batch.padded(at_ids, -float(torch.log(torch.tensor(topk + 1.0)))) if divergence else None
+        t_pad = batch.padded(t_topk, -float(torch.log(torch.tensor(topk + 1.0)))) if divergence else None
+        losses, _ = combined_token_losses("none" if divergence else "gspo", divergence, logp, logp.detach(), adv, mask, mask, s_topk, t_pad)
+        aggregate(losses, mask, "token-mean", len(prompts), int(mask.sum())).backward()
+
+    base_score, full_score = timed(lambda: score(False), repeats), timed(lambda: score(True), repeats)
+    base_train, div_train = timed(lambda: train_step(None), repeats), timed(lambda: train_step("forward_kl"), repeats)
+    return {
+        "vocab": student.config.vocab_size, "rows": len(prompts), "tokens": batch.n_tokens, "topk": topk,
+        "score_seconds": {"gndpo": base_score, "all_extras": full_score, "ratio": full_score / base_score},
+        "train_step_seconds": {"gspo": base_train, "forward_kl_topk": div_train, "ratio": div_train / base_train},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=256)
@@ -50,74 +83,30 @@ def main() -> None:
     args = ap.parse_args()
     set_cpu_threads()
     torch.manual_seed(0)
+    results = []
+    # The toy pair (vocabulary 15: "top-16" is the whole distribution) ...
     assets = ensure_toy_assets()
     tok = load_tokenizer(str(assets / "student"))
-    student = load_causal_lm(str(assets / "student"))
-    teacher = load_causal_lm(str(assets / "teacher")).eval()
     prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in (assets / "train.jsonl").read_text().splitlines()[: args.rows]]
-    vocab = student.config.vocab_size
-    responses = [torch.randint(3, vocab, (8,)).tolist() for _ in prompts]
-    pad = tok.pad_token_id or 0
-
-    class Cfg:  # the two score settings ScoreJob._extras reads
-        class score:
-            teacher_topk = args.topk
-
-    scorer = ScoreJob.__new__(ScoreJob)
-    scorer.cfg = Cfg
-
-    @torch.no_grad()
-    def score(needs):
-        t_all, _, _ = response_distributions(teacher, prompts, responses, pad, 1.0)
-        s_all, _, _ = response_distributions(student, prompts, responses, pad, 1.0)
-        scorer._extras(needs, t_all, s_all)
-
-    with torch.no_grad():
-        t_all, _, _ = response_distributions(teacher, prompts, responses, pad, 1.0)
-        t_topk, ids = t_all.topk(min(args.topk, vocab), dim=-1)
-
-    def train_step(divergence):
-        student.zero_grad()
-        logp_all, logp, mask = response_distributions(student, prompts, responses, pad, 1.0)
-        adv = torch.randn_like(logp)
-        s_topk = torch.gather(logp_all, 2, ids) if divergence else None
-        losses, _ = combined_token_losses(
-            "none" if divergence else "gspo", divergence, logp, logp.detach(), adv, mask, mask, s_topk, t_topk
-        )
-        aggregate(losses, mask, "token-mean", len(prompts), int(mask.sum())).backward()
-
-    base_score = timed(lambda: score(frozenset()), args.repeats)
-    full_score = timed(lambda: score(frozenset(SCORE_EXTRAS)), args.repeats)
-    base_train = timed(lambda: train_step(None), args.repeats)
-    div_train = timed(lambda: train_step("forward_kl"), args.repeats)
-    # Post-processing only, at a realistic vocabulary: 16 responses x 64 positions.
-    t_logits, s_logits = torch.randn(16, 64, args.vocab), torch.randn(16, 64, args.vocab)
-    target = torch.randint(0, args.vocab, (16, 64, 1))
-
-    @torch.no_grad()
-    def post(needs):
-        t, s = torch.log_softmax(t_logits, -1), torch.log_softmax(s_logits, -1)
-        torch.gather(t, 2, target), torch.gather(s, 2, target)
-        scorer._extras(needs, t, s)
-
-    base_post = timed(lambda: post(frozenset()), args.repeats)
-    full_post = timed(lambda: post(frozenset(SCORE_EXTRAS)), args.repeats)
-    result = {
-        "rows": args.rows, "vocab": vocab, "topk": min(args.topk, vocab), "threads": torch.get_num_threads(),
-        "score_seconds": {"gndpo": base_score, "all_extras": full_score, "ratio": full_score / base_score},
-        "train_step_seconds": {"gspo": base_train, "forward_kl_topk": div_train, "ratio": div_train / base_train},
-        "postprocess_seconds_at_vocab": {"vocab": args.vocab, "gndpo": base_post, "all_extras": full_post, "ratio": full_post / base_post},
-    }
+    student, teacher = load_causal_lm(str(assets / "student")), load_causal_lm(str(assets / "teacher")).eval()
+    responses = [torch.randint(3, student.config.vocab_size, (8,)).tolist() for _ in prompts]
+    results.append({"models": "toy", **measure(student, teacher, prompts, responses, tok.pad_token_id or 0, min(args.topk, student.config.vocab_size), args.repeats)})
+    # ... and a realistic-vocabulary pair (random weights), 16 responses of 64 tokens.
+    with tempfile.TemporaryDirectory() as tmp:
+        build_realistic_pair(tmp, ShapeSpec(vocab_size=args.vocab, hidden=256, layers=1, heads=4, kv_heads=2, intermediate=704, tokenizer_vocab=2048))
+        student, teacher = load_causal_lm(f"{tmp}/student"), load_causal_lm(f"{tmp}/teacher").eval()
+        prompts = [torch.randint(3, 2048, (16,)).tolist() for _ in range(16)]
+        responses = [torch.randint(3, args.vocab, (64,)).tolist() for _ in prompts]
+        results.append({"models": "realistic-vocab", **measure(student, teacher, prompts, responses, 0, args.topk, args.repeats)})
     OUT.mkdir(exist_ok=True)
-    (OUT / "method_cost.json").write_text(json.dumps(result, indent=1))
-    (OUT / "method_cost.md").write_text(
-        f"toy models, {args.rows} responses of 8 tokens, vocab {vocab}, top-k {result['topk']}, {result['threads']} threads, median of {args.repeats}\n\n"
-        "| measurement | GNDPO baseline (s) | with the method's extra work (s) | ratio |\n|---|---|---|---|\n"
-        f"| score chunk: + top-k, entropies, KL | {base_score:.4f} | {full_score:.4f} | {full_score / base_score:.2f} |\n"
-        f"| train micro-batch fwd+bwd: forward KL on top-k vs GSPO | {base_train:.4f} | {div_train:.4f} | {div_train / base_train:.2f} |\n"
-        f"| score post-processing at vocab {args.vocab} (16 x 64 positions): + extras | {base_post:.4f} | {full_post:.4f} | {full_post / base_post:.2f} |\n"
-    )
-    print(json.dumps(result, indent=1))
+    (OUT / "method_cost.json").write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=1))
+    lines = [f"{torch.get_num_threads()} threads, median of {args.repeats}\n",
+             "| models | vocab | responses x tokens | score: + top-k, entropies, KL (ratio) | train fwd+bwd: top-k forward KL vs GSPO (ratio) |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['models']} | {r['vocab']} | {r['rows']} x {r['tokens'] // r['rows']} | {r['score_seconds']['ratio']:.2f} | {r['train_step_seconds']['ratio']:.2f} |")
+    (OUT / "method_cost.md").write_text("\n".join(lines) + "\n")
+    print(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
 """Data-parallel invariance of train: the same round trained by 2 DeepSpeed ranks (torchrun, gloo)
 gives the same per-step losses and the same updated weights as 1 rank, because every micro-batch's
 loss share is normalised by the GLOBAL sequence/token count of its optimizer step. Checked for GNDPO
-and for a divergence loss (JSD on the teacher's top-k)."""
+and for a divergence loss (JSD on the teacher's top-k).
 
+The same rounds also check the ZeRO stages: 2 ranks under ZeRO-2 (GNDPO) and ZeRO-3 (JSD, the model
+built partitioned), killed after an in-round checkpoint and rerun, end with the per-step losses and
+weights of the uninterrupted 1-rank ZeRO-0 run, without repeating a step; the ZeRO-3 export (gathered
+weights) loads in transformers and in vLLM."""
+
+import os
 import shutil
 import subprocess
 import sys
@@ -51,16 +57,34 @@ def trained(run):
     return [s["loss"] for s in commit["steps"]], [s["grad_norm"] for s in commit["steps"]], weights
 
 
-def test_two_ranks_match_one_rank(normalized_run, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    shutil.copytree(normalized_run, one)
-    shutil.copytree(normalized_run, two)
-    gndpo("train", one, "--round", 0)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "gndpo.cli", "train", str(two), "--round", "0"],
-        capture_output=True, text=True, timeout=600,
+def torchrun_train(run, ranks: int, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+         "-m", "gndpo.cli", "train", str(run), "--round", "0"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}, start_new_session=True,
     )
+
+
+@pytest.fixture(scope="module")
+def one_rank(normalized_run, tmp_path_factory):
+    """The uninterrupted 1-rank ZeRO-0 train of the round: the reference of every other layout."""
+    one = tmp_path_factory.mktemp("one") / "run"
+    shutil.copytree(normalized_run, one)
+    gndpo("train", one, "--round", 0)
+    return one
+
+
+def set_train(run, **knobs):
+    """Change train settings in a copied run's frozen config (its rollouts, scores and statistics stay)."""
+    cfg = yaml.safe_load((run / "run.yaml").read_text())
+    cfg["train"].update(knobs)
+    (run / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def test_two_ranks_match_one_rank(normalized_run, one_rank, tmp_path):
+    one, two = one_rank, tmp_path / "two"
+    shutil.copytree(normalized_run, two)
+    proc = torchrun_train(two, 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loss1, norm1, w1 = trained(one)
     loss2, norm2, w2 = trained(two)
@@ -72,3 +96,60 @@ def test_two_ranks_match_one_rank(normalized_run, tmp_path):
         # against updates of ~lr = 1e-3.
         np.testing.assert_allclose(w2[key], w1[key], rtol=1e-4, atol=1e-5)
     assert any(not np.array_equal(w1[k], load_file(str(open_run(str(one)).policy_path(0)) + "/model.safetensors")[k]) for k in w1)
+
+
+def test_zero_stage_crash_resume_matches_zero0(normalized_run, one_rank, tmp_path):
+    """ZeRO-2 (GNDPO run) or ZeRO-3 (JSD run) on 2 ranks, SIGKILLed after step 2 of 2 (step 1 was
+    checkpointed with DeepSpeed's per-rank partitions), then rerun: the commit resumes after step 1,
+    and losses and weights equal the 1-rank ZeRO-0 run's."""
+    zero = 3 if normalized_run.parent.name.startswith("dp-jsd") else 2
+    run = tmp_path / "run"
+    shutil.copytree(normalized_run, run)
+    set_train(run, zero_stage=zero, checkpoint_every=1)
+    crashed = torchrun_train(run, 2, env={"GNDPO_CRASH_AT": "train.step", "GNDPO_CRASH_AFTER": "1"})
+    assert crashed.returncode != 0
+    assert open_run(str(run)).records(0, "train").manifest() is None
+    proc = torchrun_train(run, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    commit = open_run(str(run)).records(0, "train").done("update")
+    assert commit["attempt"] == 2 and commit["resumed_after_step"] == 1 and len(commit["steps"]) == 2
+    loss0, norm0, w0 = trained(one_rank)
+    loss, norm, w = trained(run)
+    np.testing.assert_allclose(loss, loss0, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(norm, norm0, rtol=1e-4)
+    assert w.keys() == w0.keys()
+    for key in w0:
+        np.testing.assert_allclose(w[key], w0[key], rtol=1e-4, atol=1e-5)
+    if zero == 3:
+        exported_model_loads_in_transformers_and_vllm(run / commit["model_dir"], w0)
+
+
+VLLM_PROBE = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=32, enforce_eager=True, enable_chunked_prefill=False)
+    ids = json.loads(sys.argv[2])
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    print(json.dumps([None] + [float(step[tok].logprob) for step, tok in zip(out[0].prompt_logprobs[1:], ids[1:])]))
+"""
+
+
+def exported_model_loads_in_transformers_and_vllm(model_dir, reference_weights):
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    for name, value in model.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), reference_weights[name], rtol=1e-4, atol=1e-5)
+    ids = [1, 3, 4, 12, 5, 6, 13, 7, 8, 2]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+    want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    proc = subprocess.run([sys.executable, "-c", VLLM_PROBE, str(model_dir), json.dumps(ids)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])[1:]
+    np.testing.assert_allclose(got, want, atol=1e-4)

@@ -81,7 +81,7 @@ class RolloutJob:
         self.teacher = None
         if self.cfg.rollout.guided_fraction > 0:
             check_same_tokenizer(policy, self.cfg.teacher)
-            self.teacher = load_causal_lm(self.cfg.teacher).eval()
+            self.teacher = load_causal_lm(self.cfg.teacher, self.cfg.model).eval()
 
     def is_guided(self, prompt_id: str) -> bool:
         """A seeded, worker-independent choice of the round's guided prompts."""
@@ -98,8 +98,10 @@ class RolloutJob:
         out: list[int] = []
         with torch.no_grad():
             for _ in range(min(rc.guide_prefix_tokens, rc.max_tokens - 1)):
-                logits = self.teacher(input_ids=torch.tensor([ids + out])).logits[0, -1].float()
-                probs = torch.softmax(logits / max(rc.temperature, 1e-6), dim=-1)
+                context = torch.tensor([ids + out], device=self.teacher.device)
+                logits = self.teacher(input_ids=context, logits_to_keep=1).logits[0, -1].float()
+                # Sampled on the CPU with the request's own generator, wherever the teacher runs.
+                probs = torch.softmax(logits / max(rc.temperature, 1e-6), dim=-1).cpu()
                 out.append(int(torch.multinomial(probs, 1, generator=gen)))
                 if out[-1] == self.tok.eos_token_id:
                     break

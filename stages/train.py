@@ -57,6 +57,16 @@ def all_reduce(values: np.ndarray, op: str = "sum") -> np.ndarray:
     return t.numpy()
 
 
+def start_forward(engine) -> None:
+    """The bookkeeping ``DeepSpeedEngine.forward`` does before a forward. Train calls the backbone and
+    the output layer itself (chunked), so it must do it: without it ZeRO optimizers count no micro-step
+    and each micro-batch's gradients replace the previous ones instead of accumulating (ZeRO-3)."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        engine.optimizer.clear_backward_seen_flag()
+
+
 def padded(rows: list[TrainRow], key: str, width: int, device, dtype=torch.float32) -> torch.Tensor:
     """Per-token fields of ``rows`` as a right-padded [B, width(, k)] tensor on ``device``."""
     first = getattr(rows[0], key)
@@ -163,6 +173,7 @@ class TrainJob:
             boundary = j == n_micro - 1
             engine.set_gradient_accumulation_boundary(boundary)
             micro = micros[j] if j < len(micros) else []
+            start_forward(engine)
             loss, stats = self.micro_batch_loss(engine.module, micro, chunks[j], n_seqs, n_tokens)
             # DeepSpeed averages gradients over ranks; the shares already sum to the step loss.
             engine.backward(loss * self.world, scale_wrt_gas=False)

@@ -25,9 +25,11 @@ def load_tokenizer(path: str):
         raise GndpoError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None
 
 
-def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None, dtype: torch.dtype | None = None):
-    """A causal LM from ``path`` in ``model.dtype`` with ``model.attn_implementation``, on ``device``
-    (default: this process's)."""
+def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None, dtype: torch.dtype | None = None,
+                   place: bool = True):
+    """A causal LM from ``path`` in ``model.dtype`` with ``model.attn_implementation``, moved to
+    ``device`` (default: this process's). ``place=False`` leaves it where it was built: train hands the
+    model to DeepSpeed, which places it, or under ZeRO-3 has already partitioned it onto the devices."""
     from transformers import AutoModelForCausalLM
 
     from gndpo.pipeline.config import ModelConfig
@@ -43,7 +45,7 @@ def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None
         )
     except Exception as exc:
         raise GndpoError(f"cannot load a model from {path}: {str(exc).splitlines()[0]}") from None
-    return model.to(device)
+    return model.to(device) if place else model
 
 
 def model_vocab_size(path: str) -> int | None:

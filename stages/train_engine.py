@@ -85,8 +85,9 @@ def build_engine(cfg, policy: str, world: int):
         # While this object lives, from_pretrained builds the model inside zero.Init, one partition a rank.
         zero3 = HfDeepSpeedConfig(config)
     torch.manual_seed(cfg.train.seed)
-    # Built on the CPU in the training dtype; DeepSpeed moves it (or its partitions) to the device.
-    model = load_causal_lm(policy, cfg.model, device=torch.device("cpu"), dtype=dtype)
+    # Built in the training dtype and left where it was built: DeepSpeed moves it to the device, or
+    # under ZeRO-3 zero.Init already put each rank's partition there.
+    model = load_causal_lm(policy, cfg.model, device=device, dtype=dtype, place=False)
     model.config.use_cache = False
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -132,7 +132,7 @@ if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=32, enforce_eager=True, enable_chunked_prefill=False)
     ids = json.loads(sys.argv[2])
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    print(json.dumps([None] + [float(step[tok].logprob) for step, tok in zip(out[0].prompt_logprobs[1:], ids[1:])]))
+    print("LOGPROBS", json.dumps([float(step[tok].logprob) for step, tok in zip(out[0].prompt_logprobs[1:], ids[1:])]), flush=True)
 """
 
 
@@ -151,5 +151,32 @@ def exported_model_loads_in_transformers_and_vllm(model_dir, reference_weights):
     want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
     proc = subprocess.run([sys.executable, "-c", VLLM_PROBE, str(model_dir), json.dumps(ids)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])[1:]
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = json.loads(line.removeprefix("LOGPROBS "))
     np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_bf16_train_runs_deepspeed_bf16_and_exports_bf16(normalized_run, one_rank, tmp_path):
+    """model.dtype bfloat16 (what `auto` picks on a bf16 GPU) through the real DeepSpeed bf16 path on
+    CPU, ZeRO-2: the export is bf16, and the losses stay within bf16 rounding of the fp32 run's."""
+    if not normalized_run.parent.name.startswith("dp-jsd"):
+        pytest.skip("the bf16 path is checked on the JSD round (positive losses, so a relative tolerance applies)")
+    import json
+
+    from safetensors import safe_open
+
+    run = tmp_path / "run"
+    shutil.copytree(normalized_run, run)
+    cfg = yaml.safe_load((run / "run.yaml").read_text())
+    cfg["model"]["dtype"] = "bfloat16"
+    cfg["train"]["zero_stage"] = 2
+    (run / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    gndpo("train", run, "--round", 0)
+    commit = open_run(str(run)).records(0, "train").done("update")
+    model_dir = run / commit["model_dir"]
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}
+    assert json.loads((model_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    loss32, _, _ = trained(one_rank)
+    np.testing.assert_allclose([s["loss"] for s in commit["steps"]], loss32, rtol=0.05)

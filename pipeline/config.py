@@ -164,7 +164,7 @@ class TrainConfig:
     zero_stage: int = 0  # 0-3; with 3 the model is built partitioned and the export gathers it
     gradient_checkpointing: bool = False
     carry_optimizer_state: bool = True  # keep AdamW moments across rounds
-    checkpoint_every: int = 8  # optimizer steps between in-round checkpoints a retry resumes from
+    checkpoint_every: int = 8  # optimizer steps between in-round checkpoints a retry resumes from (0 = none)
     num_processes: int = 0  # train ranks on this node; 0 = one per visible GPU (1 on CPU)
     seed: int = 0
 

@@ -16,8 +16,10 @@ Prompts are passed as token ids, so what is generated is exactly what score and 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,7 +108,20 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0):
     kwargs = engine_kwargs(model_path, cfg, seed)
     from vllm import LLM
 
-    return LLM(**kwargs)
+    llm = LLM(**kwargs)
+    # Left to interpreter teardown, the engine-core process can be torn down mid-exit and the process
+    # aborts ("terminate called without an active exception") after its work is done.
+    atexit.register(shutdown_llm, weakref.ref(llm))
+    return llm
+
+
+def shutdown_llm(llm) -> None:
+    """Stop ``llm``'s engine-core process now (also accepts a weak reference; idempotent)."""
+    if isinstance(llm, weakref.ref):
+        llm = llm()
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
 
 
 @dataclass

@@ -11,7 +11,7 @@ import hashlib
 import pyarrow as pa
 
 from gndpo.pipeline.config import EngineConfig
-from gndpo.stages.engine import generate, make_llm
+from gndpo.stages.engine import generate, make_llm, shutdown_llm
 from gndpo.stages.modeling import load_tokenizer
 
 EVAL_SCHEMA = pa.schema(
@@ -69,4 +69,5 @@ def evaluate_model(model_path: str, rows: list[dict], reward, engine: EngineConf
     result = {"model": model_path, "pass@1": result["accuracy"], "n": result["n"]}
     if k > 1:
         result[f"pass@{k}"] = pass_at_k(llm, tok, rows, reward, max_tokens, k)
+    shutdown_llm(llm)
     return result

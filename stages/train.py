@@ -117,7 +117,7 @@ class TrainJob:
             self.log(f"train r{self.round} step {i + 1}/{len(steps)}: loss {history[-1]['loss']:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
             crash_point("train.step")
             every = tc.checkpoint_every
-            if tc.carry_optimizer_state and every and (i + 1) % every == 0 and i + 1 < len(steps):
+            if every and (i + 1) % every == 0 and i + 1 < len(steps):
                 self._save_checkpoint(engine, out_dir, history, rank)
 
         summary = {
@@ -265,7 +265,7 @@ class TrainJob:
         import torch.distributed as dist
 
         best = [None]
-        if rank == 0 and self.cfg.train.carry_optimizer_state:
+        if rank == 0:
             records = self.run.records(self.round, self.stage)
             for attempt in records.attempts("update"):
                 ckpt = f"{records.attempt_dir('update', attempt)}/ckpt"

@@ -133,6 +133,8 @@ if __name__ == "__main__":
     ids = json.loads(sys.argv[2])
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     print("LOGPROBS", json.dumps([float(step[tok].logprob) for step, tok in zip(out[0].prompt_logprobs[1:], ids[1:])]), flush=True)
+    # Stopped explicitly: left to interpreter teardown, the engine process can abort the exit.
+    llm.llm_engine.engine_core.shutdown()
 """
 
 

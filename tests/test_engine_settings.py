@@ -75,12 +75,18 @@ def test_gpu_engine_is_bf16_with_cuda_graphs(tiny_assets, monkeypatch):
 
 def test_make_llm_passes_the_settings_to_vllm(tiny_assets, monkeypatch):
     seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            seen.update(kw)
+
     fake = types.ModuleType("vllm")
-    fake.LLM = lambda **kw: seen.update(kw) or "engine"
+    fake.LLM = FakeLLM
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setattr(engine, "cuda_available", lambda: False)
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    assert engine.make_llm(str(tiny_assets / "student"), EngineConfig(max_model_len=32, kv_cache_gib=3), seed=5) == "engine"
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL"):  # restored after the test
+        monkeypatch.delenv(name, raising=False)
+    assert isinstance(engine.make_llm(str(tiny_assets / "student"), EngineConfig(max_model_len=32, kv_cache_gib=3), seed=5), FakeLLM)
     assert seen["max_model_len"] == 32 and seen["seed"] == 5 and seen["enable_chunked_prefill"] is False
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
 

@@ -87,25 +87,27 @@ def test_full_vocabulary_k_gives_the_exact_divergence(kind, form):
 
 
 # (b) ---------------------------------------------------------------------------------------------
+def assert_each_position(got, reference, kind, s_topk, t_topk):
+    """Every (response, position) value of ``got`` equals the pure-Python ``reference`` on its top-k."""
+    for b in range(got.shape[0]):
+        for t in range(got.shape[1]):
+            want = reference(kind, s_topk[b, t].tolist(), t_topk[b, t].tolist())
+            assert float(got[b, t]) == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_bucket_form_is_the_divergence_on_k_plus_one_buckets(kind):
     s_full, _, s_topk, t_topk = topk_case(1, V=11, k=4)
     got = topk_divergence(kind, s_topk, t_topk, beta=BETA)  # bucket is the default
     assert torch.equal(got, topk_divergence(kind, s_topk, t_topk, beta=BETA, form="bucket"))
-    for b in range(2):
-        for t in range(3):
-            want = bucket_reference(kind, s_topk[b, t].tolist(), t_topk[b, t].tolist())
-            assert float(got[b, t]) == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert_each_position(got, bucket_reference, kind, s_topk, t_topk)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_renormalized_form_keeps_the_earlier_definition(kind):
     _, _, s_topk, t_topk = topk_case(2, V=11, k=4)
     got = topk_divergence(kind, s_topk, t_topk, beta=BETA, form="renormalized")
-    for b in range(2):
-        for t in range(3):
-            want = renormalized_reference(kind, s_topk[b, t].tolist(), t_topk[b, t].tolist())
-            assert float(got[b, t]) == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert_each_position(got, renormalized_reference, kind, s_topk, t_topk)
 
 
 @pytest.mark.parametrize("kind", KINDS)

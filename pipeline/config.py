@@ -81,7 +81,7 @@ class OutcomeConfig:
     rewards: list = field(default_factory=lambda: ["exact_match"])  # names in gndpo.pipeline.rewards
     weights: list = field(default_factory=list)  # one per reward; empty = all 1
     gdpo_batch_norm: str = "sequence"  # sequence (TRL) | token (verl)
-    coef: float = 0.0  # distillation methods: A_t = A_dist_t + coef * A_GRPO_i (first reward); 0 = off
+    coef: float = 0.0  # distillation methods: A_t = A_dist_t + coef * A_GRPO_i (GRPO's advantage); 0 = off
 
 
 @dataclass

@@ -12,7 +12,9 @@ import math
 import torch
 
 POLICY_LOSSES = ("gspo", "ppo", "reinforce", "is")
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean")
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean")  # what method.loss_agg may name
+# Reward-weighted distillation's own aggregation, whatever loss_agg says (chosen by policy_settings).
+WEIGHTED_SEQ_MEAN = "weighted-seq-mean"
 
 
 def gspo_token_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -55,16 +57,20 @@ def token_losses(
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
-def aggregate(losses: torch.Tensor, mask: torch.Tensor, mode: str, n_seqs: int, n_tokens: int) -> torch.Tensor:
-    """This micro-batch's share of the step loss.
+def aggregate(losses: torch.Tensor, mask: torch.Tensor, mode: str, n_seqs: int, n_tokens: int, weight_sum: float = 0.0) -> torch.Tensor:
+    """This micro-batch's share of the step loss, from ``losses`` already multiplied by each response's
+    weight w_i.
 
     seq-mean-token-mean: sum_i [sum_t L m / sum_t m] / n_seqs  (n_seqs: sequences in the whole step)
     token-mean:          sum_{i,t} L m / n_tokens              (n_tokens: valid tokens in the whole step)
+    weighted-seq-mean:   sum_i [sum_t L m / sum_t m] / weight_sum  (weight_sum: sum_i w_i over the whole
+                         step), i.e. sum_i w_i L_i / sum_i w_i with L_i response i's token mean
     Summing the shares of all micro-batches (and ranks) gives the loss of the whole step.
     """
-    if mode == "seq-mean-token-mean":
+    if mode in ("seq-mean-token-mean", WEIGHTED_SEQ_MEAN):
         per_seq = (losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return per_seq.sum() / max(n_seqs, 1)
+        # A step whose weights are all 0 (e.g. PACED with every pass rate 0 or 1) contributes 0.
+        return per_seq.sum() / (max(n_seqs, 1) if mode == "seq-mean-token-mean" else weight_sum or 1.0)
     if mode == "token-mean":
         return (losses * mask).sum() / max(n_tokens, 1)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGGREGATIONS}")

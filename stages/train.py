@@ -144,15 +144,17 @@ class TrainJob:
 
     def plan_steps(self, share) -> list[dict]:
         """Per optimizer step: this rank's token-budgeted micro-batches and the numbers every rank must
-        agree on: the step's global response and loss-token counts (the loss normalisers), and how many
-        micro-batches and output chunks to run, the maximum over ranks. Equal counts keep collective
-        calls aligned (gradient all-reduce, and ZeRO-3's per-call parameter gathers)."""
+        agree on: the step's global response count, loss-token count and response-weight sum (the loss
+        normalisers), and how many micro-batches and output chunks to run, the maximum over ranks.
+        Equal counts keep collective calls aligned (gradient all-reduce, and ZeRO-3's per-call parameter
+        gathers)."""
         tc, chunk = self.cfg.train, self.cfg.model.token_chunk
         micros = [
             [[rows[i] for i in idx] for idx in token_budget_batches(np.array([r.tokens for r in rows]), tc.max_tokens_per_batch, tc.micro_batch_size)]
             for rows in share.steps
         ]
         n_tokens = all_reduce(np.array([sum(float(r.mask.sum()) for r in rows) for rows in share.steps]))
+        weight_sum = all_reduce(np.array([sum(r.weight for r in rows) for rows in share.steps], dtype=np.float64))
         n_micro = all_reduce(np.array([max(len(m), 1) for m in micros]), "max").astype(int)
         chunks = np.zeros((len(micros), int(n_micro.max(initial=1))))
         for i, step in enumerate(micros):
@@ -161,11 +163,11 @@ class TrainJob:
         chunks = all_reduce(chunks, "max").astype(int)
         return [
             {"micros": micros[i], "n_micro": int(n_micro[i]), "chunks": chunks[i].tolist(),
-             "n_seqs": share.step_sizes[i], "n_tokens": int(n_tokens[i])}
+             "n_seqs": share.step_sizes[i], "n_tokens": int(n_tokens[i]), "weight_sum": float(weight_sum[i])}
             for i in range(len(micros))
         ]
 
-    def optimizer_step(self, engine, micros: list[list[TrainRow]], n_micro: int, chunks: list[int], n_seqs: int, n_tokens: int) -> dict:
+    def optimizer_step(self, engine, micros: list[list[TrainRow]], n_micro: int, chunks: list[int], n_seqs: int, n_tokens: int, weight_sum: float) -> dict:
         """One optimizer step: this rank's micro-batches each add their share of the step loss."""
         tc = self.cfg.train
         step_loss, clipped, ratio_sum, grad_norm = 0.0, 0.0, 0.0, None
@@ -174,7 +176,7 @@ class TrainJob:
             engine.set_gradient_accumulation_boundary(boundary)
             micro = micros[j] if j < len(micros) else []
             start_forward(engine)
-            loss, stats = self.micro_batch_loss(engine.module, micro, chunks[j], n_seqs, n_tokens)
+            loss, stats = self.micro_batch_loss(engine.module, micro, chunks[j], n_seqs, n_tokens, weight_sum)
             # DeepSpeed averages gradients over ranks; the shares already sum to the step loss.
             engine.backward(loss * self.world, scale_wrt_gas=False)
             if boundary and tc.zero_stage == 0 and "bf16" not in engine.config and "fp16" not in engine.config:
@@ -196,7 +198,7 @@ class TrainJob:
             "ratio_mean": ratio_sum / max(n_tokens, 1),
         }
 
-    def micro_batch_loss(self, model, micro: list[TrainRow], min_chunks: int, n_seqs: int, n_tokens: int):
+    def micro_batch_loss(self, model, micro: list[TrainRow], min_chunks: int, n_seqs: int, n_tokens: int, weight_sum: float):
         """(this micro-batch's share of the step loss, [loss, clipped tokens, sum of ratios]).
 
         A rank with fewer micro-batches than another runs an empty one: a forward on one pad token times
@@ -234,7 +236,7 @@ class TrainJob:
             cfg.method.clip_low, cfg.method.clip_high, cfg.method.jsd_beta, topk_form=cfg.method.topk_form,
         )
         weights = torch.tensor([r.weight for r in micro], dtype=torch.float32, device=device).unsqueeze(-1)
-        loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens)
+        loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens, weight_sum)
         ratio = float((torch.exp(logp.detach() - old) * mask).sum())
         return loss + pad_term, (loss.item(), float(was_clipped.sum()), ratio)
 

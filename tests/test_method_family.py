@@ -337,6 +337,23 @@ def test_grpo_advantages():
         np.testing.assert_allclose(t.adv, want * r.mask, rtol=1e-9)
 
 
+def test_grpo_sums_the_weighted_rewards_before_the_group_normalization():
+    """Several rewards: r_i = sum_k w_k R_k,i first, then (r_i - mean_g) / (std_g + 1e-6) (TRL)."""
+    batch = make_batch(seed=15, prompts=5)
+    cfg = MethodConfig(name="grpo")
+    cfg.outcome.rewards, cfg.outcome.weights = ["exact_match", "integer_format"], [1.0, 0.25]
+    _, ts = targets(batch, cfg)
+    summed = {id(r): r.rewards["exact_match"] + 0.25 * r.rewards["integer_format"] for r in batch}
+    spread = 0
+    for r, t in zip(batch, ts):
+        group = [summed[id(x)] for x in batch if x.prompt_id == r.prompt_id]
+        m, s = (mean_var(group)[0], math.sqrt(mean_var(group)[1])) if len(group) > 1 else (0.0, 1.0)
+        want = (summed[id(r)] - m) / (s + 1e-6)
+        np.testing.assert_allclose(t.adv, want * r.mask, rtol=1e-9, atol=1e-12)
+        spread += len(set(group)) > 1
+    assert spread  # some group's rewards differ, so the weights matter
+
+
 @pytest.mark.parametrize("mode", ["sequence", "token"])
 def test_gdpo_advantages(mode):
     batch = make_batch(seed=13, prompts=5)

@@ -122,8 +122,8 @@ def test_tropd_with_every_modifier_statistics_equal_numpy(method_run):
     for pid in {r["prompt_id"] for r, _ in pairs}:
         group = np.array([r["reward"] for r, _ in pairs if r["prompt_id"] == pid])
         assert stats.group(pid)["pass_rate"] == pytest.approx(group.mean())
-        assert stats.group(pid)["integer_format_mean"] == pytest.approx(group.mean())
-        assert stats.group(pid)["integer_format_std"] == pytest.approx(group.std(ddof=1), abs=1e-12)
+        assert stats.group(pid)["weighted_reward_mean"] == pytest.approx(group.mean())
+        assert stats.group(pid)["weighted_reward_std"] == pytest.approx(group.std(ddof=1), abs=1e-12)
     assert_trained(run)
 
 

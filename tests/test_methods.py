@@ -188,3 +188,34 @@ def test_micro_batch_shares_sum_to_the_full_batch_loss(mode):
         part, _ = token_losses("gspo", logp[sl], old[sl], adv[sl], mask[sl])
         shares += float(aggregate(part, mask[sl], mode, n_seqs, n_tokens))
     assert shares == pytest.approx(float(full), rel=1e-12)
+
+
+def test_reward_weighted_loss_is_the_weighted_mean_of_response_token_means():
+    """reward_beta > 0: loss = sum_i w_i L_i / sum_i w_i, L_i response i's mean over its valid tokens,
+    whatever loss_agg says (a token mean would weight long responses by their length), and the
+    micro-batch shares still add up to it."""
+    from gndpo.pipeline.config import MethodConfig
+    from gndpo.pipeline.methods import policy_settings
+
+    for loss_agg in ("", "token-mean", "seq-mean-token-mean"):
+        assert policy_settings(MethodConfig(name="forward_kl", reward_beta=0.5, loss_agg=loss_agg))[1] == "weighted-seq-mean"
+    assert policy_settings(MethodConfig(name="forward_kl"))[1] == "token-mean"
+
+    rng = np.random.default_rng(8)
+    lengths, w = [1, 7, 3, 12, 5], rng.uniform(0.1, 3.0, size=5)
+    L = [rng.normal(size=n) for n in lengths]
+    want = sum(wi * float(np.mean(li)) for wi, li in zip(w, L)) / float(w.sum())
+    token_mean = sum(wi * float(li.sum()) for wi, li in zip(w, L)) / sum(lengths)
+    assert abs(want - token_mean) > 1e-3  # the two aggregations really differ on this case
+
+    T = max(lengths)
+    losses, mask = torch.zeros(5, T, dtype=torch.float64), torch.zeros(5, T, dtype=torch.float64)
+    for i, li in enumerate(L):
+        losses[i, : len(li)] = torch.from_numpy(li)
+        mask[i, : len(li)] = 1
+    weighted = losses * torch.from_numpy(w).unsqueeze(-1)  # train multiplies by w_i before aggregating
+    shares = sum(
+        float(aggregate(weighted[sl], mask[sl], "weighted-seq-mean", 5, sum(lengths), float(w.sum())))
+        for sl in (slice(0, 2), slice(2, 5))
+    )
+    assert shares == pytest.approx(want, rel=1e-12)

@@ -16,7 +16,7 @@ functions below are what the stages call: :func:`score_needs` (score), :func:`me
 from __future__ import annotations
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.losses import AGGREGATIONS, POLICY_LOSSES, TOPK_FORMS
+from gndpo.pipeline.losses import AGGREGATIONS, POLICY_LOSSES, TOPK_FORMS, WEIGHTED_SEQ_MEAN
 from gndpo.pipeline.methods import distill, divergence, outcome, tip, trust
 from gndpo.pipeline.methods.base import (
     SCORE_EXTRAS,
@@ -52,7 +52,7 @@ def active_modifiers(cfg) -> list:
 def validate(cfg) -> Method:
     """Check the method config as a whole; a one-line user error for anything out of range."""
     method = get_method(cfg.name)
-    loss, agg = policy_settings(cfg)
+    loss, agg = cfg.policy_loss or method.policy_loss, cfg.loss_agg or method.loss_agg
     if loss not in (*POLICY_LOSSES, "none"):
         raise GndpoError(f"method.policy_loss must be one of {', '.join(POLICY_LOSSES)}, got {loss!r}")
     if agg not in AGGREGATIONS:
@@ -71,9 +71,13 @@ def validate(cfg) -> Method:
 
 
 def policy_settings(cfg) -> tuple[str, str]:
-    """(policy loss, aggregation): the config's, or the method's defaults where the config is empty."""
+    """(policy loss, aggregation): the config's, or the method's defaults where the config is empty.
+    Reward-weighted distillation (``reward_beta`` > 0) always aggregates sum_i w_i L_i / sum_i w_i over
+    the step's responses (L_i: response i's token mean), as OPSD defines it: a token mean would give
+    long responses more weight than their w_i."""
     method = get_method(cfg.name)
-    return cfg.policy_loss or method.policy_loss, cfg.loss_agg or method.loss_agg
+    agg = WEIGHTED_SEQ_MEAN if cfg.reward_beta > 0 else cfg.loss_agg or method.loss_agg
+    return cfg.policy_loss or method.policy_loss, agg
 
 
 def score_needs(cfg) -> frozenset:

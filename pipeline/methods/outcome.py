@@ -4,7 +4,9 @@ registered reward per response, ``method.outcome.rewards`` picks the ones used a
 weights. Normalize computes the per-prompt group statistics (scope = prompt_id) and GDPO's batch
 statistics of A_pre with DuckDB window functions.
 
-GRPO: A_i = (r_i - mean_g) / (std_g + 1e-6), unbiased std; a singleton group gives mean 0, std 1.
+GRPO: r_i = sum_k w_k R_k,i (the weighted rewards summed first, as TRL does), then
+A_i = (r_i - mean_g) / (std_g + 1e-6), unbiased std; a singleton group gives mean 0, std 1. The outcome
+mix uses the same A_i.
 GDPO: A_k,i = (R_k,i - mean_g) / (std_g + 1e-4) (NaN -> 0), A_pre = sum_k w_k A_k, then A_pre is
 whitened over the batch's responses (``sequence``, TRL: / (std + 1e-4)) or tokens (``token``, verl:
 / sqrt(var + 1e-8)).
@@ -44,18 +46,27 @@ def _col(name: str) -> str:
     return f"rewards['{name}']"
 
 
-def group_statistics(q, names: list[str]) -> dict:
-    """Per prompt, for each reward: mean, unbiased std (NULL for a singleton group) and size."""
-    cols = ", ".join(f"avg({_col(n)}) AS \"{n}_mean\", stddev_samp({_col(n)}) AS \"{n}_std\"" for n in names)
+def group_statistics(q, columns: dict[str, str]) -> dict:
+    """Per prompt, for each named SQL expression over a response's rewards: mean, unbiased std (NULL
+    for a singleton group) and the group size."""
+    cols = ", ".join(f"avg({expr}) AS \"{n}_mean\", stddev_samp({expr}) AS \"{n}_std\"" for n, expr in columns.items())
     return q.by_prompt(f"SELECT prompt_id, count(*) AS group_size, {cols} FROM responses GROUP BY prompt_id")
 
 
-def grpo_advantage(r: float, group: dict, name: str) -> float:
+GRPO_REWARD = "weighted_reward"
+
+
+def grpo_reward(rewards: dict, weighted: list[tuple[str, float]]) -> float:
+    """GRPO's scalar reward: sum_k w_k R_k."""
+    return sum(w * rewards[name] for name, w in weighted)
+
+
+def grpo_advantage(rewards: dict, group: dict, weighted: list[tuple[str, float]]) -> float:
     if group["group_size"] < 2:
         mean, std = 0.0, 1.0
     else:
-        mean, std = group[f"{name}_mean"], group[f"{name}_std"]
-    return (r - mean) / (std + GRPO_EPS)
+        mean, std = group[f"{GRPO_REWARD}_mean"], group[f"{GRPO_REWARD}_std"]
+    return (grpo_reward(rewards, weighted) - mean) / (std + GRPO_EPS)
 
 
 def gdpo_pre_advantage(rewards: dict, group: dict, weighted: list[tuple[str, float]]) -> float:
@@ -68,12 +79,12 @@ def gdpo_pre_advantage(rewards: dict, group: dict, weighted: list[tuple[str, flo
 
 
 def _grpo_statistics(q, cfg, round_idx):
-    return {}, group_statistics(q, [outcome_rewards(cfg)[0][0]])
+    summed = " + ".join(f"{w} * {_col(n)}" for n, w in outcome_rewards(cfg))
+    return {}, group_statistics(q, {GRPO_REWARD: summed})
 
 
 def _grpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
-    name = outcome_rewards(cfg)[0][0]
-    a = grpo_advantage(resp.rewards[name], stats.group(resp.prompt_id), name)
+    a = grpo_advantage(resp.rewards, stats.group(resp.prompt_id), outcome_rewards(cfg))
     return Targets.policy_gradient(np.full_like(resp.mask, a), resp.mask)
 
 
@@ -82,7 +93,7 @@ def _gdpo_statistics(q, cfg, round_idx):
     mode = cfg.outcome.gdpo_batch_norm
     if mode not in GDPO_BATCH_NORMS:
         raise GndpoError(f"method.outcome.gdpo_batch_norm must be sequence or token, got {mode!r}")
-    groups = group_statistics(q, [n for n, _ in weighted])
+    groups = group_statistics(q, {n: _col(n) for n, _ in weighted})
     terms = " + ".join(
         f"{w} * coalesce((({_col(n)}) - avg({_col(n)}) OVER g) / (stddev_samp({_col(n)}) OVER g + {GDPO_EPS}), 0)"
         for n, w in weighted
@@ -110,13 +121,13 @@ def _gdpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
 
 def _apply_outcome_mix(t: Targets, resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
     """A_t = A_dist_t + coef * A_GRPO_i on the tokens with a policy-gradient term (slime-style)."""
-    name = outcome_rewards(cfg)[0][0]
-    t.adv = t.adv + cfg.outcome.coef * grpo_advantage(resp.rewards[name], stats.group(resp.prompt_id), name) * t.pg_mask
+    a = grpo_advantage(resp.rewards, stats.group(resp.prompt_id), outcome_rewards(cfg))
+    t.adv = t.adv + cfg.outcome.coef * a * t.pg_mask
     return t
 
 
 METHODS = [
-    Method("grpo", "group-normalized outcome reward, first of method.outcome.rewards (section 9)",
+    Method("grpo", "group-normalized outcome reward, the weighted sum of method.outcome.rewards (section 9)",
            _grpo_statistics, _grpo_targets, policy_loss="ppo"),
     Method("gdpo", "per-reward group normalization, weighted sum, batch whitening (section 9)",
            _gdpo_statistics, _gdpo_targets, policy_loss="ppo"),

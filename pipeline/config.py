@@ -12,11 +12,41 @@ import json
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 
 from gndpo.errors import GndpoError
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bounds a numeric config value must respect (``ge``/``le`` inclusive, ``gt``/``lt`` exclusive),
+    checked when the config is read, so a bad value is refused by ``gndpo init`` rather than hours later
+    inside a stage."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def violation(self, value) -> str | None:
+        ok = (
+            (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
+        )
+        return None if ok else f"must be {self.describe()}"
+
+    def describe(self) -> str:
+        parts = [f"{w} {b:g}" for b, w in ((self.ge, ">="), (self.gt, ">"), (self.le, "<="), (self.lt, "<")) if b is not None]
+        return " and ".join(parts)
+
+
+Count = Annotated[int, Range(ge=1)]  # how many of something, at least one
+NonNegativeInt = Annotated[int, Range(ge=0)]
+Positive = Annotated[float, Range(gt=0)]
+NonNegative = Annotated[float, Range(ge=0)]
+Fraction = Annotated[float, Range(ge=0, le=1)]  # a share or a probability, 0 and 1 included
 
 
 @dataclass
@@ -32,8 +62,8 @@ class TipConfig:
     """Section 4: keep the most informative tokens (student entropy OR teacher-student KL)."""
 
     enabled: bool = False
-    keep_ratio: float = 0.5
-    entropy_quantile: float = 0.98  # h is capped at this batch quantile before min-max scaling
+    keep_ratio: Annotated[float, Range(gt=0, le=1)] = 0.5
+    entropy_quantile: Fraction = 0.98  # h is capped at this batch quantile before min-max scaling
 
 
 @dataclass
@@ -41,8 +71,8 @@ class PacedConfig:
     """Section 5: weight each prompt by p^a (1-p)^b of its pass rate p this round."""
 
     enabled: bool = False
-    a: float = 1.0
-    b: float = 1.0
+    a: NonNegative = 1.0
+    b: NonNegative = 1.0
 
 
 @dataclass
@@ -50,28 +80,28 @@ class TropdConfig:
     """Section 6 (interp): trust region on the speculative-decoding acceptance P = min(pi_T/pi_S, 1)."""
 
     base: str = "gndpo"  # PG term on trusted tokens: opd | gndpo
-    tau: float = 1.0  # trusted when P >= tau
-    tau_quantile: float = -1.0  # >= 0: tau is this quantile of P over the batch instead
+    tau: Fraction = 1.0  # trusted when P >= tau
+    tau_quantile: Annotated[float, Range(ge=-1, le=1)] = -1.0  # >= 0: tau is this quantile of P over the batch instead
     outlier: str = "fkl"  # mask | clip | fkl
     clip_value: float = -1.0  # clip mode: r_t <- max(r_t, clip_value)
-    fkl_coef: float = 1.0  # fkl mode: weight (lambda) of forward_kl_topk on outlier tokens
+    fkl_coef: NonNegative = 1.0  # fkl mode: weight (lambda) of forward_kl_topk on outlier tokens
 
 
 @dataclass
 class EopdConfig:
     """Section 7: OPD plus forward KL on tokens where the teacher is uncertain."""
 
-    entropy_threshold: float = 0.8  # nats
-    fkl_coef: float = 1.0
+    entropy_threshold: NonNegative = 0.8  # nats
+    fkl_coef: NonNegative = 1.0
 
 
 @dataclass
 class ReopoldConfig:
     """Section 8: floored log-ratio reward, phase 1 masks below the floor, phase 2 keeps high entropy."""
 
-    lam: float = 0.1  # floor = log(lam) / (1 - lam)
-    switch_round: int = 1  # rounds < switch_round are phase 1
-    beta: float = 0.2  # phase 2 keeps tokens with student entropy >= quantile_{1-beta}
+    lam: Annotated[float, Range(gt=0, lt=1)] = 0.1  # floor = log(lam) / (1 - lam)
+    switch_round: NonNegativeInt = 1  # rounds < switch_round are phase 1
+    beta: Annotated[float, Range(gt=0, le=1)] = 0.2  # phase 2 keeps tokens with student entropy >= quantile_{1-beta}
 
 
 @dataclass
@@ -91,16 +121,16 @@ class MethodConfig:
     ``policy_loss`` and ``loss_agg`` left empty take the method's own default (``gndpo methods``)."""
 
     name: str = "gndpo"  # see gndpo.pipeline.methods.METHODS
-    clamp: float = 5.0  # c_t = clamp(lpT - lpS, -clamp, clamp)
+    clamp: Positive = 5.0  # c_t = clamp(lpT - lpS, -clamp, clamp)
     policy_loss: str = ""  # gspo | ppo | reinforce | is ("" = the method's default)
     loss_agg: str = ""  # seq-mean-token-mean | token-mean ("" = the method's default)
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    std_eps: float = 1e-8
+    clip_low: NonNegative = 0.2
+    clip_high: NonNegative = 0.2
+    std_eps: Positive = 1e-8
     jsd_beta: float = 0.5
     schedule: str = ""  # divergence methods, e.g. "fkl:2,rkl:4": forward KL rounds 0-1, then reverse KL
-    reward_beta: float = 0.0  # > 0: reward-weighted responses, w_i = B softmax(r_i / reward_beta)
-    minillm_gamma: float = 0.95
+    reward_beta: NonNegative = 0.0  # > 0: reward-weighted responses, w_i = B softmax(r_i / reward_beta)
+    minillm_gamma: Fraction = 0.95
     # Top-k divergences: "bucket" compares the k teacher ids plus one "rest" bucket per model (1 - its
     # top-k mass), so student mass outside the teacher's top-k is paid for; "renormalized" compares both
     # models renormalized over the k ids (the student's tail is then free).
@@ -115,20 +145,20 @@ class MethodConfig:
 
 @dataclass
 class RolloutConfig:
-    prompts_per_round: int = 256
-    n: int = 4  # samples per prompt
-    prompts_per_unit: int = 64  # work-unit size; fixed by the plan, independent of worker count
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 8
-    seed: int = 0
+    prompts_per_round: Count = 256
+    n: Count = 4  # samples per prompt
+    prompts_per_unit: Count = 64  # work-unit size; fixed by the plan, independent of worker count
+    temperature: Positive = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Range(ge=-1)] = -1  # -1 = off
+    max_tokens: Count = 8
+    seed: NonNegativeInt = 0
     eval_heldout: bool = True  # also log the policy's greedy held-out accuracy with the same engine
     # Off-policy guidance (TrOPD, section 6): for this fraction of prompts the teacher writes the first
     # guide_prefix_tokens tokens and the student continues; prefix tokens are not trained by policy
     # gradient (loss_mask 0) but by forward KL on the teacher's top-k.
-    guided_fraction: float = 0.0
-    guide_prefix_tokens: int = 2
+    guided_fraction: Fraction = 0.0
+    guide_prefix_tokens: Count = 2
 
 
 @dataclass
@@ -139,34 +169,34 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (where installed)
     # Full-vocabulary logits exist for at most this many response positions at a time (lm_head and
     # log-softmax run chunk by chunk after one backbone pass; train recomputes a chunk in backward).
-    token_chunk: int = 1024
+    token_chunk: Count = 1024
 
 
 @dataclass
 class ScoreConfig:
     # A forward pass holds at most max_tokens_per_batch (padded prompt + response) tokens and at most
     # rows_per_chunk responses; responses are grouped by length so padding stays small.
-    max_tokens_per_batch: int = 32768
-    rows_per_chunk: int = 128
-    teacher_topk: int = 16  # k of the teacher top-k (ids, log-probs) stored for divergence methods
+    max_tokens_per_batch: Count = 32768
+    rows_per_chunk: Count = 128
+    teacher_topk: Count = 16  # k of the teacher top-k (ids, log-probs) stored for divergence methods
 
 
 @dataclass
 class TrainConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    optimizer_steps: int = 1  # mini-batches per round (1 = one step per rollout batch, as the paper)
+    lr: Positive = 1e-6
+    weight_decay: NonNegative = 0.0
+    optimizer_steps: Count = 1  # mini-batches per round (1 = one step per rollout batch, as the paper)
     # A micro-batch (one forward/backward on one rank) holds at most max_tokens_per_batch padded tokens
     # and at most micro_batch_size responses.
-    max_tokens_per_batch: int = 16384
-    micro_batch_size: int = 64
-    grad_clip: float = 1.0
-    zero_stage: int = 0  # 0-3; with 3 the model is built partitioned and the export gathers it
+    max_tokens_per_batch: Count = 16384
+    micro_batch_size: Count = 64
+    grad_clip: NonNegative = 1.0  # 0 = no clipping
+    zero_stage: Annotated[int, Range(ge=0, le=3)] = 0  # 0-3; with 3 the model is built partitioned and the export gathers it
     gradient_checkpointing: bool = False
     carry_optimizer_state: bool = True  # keep AdamW moments across rounds
-    checkpoint_every: int = 8  # optimizer steps between in-round checkpoints a retry resumes from (0 = none)
-    num_processes: int = 0  # train ranks on this node; 0 = one per visible GPU (1 on CPU)
-    seed: int = 0
+    checkpoint_every: NonNegativeInt = 8  # optimizer steps between in-round checkpoints a retry resumes from (0 = none)
+    num_processes: NonNegativeInt = 0  # train ranks on this node; 0 = one per visible GPU (1 on CPU)
+    seed: NonNegativeInt = 0
 
 
 @dataclass
@@ -174,12 +204,12 @@ class EngineConfig:
     """vLLM engine settings shared by rollout and eval."""
 
     dtype: str = "auto"  # auto = model.dtype's resolution (bf16 on a capable GPU, fp32 on CPU)
-    max_model_len: int = 0  # 0 = the model's own context length (max_position_embeddings)
+    max_model_len: NonNegativeInt = 0  # 0 = the model's own context length (max_position_embeddings)
     cuda_graphs: bool = True  # False = vLLM's enforce_eager; the CPU build always runs eager
-    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU machines
-    gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 256
-    tensor_parallel_size: int = 1
+    kv_cache_gib: Count = 1  # VLLM_CPU_KVCACHE_SPACE on CPU machines
+    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.85
+    max_num_seqs: Count = 256
+    tensor_parallel_size: Count = 1
 
 
 @dataclass
@@ -205,16 +235,22 @@ class Config:
 def _build(cls, data: dict, where: str):
     if not isinstance(data, dict):
         raise GndpoError(f"config section {where or '<root>'} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     kwargs = {}
     for key, value in data.items():
         if key not in hints:
             raise GndpoError(f"unknown config key {where}{key}")
-        typ = hints[key]
+        typ, checks = hints[key], ()
+        if typing.get_origin(typ) is Annotated:
+            typ, *checks = typing.get_args(typ)
         if dataclasses.is_dataclass(typ):
             kwargs[key] = _build(typ, value or {}, f"{where}{key}.")
-        else:
-            kwargs[key] = _coerce(value, typ, f"{where}{key}")
+            continue
+        kwargs[key] = _coerce(value, typ, f"{where}{key}")
+        for check in checks:
+            problem = check.violation(kwargs[key])
+            if problem:
+                raise GndpoError(f"config key {where}{key} {problem}, got {value!r}")
     return cls(**kwargs)
 
 
@@ -234,7 +270,27 @@ def _coerce(value: Any, typ: type, name: str):
 
 
 def config_from_dict(data: dict) -> Config:
-    return _build(Config, data, "")
+    """A Config from nested mappings: unknown keys, wrong types, values out of range and settings that
+    contradict each other are one-line GndpoErrors naming the key."""
+    cfg = _build(Config, data, "")
+    _check_combinations(cfg)
+    return cfg
+
+
+def _check_combinations(cfg: Config) -> None:
+    rc, tc = cfg.rollout, cfg.train
+    if rc.top_k == 0:
+        raise GndpoError("config key rollout.top_k must be -1 (off) or >= 1, got 0")
+    if rc.prompts_per_round * rc.n < tc.optimizer_steps:
+        raise GndpoError(
+            f"config key train.optimizer_steps ({tc.optimizer_steps}) exceeds the responses per round "
+            f"(rollout.prompts_per_round x rollout.n = {rc.prompts_per_round * rc.n})"
+        )
+    if rc.guided_fraction > 0 and rc.guide_prefix_tokens >= rc.max_tokens:
+        raise GndpoError(
+            f"config key rollout.guide_prefix_tokens ({rc.guide_prefix_tokens}) must be below rollout.max_tokens "
+            f"({rc.max_tokens}) when rollout.guided_fraction > 0: the student must write part of each response"
+        )
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

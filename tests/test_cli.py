@@ -124,3 +124,48 @@ def test_status_and_sql_on_a_fresh_run(tmp_path, tiny_config):
 def test_eval_needs_a_model_or_run(tmp_path, tiny_assets):
     assert_one_line_error(invoke("eval", tmp_path / "nothing"), "does not exist")
     assert_one_line_error(invoke("eval", tiny_assets / "student"), "needs --prompts")
+
+
+# Each refused by `gndpo init` with one line naming the key, before anything is written. With the tiny
+# config every other check passes, so the refusal comes from the value itself.
+BAD_VALUES = [
+    ("rollout.n=-3", "rollout.n must be >= 1"),
+    ("rollout.n=0", "rollout.n must be >= 1"),
+    ("rollout.temperature=0", "rollout.temperature must be > 0"),
+    ("rollout.prompts_per_round=0", "rollout.prompts_per_round must be >= 1"),
+    ("rollout.prompts_per_unit=0", "rollout.prompts_per_unit must be >= 1"),
+    ("rollout.max_tokens=0", "rollout.max_tokens must be >= 1"),
+    ("rollout.top_p=0", "rollout.top_p must be > 0 and <= 1"),
+    ("rollout.top_p=1.5", "rollout.top_p must be > 0 and <= 1"),
+    ("rollout.top_k=0", "rollout.top_k must be -1 (off) or >= 1"),
+    ("rollout.guided_fraction=1.2", "rollout.guided_fraction must be >= 0 and <= 1"),
+    ("train.zero_stage=7", "train.zero_stage must be >= 0 and <= 3"),
+    ("train.lr=0", "train.lr must be > 0"),
+    ("train.lr=-1e-5", "train.lr must be > 0"),
+    ("train.optimizer_steps=0", "train.optimizer_steps must be >= 1"),
+    ("train.optimizer_steps=1000", "train.optimizer_steps (1000) exceeds the responses per round"),
+    ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1"),
+    ("train.max_tokens_per_batch=-1", "train.max_tokens_per_batch must be >= 1"),
+    ("train.checkpoint_every=-2", "train.checkpoint_every must be >= 0"),
+    ("train.grad_clip=-1", "train.grad_clip must be >= 0"),
+    ("score.teacher_topk=0", "score.teacher_topk must be >= 1"),
+    ("score.rows_per_chunk=0", "score.rows_per_chunk must be >= 1"),
+    ("model.token_chunk=0", "model.token_chunk must be >= 1"),
+    ("engine.max_model_len=4", "engine.max_model_len"),
+    ("engine.max_model_len=-1", "engine.max_model_len must be >= 0"),
+    ("engine.gpu_memory_utilization=1.5", "engine.gpu_memory_utilization must be > 0 and <= 1"),
+    ("engine.tensor_parallel_size=0", "engine.tensor_parallel_size must be >= 1"),
+    ("method.clamp=0", "method.clamp must be > 0"),
+    ("method.reward_beta=-0.5", "method.reward_beta must be >= 0"),
+    ("method.jsd_beta=1", "method.jsd_beta must be in (0, 1)"),
+    ("method.tip.keep_ratio=0", "method.tip.keep_ratio must be > 0 and <= 1"),
+    ("method.reopold.lam=1", "method.reopold.lam must be > 0 and < 1"),
+    ("method.topk_form=exact", "method.topk_form must be one of bucket, renormalized"),
+]
+
+
+@pytest.mark.parametrize("override, fragment", BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
+def test_init_refuses_bad_values_before_writing(tmp_path, tiny_config, override, fragment):
+    run = tmp_path / "run"
+    assert_one_line_error(invoke("init", run, "--config", tiny_config, override), fragment)
+    assert not run.exists()

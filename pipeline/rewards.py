@@ -1,41 +1,201 @@
-"""Verifiable rewards: named functions of (response text, reference answer) -> float in [0, 1].
+"""Verifiable rewards: functions of (response text, the prompt's row) -> float.
 
-correctness (exact_match), integer answer (integer_format) and format (answer_length)."""
+A prompt's row is the dict rollout reads from the run's prompt table (``prompt_id``, ``prompt``,
+``answer``). Built-ins:
+
+* ``exact_match``: the stripped response is the reference answer (the toy task);
+* ``integer_format``: the response is a bare integer; ``answer_length``: it has the answer's length;
+* ``math``: the response's final answer equals the reference by value. The final answer is the last
+  ``\\boxed{...}`` (nested braces allowed), else the last ``#### ...`` line (GSM8K), else the last number;
+  the reference is read the same way when it holds a full solution. Numbers compare exactly as
+  fractions (``1,234``, ``-3``, ``0.5``, ``1/2``, ``\\frac{1}{2}`` and ``50\\%`` are understood); other
+  answers compare with the ``math-verify`` package where it is installed (symbolic equivalence), and as
+  normalized strings where it is not;
+* ``math_format``: 1 when the response states a final answer as ``\\boxed{...}`` or a ``#### ...`` line.
+
+A user's own reward is named by import path, ``package.module:function``, wherever a reward name is
+accepted (``reward``, ``method.outcome.rewards``); ``gndpo init`` imports it and calls it on the first
+prompt before writing the run.
+"""
 
 from __future__ import annotations
 
+import importlib
+import math
 import re
+from fractions import Fraction
 from typing import Callable
 
 from gndpo.errors import GndpoError
 
+Reward = Callable[[str, dict], float]
 
-def exact_match(response: str, answer: str) -> float:
+
+def exact_match(response: str, row: dict) -> float:
     """1 if the response, stripped, is exactly the reference answer."""
-    return float(response.strip() == str(answer).strip())
+    return float(response.strip() == str(row["answer"]).strip())
 
 
-def integer_format(response: str, answer: str) -> float:
+def integer_format(response: str, row: dict) -> float:
     """1 if the response is a bare (possibly signed) integer, whatever its value."""
     return float(re.fullmatch(r"\s*-?\d+\s*", response) is not None)
 
 
-def answer_length(response: str, answer: str) -> float:
+def answer_length(response: str, row: dict) -> float:
     """Format: 1 if the stripped response has as many characters as the reference answer (the toy
     task's answers are fixed-width, so this rewards the format without looking at the digits)."""
-    return float(len(response.strip()) == len(str(answer).strip()))
+    return float(len(response.strip()) == len(str(row["answer"]).strip()))
 
 
-# Rollout stores every one of these per response (the ``rewards`` map), so GDPO and the logs can use
-# any of them; ``reward`` in the config names the primary one (accuracy, pass rates, GRPO default).
-REWARDS: dict[str, Callable[[str, str], float]] = {
+# -- math ---------------------------------------------------------------------------------------------
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_HASHES = re.compile(r"####[ \t]*([^\n]*)")
+# Thousands with commas first, so "1,234" is one number; otherwise a signed integer, decimal or a/b.
+_NUMBER = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\d+(?:\.\d+)?(?:/\d+)?|[-+]?\.\d+")
+
+
+def boxed_answer(text: str) -> str | None:
+    """The contents of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with its braces balanced, or None."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i].strip()
+    return None
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a solution ends with: last boxed, else last ``####`` line, else last number."""
+    boxed = boxed_answer(text)
+    if boxed is not None:
+        return boxed
+    lines = [m.group(1).strip() for m in _HASHES.finditer(text)]
+    if lines and lines[-1]:
+        return lines[-1]
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _strip_latex(s: str) -> str:
+    s = re.sub(r"\\text\{[^{}]*\}|\\mathrm\{[^{}]*\}", "", s)  # units and words
+    for token in ("\\!", "\\,", "\\;", "\\left", "\\right", "\\$", "$", "\\%", "%", "^\\circ", "^{\\circ}"):
+        s = s.replace(token, "")
+    return s.strip().rstrip(".").strip()
+
+
+_FRAC = re.compile(r"([-+]?)\\[dt]?frac\{\s*([-+]?\d+)\s*\}\{\s*([-+]?\d+)\s*\}")
+
+
+def to_number(answer: str) -> Fraction | None:
+    """An answer as an exact number, or None when it is not one."""
+    s = _strip_latex(answer).replace(" ", "")
+    m = _FRAC.fullmatch(s)
+    if m:
+        if int(m.group(3)) == 0:
+            return None
+        value = Fraction(int(m.group(2)), int(m.group(3)))
+        return -value if m.group(1) == "-" else value
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        s = s.replace(",", "")
+    try:
+        return Fraction(s) if re.fullmatch(r"[-+]?(\d+(\.\d*)?|\.\d+)(/[-+]?\d+)?", s) else None
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _reference(answer: str) -> str:
+    """The reference's final answer: a stored full solution (``####`` or boxed) is reduced to it."""
+    text = str(answer)
+    if boxed_answer(text) is not None or "####" in text:
+        return final_answer(text) or text.strip()
+    return text.strip()
+
+
+def _symbolic_equal(got: str, want: str) -> bool:
+    try:
+        from math_verify import parse, verify
+    except ImportError:  # documented fallback: normalized string comparison
+        return _strip_latex(got).replace(" ", "") == _strip_latex(want).replace(" ", "")
+    return bool(verify(parse(f"${want}$"), parse(f"${got}$")))
+
+
+def math_answer(response: str, row: dict) -> float:
+    """1 if the response's final answer equals the reference's, by value."""
+    got = final_answer(response)
+    if got is None or not got.strip():
+        return 0.0
+    want = _reference(row["answer"])
+    got_n, want_n = to_number(got), to_number(want)
+    if got_n is not None or want_n is not None:
+        return float(got_n == want_n)
+    return float(_symbolic_equal(got, want))
+
+
+def math_format(response: str, row: dict) -> float:
+    """Format: 1 if the response states its final answer as ``\\boxed{...}`` or a ``#### ...`` line."""
+    boxed = boxed_answer(response)
+    if boxed:
+        return 1.0
+    lines = [m.group(1).strip() for m in _HASHES.finditer(response)]
+    return float(bool(lines and lines[-1]))
+
+
+# Rollout stores every built-in (and every custom reward the run names) per response, in the
+# ``rewards`` map, so GDPO and the logs can use any of them; ``reward`` in the config names the primary
+# one (accuracy, pass rates, the GRPO default).
+REWARDS: dict[str, Reward] = {
     "exact_match": exact_match,
     "integer_format": integer_format,
     "answer_length": answer_length,
+    "math": math_answer,
+    "math_format": math_format,
 }
 
 
-def get_reward(name: str) -> Callable[[str, str], float]:
-    if name not in REWARDS:
-        raise GndpoError(f"unknown reward {name!r}; choose one of: {', '.join(sorted(REWARDS))}")
-    return REWARDS[name]
+def get_reward(name: str) -> Reward:
+    """A built-in reward by name, or a user's by import path ``module:function``; a GndpoError otherwise."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" not in name:
+        raise GndpoError(f"unknown reward {name!r}; choose one of: {', '.join(sorted(REWARDS))}, or name your own as module:function")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or anything the module raises while importing
+        raise GndpoError(f"reward {name!r} does not import: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise GndpoError(f"reward {name!r}: module {module_name} has no function {attr!r}")
+    return fn
+
+
+def run_rewards(cfg) -> dict[str, Reward]:
+    """Every reward a run records per response: the built-ins plus the custom ones the config names."""
+    named = [cfg.reward, *cfg.method.outcome.rewards]
+    return {**REWARDS, **{name: get_reward(name) for name in named if name not in REWARDS}}
+
+
+def score_response(rewards: dict[str, Reward], response: str, row: dict) -> dict[str, float]:
+    """{name: reward} of one response; a reward that raises or returns a non-number is a GndpoError
+    naming it and the prompt."""
+    out = {}
+    for name, fn in rewards.items():
+        try:
+            value = fn(response, row)
+            value = float(value)
+        except Exception as exc:
+            raise GndpoError(
+                f"reward {name!r} failed on prompt {row.get('prompt_id', '?')}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
+        if not math.isfinite(value):
+            raise GndpoError(f"reward {name!r} returned {value} on prompt {row.get('prompt_id', '?')}; rewards must be finite numbers")
+        out[name] = value
+    return out
+
+
+def check_rewards(cfg, row: dict) -> None:
+    """Import every reward the config names and call each on ``row`` (with its reference answer as the
+    response), so a broken reward is refused at init, not in the middle of a rollout."""
+    score_response(run_rewards(cfg), str(row["answer"]), row)

@@ -19,6 +19,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config import Config, config_from_dict, config_to_yaml
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.prompts import load_prompts
+from gndpo.pipeline.rewards import check_rewards
 from gndpo.storage.records import StageRecords
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import read_prompt_table, write_prompt_table
@@ -167,6 +168,7 @@ def init_run(url: str, cfg: Config) -> Run:
             raise GndpoError(f"config has no data.{split} prompts file")
         splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key)
     check_context(cfg, splits)
+    check_rewards(cfg, splits["train"].row(0, named=True))
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
     if not fs.create("run.yaml", config_to_yaml(cfg).encode()):

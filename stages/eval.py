@@ -34,7 +34,7 @@ def greedy_eval(llm, tok, rows: list[dict], reward, max_tokens: int) -> dict:
                 "prompt": r["prompt"],
                 "answer": str(r["answer"]),
                 "response": text,
-                "reward": reward(text, r["answer"]),
+                "reward": float(reward(text, r)),
             }
         )
     acc = sum(o["reward"] for o in out) / max(len(out), 1)
@@ -56,7 +56,7 @@ def pass_at_k(llm, tok, rows: list[dict], reward, max_tokens: int, k: int) -> fl
     solved = 0
     for i, r in enumerate(rows):
         texts = [tok.decode(g.token_ids, skip_special_tokens=True) for g in gens[i * k : (i + 1) * k]]
-        solved += any(reward(t, r["answer"]) > 0 for t in texts)
+        solved += any(reward(t, r) > 0 for t in texts)
     return solved / max(len(rows), 1)
 
 

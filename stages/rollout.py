@@ -18,7 +18,7 @@ import random
 import pyarrow as pa
 
 from gndpo.faults import crash_point
-from gndpo.pipeline.rewards import REWARDS, get_reward
+from gndpo.pipeline.rewards import run_rewards, score_response
 from gndpo.pipeline.runs import Run
 from gndpo.stages.engine import generate, make_llm
 from gndpo.stages.modeling import check_same_tokenizer, load_causal_lm, load_tokenizer
@@ -77,7 +77,8 @@ class RolloutJob:
         policy = self.run.policy_path(self.round)
         self.tok = load_tokenizer(policy)
         self.llm = make_llm(policy, self.cfg.engine, seed=self.cfg.rollout.seed)
-        self.reward = get_reward(self.cfg.reward)
+        self.rewards = run_rewards(self.cfg)
+        self.reward = self.rewards[self.cfg.reward]
         self.teacher = None
         if self.cfg.rollout.guided_fraction > 0:
             check_same_tokenizer(policy, self.cfg.teacher)
@@ -144,7 +145,7 @@ class RolloutJob:
                 g.token_ids, g.logprobs, g.finish_reason = [], [], "stop"
             response = prefix + list(g.token_ids)
             text = self.tok.decode(response, skip_special_tokens=True)
-            rewards = {name: fn(text, prompt["answer"]) for name, fn in REWARDS.items()}
+            rewards = score_response(self.rewards, text, prompt)
             rows.append(
                 {
                     "rollout_id": f"r{self.round:04d}-{prompt['prompt_id']}-{s:03d}",

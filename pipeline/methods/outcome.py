@@ -20,7 +20,7 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.base import Method, Modifier, Response, Stats, Targets
-from gndpo.pipeline.rewards import REWARDS
+from gndpo.pipeline.rewards import get_reward
 
 GRPO_EPS = 1e-6
 GDPO_EPS = 1e-4
@@ -34,8 +34,7 @@ def outcome_rewards(cfg) -> list[tuple[str, float]]:
     if not names:
         raise GndpoError("method.outcome.rewards is empty")
     for name in names:
-        if name not in REWARDS:
-            raise GndpoError(f"unknown reward {name!r} in method.outcome.rewards; choose from: {', '.join(sorted(REWARDS))}")
+        get_reward(name)  # a one-line error for an unknown name or a custom reward that does not import
     weights = list(oc.weights) or [1.0] * len(names)
     if len(weights) != len(names) or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
         raise GndpoError(f"method.outcome.weights must be {len(names)} numbers, one per reward, got {oc.weights!r}")

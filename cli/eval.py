@@ -11,11 +11,15 @@ from gndpo.pipeline.evaluation import evaluate
 @user_errors
 def eval_command(
     target: str = typer.Argument(..., help="A model folder (HF format) or a run folder (its newest student)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Held-out prompts file (default: the run's)."),
-    k: int = typer.Option(1, "--k", help="Also report pass@k with k samples per prompt."),
-    reward: str = typer.Option("exact_match", "--reward", help="Reward function for a model without a run."),
-    max_tokens: int = typer.Option(16, "--max-tokens"),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompts file, as init accepts (default: the run's held-out)."),
+    k: int = typer.Option(1, "--k", help="Also report the unbiased pass@k."),
+    n: int = typer.Option(0, "--n", help="Samples per prompt for pass@k (default k; must be >= k)."),
+    reward: Optional[str] = typer.Option(None, "--reward", help="Reward name or module:function (default: the run's, else exact_match)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Default: the run's rollout.max_tokens, else 16."),
+    out: str = typer.Option("eval-results", "--out", help="Folder (any fsspec URL) for per_prompt.parquet and summary.json."),
 ):
-    """Verifiable-reward accuracy (pass@1 greedy, optional pass@k) on held-out prompts with vLLM."""
-    result = evaluate(target, prompts, k=k, reward=reward, max_tokens=max_tokens)
+    """Verifiable-reward accuracy (pass@1 greedy, optional unbiased pass@k) on held-out prompts with vLLM."""
+    result = evaluate(target, prompts, out, k=k, n=n, reward=reward, max_tokens=max_tokens)
+    files = result.pop("files")
     typer.echo("  ".join(f"{key}={val:.4f}" if isinstance(val, float) else f"{key}={val}" for key, val in result.items()))
+    typer.echo(f"per-prompt results: {files['per_prompt']}")

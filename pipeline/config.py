@@ -49,12 +49,24 @@ NonNegative = Annotated[float, Range(ge=0)]
 Fraction = Annotated[float, Range(ge=0, le=1)]  # a share or a probability, 0 and 1 included
 
 
+CHAT_TEMPLATE_MODES = ("auto", "none")
+TRUNCATED_MODES = ("keep", "mask", "drop")
+
+
 @dataclass
 class DataConfig:
+    """Prompt files and how a prompt becomes the text the student sees (gndpo.stages.chat)."""
+
     train: str = ""  # prompts for rollouts: jsonl / parquet / csv, any fsspec URL
     heldout: str = ""  # evaluation prompts with answers
-    prompt_key: str = "prompt"
+    prompt_key: str = "prompt"  # a plain prompt, wrapped as one user turn
+    messages_key: str = "messages"  # or a list of {role, content} turns (system turn included)
     answer_key: str = "answer"
+    # auto: the student's chat template (with add_generation_prompt) where it has one, else the plain
+    # prompt text; none: always the plain prompt text.
+    chat_template: str = "auto"
+    system_prompt: str = ""  # a system turn put first where a prompt has none
+    template_kwargs: dict = field(default_factory=dict)  # passed to the template, e.g. {enable_thinking: false}
 
 
 @dataclass
@@ -159,6 +171,11 @@ class RolloutConfig:
     # gradient (loss_mask 0) but by forward KL on the teacher's top-k.
     guided_fraction: Fraction = 0.0
     guide_prefix_tokens: Count = 2
+    # Generation stops at the tokenizer's EOS, the chat template's end-of-turn token and these strings.
+    stop: list = field(default_factory=list)
+    # Responses cut at max_tokens (finish_reason "length"): keep (trained like any other, the usual
+    # choice for distillation), mask (no loss, still in the statistics) or drop (neither).
+    truncated: str = "keep"
 
 
 @dataclass
@@ -279,6 +296,14 @@ def config_from_dict(data: dict) -> Config:
 
 def _check_combinations(cfg: Config) -> None:
     rc, tc = cfg.rollout, cfg.train
+    for key, value, choices in (
+        ("data.chat_template", cfg.data.chat_template, CHAT_TEMPLATE_MODES),
+        ("rollout.truncated", rc.truncated, TRUNCATED_MODES),
+    ):
+        if value not in choices:
+            raise GndpoError(f"config key {key} must be one of {', '.join(choices)}, got {value!r}")
+    if not all(isinstance(s, str) and s for s in rc.stop):
+        raise GndpoError(f"config key rollout.stop must be a list of non-empty strings, got {rc.stop!r}")
     if rc.top_k == 0:
         raise GndpoError("config key rollout.top_k must be -1 (off) or >= 1, got 0")
     if rc.prompts_per_round * rc.n < tc.optimizer_steps:

@@ -66,7 +66,7 @@ def run_demo(folder: str, rounds: int = 3, overrides: list[str] = (), assets: st
     run_url = str(out / "run")
     init_run(run_url, cfg)
     run_rounds(run_url, rounds, log=log)
-    final = evaluate(run_url, None)
+    final = evaluate(run_url, None, str(out / "eval"))
     rows = demo_table(collect_metrics(open_run(run_url)), final["pass@1"], info["teacher_heldout_accuracy"])
     log(f"demo finished in {time.time() - t0:.0f}s; run folder {run_url}")
     return rows

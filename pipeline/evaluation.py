@@ -1,35 +1,51 @@
-"""Resolving what `gndpo eval` evaluates: a model folder or a run's newest student, on which prompts."""
+"""Resolving what `gndpo eval` evaluates: a model folder or a run's newest student, on which prompts,
+with which reward and rendering, and where the results go."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import EngineConfig
+from gndpo.pipeline.config import DataConfig, EngineConfig
 from gndpo.pipeline.prompts import load_prompts
 from gndpo.pipeline.rewards import get_reward
 from gndpo.storage.runfs import RunFS
+from gndpo.storage.tables import write_results
 
 
-def evaluate(target: str, prompts: str | None, k: int = 1, reward: str = "exact_match", max_tokens: int = 16) -> dict:
+def evaluate(
+    target: str, prompts: str | None, out: str, k: int = 1, n: int = 0, reward: str | None = None, max_tokens: int | None = None
+) -> dict:
+    """Evaluate ``target`` and write ``out``/per_prompt.parquet and ``out``/summary.json; returns the
+    summary. A run brings its own prompts (held-out), reward, rendering, engine and max_tokens; options
+    given here override them."""
     from gndpo.pipeline.runs import open_run
     from gndpo.stages.eval import evaluate_model
 
     if k < 1:
         raise GndpoError("--k must be at least 1")
-    engine = EngineConfig()
+    if n and n < k:
+        raise GndpoError(f"--n ({n}) must be at least --k ({k}): pass@k needs k of n samples")
+    engine, data, extra = EngineConfig(), DataConfig(), {}
     if RunFS(target).exists("run.yaml"):
         run = open_run(target)
         version, model = run.latest_policy()
-        rows = load_prompts(prompts).to_dicts() if prompts else run.prompts("heldout")
-        engine, reward, max_tokens = run.cfg.engine, run.cfg.reward, run.cfg.rollout.max_tokens
-        extra = {"policy_version": version}
+        engine, data, extra = run.cfg.engine, run.cfg.data, {"policy_version": version}
+        reward, max_tokens = reward or run.cfg.reward, max_tokens or run.cfg.rollout.max_tokens
+        rows = None if prompts else run.prompts("heldout")
     else:
         if not Path(target).exists():
             raise GndpoError(f"model or run folder does not exist: {target}")
         if not (Path(target) / "config.json").exists():
             raise GndpoError(f"{target} is neither a run folder (run.yaml) nor a model folder (config.json)")
         if not prompts:
-            raise GndpoError("evaluating a bare model needs --prompts FILE (a jsonl/parquet/csv with prompt and answer)")
-        rows, model, extra = load_prompts(prompts).to_dicts(), target, {}
-    return {**extra, **evaluate_model(model, rows, get_reward(reward), engine, max_tokens, k)}
+            raise GndpoError("evaluating a bare model needs --prompts FILE (a jsonl/parquet/csv with prompt or messages, and answer)")
+        model, rows = target, None
+        reward, max_tokens = reward or "exact_match", max_tokens or 16
+    if rows is None:
+        rows = load_prompts(prompts, data.prompt_key, data.answer_key, data.messages_key).to_dicts()
+    reward_fn = get_reward(reward)
+    summary, table = evaluate_model(model, rows, reward_fn, engine, max_tokens, data, k=k, n=n)
+    summary = {**extra, **summary, "reward": reward}
+    summary["files"] = write_results(out, table, summary)
+    return summary

@@ -1,13 +1,24 @@
-"""Importing prompt files: validation and stable prompt ids."""
+"""Importing prompt files: validation and stable prompt ids.
+
+A prompt file has an answer column and either a plain prompt column or a messages column (a list of
+``{"role": ..., "content": ...}`` turns, system turn included). The run's prompt table keeps, per
+prompt: ``prompt_id``, ``prompt`` (the plain prompt, or the last user turn of a conversation: what a
+person reading the run wants to see), ``messages`` (the conversation as JSON, null for a plain prompt)
+and ``answer``. How a prompt becomes text and token ids is decided in one place,
+:func:`gndpo.stages.chat.render_prompt`.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import polars as pl
 
 from gndpo.errors import GndpoError
 from gndpo.storage.tables import read_table_url
+
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def prompt_id(prompt: str) -> str:
@@ -15,23 +26,55 @@ def prompt_id(prompt: str) -> str:
     return hashlib.sha1(prompt.encode()).hexdigest()[:16]
 
 
-def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer") -> pl.DataFrame:
-    """Read and validate a prompts file into (prompt_id, prompt, answer); any problem is a GndpoError."""
+def check_messages(value, where: str) -> list[dict]:
+    """``value`` as a list of {role, content} dicts; a GndpoError naming ``where`` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise GndpoError(f"{where}: messages must be a list of {{role, content}} turns, got a string that is not JSON") from None
+    if not isinstance(value, list) or not value:
+        raise GndpoError(f"{where}: messages must be a non-empty list of {{role, content}} turns, got {type(value).__name__}")
+    turns = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
+            raise GndpoError(f"{where}: turn {i} must be a dict with a string role and a string content, got {turn!r}")
+        if turn["role"] not in ROLES:
+            raise GndpoError(f"{where}: turn {i} has unknown role {turn['role']!r} (roles: {', '.join(ROLES)})")
+        turns.append({"role": turn["role"], "content": turn["content"]})
+    if not any(t["role"] == "user" for t in turns):
+        raise GndpoError(f"{where}: the conversation has no user turn")
+    return turns
+
+
+def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages") -> pl.DataFrame:
+    """Read and validate a prompts file into (prompt_id, prompt, messages, answer); any problem is a
+    GndpoError. A file with a ``messages_key`` column is read as conversations, else ``prompt_key``."""
     df = read_table_url(url)
-    for key in (prompt_key, answer_key):
+    chat = messages_key in df.columns
+    for key in (messages_key if chat else prompt_key, answer_key):
         if key not in df.columns:
             raise GndpoError(f"prompts file {url} has no {key!r} column (columns: {', '.join(df.columns) or 'none'})")
     if df.height == 0:
         raise GndpoError(f"prompts file {url} has no rows")
-    df = df.select(
-        pl.col(prompt_key).cast(pl.Utf8, strict=False).alias("prompt"),
-        pl.col(answer_key).cast(pl.Utf8, strict=False).alias("answer"),
+    answers = df[answer_key].cast(pl.Utf8, strict=False)
+    if chat:
+        conversations = [check_messages(v, f"prompts file {url}, row {i + 1}") for i, v in enumerate(df[messages_key].to_list())]
+        messages = [json.dumps(c, ensure_ascii=False) for c in conversations]
+        prompts = [next(t["content"] for t in reversed(c) if t["role"] == "user") for c in conversations]
+        ids = [prompt_id(m) for m in messages]
+    else:
+        prompts = df[prompt_key].cast(pl.Utf8, strict=False).to_list()
+        messages = [None] * len(prompts)
+        ids = [prompt_id(p) if p else "" for p in prompts]
+    out = pl.DataFrame(
+        {"prompt_id": ids, "prompt": prompts, "messages": messages, "answer": answers},
+        schema={"prompt_id": pl.Utf8, "prompt": pl.Utf8, "messages": pl.Utf8, "answer": pl.Utf8},
     )
-    bad = df.filter(pl.col("prompt").is_null() | (pl.col("prompt").str.len_chars() == 0) | pl.col("answer").is_null())
+    bad = out.filter(pl.col("prompt").is_null() | (pl.col("prompt").str.len_chars() == 0) | pl.col("answer").is_null())
     if bad.height:
         raise GndpoError(f"prompts file {url} has {bad.height} rows with an empty prompt or a missing answer")
-    df = df.with_columns(pl.col("prompt").map_elements(prompt_id, return_dtype=pl.Utf8).alias("prompt_id"))
-    dupes = df.height - df["prompt_id"].n_unique()
+    dupes = out.height - out["prompt_id"].n_unique()
     if dupes:
         raise GndpoError(f"prompts file {url} has {dupes} duplicate prompts")
-    return df.select("prompt_id", "prompt", "answer")
+    return out

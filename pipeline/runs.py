@@ -103,21 +103,19 @@ def check_precision(cfg: Config) -> None:
         attn_implementation(cfg.model.attn_implementation)
 
 
-def longest_prompt_tokens(model_path: str, prompts: list[str]) -> int:
-    """The most tokens any prompt has, tokenized as rollout does (the student's tokenizer on the prompt
-    text; a batch call without padding or truncation gives the same ids as one call per prompt)."""
+def longest_prompt_tokens(model_path: str, rows: list[dict], data) -> int:
+    """The most tokens any prompt has, rendered as rollout renders it (:func:`render_prompt`: the
+    student's chat template and tokenizer); a prompt the template cannot render is a GndpoError here."""
     from transformers.utils import logging as hf_logging
 
+    from gndpo.stages.chat import render_prompt
     from gndpo.stages.modeling import load_tokenizer
 
     tok = load_tokenizer(model_path)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "longer than model_max_length" warnings: check_context says it
     try:
-        longest = 0
-        for i in range(0, len(prompts), 4096):
-            longest = max([longest, *map(len, tok(prompts[i : i + 4096])["input_ids"])])
-        return longest
+        return max(len(render_prompt(tok, row, data).token_ids) for row in rows)
     finally:
         hf_logging.set_verbosity(verbosity)
 
@@ -138,8 +136,7 @@ def check_context(cfg: Config, splits: dict) -> None:
             f"set engine.max_model_len <= {own}, or 0 for the model's own"
         )
     names = [s for s in PROMPT_SPLITS if s == "train" or cfg.rollout.eval_heldout]
-    prompts = {s: splits[s]["prompt"].to_list() for s in names}
-    longest, where = max((longest_prompt_tokens(cfg.student, prompts[s]), s) for s in names)
+    longest, where = max((longest_prompt_tokens(cfg.student, splits[s].to_dicts(), cfg.data), s) for s in names)
     total = longest + cfg.rollout.max_tokens
     if total > max_len:
         source = "engine.max_model_len" if cfg.engine.max_model_len else "engine.max_model_len 0 = the student's own"
@@ -166,7 +163,7 @@ def init_run(url: str, cfg: Config) -> Run:
         source = getattr(cfg.data, split)
         if not source:
             raise GndpoError(f"config has no data.{split} prompts file")
-        splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key)
+        splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key)
     check_context(cfg, splits)
     check_rewards(cfg, splits["train"].row(0, named=True))
     for split, table in splits.items():

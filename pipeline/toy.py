@@ -56,6 +56,7 @@ class ToySpec:
     student_target: float = 0.15
     teacher_target: float = 0.97
     student_max_steps: int | None = None  # save the student here at the latest (tests use tiny models)
+    assets_version: int = 2  # bumped when the built files change for a given spec (2: BOS in the template)
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -119,7 +120,9 @@ def build_tokenizer():
         pad_token=SPECIAL["pad"],
         model_max_length=64,
     )
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    # A template that renders a one-turn prompt as <s> + its text: exactly the ids the plain path gives,
+    # so the toy runs through the chat path unchanged.
+    fast.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     return fast
 
 
@@ -299,3 +302,47 @@ def build_toy_assets(spec: ToySpec, out: Path, log=print) -> dict:
     info["parameters"] = sum(p.numel() for p in model.parameters())
     (out / "info.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return info
+
+
+# -- the chat-format variant ------------------------------------------------------------------------
+CHAT_ROLES = ("system", "user", "assistant")
+END_OF_TURN = "<|end|>"
+# Role markers and an end-of-turn token, as instruction models' templates have them.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}" + END_OF_TURN + "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_chat_variant(assets: Path, out: Path, seed: int = 0) -> Path:
+    """The toy in chat format, written to ``out``: the toy tokenizer plus role-marker and end-of-turn
+    special tokens and a chat template, both models resized to it (new embedding rows initialised
+    from the old ones' mean), and ``train.jsonl`` / ``heldout.jsonl`` whose prompts are ``messages``
+    (some with a system turn) and whose answers are GSM8K ``#### n`` lines or ``\\boxed{n}``, for the
+    ``math`` reward. For tests of the chat path: no accuracy is claimed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(assets / "student")
+    tok.add_special_tokens({"additional_special_tokens": [f"<|{r}|>" for r in CHAT_ROLES] + [END_OF_TURN]})
+    tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    for role in ("student", "teacher"):
+        model = AutoModelForCausalLM.from_pretrained(assets / role)
+        model.resize_token_embeddings(len(tok), mean_resizing=False)
+        with torch.no_grad():  # new rows: the mean of the old ones (deterministic, no sampling)
+            for matrix in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+                matrix[-(len(CHAT_ROLES) + 1):] = matrix[: -(len(CHAT_ROLES) + 1)].mean(0)
+        model.save_pretrained(out / role, safe_serialization=True)
+        tok.save_pretrained(out / role)
+    for split in ("train", "heldout"):
+        rows = [json.loads(line) for line in (assets / f"{split}.jsonl").read_text().splitlines()]
+        with open(out / f"{split}.jsonl", "w") as f:
+            for i, r in enumerate(rows):
+                turns = [{"role": "user", "content": r["prompt"]}]
+                if i % 3 == 0:
+                    turns.insert(0, {"role": "system", "content": "0="})  # toy characters only
+                answer = f"#### {r['answer']}" if i % 2 else f"\\boxed{{{r['answer']}}}"
+                f.write(json.dumps({"messages": turns, "answer": answer}) + "\n")
+    return out

@@ -1,17 +1,23 @@
 """Eval: verifiable-reward accuracy of a model on held-out prompts with vLLM.
 
-pass@1 is greedy exact match. pass@k draws k samples per prompt (temperature 1, seeded per prompt and
-sample) and uses the unbiased estimator 1 - C(n-c, k) / C(n, k) with n = k samples, i.e. "any of k".
+Prompts are rendered and stopped exactly as rollout does (:mod:`gndpo.stages.chat`). pass@1 is the
+greedy response's reward. pass@k draws n >= k samples per prompt (temperature 1, seeded per prompt and
+sample) and uses the unbiased estimator of Chen et al. (2021), averaged over prompts:
+
+    pass@k = 1 - C(n - c, k) / C(n, k),   c = samples with reward > 0.
 """
 
 from __future__ import annotations
 
 import hashlib
+from math import comb
 
 import pyarrow as pa
 
-from gndpo.pipeline.config import EngineConfig
-from gndpo.stages.engine import generate, make_llm, shutdown_llm
+from gndpo.pipeline.config import DataConfig, EngineConfig
+from gndpo.stages.chat import render_prompt, stop_token_ids
+from gndpo.errors import GndpoError
+from gndpo.stages.engine import generate, make_llm, resolve_max_model_len, shutdown_llm
 from gndpo.stages.modeling import load_tokenizer
 
 EVAL_SCHEMA = pa.schema(
@@ -19,55 +25,76 @@ EVAL_SCHEMA = pa.schema(
 )
 
 
-def greedy_eval(llm, tok, rows: list[dict], reward, max_tokens: int) -> dict:
-    """Greedy pass@1 over ``rows`` (dicts with prompt, answer, and optionally prompt_id)."""
+def greedy_eval(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig) -> dict:
+    """Greedy pass@1 over ``rows`` (prompt-table rows): {"accuracy", "n", "table"}; ``table`` holds
+    one row per prompt (the rendered prompt, the response and its reward)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    gens = generate(llm, [tok(r["prompt"])["input_ids"] for r in rows], [params] * len(rows))
+    rendered = [render_prompt(tok, r, data) for r in rows]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids(tok, data))
+    gens = generate(llm, [p.token_ids for p in rendered], [params] * len(rows))
     out = []
-    for r, g in zip(rows, gens):
+    for r, p, g in zip(rows, rendered, gens):
         text = tok.decode(g.token_ids, skip_special_tokens=True)
         out.append(
-            {
-                "prompt_id": r.get("prompt_id", ""),
-                "prompt": r["prompt"],
-                "answer": str(r["answer"]),
-                "response": text,
-                "reward": float(reward(text, r)),
-            }
+            {"prompt_id": r.get("prompt_id", ""), "prompt": p.text, "answer": str(r["answer"]), "response": text, "reward": float(reward(text, r))}
         )
     acc = sum(o["reward"] for o in out) / max(len(out), 1)
     return {"accuracy": acc, "n": len(out), "table": pa.Table.from_pylist(out, schema=EVAL_SCHEMA)}
 
 
-def pass_at_k(llm, tok, rows: list[dict], reward, max_tokens: int, k: int) -> float:
-    """Fraction of prompts with at least one rewarded sample among k (temperature 1)."""
+def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c of them
+    correct) is correct."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def sample_correct(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig, n: int) -> list[int]:
+    """Per prompt, how many of ``n`` temperature-1 samples get a reward > 0."""
     from vllm import SamplingParams
 
+    stops = stop_token_ids(tok, data)
     requests, params = [], []
     for r in rows:
-        ids = tok(r["prompt"])["input_ids"]
-        for s in range(k):
-            seed = int.from_bytes(hashlib.sha256(f"eval:{r['prompt']}:{s}".encode()).digest()[:4], "little")
+        ids = render_prompt(tok, r, data).token_ids
+        for s in range(n):
+            seed = int.from_bytes(hashlib.sha256(f"eval:{r.get('prompt_id') or r['prompt']}:{s}".encode()).digest()[:4], "little")
             requests.append(ids)
-            params.append(SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed))
+            params.append(SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, stop_token_ids=stops))
     gens = generate(llm, requests, params)
-    solved = 0
-    for i, r in enumerate(rows):
-        texts = [tok.decode(g.token_ids, skip_special_tokens=True) for g in gens[i * k : (i + 1) * k]]
-        solved += any(reward(t, r) > 0 for t in texts)
-    return solved / max(len(rows), 1)
+    return [
+        sum(reward(tok.decode(g.token_ids, skip_special_tokens=True), r) > 0 for g in gens[i * n : (i + 1) * n])
+        for i, r in enumerate(rows)
+    ]
 
 
-def evaluate_model(model_path: str, rows: list[dict], reward, engine: EngineConfig, max_tokens: int, k: int = 1) -> dict:
-    """Start an engine for ``model_path`` and report pass@1 (greedy) and, for k > 1, pass@k."""
+def evaluate_model(
+    model_path: str, rows: list[dict], reward, engine: EngineConfig, max_tokens: int, data: DataConfig, k: int = 1, n: int = 0
+) -> tuple[dict, pa.Table]:
+    """Start an engine for ``model_path``; return the summary (pass@1 greedy and, for k > 1, pass@k
+    from n >= k samples per prompt) and the per-prompt table."""
+    n = n or k
     tok = load_tokenizer(model_path)
+    context = resolve_max_model_len(model_path, engine)
+    for r in rows:  # vLLM would refuse the request mid-run; say which prompt, before starting it
+        length = len(render_prompt(tok, r, data).token_ids)
+        if length + max_tokens > context:
+            raise GndpoError(
+                f"prompt {r.get('prompt_id') or r['prompt'][:40]!r} has {length} tokens; plus max_tokens {max_tokens} "
+                f"that is more than the engine's max_model_len {context}"
+            )
     llm = make_llm(model_path, engine)
-    result = greedy_eval(llm, tok, rows, reward, max_tokens)
-    result.pop("table")
-    result = {"model": model_path, "pass@1": result["accuracy"], "n": result["n"]}
+    greedy = greedy_eval(llm, tok, rows, reward, max_tokens, data)
+    table = greedy["table"].rename_columns(["prompt_id", "prompt", "answer", "greedy_response", "greedy_reward"])
+    summary = {"model": model_path, "prompts": greedy["n"], "pass@1": greedy["accuracy"]}
     if k > 1:
-        result[f"pass@{k}"] = pass_at_k(llm, tok, rows, reward, max_tokens, k)
+        correct = sample_correct(llm, tok, rows, reward, max_tokens, data, n)
+        per_prompt = [unbiased_pass_at_k(n, c, k) for c in correct]
+        summary.update({"samples_per_prompt": n, f"pass@{k}": sum(per_prompt) / max(len(per_prompt), 1)})
+        table = table.append_column("samples", pa.array([n] * len(rows), pa.int32()))
+        table = table.append_column("correct", pa.array(correct, pa.int32()))
+        table = table.append_column(f"pass@{k}", pa.array(per_prompt, pa.float64()))
     shutdown_llm(llm)
-    return result
+    return summary, table

@@ -43,7 +43,13 @@ class NormalizeJob:
         # DuckDB reads the files directly; check them against their commit records first.
         verify_shards(fs, score_files + rollout_files)
         con = connect(fs)
-        scores, rollouts = parquet_source(fs, score_files), parquet_source(fs, rollout_files)
+        all_rollouts = rollouts = parquet_source(fs, rollout_files)
+        scores = parquet_source(fs, score_files)
+        if self.cfg.rollout.truncated == "drop":
+            # Responses cut at max_tokens stay out of every statistic (and out of train).
+            con.sql(f"CREATE VIEW kept_rollouts AS SELECT * FROM {rollouts} WHERE finish_reason IS DISTINCT FROM 'length'")
+            con.sql(f"CREATE VIEW kept_scores AS SELECT s.* FROM {scores} s SEMI JOIN kept_rollouts USING (rollout_id)")
+            rollouts, scores = "kept_rollouts", "kept_scores"
         con.sql(
             f"""CREATE VIEW responses AS
                 SELECT r.rollout_id, r.prompt_id, r.reward, r.rewards, s.n_valid, s.c_sum, s.c_sq_sum
@@ -63,8 +69,9 @@ class NormalizeJob:
         ).fetchall()[0]
         stats = gndpo_stats_from_sums(n or 0, c_sum or 0.0, c_sq or 0.0)
         stats.update({"c_min": c_min, "c_max": c_max, "responses": responses})
+        # Reported over every response, dropped ones included: how often max_tokens cuts a response.
         reward_mean, len_mean, truncated = con.execute(
-            f"SELECT avg(reward), avg(len(response_token_ids)), avg((finish_reason = 'length')::INT) FROM {rollouts}"
+            f"SELECT avg(reward), avg(len(response_token_ids)), avg((finish_reason = 'length')::INT) FROM {all_rollouts}"
         ).fetchall()[0]
         stats.update({"reward_mean": reward_mean, "response_length_mean": len_mean, "truncated_fraction": truncated})
         # E[c] = -KL(pi_S || pi_T) (k1 estimator, clamped): logged as the round's distillation gap.

@@ -20,6 +20,7 @@ import pyarrow as pa
 from gndpo.faults import crash_point
 from gndpo.pipeline.rewards import run_rewards, score_response
 from gndpo.pipeline.runs import Run
+from gndpo.stages.chat import render_prompt, stop_token_ids
 from gndpo.stages.engine import generate, make_llm
 from gndpo.stages.modeling import check_same_tokenizer, load_causal_lm, load_tokenizer
 from gndpo.storage.shards import ROLLOUTS, write_shard
@@ -78,6 +79,7 @@ class RolloutJob:
         self.tok = load_tokenizer(policy)
         self.llm = make_llm(policy, self.cfg.engine, seed=self.cfg.rollout.seed)
         self.rewards = run_rewards(self.cfg)
+        self.stop_ids = stop_token_ids(self.tok, self.cfg.data)
         self.reward = self.rewards[self.cfg.reward]
         self.teacher = None
         if self.cfg.rollout.guided_fraction > 0:
@@ -91,7 +93,8 @@ class RolloutJob:
         return u < rc.guided_fraction
 
     def teacher_prefix(self, ids: list[int], seed: int) -> list[int]:
-        """Up to ``guide_prefix_tokens`` tokens sampled from the teacher (stops after EOS)."""
+        """Up to ``guide_prefix_tokens`` tokens sampled from the teacher after the rendered prompt ``ids``
+        (stops after EOS or the end-of-turn token)."""
         import torch
 
         rc = self.cfg.rollout
@@ -104,7 +107,7 @@ class RolloutJob:
                 # Sampled on the CPU with the request's own generator, wherever the teacher runs.
                 probs = torch.softmax(logits / max(rc.temperature, 1e-6), dim=-1).cpu()
                 out.append(int(torch.multinomial(probs, 1, generator=gen)))
-                if out[-1] == self.tok.eos_token_id:
+                if out[-1] in self.stop_ids:
                     break
         return out
 
@@ -118,7 +121,8 @@ class RolloutJob:
         requests, params, meta = [], [], []
         for pid in unit["prompt_ids"]:
             prompt = by_id[pid]
-            ids = self.tok(prompt["prompt"])["input_ids"]
+            rendered = render_prompt(self.tok, prompt, self.cfg.data)
+            ids = rendered.token_ids
             guided = self.teacher is not None and self.is_guided(pid)
             for s in range(rc.n):
                 seed = sample_seed(rc.seed, self.round, pid, s)
@@ -134,14 +138,16 @@ class RolloutJob:
                         max_tokens=max(rc.max_tokens - len(prefix), 1),
                         seed=seed,
                         logprobs=0,
+                        stop_token_ids=self.stop_ids,
+                        stop=list(rc.stop) or None,
                     )
                 )
-                meta.append((prompt, s, seed, ids, prefix))
+                meta.append((prompt, rendered.text, s, seed, ids, prefix))
         gens = generate(self.llm, requests, params)
         crash_point("rollout.generate")
         rows = []
-        for (prompt, s, seed, ids, prefix), g in zip(meta, gens):
-            if prefix and prefix[-1] == self.tok.eos_token_id:
+        for (prompt, prompt_text, s, seed, ids, prefix), g in zip(meta, gens):
+            if prefix and prefix[-1] in self.stop_ids:
                 g.token_ids, g.logprobs, g.finish_reason = [], [], "stop"
             response = prefix + list(g.token_ids)
             text = self.tok.decode(response, skip_special_tokens=True)
@@ -168,7 +174,7 @@ class RolloutJob:
                     "max_tokens": rc.max_tokens,
                     "seed": seed,
                     "logprobs_mode": "raw",
-                    "prompt": prompt["prompt"],
+                    "prompt": prompt_text,
                     "response": text,
                 }
             )
@@ -180,7 +186,7 @@ class RolloutJob:
     def _eval_unit(self, out_dir):
         from gndpo.stages.eval import greedy_eval
 
-        result = greedy_eval(self.llm, self.tok, self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens)
+        result = greedy_eval(self.llm, self.tok, self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens, self.cfg.data)
         record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"))
         record["kind"] = "eval"
         return [record], {"eval": result}

@@ -28,7 +28,7 @@ from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import flat_values, read_shards
 
 ROLLOUT_COLUMNS = ["rollout_id", "prompt_id", "prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs",
-                   "reward", "rewards", "teacher_prefix_len"]
+                   "reward", "rewards", "teacher_prefix_len", "finish_reason"]
 SCORE_COLUMNS = ["rollout_id", "teacher_logprobs", "student_logprobs", "teacher_entropy", "student_entropy", "token_kl"]
 
 
@@ -85,6 +85,17 @@ def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     all_ids = rollouts.column("rollout_id").to_pylist()
     if len(set(all_ids)) != len(all_ids) or scores.num_rows != len(all_ids):
         raise GndpoError(f"round {round_idx}: {scores.num_rows} score rows for {len(all_ids)} rollouts")
+    if cfg.rollout.truncated != "keep":
+        # mask and drop: a response cut at max_tokens has no loss and does not count in the step's
+        # normalizers (drop also kept it out of normalize's statistics).
+        cut = pc.fill_null(pc.equal(rollouts.column("finish_reason"), "length"), False)
+        rollouts = rollouts.filter(pc.invert(cut))
+        all_ids = rollouts.column("rollout_id").to_pylist()
+        if not all_ids:
+            raise GndpoError(
+                f"round {round_idx}: every response was cut at rollout.max_tokens and rollout.truncated is "
+                f"{cfg.rollout.truncated}: nothing to train on (raise rollout.max_tokens, or use truncated: keep)"
+            )
     steps = step_order(all_ids, cfg.train.seed, round_idx, cfg.train.optimizer_steps)
     mine = [ids[rank::world] for ids in steps]
     wanted = pa.array([rid for ids in mine for rid in ids], pa.string())

@@ -1,11 +1,16 @@
-"""Small tables that are not shards: user prompt files (any fsspec URL) and the run's prompt tables."""
+"""Small tables that are not shards: user prompt files (any fsspec URL), the run's prompt tables and
+`gndpo eval`'s result files."""
 
 from __future__ import annotations
 
 import io
+import json
+import uuid
 
 import fsspec
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from gndpo.errors import GndpoError
 from gndpo.storage.runfs import RunFS
@@ -45,3 +50,18 @@ def write_prompt_table(run: RunFS, rel: str, table: pl.DataFrame) -> None:
 
 def read_prompt_table(run: RunFS, rel: str) -> list[dict]:
     return pl.read_parquet(io.BytesIO(run.read_bytes(rel))).to_dicts()
+
+
+def write_results(folder: str, table: pa.Table, summary: dict) -> dict:
+    """``folder/per_prompt.parquet`` and ``folder/summary.json`` (any fsspec URL), each written to a
+    temporary name first and moved into place, so a crash never leaves a half-written result."""
+    fs, root = fsspec.core.url_to_fs(folder)
+    fs.makedirs(root, exist_ok=True)
+    paths = {"per_prompt": f"{root}/per_prompt.parquet", "summary": f"{root}/summary.json"}
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    for path, data in ((paths["per_prompt"], buf.getvalue()), (paths["summary"], json.dumps(summary, indent=1).encode())):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+    return paths

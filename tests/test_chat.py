@@ -1,0 +1,183 @@
+"""The chat path end to end: the toy in chat format (role markers, an end-of-turn token, `messages`
+prompts with system turns, `#### n` / `\\boxed{n}` answers, the `math` reward) through vLLM rollout,
+score, normalize and train, once per `rollout.truncated` mode; and the one-line refusals of prompts
+and templates init cannot use.
+
+The student's final norm is zeroed, so it samples uniformly over the vocabulary: some responses end
+at the end-of-turn token or EOS, others run to max_tokens, which is what stopping and truncation are
+tested on (accuracy is not the point here)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.torch import load_file, save_file
+
+from gndpo.pipeline.config import DataConfig
+from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.toy import END_OF_TURN, build_chat_variant
+from gndpo.stages.chat import render_prompt
+from gndpo.stages.rollout import rollout_shards
+from gndpo.storage.records import manifest_files
+from gndpo.storage.shards import read_shards
+from tests.conftest import gndpo, tiny_config_dict
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def chat_assets(tmp_path_factory, tiny_assets):
+    out = build_chat_variant(tiny_assets, tmp_path_factory.mktemp("chat") / "assets")
+    weights = out / "student" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"].zero_()  # uniform next-token distribution
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return out
+
+
+def chat_config(folder, assets, **sections):
+    cfg = tiny_config_dict(assets, reward="math", **sections)
+    cfg["data"].update({"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")})
+    cfg["rollout"].update({"max_tokens": MAX_TOKENS, "prompts_per_round": 16, "n": 2})
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_rollout(tmp_path_factory, chat_assets):
+    folder = tmp_path_factory.mktemp("chat-rollout")
+    gndpo("init", folder / "run", "--config", chat_config(folder, chat_assets))
+    gndpo("rollout", folder / "run", "--round", 0)
+    return folder / "run"
+
+
+@pytest.fixture(scope="module", params=["keep", "mask", "drop"])
+def chat_round(request, tmp_path_factory, chat_assets, chat_rollout):
+    """score, normalize and train of the same rollouts under one rollout.truncated mode."""
+    folder = tmp_path_factory.mktemp(f"chat-{request.param}")
+    run = folder / "run"
+    gndpo("init", run, "--config", chat_config(folder, chat_assets, rollout={"truncated": request.param}))
+    shutil.copytree(chat_rollout / "rounds" / "r0000" / "rollout", run / "rounds" / "r0000" / "rollout")
+    for stage in ("score", "normalize", "train"):
+        gndpo(stage, run, "--round", 0)
+    return request.param, open_run(str(run))
+
+
+def rollout_rows(run):
+    rows = read_shards(run.fs, rollout_shards(run.records(0, "rollout").require_manifest())).to_pylist()
+    assert rows
+    return rows
+
+
+def test_rollout_renders_messages_and_stops_at_end_of_turn(chat_rollout, chat_assets):
+    from transformers import AutoTokenizer
+
+    run = open_run(str(chat_rollout))
+    tok = AutoTokenizer.from_pretrained(chat_assets / "student")
+    end, eos = tok.convert_tokens_to_ids(END_OF_TURN), tok.eos_token_id
+    by_id = {p["prompt_id"]: p for p in run.prompts("train")}
+    rows = rollout_rows(run)
+    for r in rows:
+        prompt = by_id[r["prompt_id"]]
+        rendered = render_prompt(tok, prompt, DataConfig())
+        assert r["prompt_token_ids"] == rendered.token_ids and r["prompt"] == rendered.text
+        # The conversation's turns, rendered with role markers, ending in the generation prompt.
+        turns = json.loads(prompt["messages"])
+        assert rendered.text.endswith(f"<|user|>{turns[-1]['content']}{END_OF_TURN}<|assistant|>")
+        assert rendered.text.startswith("<s><|system|>0=<|end|>") == (turns[0]["role"] == "system")
+        ids = r["response_token_ids"]
+        assert not set(ids[:-1]) & {end, eos}  # nothing is generated after a stop token
+        if r["finish_reason"] == "stop":
+            assert ids[-1] in (end, eos) and len(ids) <= MAX_TOKENS
+        else:
+            assert r["finish_reason"] == "length" and len(ids) == MAX_TOKENS and ids[-1] not in (end, eos)
+        assert r["rewards"] is not None and set(dict(r["rewards"])) >= {"math", "math_format"}
+    reasons = [r["finish_reason"] for r in rows]
+    assert "stop" in reasons and "length" in reasons
+    assert any(r["response_token_ids"][-1] == end for r in rows), "no response ended at the end-of-turn token"
+    assert any(p["messages"] and json.loads(p["messages"])[0]["role"] == "system" for p in by_id.values())
+
+
+def test_teacher_scores_the_generated_ids_after_the_rendered_prompt(chat_round, chat_assets):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    mode, run = chat_round
+    if mode != "keep":
+        pytest.skip("scores do not depend on the truncation mode; checked once")
+    teacher = AutoModelForCausalLM.from_pretrained(chat_assets / "teacher").eval()
+    scores = {s["rollout_id"]: s for s in read_shards(run.fs, manifest_files(run.records(0, "score").require_manifest())).to_pylist()}
+    for r in rollout_rows(run)[:8]:
+        prompt, response = r["prompt_token_ids"], r["response_token_ids"]
+        with torch.no_grad():
+            logits = teacher(input_ids=torch.tensor([prompt + response])).logits[0].double()
+        logp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+        want = logp[torch.arange(len(response)), torch.tensor(response)].numpy()
+        np.testing.assert_allclose(scores[r["rollout_id"]]["teacher_logprobs"], want, atol=1e-4)
+
+
+def test_truncated_modes(chat_round):
+    mode, run = chat_round
+    rows = rollout_rows(run)
+    cut = [r for r in rows if r["finish_reason"] == "length"]
+    kept = [r for r in rows if r["finish_reason"] != "length"]
+    stats = run.records(0, "normalize").require_manifest()["metrics"]
+    train = run.records(0, "train").require_manifest()["units"][0]
+    assert stats["truncated_fraction"] == pytest.approx(len(cut) / len(rows))
+    in_stats = kept if mode == "drop" else rows
+    assert stats["token_count"] == sum(sum(r["loss_mask"]) for r in in_stats)
+    assert stats["responses"] == len(in_stats)
+    assert train["responses"] == (len(rows) if mode == "keep" else len(kept))
+    assert all(np.isfinite(s["loss"]) for s in train["steps"])
+
+
+def write_messages(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    "rows, fragment",
+    [
+        ([{"messages": "12+34=", "answer": "1"}], "messages must be a list of {role, content} turns"),
+        ([{"messages": [{"role": "user"}], "answer": "1"}], "turn 0 must be a dict with a string role and a string content"),
+        ([{"messages": [{"role": "narrator", "content": "1+2="}], "answer": "1"}], "unknown role 'narrator'"),
+        ([{"messages": [{"role": "system", "content": "0="}], "answer": "1"}], "has no user turn"),
+        ([{"messages": [], "answer": "1"}], "non-empty list"),
+    ],
+)
+def test_init_refuses_bad_messages(tmp_path, chat_assets, rows, fragment):
+    cfg = yaml.safe_load(chat_config(tmp_path, chat_assets).read_text())
+    cfg["data"]["train"] = str(write_messages(tmp_path / "bad.jsonl", rows))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert_init_refused(tmp_path, fragment)
+
+
+def assert_init_refused(folder, fragment, *overrides):
+    run = folder / "run"
+    proc = gndpo("init", run, "--config", folder / "config.yaml", *overrides, check=False)
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert proc.returncode != 0 and lines and lines[-1].startswith("error: ") and fragment in lines[-1], proc.stderr
+    assert "Traceback" not in proc.stderr and not run.exists()
+
+
+def test_init_refuses_what_the_template_cannot_render_and_too_long_prompts(tmp_path, chat_assets):
+    strict = tmp_path / "strict"
+    for role in ("student", "teacher"):
+        shutil.copytree(chat_assets / role, strict / role)
+        # A template that refuses system turns, as some instruction models' templates do.
+        (strict / role / "chat_template.jinja").write_text(
+            "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+            "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        )
+    for name in ("train", "heldout"):
+        shutil.copy(chat_assets / f"{name}.jsonl", strict / f"{name}.jsonl")
+    chat_config(tmp_path, strict)
+    assert_init_refused(tmp_path, "the chat template cannot render prompt")
+    chat_config(tmp_path, chat_assets)
+    assert_init_refused(tmp_path, "data.chat_template is none", "data.chat_template=none")
+    assert_init_refused(tmp_path, "more than max_model_len", "engine.max_model_len=16")

@@ -295,7 +295,7 @@ def config_from_dict(data: dict) -> Config:
 
 
 def _check_combinations(cfg: Config) -> None:
-    rc, tc = cfg.rollout, cfg.train
+    rc = cfg.rollout
     for key, value, choices in (
         ("data.chat_template", cfg.data.chat_template, CHAT_TEMPLATE_MODES),
         ("rollout.truncated", rc.truncated, TRUNCATED_MODES),
@@ -306,11 +306,6 @@ def _check_combinations(cfg: Config) -> None:
         raise GndpoError(f"config key rollout.stop must be a list of non-empty strings, got {rc.stop!r}")
     if rc.top_k == 0:
         raise GndpoError("config key rollout.top_k must be -1 (off) or >= 1, got 0")
-    if rc.prompts_per_round * rc.n < tc.optimizer_steps:
-        raise GndpoError(
-            f"config key train.optimizer_steps ({tc.optimizer_steps}) exceeds the responses per round "
-            f"(rollout.prompts_per_round x rollout.n = {rc.prompts_per_round * rc.n})"
-        )
     if rc.guided_fraction > 0 and rc.guide_prefix_tokens >= rc.max_tokens:
         raise GndpoError(
             f"config key rollout.guide_prefix_tokens ({rc.guide_prefix_tokens}) must be below rollout.max_tokens "

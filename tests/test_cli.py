@@ -171,3 +171,18 @@ def test_init_refuses_bad_values_before_writing(tmp_path, tiny_config, override,
     run = tmp_path / "run"
     assert_one_line_error(invoke("init", run, "--config", tiny_config, override), fragment)
     assert not run.exists()
+
+
+@pytest.mark.parametrize("name", ["gsm8k-8b-to-1.7b.yaml", "own-chat-data.yaml"])
+def test_example_configs_parse(name):
+    """The README's cookbook configs are valid configs (their models and data live elsewhere)."""
+    cfg = load_config(str(Path(__file__).parent.parent / "examples" / name))
+    assert cfg.data.chat_template == "auto" and cfg.rollout.max_tokens >= 1024
+
+
+def test_example_reward_is_a_reward(monkeypatch):
+    from gndpo.pipeline.rewards import get_reward
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "examples"))
+    reward = get_reward("my_rewards:contains_reference")
+    assert reward("The capital is Paris.", {"answer": "paris"}) == 1.0 and reward("Lyon", {"answer": "paris"}) == 0.0

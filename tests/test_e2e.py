@@ -82,7 +82,7 @@ def test_student_logprobs_match_the_sampler(run_dir):
     assert len(pairs) == PROMPTS * N and max(diffs) < 1e-3
 
 
-def test_exported_student_loads_and_generates(run_dir):
+def test_exported_student_loads_and_generates(run_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = open_run(str(run_dir))
@@ -93,8 +93,15 @@ def test_exported_student_loads_and_generates(run_dir):
     out = model.generate(**tok("12+34=", return_tensors="pt"), max_new_tokens=4, do_sample=False)
     assert out.shape[1] > len(tok("12+34=")["input_ids"])
     # ... and vLLM serves it through `gndpo eval` on the run's held-out prompts.
-    result = gndpo("eval", run_dir)
-    assert "policy_version=2" in result.stdout and "pass@1=" in result.stdout
+    result = gndpo("eval", run_dir, "--k", 2, "--n", 3, "--out", tmp_path / "eval")
+    assert "policy_version=2" in result.stdout and "pass@1=" in result.stdout and "pass@2=" in result.stdout
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    table = pq.read_table(tmp_path / "eval" / "per_prompt.parquet").to_pylist()
+    assert len(table) == summary["prompts"] == len(run.prompts("heldout")) and summary["samples_per_prompt"] == 3
+    for row in table:  # pass@2 of 3 samples with c correct: 1 - C(3 - c, 2) / C(3, 2)
+        assert 0 <= row["correct"] <= 3 and row["pass@2"] == pytest.approx({0: 0.0, 1: 2 / 3}.get(row["correct"], 1.0))
+    assert summary["pass@2"] == pytest.approx(np.mean([row["pass@2"] for row in table]))
+    assert summary["pass@1"] == pytest.approx(np.mean([row["greedy_reward"] for row in table]))
 
 
 def test_status_and_sql_commands(run_dir):

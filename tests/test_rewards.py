@@ -127,3 +127,19 @@ def test_init_accepts_a_working_custom_reward_also_for_grpo(tmp_path, tiny_asset
     config.write_text(yaml.safe_dump(cfg))
     result = runner.invoke(app, ["init", str(tmp_path / "run"), "--config", str(config)])
     assert result.exit_code == 0, result.stderr
+
+
+def test_unbiased_pass_at_k_against_enumeration():
+    """pass@k = P(some correct among k drawn without replacement from n samples, c correct), counted
+    over every k-subset."""
+    from itertools import combinations
+
+    from gndpo.stages.eval import unbiased_pass_at_k
+
+    for n in range(1, 7):
+        for c in range(n + 1):
+            samples = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(combinations(range(n), k))
+                want = sum(any(samples[i] for i in sub) for sub in subsets) / len(subsets)
+                assert unbiased_pass_at_k(n, c, k) == pytest.approx(want, abs=1e-12)

@@ -1,6 +1,7 @@
 """A full round with the run folder on s3://, against a real S3-protocol server on loopback (moto's
 server, started here), with `gndpo status`, `gndpo sql` and `gndpo eval` reading it back."""
 
+import json
 import os
 
 import fsspec.config
@@ -65,6 +66,9 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     assert out.strip().splitlines() == ["n,ids", "32,32"]
     out = gndpo("sql", run, "SELECT count(*) FROM scores s JOIN rollouts r USING (rollout_id)", "--csv", env=s3_endpoint).stdout
     assert out.strip().splitlines()[1] == "32"
-    # The exported student lives on S3; eval downloads it and serves it with vLLM.
-    result = gndpo("eval", run, env=s3_endpoint).stdout
+    # The exported student lives on S3; eval downloads it, serves it with vLLM, and writes its
+    # per-prompt results back to S3.
+    result = gndpo("eval", run, "--out", f"{run}-eval", env=s3_endpoint).stdout
     assert "policy_version=1" in result and "pass@1=" in result
+    with fsspec.open(f"{run}-eval/summary.json") as f:
+        assert json.load(f)["policy_version"] == 1

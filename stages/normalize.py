@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from gndpo.pipeline.methods import Stats, StatsQuery, gndpo_stats_from_sums, method_statistics
+from gndpo.pipeline.methods import Stats, StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
 from gndpo.pipeline.runs import Run
 from gndpo.stages.rollout import rollout_shards
 from gndpo.storage.duck import connect, parquet_source
@@ -55,12 +55,18 @@ class NormalizeJob:
                 SELECT r.rollout_id, r.prompt_id, r.reward, r.rewards, s.n_valid, s.c_sum, s.c_sq_sum
                 FROM {rollouts} r JOIN {scores} s USING (rollout_id)"""
         )
+        # Per-token columns score stored for this method are unnested; the others are typed NULLs, so
+        # every method's SQL sees the same view without paying for lists that are all null.
+        stored = score_needs(self.cfg.method)
+        extras = ", ".join(
+            f"unnest(s.{column}) AS {alias}" if column in stored else f"NULL::FLOAT AS {alias}"
+            for column, alias in (("teacher_entropy", "hT"), ("student_entropy", "hS"), ("token_kl", "kl"))
+        )
         con.sql(
             f"""CREATE VIEW tokens AS
                 SELECT * EXCLUDE (m) FROM (
                     SELECT r.rollout_id, r.prompt_id, unnest(range(len(r.loss_mask))) AS t, unnest(r.loss_mask) AS m,
-                           unnest(s.teacher_logprobs) AS lpT, unnest(s.student_logprobs) AS lpS,
-                           unnest(s.teacher_entropy) AS hT, unnest(s.student_entropy) AS hS, unnest(s.token_kl) AS kl
+                           unnest(s.teacher_logprobs) AS lpT, unnest(s.student_logprobs) AS lpS, {extras}
                     FROM {rollouts} r JOIN {scores} s USING (rollout_id))
                 WHERE m = 1"""
         )

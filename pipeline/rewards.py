@@ -66,14 +66,20 @@ def boxed_answer(text: str) -> str | None:
     return None
 
 
+def hashes_answer(text: str) -> str | None:
+    """What follows the last ``####`` (GSM8K's answer line), or None when there is none or it is empty."""
+    lines = [m.group(1).strip() for m in _HASHES.finditer(text)]
+    return lines[-1] if lines and lines[-1] else None
+
+
 def final_answer(text: str) -> str | None:
     """The answer a solution ends with: last boxed, else last ``####`` line, else last number."""
     boxed = boxed_answer(text)
     if boxed is not None:
         return boxed
-    lines = [m.group(1).strip() for m in _HASHES.finditer(text)]
-    if lines and lines[-1]:
-        return lines[-1]
+    hashes = hashes_answer(text)
+    if hashes is not None:
+        return hashes
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
@@ -135,11 +141,7 @@ def math_answer(response: str, row: dict) -> float:
 
 def math_format(response: str, row: dict) -> float:
     """Format: 1 if the response states its final answer as ``\\boxed{...}`` or a ``#### ...`` line."""
-    boxed = boxed_answer(response)
-    if boxed:
-        return 1.0
-    lines = [m.group(1).strip() for m in _HASHES.finditer(response)]
-    return float(bool(lines and lines[-1]))
+    return float(bool(boxed_answer(response)) or hashes_answer(response) is not None)
 
 
 # Rollout stores every built-in (and every custom reward the run names) per response, in the

@@ -19,6 +19,13 @@ def run(
         "GPU, each logging to RUN/logs/r<round>-<stage>-gpu<i>.log (a local cache folder for s3:// runs); train "
         "runs train.num_processes ranks (0 = one per GPU). 0: one process per stage, output to the terminal.",
     ),
+    keep_alive: bool = typer.Option(
+        True,
+        "--keep-alive/--no-keep-alive",
+        help="With at most one GPU, one train rank and tensor_parallel_size 1: run every stage in this process "
+        "and keep the vLLM engine (new weights are loaded into it), the teacher and the DeepSpeed engine alive "
+        "across stages and rounds. --no-keep-alive starts a fresh process per stage.",
+    ),
 ):
     """Run the round loop; stages already committed are skipped, so rerunning resumes."""
-    run_rounds(run, rounds, log=typer.echo, gpus=gpus)
+    run_rounds(run, rounds, log=typer.echo, gpus=gpus, keep_alive=keep_alive)

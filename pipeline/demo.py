@@ -15,6 +15,7 @@ from gndpo.pipeline.metrics import collect_metrics
 from gndpo.pipeline.rounds import run_rounds
 from gndpo.pipeline.runs import init_run, open_run
 from gndpo.pipeline.toy import ensure_toy_assets
+from gndpo.stages.live import LiveModels
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.yaml")
 
@@ -65,8 +66,13 @@ def run_demo(folder: str, rounds: int = 3, overrides: list[str] = (), assets: st
     cfg = load_config(str(write_demo_config(out, assets)), list(overrides))
     run_url = str(out / "run")
     init_run(run_url, cfg)
-    run_rounds(run_url, rounds, log=log)
-    final = evaluate(run_url, None, str(out / "eval"))
+    # One vLLM engine, teacher and DeepSpeed engine serve every round and the final evaluation.
+    live = LiveModels(keep=True, log=log)
+    try:
+        run_rounds(run_url, rounds, log=log, live=live)
+        final = evaluate(run_url, None, str(out / "eval"), live=live)
+    finally:
+        live.close()
     rows = demo_table(collect_metrics(open_run(run_url)), final["pass@1"], info["teacher_heldout_accuracy"])
     log(f"demo finished in {time.time() - t0:.0f}s; run folder {run_url}")
     return rows

@@ -14,11 +14,12 @@ from gndpo.storage.tables import write_results
 
 
 def evaluate(
-    target: str, prompts: str | None, out: str, k: int = 1, n: int = 0, reward: str | None = None, max_tokens: int | None = None
+    target: str, prompts: str | None, out: str, k: int = 1, n: int = 0, reward: str | None = None, max_tokens: int | None = None,
+    live=None,
 ) -> dict:
     """Evaluate ``target`` and write ``out``/per_prompt.parquet and ``out``/summary.json; returns the
     summary. A run brings its own prompts (held-out), reward, rendering, engine and max_tokens; options
-    given here override them."""
+    given here override them. ``live``: kept engines to evaluate on (:mod:`gndpo.stages.live`)."""
     from gndpo.pipeline.runs import open_run
     from gndpo.stages.eval import evaluate_model
 
@@ -45,7 +46,7 @@ def evaluate(
     if rows is None:
         rows = load_prompts(prompts, data.prompt_key, data.answer_key, data.messages_key).to_dicts()
     reward_fn = get_reward(reward)
-    summary, table = evaluate_model(model, rows, reward_fn, engine, max_tokens, data, k=k, n=n)
+    summary, table = evaluate_model(model, rows, reward_fn, engine, max_tokens, data, k=k, n=n, live=live)
     summary = {**extra, **summary, "reward": reward}
     summary["files"] = write_results(out, table, summary)
     return summary

@@ -55,12 +55,15 @@ def check_round(run, round_idx: int, stage: str) -> None:
         raise GndpoError(f"cannot run {stage} of round {round_idx}: {prev_stage} of round {prev_round} is not committed")
 
 
-def run_stage(url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=print) -> dict | None:
+def run_stage(
+    url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=print, live=None
+) -> dict | None:
     """Run (or join, with ``worker``) one stage; returns its manifest, or None if other workers still
-    hold units when this worker runs out of work."""
+    hold units when this worker runs out of work. ``live``: the engines and models to compute with
+    (:class:`gndpo.stages.live.LiveModels`; default: built for this stage alone)."""
     run = open_run(url)
     check_round(run, round_idx, stage)
-    job = stage_job(stage)(run, round_idx, log=log)
+    job = stage_job(stage)(run, round_idx, log=log, live=live)
     if lease_ttl <= 0:
         raise GndpoError("--lease-ttl must be positive")
     records = run.records(round_idx, stage)
@@ -191,15 +194,27 @@ def run_stage_processes(procs: list[StageProcess], stage: str, round_idx: int) -
         )
 
 
-def run_rounds(url: str, rounds: int, log=print, gpus: int | None = None) -> None:
+def keeps_models(cfg, gpus: int) -> bool:
+    """Whether ``gndpo run`` can run every stage in its own process, keeping engines and models alive
+    between stages and rounds: with at most one GPU, one train rank and one rollout worker."""
+    return gpus <= 1 and cfg.train.num_processes <= 1 and cfg.engine.tensor_parallel_size == 1
+
+
+def run_rounds(url: str, rounds: int, log=print, gpus: int | None = None, keep_alive: bool = True, live=None) -> None:
     """Run rounds 0..rounds-1, skipping committed stages; a failing stage stops the loop.
 
-    ``gpus``: GPUs of this node to use (None: every visible one); see the module docstring."""
+    ``gpus``: GPUs of this node to use (None: every visible one); see the module docstring.
+    ``keep_alive``: where :func:`keeps_models` allows, run the stages in this process and keep the vLLM
+    engine, the teacher and the DeepSpeed engine alive across them (:mod:`gndpo.stages.live`); ``live``
+    is a caller's kept set to use (and leave open, e.g. for a final evaluation on the same engine)."""
     run = open_run(url)
     if gpus is None:
         from gndpo.stages.device import visible_gpus
 
         gpus = visible_gpus()
+    if keep_alive and keeps_models(run.cfg, gpus):
+        run_rounds_in_process(url, rounds, log, live)
+        return
     for r in range(rounds):
         for stage in STAGES:
             if run.records(r, stage).manifest() is not None:
@@ -219,3 +234,27 @@ def run_rounds(url: str, rounds: int, log=print, gpus: int | None = None) -> Non
             if run.records(r, stage).manifest() is None:
                 raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
             log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")
+
+
+def run_rounds_in_process(url: str, rounds: int, log=print, live=None) -> None:
+    """The round loop in this process, on one set of kept engines and models (``live``, or a set made
+    and closed here). Each stage still runs through the work-unit executor and commits to the run folder
+    exactly as a stage process would."""
+    from gndpo.stages.live import LiveModels
+
+    run = open_run(url)
+    own = live is None
+    live = live or LiveModels(keep=True, log=log)
+    try:
+        for r in range(rounds):
+            for stage in STAGES:
+                if run.records(r, stage).manifest() is not None:
+                    continue
+                t0 = time.time()
+                log(f"round {r}: {stage} ...")
+                if run_stage(url, stage, r, log=log, live=live) is None:
+                    raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
+                log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")
+    finally:
+        if own:
+            live.close()

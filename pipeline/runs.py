@@ -43,8 +43,13 @@ class Run:
         0, else the model exported by the previous round's train stage (downloaded if remote)."""
         if round_idx == 0:
             return self.cfg.student
-        manifest = self.records(round_idx - 1, "train").require_manifest()
-        return self.fs.local_dir(manifest["metrics"]["model_dir"], model_cache_dir())
+        return self.fs.local_dir(self.policy_dir(round_idx), model_cache_dir())
+
+    def policy_dir(self, round_idx: int) -> str | None:
+        """The run-relative folder of the model exported by round ``round_idx - 1`` (None for round 0)."""
+        if round_idx == 0:
+            return None
+        return self.records(round_idx - 1, "train").require_manifest()["metrics"]["model_dir"]
 
     def latest_policy(self) -> tuple[int, str]:
         """(policy version, local path) of the newest committed student."""

@@ -100,12 +100,15 @@ def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool 
     return kwargs
 
 
-def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0):
+def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False):
     """An in-process vLLM engine for ``model_path`` (callers need an ``if __name__ == "__main__"`` guard:
-    the engine starts its workers with spawn)."""
+    the engine starts its workers with spawn). ``sleep_mode`` (CUDA only) lets it hand the GPU back
+    between rollouts (:mod:`gndpo.stages.live`)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     kwargs = engine_kwargs(model_path, cfg, seed)
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
     from vllm import LLM
 
     llm = LLM(**kwargs)

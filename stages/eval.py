@@ -17,7 +17,8 @@ import pyarrow as pa
 from gndpo.pipeline.config import DataConfig, EngineConfig
 from gndpo.stages.chat import render_prompt, stop_token_ids
 from gndpo.errors import GndpoError
-from gndpo.stages.engine import generate, make_llm, resolve_max_model_len, shutdown_llm
+from gndpo.stages.engine import generate, resolve_max_model_len, shutdown_llm
+from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import load_tokenizer
 
 EVAL_SCHEMA = pa.schema(
@@ -71,10 +72,12 @@ def sample_correct(llm, tok, rows: list[dict], reward, max_tokens: int, data: Da
 
 
 def evaluate_model(
-    model_path: str, rows: list[dict], reward, engine: EngineConfig, max_tokens: int, data: DataConfig, k: int = 1, n: int = 0
+    model_path: str, rows: list[dict], reward, engine: EngineConfig, max_tokens: int, data: DataConfig, k: int = 1, n: int = 0,
+    live: LiveModels | None = None,
 ) -> tuple[dict, pa.Table]:
-    """Start an engine for ``model_path``; return the summary (pass@1 greedy and, for k > 1, pass@k
-    from n >= k samples per prompt) and the per-prompt table."""
+    """Evaluate ``model_path`` on an engine from ``live`` (default: one started for this call); return
+    the summary (pass@1 greedy and, for k > 1, pass@k from n >= k samples per prompt) and the per-prompt
+    table."""
     n = n or k
     tok = load_tokenizer(model_path)
     context = resolve_max_model_len(model_path, engine)
@@ -85,7 +88,8 @@ def evaluate_model(
                 f"prompt {r.get('prompt_id') or r['prompt'][:40]!r} has {length} tokens; plus max_tokens {max_tokens} "
                 f"that is more than the engine's max_model_len {context}"
             )
-    llm = make_llm(model_path, engine)
+    live = live or LiveModels()
+    llm = live.student_engine(model_path, engine, seed=0)
     greedy = greedy_eval(llm, tok, rows, reward, max_tokens, data)
     table = greedy["table"].rename_columns(["prompt_id", "prompt", "answer", "greedy_response", "greedy_reward"])
     summary = {"model": model_path, "prompts": greedy["n"], "pass@1": greedy["accuracy"]}
@@ -96,5 +100,6 @@ def evaluate_model(
         table = table.append_column("samples", pa.array([n] * len(rows), pa.int32()))
         table = table.append_column("correct", pa.array(correct, pa.int32()))
         table = table.append_column(f"pass@{k}", pa.array(per_prompt, pa.float64()))
-    shutdown_llm(llm)
+    if not live.keep:
+        shutdown_llm(llm)
     return summary, table

@@ -24,7 +24,8 @@ from gndpo.storage.shards import STATS, read_shards, verify_shards, write_shard
 class NormalizeJob:
     stage = "normalize"
 
-    def __init__(self, run: Run, round_idx: int, log=print):
+    def __init__(self, run: Run, round_idx: int, log=print, live=None):
+        # ``live`` (kept engines and models) is accepted like every stage's; normalize needs none.
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
 
     def plan(self):

@@ -21,8 +21,10 @@ from gndpo.faults import crash_point
 from gndpo.pipeline.rewards import run_rewards, score_response
 from gndpo.pipeline.runs import Run
 from gndpo.stages.chat import render_prompt, stop_token_ids
-from gndpo.stages.engine import generate, make_llm
-from gndpo.stages.modeling import check_same_tokenizer, load_causal_lm, load_tokenizer
+from gndpo.stages.device import local_device
+from gndpo.stages.engine import generate
+from gndpo.stages.live import LiveModels
+from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
 from gndpo.storage.shards import ROLLOUTS, write_shard
 
 EVAL_UNIT = "eval-heldout"
@@ -58,8 +60,9 @@ def round_prompt_ids(prompt_ids: list[str], round_idx: int, count: int, seed: in
 class RolloutJob:
     stage = "rollout"
 
-    def __init__(self, run: Run, round_idx: int, log=print):
+    def __init__(self, run: Run, round_idx: int, log=print, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
+        self.live = live or LiveModels()
         self.llm = self.tok = None
 
     def plan(self):
@@ -77,14 +80,14 @@ class RolloutJob:
     def setup(self):
         policy = self.run.policy_path(self.round)
         self.tok = load_tokenizer(policy)
-        self.llm = make_llm(policy, self.cfg.engine, seed=self.cfg.rollout.seed)
+        self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed)
         self.rewards = run_rewards(self.cfg)
         self.stop_ids = stop_token_ids(self.tok, self.cfg.data)
         self.reward = self.rewards[self.cfg.reward]
         self.teacher = None
         if self.cfg.rollout.guided_fraction > 0:
             check_same_tokenizer(policy, self.cfg.teacher)
-            self.teacher = load_causal_lm(self.cfg.teacher, self.cfg.model).eval()
+            self.teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, local_device(), fixed=True)
 
     def is_guided(self, prompt_id: str) -> bool:
         """A seeded, worker-independent choice of the round's guided prompts."""

@@ -23,15 +23,17 @@ from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_
 from gndpo.pipeline.runs import Run
 from gndpo.stages.device import local_device, set_cpu_threads
 from gndpo.stages.logprobs import make_batch, pair_token_stats, token_budget_batches
-from gndpo.stages.modeling import check_same_tokenizer, load_causal_lm, load_tokenizer
+from gndpo.stages.live import LiveModels
+from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
 from gndpo.stages.rollout import EVAL_UNIT
-from gndpo.storage.shards import flat_values, list_column, read_shard, scores_schema, write_shard
+from gndpo.storage.shards import flat_values, list_column, read_shard, round_to_bfloat16, scores_schema, write_shard
 
 class ScoreJob:
     stage = "score"
 
-    def __init__(self, run: Run, round_idx: int, log=print):
+    def __init__(self, run: Run, round_idx: int, log=print, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
+        self.live = live or LiveModels()
 
     def plan(self):
         rollouts = self.run.records(self.round, "rollout").require_manifest()
@@ -47,8 +49,9 @@ class ScoreJob:
         check_same_tokenizer(policy, self.cfg.teacher)
         self.pad_id = load_tokenizer(policy).pad_token_id or 0
         self.device = local_device()
-        self.student = load_causal_lm(policy, self.cfg.model, self.device).eval()
-        self.teacher = load_causal_lm(self.cfg.teacher, self.cfg.model, self.device).eval()
+        self.live.release_engine()
+        self.student = self.live.causal_lm(policy, self.cfg.model, self.device, fixed=False)
+        self.teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, self.device, fixed=True)
 
     @torch.no_grad()
     def run_unit(self, unit, out_dir):
@@ -78,6 +81,10 @@ class ScoreJob:
                     per_token[name] = np.zeros((len(responses), *values.shape[1:]), dtype=values.dtype)
                 per_token[name][where] = values
         self._refuse_non_finite(table, per_token, offsets)
+        if sc.dtype == "bfloat16":
+            # Rounded before anything is derived from them, so the row sums below, normalize's token
+            # statistics and train's old log-probs all see the stored values.
+            per_token = {k: round_to_bfloat16(v) if v.dtype == np.float32 else v for k, v in per_token.items()}
         c = clamped_score(per_token["teacher_logprobs"], per_token["student_logprobs"], self.cfg.method.clamp)
         masks, _ = flat_values(table.column("loss_mask"))
         partial = [score_partial_sums(c[offsets[i] : offsets[i + 1]], masks[offsets[i] : offsets[i + 1]].astype(np.float64)) for i in range(len(lengths))]

@@ -33,7 +33,8 @@ from gndpo.stages.device import local_device, set_cpu_threads
 from gndpo.stages.logprobs import make_batch, policy_token_logprobs, token_budget_batches
 from gndpo.stages.modeling import load_tokenizer
 from gndpo.stages.train_batch import TrainRow, load_share
-from gndpo.stages.train_engine import build_engine, export_model, isolate_extension_builds, load_state, save_state
+from gndpo.stages.live import LiveModels
+from gndpo.stages.train_engine import export_model, isolate_extension_builds, load_state, save_state
 
 
 def ensure_distributed_env() -> None:
@@ -80,8 +81,9 @@ def padded(rows: list[TrainRow], key: str, width: int, device, dtype=torch.float
 class TrainJob:
     stage = "train"
 
-    def __init__(self, run: Run, round_idx: int, log=print):
+    def __init__(self, run: Run, round_idx: int, log=print, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
+        self.live = live or LiveModels()
 
     def plan(self):
         normalize = self.run.records(self.round, "normalize").require_manifest()
@@ -106,12 +108,14 @@ class TrainJob:
         steps = self.plan_steps(share)
 
         policy = self.run.policy_path(self.round)
-        engine, _ = build_engine(cfg, policy, world)
+        self.live.release_engine()
+        engine, continued = self.live.train_engine(cfg, policy, self.run.policy_dir(self.round), world)
+        torch.manual_seed(cfg.train.seed)
         self.pad_id = load_tokenizer(policy).pad_token_id or 0
         # A retried attempt continues from the newest checkpoint of an earlier attempt, so optimizer
         # steps already taken are not repeated (the mini-batch order is seeded by round, not attempt).
         history = self._resume(engine, rank)
-        resumed = bool(history) or self._continue_optimizer(engine)
+        resumed = bool(history) or continued or self._continue_optimizer(engine)
         for i in range(len(history), len(steps)):
             history.append(self.optimizer_step(engine, **steps[i]))
             self.log(f"train r{self.round} step {i + 1}/{len(steps)}: loss {history[-1]['loss']:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
@@ -140,6 +144,8 @@ class TrainJob:
             if rank == 0:
                 files += records
                 summary["optimizer_state"] = {"world": world, "files": records}
+            # Without the carry the next round starts a fresh optimizer, so the engine is not kept.
+            self.live.trained(engine, cfg, world, summary["model_dir"])
         return files, summary
 
     def plan_steps(self, share) -> list[dict]:

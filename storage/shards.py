@@ -121,9 +121,36 @@ STATS = pa.schema(
 )
 
 
+def float_leaf_columns(schema: pa.Schema) -> list[str]:
+    """Parquet paths of every float leaf (``teacher_logprobs.list.element``, top-k values one level
+    deeper), the columns written with BYTE_STREAM_SPLIT."""
+    paths = []
+
+    def walk(path: str, typ: pa.DataType) -> None:
+        if pa.types.is_floating(typ):
+            paths.append(path)
+        elif pa.types.is_list(typ) or pa.types.is_fixed_size_list(typ):
+            walk(f"{path}.list.element", typ.value_type)
+
+    for field in schema:
+        walk(field.name, field.type)
+    return paths
+
+
+def round_to_bfloat16(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bfloat16 (ties to even), still as float32: the low 16 bits
+    become zero, which byte-stream-split encoding then stores in almost no space."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    finite = np.isfinite(values)  # inf and NaN stay as they are (score refuses them anyway)
+    return np.where(finite, rounded.view(np.float32), values).astype(np.float32)
+
+
 def to_parquet_bytes(table: pa.Table) -> bytes:
+    """zstd Parquet; floats byte-stream-split (their sign/exponent bytes then compress well, 20-30%
+    smaller shards for log-prob columns)."""
     buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
+    pq.write_table(table, buf, compression="zstd", use_byte_stream_split=float_leaf_columns(table.schema) or False)
     return buf.getvalue()
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny toy assets (built once per session, offline) and configs that use them."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,36 @@ def tiny_config(tmp_path, tiny_assets) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
     return path
+
+
+def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) -> list[dict]:
+    """Every committed row of a rollout or score stage, sorted by rollout id."""
+    import pyarrow.parquet as pq
+
+    from gndpo.pipeline.runs import open_run
+    from gndpo.stages.rollout import rollout_shards
+    from gndpo.storage.records import manifest_files
+
+    m = open_run(str(run_dir)).records(round_idx, stage).manifest()
+    files = rollout_shards(m) if stage == "rollout" else manifest_files(m)
+    return sorted((r for f in files for r in pq.read_table(Path(run_dir) / f["path"]).to_pylist()), key=lambda r: r["rollout_id"])
+
+
+def gndpo_killed(*args, env: dict, log: Path, timeout=600) -> int:
+    """Run a gndpo command that is expected to SIGKILL itself (``env`` sets GNDPO_CRASH_AT), in its own
+    session, then kill what it started (vLLM's engine process outlives its parent, as when the machine
+    under a worker dies); output goes to ``log``. Returns the command's exit code."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gndpo.cli", *map(str, args)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env},
+        )
+        code = proc.wait(timeout=timeout)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return code
 
 
 def gndpo(*args, check=True, env=None, timeout=600) -> subprocess.CompletedProcess:

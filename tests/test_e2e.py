@@ -13,7 +13,7 @@ import yaml
 from gndpo.pipeline.runs import open_run
 from gndpo.stages.rollout import rollout_shards
 from gndpo.storage.records import STAGES, manifest_files
-from tests.conftest import gndpo, tiny_config_dict
+from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 PROMPTS, N = 16, 2
@@ -31,6 +31,52 @@ def run_dir(tmp_path_factory, tiny_assets):
         gndpo(stage, run, "--round", 0)
     gndpo("run", run, "--rounds", 2)
     return run
+
+
+@pytest.fixture(scope="module")
+def kept_runs(tmp_path_factory, tiny_assets):
+    """The same config through `gndpo run` alone (one process, engines kept across stages and rounds):
+    once uninterrupted, once SIGKILLed during round 1's first optimizer step on the kept DeepSpeed
+    engine and then rerun."""
+    folder = tmp_path_factory.mktemp("kept")
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
+    kept, crashed = folder / "kept", folder / "crashed"
+    for run in (kept, crashed):
+        gndpo("init", run, "--config", config)
+    log = gndpo("run", kept, "--rounds", 2).stdout
+    # Round 0 takes 2 optimizer steps, so the 3rd pass of train.step is round 1's first.
+    crash_log = folder / "crash.log"
+    code = gndpo_killed("run", crashed, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.step", "GNDPO_CRASH_AFTER": "2"}, log=crash_log)
+    assert code == -9, crash_log.read_text()[-2000:]
+    assert open_run(str(crashed)).records(1, "train").manifest() is None
+    gndpo("run", crashed, "--rounds", 2)
+    return kept, crashed, log
+
+
+def student_weights(run_dir):
+    from safetensors.numpy import load_file
+
+    _, path = open_run(str(run_dir)).latest_policy()
+    return load_file(f"{path}/model.safetensors")
+
+
+def test_kept_engines_give_the_rows_and_weights_of_fresh_processes(run_dir, kept_runs):
+    """Round 1 on the kept vLLM engine (new weights loaded into it), the kept teacher and the kept
+    DeepSpeed engine equals round 1 on engines built from the run folder; so does a run killed during
+    the kept engine's update and resumed."""
+    kept, crashed, log = kept_runs
+    assert log.count("engine: loaded the weights of") == 1  # round 1's rollout reused round 0's engine
+    reference = student_weights(run_dir)
+    for other in (kept, crashed):
+        for stage in ("rollout", "score"):
+            assert committed_rows(other, stage, 1) == committed_rows(run_dir, stage, 1), (other.name, stage)
+        weights = student_weights(other)
+        assert weights.keys() == reference.keys()
+        for name in reference:
+            np.testing.assert_array_equal(weights[name], reference[name], err_msg=f"{other.name} {name}")
+    train = open_run(str(kept)).records(1, "train").manifest()["units"][0]
+    assert train["optimizer_state_resumed"] and train["attempt"] == 1
 
 
 def test_manifests_and_row_counts(run_dir):

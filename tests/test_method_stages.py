@@ -27,9 +27,10 @@ SHARED = {
 }
 
 
-def write_config(folder, assets, method):
+def write_config(folder, assets, method, score=None):
     path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(tiny_config_dict(assets, method=method, **SHARED)))
+    shared = {**SHARED, "score": {**SHARED["score"], **(score or {})}}
+    path.write_text(yaml.safe_dump(tiny_config_dict(assets, method=method, **shared)))
     return path
 
 
@@ -46,10 +47,10 @@ def rollout_dir(tmp_path_factory, tiny_assets):
 def method_run(tmp_path_factory, tiny_assets, rollout_dir):
     """A function: method config -> a run whose round 0 is trained from the shared rollouts."""
 
-    def make(method: dict):
+    def make(method: dict, score: dict | None = None):
         folder = tmp_path_factory.mktemp(method["name"])
         run = folder / "run"
-        gndpo("init", run, "--config", write_config(folder, tiny_assets, method))
+        gndpo("init", run, "--config", write_config(folder, tiny_assets, method, score))
         shutil.copytree(rollout_dir, run / "rounds" / "r0000" / "rollout")
         for stage in ("score", "normalize", "train"):
             gndpo(stage, run, "--round", 0)
@@ -189,3 +190,24 @@ def test_method_trains_end_to_end(method_run, name):
         assert commit["divergence"] == name and commit["adv_min"] is None
     if name == "paced":
         assert commit["divergence"] == "forward_kl"  # round 0 of the default fkl-then-rkl schedule
+
+
+def test_bfloat16_score_storage(method_run):
+    """score.dtype bfloat16: every stored value is a bf16 number (torch's rounding as the reference),
+    the statistics are those of the stored values, the student's stored log-probs stay within bf16
+    precision of the sampler's, and train runs on them."""
+    import torch
+
+    run = method_run({"name": "gndpo"}, score={"dtype": "bfloat16"})
+    pairs = shards(run)
+    for column in ("teacher_logprobs", "student_logprobs"):
+        values = np.array([v for _, s in pairs for v in s[column]], dtype=np.float32)
+        np.testing.assert_array_equal(values, torch.from_numpy(values).to(torch.bfloat16).float().numpy())
+    stats = round_stats(run, 0)
+    c = valid(pairs, lambda r, s, t: min(max(s["teacher_logprobs"][t] - s["student_logprobs"][t], -5), 5))
+    assert stats["c_mean"] == pytest.approx(c.mean(), rel=1e-6)
+    student = valid(pairs, lambda r, s, t: s["student_logprobs"][t])
+    sampler = valid(pairs, lambda r, s, t: r["sampler_logprobs"][t])
+    # bf16 keeps 8 significant bits: a relative error of at most 2^-9, plus the sampler's own ~1e-4.
+    assert np.all(np.abs(student - sampler) <= np.abs(sampler) * 2**-8 + 1e-3)
+    assert_trained(run)

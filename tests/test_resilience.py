@@ -15,7 +15,6 @@ import sys
 import time
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import yaml
 from safetensors.numpy import load_file
@@ -23,8 +22,7 @@ from safetensors.numpy import load_file
 from gndpo.pipeline.runs import open_run
 from gndpo.pipeline.status import stage_rows
 from gndpo.stages.rollout import rollout_shards
-from gndpo.storage.records import manifest_files
-from tests.conftest import gndpo, tiny_config_dict
+from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
@@ -41,30 +39,10 @@ def make_config(folder, assets):
     return path
 
 
-def rows_of(run_dir, stage="rollout"):
-    run = open_run(str(run_dir))
-    m = run.records(0, stage).manifest()
-    files = rollout_shards(m) if stage == "rollout" else manifest_files(m)
-    return sorted((r for f in files for r in pq.read_table(run_dir / f["path"]).to_pylist()), key=lambda r: r["rollout_id"])
-
-
 def crashed(run, stage, point, after=0):
-    """Run a stage that SIGKILLs itself at ``point``, then kill what it started (vLLM's engine process
-    outlives its parent), as when the machine under a worker dies."""
+    """Run a stage that SIGKILLs itself at ``point``, then kill what it started."""
     log = run.parent / f"crash-{stage}-{point}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gndpo.cli", stage, str(run), *ROUND],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "GNDPO_CRASH_AT": point, "GNDPO_CRASH_AFTER": str(after)},
-        )
-        code = proc.wait(timeout=600)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    code = gndpo_killed(stage, run, *ROUND, env={"GNDPO_CRASH_AT": point, "GNDPO_CRASH_AFTER": str(after)}, log=log)
     assert code == -signal.SIGKILL, log.read_text()[-2000:]
 
 
@@ -98,14 +76,14 @@ def crashed_run(tmp_path_factory, tiny_assets):
 
 
 def test_crashed_rollout_has_exactly_the_reference_rows(reference, crashed_run):
-    want, got = rows_of(reference / "run"), rows_of(crashed_run)
+    want, got = committed_rows(reference / "run"), committed_rows(crashed_run)
     ids = [r["rollout_id"] for r in got]
     assert len(ids) == len(set(ids)) == 32
     assert ids == [r["rollout_id"] for r in want]
     assert [r["response_token_ids"] for r in got] == [r["response_token_ids"] for r in want]
     run = open_run(str(crashed_run))
     assert run.records(0, "rollout").done("u00001")["attempt"] == 4
-    assert rows_of(crashed_run, "score") == rows_of(reference / "run", "score")
+    assert committed_rows(crashed_run, "score") == committed_rows(reference / "run", "score")
 
 
 def test_crashed_train_resumes_without_repeating_steps(reference, crashed_run):
@@ -130,7 +108,7 @@ def test_gc_removes_only_unreferenced_attempts(crashed_run):
     assert not (crashed_run / run.records(0, "train").attempt_dir("update", 1)).exists()
     # u00001's attempt 1 died before writing anything, so there are three folders to remove
     assert "3 attempt folder(s) removed" in out
-    rows_of(crashed_run)  # everything committed still reads
+    committed_rows(crashed_run)  # everything committed still reads
 
 
 def start_worker(run, stage, *extra, env=None):
@@ -156,7 +134,7 @@ def test_three_workers_commit_every_unit_once(reference, tmp_path):
     for unit in units:  # exactly one attempt was ever made per unit: no duplicate work, no loser
         assert rec.attempts(unit) == [1]
     assert rec.manifest()["rows"] == 32
-    assert rows_of(run, "score") == rows_of(reference / "run", "score")
+    assert committed_rows(run, "score") == committed_rows(reference / "run", "score")
 
 
 def process_state(pid: int) -> str:
@@ -185,7 +163,7 @@ def test_stale_lease_is_taken_over_and_the_late_commit_is_rejected(reference, tm
     assert slow.returncode == 0, err[-2000:]
     assert rec.done("u00000")["attempt"] == 2  # the late commit lost
     assert not (run / rec.attempt_dir("u00000", 1)).exists()  # and cleaned up after itself
-    assert rows_of(run, "score") == rows_of(reference / "run", "score")
+    assert committed_rows(run, "score") == committed_rows(reference / "run", "score")
 
 
 def test_corrupt_shard_is_refused_by_name(reference, tmp_path):

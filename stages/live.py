@@ -1,0 +1,156 @@
+"""The engines and models a stage runs on, and keeping them alive between stages and rounds.
+
+Every stage asks a :class:`LiveModels` for what it computes with: rollout for the student's vLLM engine,
+score for the student and teacher modules, train for the DeepSpeed engine. A one-stage process (``gndpo
+score ...``, a ``--worker``) gets a ``LiveModels(keep=False)``, which simply builds each one. ``gndpo run``
+on one machine runs the whole loop in one process with ``keep=True``, and then a round's start-up cost is
+paid once per run instead of once per stage and round:
+
+* the vLLM engine stays up; each round loads the new student's weights into it from the exported folder
+  (``reload_weights``) instead of starting an engine (20 s on CPU, a minute or more with CUDA graphs);
+* the teacher module stays loaded (it never changes); the student module is refilled from the exported
+  weights;
+* the DeepSpeed engine that finished round k trains round k+1 as it is, skipping the rebuild, the
+  weight load and the optimizer-state download, but only when round k's committed student is the one
+  this engine exported (see :meth:`LiveModels.train_engine`). Anything else, a lost commit race, an
+  in-round checkpoint to resume or a failed update, falls back to the rebuild from storage.
+
+Nothing about the storage protocol changes: every stage still writes, commits and reads through the
+run folder, so a run killed anywhere resumes the same way, and ``--worker`` processes can still join.
+On a GPU the engine is started with vLLM's sleep mode and put to sleep (weights offloaded, KV cache
+freed) while score and train hold the device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gndpo.stages.engine import cuda_available, make_llm, shutdown_llm
+
+
+@dataclass
+class _Engine:
+    llm: object
+    key: tuple  # what the engine was built with, apart from the weights
+    weights: str  # the folder whose weights it holds now
+    asleep: bool = False
+
+
+@dataclass
+class _Trainer:
+    engine: object
+    key: tuple
+    exported_to: str | None = None  # the model folder (run-relative) of the update this engine finished
+
+
+@dataclass
+class LiveModels:
+    """Builds (``keep=False``) or builds once and then reuses (``keep=True``) the stages' engines and
+    models. Only one process and one rank use a kept object; multi-rank train never keeps one."""
+
+    keep: bool = False
+    log: object = print
+    _engine: _Engine | None = None
+    _modules: dict = field(default_factory=dict)  # (path, dtype, device) -> module, teacher only
+    _trainer: _Trainer | None = None
+
+    # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
+    def student_engine(self, policy: str, cfg, seed: int):
+        """A vLLM engine holding ``policy``'s weights. Kept: the running engine when it was built with
+        the same settings, after loading ``policy``'s weights into it if it holds another folder's.
+        ``seed`` is the engine's default seed, used by requests without their own; gndpo's requests all
+        carry one (or are greedy), so a kept engine is reused whatever seed it was started with."""
+        if not self.keep:
+            return make_llm(policy, cfg, seed=seed)
+        key = (repr(cfg), _architecture(policy))
+        live = self._engine
+        if live is not None and live.key != key:
+            self.close_engine()
+            live = None
+        if live is None:
+            sleep_mode = cuda_available()
+            self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode), key, policy)
+            return self._engine.llm
+        if live.asleep:
+            live.llm.wake_up()
+            live.asleep = False
+        if live.weights != policy:
+            live.llm.collective_rpc("reload_weights", kwargs={"weights_path": policy})
+            # Cached KV blocks were computed by the previous weights.
+            live.llm.reset_prefix_cache()
+            live.weights = policy
+            self.log(f"engine: loaded the weights of {policy}")
+        return live.llm
+
+    def release_engine(self) -> None:
+        """Let the other stages have the device: on a GPU the kept engine sleeps (its weights go to CPU
+        memory and the KV cache is freed); on CPU there is nothing to release. A one-stage process
+        shuts its engine down when it exits."""
+        live = self._engine
+        if live is not None and not live.asleep and cuda_available():
+            live.llm.sleep(level=1)
+            live.asleep = True
+
+    def close_engine(self) -> None:
+        if self._engine is not None:
+            shutdown_llm(self._engine.llm)
+            self._engine = None
+
+    # -- score: HF modules -----------------------------------------------------------------------------
+    def causal_lm(self, path: str, model_cfg, device, fixed: bool):
+        """An eval-mode causal LM with ``path``'s weights on ``device``. ``fixed`` marks a model that never
+        changes during a run (the teacher); kept, it is loaded once. The student is loaded each round
+        (cheap next to its forward passes, and always the exported weights)."""
+        from gndpo.stages.modeling import load_causal_lm
+
+        if not (self.keep and fixed):
+            return load_causal_lm(path, model_cfg, device).eval()
+        key = (path, repr(model_cfg), str(device))
+        if key not in self._modules:
+            self._modules[key] = load_causal_lm(path, model_cfg, device).eval()
+        return self._modules[key]
+
+    # -- train: the DeepSpeed engine -----------------------------------------------------------------
+    def train_engine(self, cfg, policy: str, policy_dir: str | None, world: int):
+        """(DeepSpeed engine on ``policy``, whether it continues from the previous round as it is).
+
+        ``policy_dir`` is the run-relative folder of the committed model ``policy`` was downloaded from
+        (None in round 0). The kept engine is reused only if it is the one that exported exactly that
+        folder, i.e. its weights and optimizer state are the committed end of the previous round."""
+        from gndpo.stages.train_engine import build_engine
+
+        key = (repr(cfg.train), repr(cfg.model), world)
+        live = self._trainer
+        self._trainer = None  # an update that fails half-way must not leave a half-updated engine here
+        if self.keep and world == 1 and live is not None and live.key == key and policy_dir is not None and live.exported_to == policy_dir:
+            return live.engine, True
+        engine, _ = build_engine(cfg, policy, world)
+        return engine, False
+
+    def trained(self, engine, cfg, world: int, model_dir: str) -> None:
+        """Record that ``engine`` finished an update and exported it to ``model_dir``; kept for the next
+        round if this process keeps models (one rank only)."""
+        if self.keep and world == 1:
+            self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir)
+
+    def close(self) -> None:
+        self.close_engine()
+        self._modules.clear()
+        self._trainer = None
+
+
+# Config entries that fix the shapes of a model's weights: equal ones load into a running engine.
+SHAPE_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "max_position_embeddings")
+
+
+def _architecture(path: str) -> str:
+    """What must match for ``path``'s weights to load into an engine built on another folder."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return os.path.abspath(path)
+    data = json.loads(config.read_text())
+    return json.dumps({k: data.get(k) for k in SHAPE_KEYS}, sort_keys=True)

@@ -34,14 +34,16 @@ class ShapeSpec:
     max_position_embeddings: int = 8192
     tokenizer_vocab: int = 4096
     seed: int = 0
+    corpus_lines: int = 20_000  # of synthetic text the tokenizer is trained on
+    corpus_words: int = 3000
 
 
-def synthetic_text(n_lines: int, seed: int) -> list[str]:
+def synthetic_text(n_lines: int, seed: int, n_words: int = 3000) -> list[str]:
     """Word-like lines from a seeded syllable grammar, with digits and punctuation: enough variety for a
-    BPE tokenizer to learn merges of every length."""
+    BPE tokenizer to learn merges of every length (``n_words`` distinct words bound how many)."""
     rng = random.Random(seed)
     syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"] + ["th", "ing", "er", "qu", "st"]
-    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(n_words)]
     lines = []
     for _ in range(n_lines):
         parts = [rng.choice(words) for _ in range(rng.randint(5, 25))]
@@ -62,7 +64,7 @@ def build_tokenizer(spec: ShapeSpec):
     trainer = trainers.BpeTrainer(
         vocab_size=spec.tokenizer_vocab, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(synthetic_text(20_000, spec.seed), trainer=trainer)
+    tok.train_from_iterator(synthetic_text(spec.corpus_lines, spec.seed, spec.corpus_words), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=spec.max_position_embeddings
     )

@@ -1,0 +1,121 @@
+"""One on-policy distillation round: gndpo against TRL's GKDTrainer, on the same work, in the same run.
+
+Same student and teacher, prompts, samples per prompt, response length, optimizer steps, learning rate
+and objective: gndpo's ``reverse_kl`` (on the teacher's top-16) against GKD with ``lmbda=1, beta=1``
+(reverse KL, sampled from the student every step). Both in fp32 on CPU, each as the whole process a user
+would start:
+
+* gndpo: ``gndpo init`` (not timed), then ``gndpo run RUN --rounds 1`` timed from start to exit: the
+  vLLM engine start, rollout, score, normalize, train and the export of the new student, with the
+  stages committed to the run folder as always;
+* TRL: ``bench/trl_gkd.py`` timed from start to exit (imports, models, ``train()``, saving).
+
+Afterwards (not timed) both students are evaluated by the same ``gndpo eval`` on the held-out prompts,
+where the workload has an accuracy (the toy demo's; W's random-weight models have none).
+
+Workloads: ``demo`` (1024 prompts x 8 samples, 8 tokens, 32 steps of 256 sequences, lr 1e-4) and ``w``
+(:mod:`bench.workload`: 64 prompts x 4 samples x 64 tokens on CPU, one step). Run standalone or from
+``run_all.py``; writes ``results/round_vs_trl.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from gndpo.pipeline.runs import open_run
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import RESULTS, gndpo_cmd, run_timed, save_json  # noqa: E402
+from workload import CPU_SCALE, FULL_SCALE, build_workload, workload_config, write_config  # noqa: E402
+
+
+def demo_workload(folder: Path) -> dict:
+    """The demo's round with method reverse_kl; returns the config dict and TRL's arguments."""
+    from gndpo.pipeline.demo import write_demo_config
+    from gndpo.pipeline.toy import ensure_toy_assets
+
+    assets = ensure_toy_assets(log=lambda *_: None)
+    cfg = yaml.safe_load(write_demo_config(folder / "base", assets).read_text())
+    cfg["method"] = {"name": "reverse_kl"}
+    cfg["rollout"]["eval_heldout"] = False
+    rc, tc = cfg["rollout"], cfg["train"]
+    trl = {"student": cfg["student"], "teacher": cfg["teacher"], "prompts": cfg["data"]["train"], "count": rc["prompts_per_round"],
+           "n": rc["n"], "max-new-tokens": rc["max_tokens"], "steps": tc["optimizer_steps"],
+           "batch": rc["prompts_per_round"] * rc["n"] // tc["optimizer_steps"], "micro": tc["micro_batch_size"], "lr": tc["lr"]}
+    return {"config": cfg, "trl": trl, "heldout": cfg["data"]["heldout"], "eval_tokens": rc["max_tokens"]}
+
+
+def w_workload(scale) -> dict:
+    assets = build_workload()
+    cfg = workload_config(assets, scale)
+    trl = {"student": cfg["student"], "teacher": cfg["teacher"], "prompts": cfg["data"]["train"], "count": scale.prompts,
+           "n": scale.n, "max-new-tokens": scale.max_tokens, "steps": 1, "batch": scale.prompts * scale.n,
+           "micro": cfg["train"]["micro_batch_size"], "lr": cfg["train"]["lr"]}
+    return {"config": cfg, "trl": trl, "heldout": None, "eval_tokens": scale.max_tokens}
+
+
+def heldout_accuracy(target: Path, heldout: str | None, max_tokens: int, out: Path) -> float | None:
+    if heldout is None:
+        return None
+    args = [str(target), "--out", str(out)]
+    if not (target / "run.yaml").exists():
+        args += ["--prompts", heldout, "--reward", "exact_match", "--max-tokens", str(max_tokens)]
+    subprocess.run(gndpo_cmd("eval", *args), check=True, capture_output=True)
+    return json.loads((out / "summary.json").read_text())["pass@1"]
+
+
+def gndpo_round(work: dict, folder: Path) -> dict:
+    run = folder / "run"
+    subprocess.run(gndpo_cmd("init", str(run), "--config", str(write_config(folder / "config.yaml", work["config"]))),
+                   check=True, capture_output=True)
+    seconds, _ = run_timed(gndpo_cmd("run", str(run), "--rounds", "1"), folder / "gndpo-run.log")
+    stages = {m["stage"]: m.get("seconds") for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    tokens = open_run(str(run)).records(0, "rollout").manifest()["metrics"]["tokens"]
+    return {"wall_s": round(seconds, 2), "stage_compute_s": stages, "response_tokens": tokens,
+            "heldout_acc": heldout_accuracy(run, work["heldout"], work["eval_tokens"], folder / "eval-gndpo")}
+
+
+def trl_round(work: dict, folder: Path) -> dict:
+    out = folder / "trl-student"
+    argv = [sys.executable, str(HERE / "trl_gkd.py"), "--out", str(out)]
+    for key, value in work["trl"].items():
+        argv += [f"--{key}", str(value)]
+    seconds, log = run_timed(argv, folder / "trl.log")
+    inner = json.loads(log.strip().splitlines()[-1])
+    return {"wall_s": round(seconds, 2), **inner,
+            "heldout_acc": heldout_accuracy(out, work["heldout"], work["eval_tokens"], folder / "eval-trl")}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", action="append", choices=["demo", "w"], help="default: both")
+    ap.add_argument("--full", action="store_true", help="W at its full size (256 x 4 x 256): for a GPU machine")
+    ap.add_argument("--work-dir", default="/tmp/gndpo-bench/round_vs_trl")
+    a = ap.parse_args(argv)
+    results = {}
+    for name in a.workload or ["w", "demo"]:
+        folder = Path(a.work_dir) / name
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+        folder.mkdir(parents=True)
+        work = demo_workload(folder) if name == "demo" else w_workload(FULL_SCALE if a.full else CPU_SCALE)
+        t0 = time.time()
+        g = gndpo_round(work, folder / "gndpo")
+        t = trl_round(work, folder / "trl")
+        results[name] = {"gndpo": g, "trl": t, "speedup": round(t["wall_s"] / g["wall_s"], 2),
+                         "workload": {k: work["trl"][k] for k in ("count", "n", "max-new-tokens", "steps", "batch", "lr")},
+                         "bench_s": round(time.time() - t0, 1)}
+        print(name, json.dumps(results[name]), flush=True)
+    save_json(RESULTS / "round_vs_trl.json", results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Benchmark workload W: a ~27M-parameter student and a ~3x teacher with a real-sized BPE vocabulary.
+
+Built offline and deterministically (same files for the same spec): a byte-level BPE tokenizer trained
+with ``tokenizers`` on text :mod:`gndpo.pipeline.realistic` generates (32,000 tokens, the vocabulary of
+Llama-2 and Mistral), two Llama models with random weights and that vocabulary, and prompt files. Random
+weights almost never sample EOS, so every response runs to ``max_tokens`` and a round's token count is
+exactly prompts x samples x max_tokens: the shapes, not the weights, are what the benchmarks measure.
+
+W as specified is 256 prompts x 4 samples x 256 tokens with one optimizer step per round. On the 2-core
+CPU machine that is about 260k tokens of teacher and student forward passes plus a student backward,
+roughly 100 TFLOP, a quarter of an hour per round per framework; :data:`CPU_SCALE` is the
+same W with 64 prompts and 64-token responses (1/16 of the tokens), which is what ``run_all.py`` runs
+here. ``--full`` runs W itself (for a GPU machine).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from gndpo.pipeline.realistic import ShapeSpec, build_realistic_pair, synthetic_text
+
+CACHE = Path.home() / ".cache" / "gndpo" / "bench"
+
+STUDENT = ShapeSpec(vocab_size=32_000, tokenizer_vocab=32_000, hidden=320, layers=6, heads=5, kv_heads=1,
+                    intermediate=864, max_position_embeddings=1024, corpus_lines=60_000, corpus_words=40_000)
+TEACHER = ShapeSpec(vocab_size=32_000, tokenizer_vocab=32_000, hidden=640, layers=9, heads=10, kv_heads=2,
+                    intermediate=1728, max_position_embeddings=1024, corpus_lines=60_000, corpus_words=40_000)
+
+
+@dataclass(frozen=True)
+class Scale:
+    prompts: int
+    n: int
+    max_tokens: int
+
+    def tokens(self) -> int:
+        return self.prompts * self.n * self.max_tokens
+
+
+FULL_SCALE = Scale(prompts=256, n=4, max_tokens=256)
+CPU_SCALE = Scale(prompts=64, n=4, max_tokens=64)
+
+
+def parameters(spec: ShapeSpec) -> dict:
+    """Parameter counts of a Llama of this shape: embedding, output layer, and the transformer blocks."""
+    head_dim = spec.hidden // spec.heads
+    attention = 2 * spec.hidden * spec.hidden + 2 * spec.hidden * spec.kv_heads * head_dim
+    block = attention + 3 * spec.hidden * spec.intermediate + 2 * spec.hidden
+    return {"embedding": spec.vocab_size * spec.hidden, "lm_head": spec.vocab_size * spec.hidden,
+            "blocks": spec.layers * block + spec.hidden}
+
+
+def build_workload(folder: Path = CACHE / "w") -> Path:
+    """Write (once) ``student/``, ``teacher/``, ``train.jsonl`` and ``heldout.jsonl`` under ``folder``."""
+    folder = Path(folder)
+    stamp = folder / "spec.json"
+    spec = {"student": STUDENT.__dict__, "teacher": TEACHER.__dict__, "version": 1}
+    if stamp.exists() and json.loads(stamp.read_text()) == spec:
+        return folder
+    build_realistic_pair(folder, STUDENT, TEACHER, n_prompts=0)
+    for name, count, seed in (("train", 1024, 11), ("heldout", 128, 12)):
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for i, line in enumerate(synthetic_text(count, seed, STUDENT.corpus_words)):
+                f.write(json.dumps({"prompt_id": f"{name}-{i:05d}", "prompt": f"Continue the text: {line}", "answer": ""}) + "\n")
+    stamp.write_text(json.dumps(spec))
+    return folder
+
+
+def workload_config(assets: Path, scale: Scale, method: str = "reverse_kl", **sections) -> dict:
+    """A gndpo config for one W round at ``scale``: ``method`` (reverse KL on the teacher's top-16, the
+    objective TRL's GKD has with beta=1), temperature 1, one optimizer step over the whole round, fp32."""
+    cfg = {
+        "student": str(assets / "student"),
+        "teacher": str(assets / "teacher"),
+        "data": {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")},
+        "method": {"name": method},
+        "reward": "exact_match",
+        "rollout": {"prompts_per_round": scale.prompts, "n": scale.n, "max_tokens": scale.max_tokens,
+                    "prompts_per_unit": max(scale.prompts // 2, 1), "temperature": 1.0},
+        "score": {"teacher_topk": 16, "max_tokens_per_batch": 8192, "rows_per_chunk": 64},
+        "train": {"lr": 1e-5, "optimizer_steps": 1, "micro_batch_size": 32, "max_tokens_per_batch": 8192,
+                  "checkpoint_every": 0},
+        "model": {"token_chunk": 1024},
+        "engine": {"max_model_len": 512, "kv_cache_gib": 2},
+    }
+    for key, value in sections.items():
+        cfg.setdefault(key, {}).update(value)
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+if __name__ == "__main__":
+    folder = build_workload()
+    print(folder, {name: parameters(spec) for name, spec in (("student", STUDENT), ("teacher", TEACHER))})

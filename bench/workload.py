@@ -80,7 +80,7 @@ def workload_config(assets: Path, scale: Scale, method: str = "reverse_kl", **se
         "method": {"name": method},
         "reward": "exact_match",
         "rollout": {"prompts_per_round": scale.prompts, "n": scale.n, "max_tokens": scale.max_tokens,
-                    "prompts_per_unit": max(scale.prompts // 2, 1), "temperature": 1.0},
+                    "prompts_per_unit": max(scale.prompts // 2, 1), "temperature": 1.0, "eval_heldout": False},
         "score": {"teacher_topk": 16, "max_tokens_per_batch": 8192, "rows_per_chunk": 64},
         "train": {"lr": 1e-5, "optimizer_steps": 1, "micro_batch_size": 32, "max_tokens_per_batch": 8192,
                   "checkpoint_every": 0},

@@ -1,0 +1,147 @@
+"""Every performance figure of the README, in one command, each script in its own process.
+
+    .venv/bin/python bench/run_all.py            # all figures (CPU: about 25 minutes)
+    .venv/bin/python bench/run_all.py --skip normalize_scale
+
+Runs, in order: the demo timing (``gndpo demo`` with venv and toy models cached), ``round_vs_trl.py``
+(demo workload and W), ``rollout_speed.py``, ``flops.py``, ``shard_bytes.py`` (on the W round's shards),
+``scaling.py`` and ``normalize_scale.py`` (100M and 1B token rows). Each writes its own JSON under
+``bench/results/``; this script then writes ``results/summary.json`` and ``results/summary.md``: one row
+per goal of the performance issue with the measured figure and whether it meets the goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import RESULTS, gndpo_cmd, run_timed, save_json  # noqa: E402
+
+STEPS = {
+    "demo": None,  # timed here
+    "round_vs_trl": ["round_vs_trl.py"],
+    "rollout_speed": ["rollout_speed.py"],
+    "flops": ["flops.py"],
+    "shard_bytes": ["shard_bytes.py"],
+    "scaling": ["scaling.py"],
+    "normalize_scale": ["normalize_scale.py", "--tokens", "100e6", "--tokens", "1e9"],
+}
+
+
+def time_demo(folder: Path) -> dict:
+    """``gndpo demo`` end to end (toy assets cached by an earlier run), and its table."""
+    subprocess.run(["rm", "-rf", str(folder)], check=True)
+    gndpo_cmd("demo")  # the same interpreter's CLI
+    seconds, out = run_timed(gndpo_cmd("demo", str(folder)), folder.parent / "demo.log")
+    accuracies = [float(x) for x in re.findall(r"┆ (0\.\d+|1\.0)\s+┆", out)]
+    return {"seconds": round(seconds, 1), "heldout_acc": accuracies}
+
+
+def load(name: str):
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def summary_rows(demo: dict | None) -> list[dict]:
+    """(figure, goal, measured, met) for every goal of the issue, from the scripts' JSON files."""
+    rows = []
+
+    def add(figure, goal, measured, met):
+        rows.append({"figure": figure, "goal": goal, "measured": measured, "met": met})
+
+    rvt = load("round_vs_trl") or {}
+    for name, label in (("w", "gndpo round vs TRL GKD on W (CPU scale), wall time"), ("demo", "one demo round vs TRL GKD, wall time")):
+        r = rvt.get(name)
+        if r:
+            goal = ">= 3x faster" if name == "w" else "faster than TRL"
+            need = 3.0 if name == "w" else 1.0
+            acc = f"; held-out acc gndpo {r['gndpo']['heldout_acc']}, TRL {r['trl']['heldout_acc']}" if r["gndpo"]["heldout_acc"] is not None else ""
+            add(label, goal, f"{r['trl']['wall_s']:.1f} s / {r['gndpo']['wall_s']:.1f} s = {r['speedup']:.2f}x{acc}", r["speedup"] >= need)
+    rs = load("rollout_speed")
+    if rs:
+        add("rollout tokens/s, vLLM vs HF generate on W", ">= 2x",
+            f"{rs['vllm']['tokens_per_s']:.0f} / {rs['hf_generate']['tokens_per_s']:.0f} tok/s = {rs['ratio']:.2f}x", rs["ratio"] >= 2)
+    fl = load("flops")
+    if fl:
+        for dtype in ("float32", "bfloat16"):
+            f = fl[dtype]
+            frac = min(f["score"]["fraction_of_peak"], f["train"]["fraction_of_peak"])
+            add(f"score / train FLOP/s vs matmul peak ({dtype})", ">= 40%",
+                f"{f['score']['fraction_of_peak']:.0%} / {f['train']['fraction_of_peak']:.0%} of {f['matmul_peak_gflops']:.0f} GFLOP/s", frac >= 0.4)
+    ns = load("normalize_scale")
+    if ns:
+        by = {round(p["token_rows"], -6): p for p in ns["results"]}
+        p100, p1b = by.get(100_000_000), by.get(1_000_000_000)
+        if p100:
+            g, n = p100["stage"], p100.get("numpy") or {}
+            known = n.get("seconds") is not None
+            speed, mem = p100.get("stage_vs_numpy_speed"), p100.get("stage_vs_numpy_memory")
+            measured = f"{g['seconds']:.1f} s, {g['peak_rss_gib']:.2f} GiB"
+            if known:
+                measured += f"; {speed:.2f}x numpy's speed at {mem:.2f}x its memory"
+            add("normalize, 100M token rows (moments + a quantile)", "<= 12 s, <= 1.5 GiB, >= 2x numpy at <= 1/3 its memory",
+                measured, g["seconds"] <= 12 and g["peak_rss_gib"] <= 1.5 and known and speed >= 2 and mem <= 1 / 3)
+        if p1b and p100:
+            g = p1b["stage"]
+            ratio = g["seconds"] / p100["stage"]["seconds"]
+            add("normalize, 1B token rows", "<= 10x the 100M time, <= 4 GiB",
+                f"{g['seconds']:.1f} s ({ratio:.1f}x), {g['peak_rss_gib']:.2f} GiB", ratio <= 10 and g["peak_rss_gib"] <= 4)
+    sb = load("shard_bytes")
+    if sb:
+        for scheme, goal in (("sampled", 5), ("top16", 64)):
+            f32, b16 = sb[f"{scheme}_float32"]["bytes_per_token"], sb[f"{scheme}_bfloat16"]["bytes_per_token"]
+            add(f"score shard bytes/token, {scheme} ({sb['tokens_per_row']:.0f} tokens/response)", f"<= {goal} B",
+                f"float32 {f32:.2f} B, bfloat16 {b16:.2f} B", min(f32, b16) <= goal)
+    sc = load("scaling")
+    if sc:
+        pts = sc["points"]
+        add("round time at 1x / 2x / 4x prompts (W)", "how cost grows",
+            " / ".join(f"{p['wall_s']:.0f} s" for p in pts) + " (compute " + " / ".join(f"{p['compute_ratio']:.1f}x" for p in pts) + ")", None)
+    if demo:
+        add("`gndpo demo`, venv and toy models cached", "<= 90 s, the same table", f"{demo['seconds']:.0f} s; held-out acc {demo['heldout_acc']}",
+            demo["seconds"] <= 90)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| figure | goal | measured | met |", "|---|---|---|---|"]
+    for r in rows:
+        met = {True: "yes", False: "no", None: "-"}[r["met"]]
+        lines.append(f"| {r['figure']} | {r['goal']} | {r['measured']} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip", action="append", default=[], choices=list(STEPS))
+    ap.add_argument("--only", action="append", default=[], choices=list(STEPS), help="run only these (the summary uses every JSON present)")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    timings, demo = {}, load("demo_timing")
+    for name, argv_ in STEPS.items():
+        if name in a.skip or (a.only and name not in a.only):
+            continue
+        t = time.time()
+        print(f"== {name}", flush=True)
+        if argv_ is None:
+            demo = time_demo(Path("/tmp/gndpo-bench/demo"))
+            save_json(RESULTS / "demo_timing.json", demo)
+        else:
+            subprocess.run([sys.executable, str(HERE / argv_[0]), *argv_[1:]], check=True)
+        timings[name] = round(time.time() - t, 1)
+    rows = summary_rows(demo)
+    save_json(RESULTS / "summary.json", {"rows": rows, "script_seconds": timings, "total_seconds": round(time.time() - t0, 1)})
+    (RESULTS / "summary.md").write_text(markdown(rows))
+    print(markdown(rows))
+    print(f"run_all: {time.time() - t0:.0f} s ({timings})")
+
+
+if __name__ == "__main__":
+    main()

@@ -54,8 +54,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--response", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--matmul", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--matmul", type=int, default=3072)
     a = ap.parse_args(argv)
 
     from gndpo.stages.device import set_cpu_threads

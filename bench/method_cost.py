@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from gndpo.pipeline.losses import aggregate, combined_token_losses
-from gndpo.pipeline.methods.base import SCORE_EXTRAS
 from gndpo.pipeline.realistic import ShapeSpec, build_realistic_pair
 from gndpo.pipeline.toy import ensure_toy_assets
 from gndpo.stages.device import set_cpu_threads

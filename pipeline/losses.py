@@ -11,10 +11,8 @@ import math
 
 import torch
 
-POLICY_LOSSES = ("gspo", "ppo", "reinforce", "is")
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean")  # what method.loss_agg may name
-# Reward-weighted distillation's own aggregation, whatever loss_agg says (chosen by policy_settings).
-WEIGHTED_SEQ_MEAN = "weighted-seq-mean"
+from gndpo.pipeline.methods.base import AGGREGATIONS, POLICY_LOSSES, TOPK_FORMS, WEIGHTED_SEQ_MEAN  # noqa: F401
+
 
 
 def gspo_token_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -76,7 +74,6 @@ def aggregate(losses: torch.Tensor, mask: torch.Tensor, mode: str, n_seqs: int, 
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 
-TOPK_FORMS = ("bucket", "renormalized")
 # Smallest "rest" bucket mass: keeps log(rest) finite (and 0 * log 0 out) when the k ids hold all of a
 # model's mass, or more than all of it after rounding. A clamped bucket gets no gradient.
 REST_MASS_FLOOR = 1e-12

@@ -18,6 +18,7 @@ plan; :func:`run_stage_processes` runs it.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import re
 import subprocess
@@ -34,15 +35,11 @@ from gndpo.storage.records import STAGES
 
 
 def stage_job(stage: str):
-    from gndpo.stages.normalize import NormalizeJob
-    from gndpo.stages.rollout import RolloutJob
-    from gndpo.stages.score import ScoreJob
-    from gndpo.stages.train import TrainJob
-
-    jobs = {"rollout": RolloutJob, "score": ScoreJob, "normalize": NormalizeJob, "train": TrainJob}
-    if stage not in jobs:
+    """The job class of ``stage``, imported on demand: normalize, for one, needs neither torch nor vLLM."""
+    if stage not in STAGES:
         raise GndpoError(f"unknown stage {stage!r}; choose one of: {', '.join(STAGES)}")
-    return jobs[stage]
+    module = importlib.import_module(f"gndpo.stages.{stage}")
+    return getattr(module, f"{stage.capitalize()}Job")
 
 
 def check_round(run, round_idx: int, stage: str) -> None:

@@ -18,7 +18,8 @@ paid once per run instead of once per stage and round:
 Nothing about the storage protocol changes: every stage still writes, commits and reads through the
 run folder, so a run killed anywhere resumes the same way, and ``--worker`` processes can still join.
 On a GPU the engine is started with vLLM's sleep mode and put to sleep (weights offloaded, KV cache
-freed) while score and train hold the device.
+freed) while score and train hold the device, and the kept teacher waits in CPU memory during train.
+This GPU path has not run on a GPU yet (none was available to this project's tests).
 """
 
 from __future__ import annotations
@@ -111,7 +112,20 @@ class LiveModels:
         key = (path, repr(model_cfg), str(device))
         if key not in self._modules:
             self._modules[key] = load_causal_lm(path, model_cfg, device).eval()
-        return self._modules[key]
+        module = self._modules[key]
+        if module.device != device:  # parked in CPU memory by release_modules()
+            module.to(device)
+        return module
+
+    def release_modules(self) -> None:
+        """On a GPU, park the kept modules (the teacher) in CPU memory while train holds the device."""
+        if not cuda_available():
+            return
+        import torch
+
+        for module in self._modules.values():
+            module.to("cpu")
+        torch.cuda.empty_cache()
 
     # -- train: the DeepSpeed engine -----------------------------------------------------------------
     def train_engine(self, cfg, policy: str, policy_dir: str | None, world: int):

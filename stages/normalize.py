@@ -15,9 +15,8 @@ import pyarrow as pa
 
 from gndpo.pipeline.methods import Stats, StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
 from gndpo.pipeline.runs import Run
-from gndpo.stages.rollout import rollout_shards
 from gndpo.storage.duck import connect, parquet_source
-from gndpo.storage.records import manifest_files
+from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import STATS, read_shards, verify_shards, write_shard
 
 

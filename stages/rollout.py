@@ -25,10 +25,8 @@ from gndpo.stages.device import local_device
 from gndpo.stages.engine import generate
 from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
+from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
-
-EVAL_UNIT = "eval-heldout"
-
 
 def sample_seed(base: int, round_idx: int, prompt_id: str, sample_idx: int) -> int:
     digest = hashlib.sha256(f"{base}:{round_idx}:{prompt_id}:{sample_idx}".encode()).digest()
@@ -208,8 +206,3 @@ class RolloutJob:
             if c["unit"] == EVAL_UNIT:
                 metrics["heldout_accuracy"] = c["eval"]["accuracy"]
         return metrics
-
-
-def rollout_shards(manifest: dict) -> list[dict]:
-    """The rollout manifest's response shards (the eval unit's file is not a rollout shard)."""
-    return [f for u in manifest["units"] if u["unit"] != EVAL_UNIT for f in u["files"]]

@@ -25,7 +25,7 @@ from gndpo.stages.device import local_device, set_cpu_threads
 from gndpo.stages.logprobs import make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
-from gndpo.stages.rollout import EVAL_UNIT
+from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import flat_values, list_column, read_shard, round_to_bfloat16, scores_schema, write_shard
 
 class ScoreJob:

@@ -109,6 +109,7 @@ class TrainJob:
 
         policy = self.run.policy_path(self.round)
         self.live.release_engine()
+        self.live.release_modules()
         engine, continued = self.live.train_engine(cfg, policy, self.run.policy_dir(self.round), world)
         torch.manual_seed(cfg.train.seed)
         self.pad_id = load_tokenizer(policy).pad_token_id or 0

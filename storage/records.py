@@ -120,3 +120,12 @@ class StageRecords:
 def manifest_files(manifest: dict) -> list[dict]:
     """All file records of a manifest, in unit order."""
     return [f for unit in manifest["units"] for f in unit["files"]]
+
+
+# The rollout stage's extra unit that measures held-out accuracy; its file is not a rollout shard.
+EVAL_UNIT = "eval-heldout"
+
+
+def rollout_shards(manifest: dict) -> list[dict]:
+    """The rollout manifest's response shards (the eval unit's file is not a rollout shard)."""
+    return [f for u in manifest["units"] if u["unit"] != EVAL_UNIT for f in u["files"]]

@@ -80,7 +80,7 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
     import pyarrow.parquet as pq
 
     from gndpo.pipeline.runs import open_run
-    from gndpo.stages.rollout import rollout_shards
+    from gndpo.storage.records import rollout_shards
     from gndpo.storage.records import manifest_files
 
     m = open_run(str(run_dir)).records(round_idx, stage).manifest()

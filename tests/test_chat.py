@@ -19,7 +19,7 @@ from gndpo.pipeline.config import DataConfig
 from gndpo.pipeline.runs import open_run
 from gndpo.pipeline.toy import END_OF_TURN, build_chat_variant
 from gndpo.stages.chat import render_prompt
-from gndpo.stages.rollout import rollout_shards
+from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards
 from tests.conftest import gndpo, tiny_config_dict

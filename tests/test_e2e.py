@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from gndpo.pipeline.runs import open_run
-from gndpo.stages.rollout import rollout_shards
+from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import STAGES, manifest_files
 from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict
 

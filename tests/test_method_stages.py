@@ -11,7 +11,7 @@ import yaml
 
 from gndpo.pipeline.runs import open_run
 from gndpo.stages.normalize import round_stats
-from gndpo.stages.rollout import rollout_shards
+from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards
 from tests.conftest import gndpo, tiny_config_dict

@@ -169,11 +169,36 @@ def test_run_rounds_with_gpus_starts_workers_and_commits(tmp_path, monkeypatch, 
     assert all((tmp_path / f"0-{s}").exists() for s in STAGES)
 
 
+def test_run_rounds_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
+    """Without GPUs (or with one) and one train rank, every stage runs in this process on one kept set
+    of engines; with tensor parallelism or several train ranks, processes are started as before."""
+    monkeypatch.setattr(rounds, "open_run", lambda url: FakeRun(tmp_path))
+    monkeypatch.setattr("gndpo.stages.device.visible_gpus", lambda: 0)
+    seen = []
+
+    def run_stage(url, stage, r, log=print, live=None):
+        seen.append((stage, live))
+        (tmp_path / f"{r}-{stage}").touch()
+        return {"rows": 1}
+
+    monkeypatch.setattr(rounds, "run_stage", run_stage)
+    monkeypatch.setattr(rounds, "run_stage_processes", lambda *a: pytest.fail("no process expected"))
+    rounds.run_rounds(str(tmp_path / "run"), 1, log=lambda *_: None)
+    assert [stage for stage, _ in seen] == list(STAGES)
+    assert len({id(live) for _, live in seen}) == 1 and seen[0][1].keep
+    from gndpo.pipeline.config import Config
+
+    cfg = Config(student="s", teacher="t")
+    assert rounds.keeps_models(cfg, 0) and rounds.keeps_models(cfg, 1) and not rounds.keeps_models(cfg, 2)
+    cfg.train.num_processes = 2
+    assert not rounds.keeps_models(cfg, 1)
+
+
 def test_run_rounds_without_gpus_runs_today_s_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(rounds, "open_run", lambda url: FakeRun(tmp_path))
     monkeypatch.setattr(rounds, "stage_command", fake_stage_command(tmp_path, False))
     monkeypatch.setattr("gndpo.stages.device.visible_gpus", lambda: 0)
-    rounds.run_rounds(str(tmp_path / "run"), 1, log=lambda *_: None)
+    rounds.run_rounds(str(tmp_path / "run"), 1, log=lambda *_: None, keep_alive=False)
     calls = sorted((tmp_path / "calls.txt").read_text().splitlines())
     # train.num_processes 0 on CPU is one plain process (stage_command's default is 1 rank)
     assert calls == sorted(f"{s} main - 1" for s in STAGES)

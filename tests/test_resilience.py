@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 
 from gndpo.pipeline.runs import open_run
 from gndpo.pipeline.status import stage_rows
-from gndpo.stages.rollout import rollout_shards
+from gndpo.storage.records import rollout_shards
 from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,12 @@ functions below are what the stages call: :func:`score_needs` (score), :func:`me
 from __future__ import annotations
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.losses import AGGREGATIONS, POLICY_LOSSES, TOPK_FORMS, WEIGHTED_SEQ_MEAN
 from gndpo.pipeline.methods import distill, divergence, outcome, tip, trust
 from gndpo.pipeline.methods.base import (
+    AGGREGATIONS,
+    POLICY_LOSSES,
+    TOPK_FORMS,
+    WEIGHTED_SEQ_MEAN,
     SCORE_EXTRAS,
     Method,
     Response,

@@ -23,6 +23,14 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 
+# The names the loss functions (:mod:`gndpo.pipeline.losses`) understand; here so that modules that
+# only validate or plan (config, normalize) do not import torch.
+POLICY_LOSSES = ("gspo", "ppo", "reinforce", "is")
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean")  # what method.loss_agg may name
+# Reward-weighted distillation's own aggregation, whatever loss_agg says (chosen by policy_settings).
+WEIGHTED_SEQ_MEAN = "weighted-seq-mean"
+TOPK_FORMS = ("bucket", "renormalized")  # method.topk_form
+
 # Optional score columns (per token, one list per response).
 TOPK = "teacher_topk"  # teacher_topk_ids + teacher_topk_logprobs
 TEACHER_ENTROPY = "teacher_entropy"

@@ -20,13 +20,13 @@ prompt before writing the run.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from fractions import Fraction
 from typing import Callable
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.plugins import first_line, import_callable
 
 Reward = Callable[[str, dict], float]
 
@@ -162,15 +162,7 @@ def get_reward(name: str) -> Reward:
         return REWARDS[name]
     if ":" not in name:
         raise GndpoError(f"unknown reward {name!r}; choose one of: {', '.join(sorted(REWARDS))}, or name your own as module:function")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or anything the module raises while importing
-        raise GndpoError(f"reward {name!r} does not import: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise GndpoError(f"reward {name!r}: module {module_name} has no function {attr!r}")
-    return fn
+    return import_callable(name, "reward")
 
 
 def run_rewards(cfg) -> dict[str, Reward]:
@@ -189,7 +181,7 @@ def score_response(rewards: dict[str, Reward], response: str, row: dict) -> dict
             value = float(value)
         except Exception as exc:
             raise GndpoError(
-                f"reward {name!r} failed on prompt {row.get('prompt_id', '?')}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                f"reward {name!r} failed on prompt {row.get('prompt_id', '?')}: {first_line(exc)}"
             ) from None
         if not math.isfinite(value):
             raise GndpoError(f"reward {name!r} returned {value} on prompt {row.get('prompt_id', '?')}; rewards must be finite numbers")

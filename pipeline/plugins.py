@@ -1,0 +1,28 @@
+"""A user's own function named by import path (``package.module:function``), as rewards and tools are."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from gndpo.errors import GndpoError
+
+
+def first_line(exc: BaseException) -> str:
+    """``TypeName: first line of the message`` (one line, for a user-facing error)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def import_callable(path: str, kind: str) -> Callable:
+    """The callable ``module:function`` names; a one-line GndpoError (naming the ``kind``, e.g.
+    "reward") when it does not import or is not callable."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or anything the module raises while importing
+        raise GndpoError(f"{kind} {path!r} does not import: {first_line(exc)}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise GndpoError(f"{kind} {path!r}: module {module_name} has no function {attr!r}")
+    return fn

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config import DataConfig
+from gndpo.pipeline.plugins import first_line
 
 
 @dataclass
@@ -52,8 +53,7 @@ def render_prompt(tok, row: dict, data: DataConfig) -> RenderedPrompt:
             conversation(row, data), tokenize=False, add_generation_prompt=True, **data.template_kwargs
         )
     except Exception as exc:  # jinja errors, a template's own raise_exception(...)
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise GndpoError(f"the chat template cannot render prompt {row.get('prompt_id', '?')}: {detail}") from None
+        raise GndpoError(f"the chat template cannot render prompt {row.get('prompt_id', '?')}: {first_line(exc)}") from None
     return RenderedPrompt(text, list(tok(text, add_special_tokens=False)["input_ids"]))
 
 
@@ -81,3 +81,22 @@ def stop_token_ids(tok, data: DataConfig) -> list[int]:
     if tok.eos_token_id is not None:
         ids.add(tok.eos_token_id)
     return sorted(ids)
+
+
+def tool_turn_ids(tok, row: dict, data: DataConfig, tool_text: str) -> list[int]:
+    """The tokens that follow an assistant turn which ended in a tool call (multi-turn rollouts): the
+    template's close of that turn, a ``tool`` turn holding ``tool_text``, and the opening of the next
+    assistant turn. Found by rendering the row's conversation with a probe assistant turn and reading
+    what the template writes after the probe; a GndpoError (one line) if the template cannot render a
+    tool turn."""
+    if not uses_template(tok, data):
+        raise GndpoError("tool use needs a chat template (the student's tokenizer has none, or data.chat_template is none)")
+    probe = "gndpo-probe-call"
+    turns = [*conversation(row, data), {"role": "assistant", "content": probe}, {"role": "tool", "content": tool_text}]
+    try:
+        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **data.template_kwargs)
+    except Exception as exc:
+        raise GndpoError(f"the chat template cannot render a tool turn: {first_line(exc)}") from None
+    if probe not in text or tool_text not in text[text.rfind(probe):]:
+        raise GndpoError("the chat template drops tool turns (its rendering has no tool result); it cannot be used for tool use")
+    return list(tok(text[text.rfind(probe) + len(probe):], add_special_tokens=False)["input_ids"])

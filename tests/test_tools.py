@@ -84,3 +84,39 @@ def test_bad_tool_names_are_one_line_errors():
         get_tool("tests.no_such_module:f")
     with pytest.raises(GndpoError, match="has no function 'missing'"):
         get_tool("tests.custom_tools:missing")
+
+
+@pytest.fixture(scope="module")
+def chatml_tokenizer():
+    """A small byte-level BPE with a ChatML template (im_start / im_end turns), as Qwen-style models have."""
+    from gndpo.pipeline.realistic import ShapeSpec, build_tokenizer
+
+    return build_tokenizer(ShapeSpec(tokenizer_vocab=600, corpus_lines=500, corpus_words=200))
+
+
+def test_tool_turn_closes_the_call_and_reopens_the_assistant(chatml_tokenizer):
+    from gndpo.pipeline.config import DataConfig
+    from gndpo.stages.chat import tool_turn_ids
+
+    ids = tool_turn_ids(chatml_tokenizer, {"prompt": "What is 37 * 41?"}, DataConfig(), "1517")
+    text = chatml_tokenizer.decode(ids)
+    assert text == "<|im_end|>\n<|im_start|>tool\n1517<|im_end|>\n<|im_start|>assistant\n"
+    im_end = chatml_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids[0] == im_end and ids.count(im_end) == 2
+
+
+def test_a_template_without_tool_turns_is_refused(chatml_tokenizer):
+    from gndpo.pipeline.config import DataConfig
+    from gndpo.stages.chat import tool_turn_ids
+
+    tok = chatml_tokenizer
+    original = tok.chat_template
+    try:
+        tok.chat_template = "{% for m in messages %}{% if m['role'] != 'tool' %}{{ m['content'] }}|{% endif %}{% endfor %}"
+        with pytest.raises(GndpoError, match="drops tool turns"):
+            tool_turn_ids(tok, {"prompt": "q"}, DataConfig(), "1517")
+        tok.chat_template = "{{ raise_exception('tools are not supported') }}"
+        with pytest.raises(GndpoError, match="cannot render a tool turn: .*tools are not supported"):
+            tool_turn_ids(tok, {"prompt": "q"}, DataConfig(), "1517")
+    finally:
+        tok.chat_template = original

@@ -14,6 +14,16 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def named_callable(name: str, builtins: dict[str, Callable], kind: str) -> Callable:
+    """The built-in ``kind`` (e.g. "reward") called ``name``, or a user's named by import path
+    ``module:function``; a one-line GndpoError otherwise."""
+    if name in builtins:
+        return builtins[name]
+    if ":" not in name:
+        raise GndpoError(f"unknown {kind} {name!r}; choose one of: {', '.join(sorted(builtins))}, or name your own as module:function")
+    return import_callable(name, kind)
+
+
 def import_callable(path: str, kind: str) -> Callable:
     """The callable ``module:function`` names; a one-line GndpoError (naming the ``kind``, e.g.
     "reward") when it does not import or is not callable."""

@@ -26,7 +26,7 @@ from fractions import Fraction
 from typing import Callable
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.plugins import first_line, import_callable
+from gndpo.pipeline.plugins import first_line, named_callable
 
 Reward = Callable[[str, dict], float]
 
@@ -158,11 +158,7 @@ REWARDS: dict[str, Reward] = {
 
 def get_reward(name: str) -> Reward:
     """A built-in reward by name, or a user's by import path ``module:function``; a GndpoError otherwise."""
-    if name in REWARDS:
-        return REWARDS[name]
-    if ":" not in name:
-        raise GndpoError(f"unknown reward {name!r}; choose one of: {', '.join(sorted(REWARDS))}, or name your own as module:function")
-    return import_callable(name, "reward")
+    return named_callable(name, REWARDS, "reward")
 
 
 def run_rewards(cfg) -> dict[str, Reward]:

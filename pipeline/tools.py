@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
-from gndpo.errors import GndpoError
-from gndpo.pipeline.plugins import first_line, import_callable
+from gndpo.pipeline.plugins import first_line, named_callable
 
 Tool = Callable[[dict, dict], str]
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -136,11 +135,7 @@ TOOLS: dict[str, Tool] = {"calculator": calculator, "lookup": lookup}
 
 def get_tool(name: str) -> Tool:
     """A built-in tool by name, or a user's by import path ``module:function``; a GndpoError otherwise."""
-    if name in TOOLS:
-        return TOOLS[name]
-    if ":" not in name:
-        raise GndpoError(f"unknown tool {name!r}; choose one of: {', '.join(sorted(TOOLS))}, or name your own as module:function")
-    return import_callable(name, "tool")
+    return named_callable(name, TOOLS, "tool")
 
 
 def _as_text(value) -> str:

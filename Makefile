@@ -25,7 +25,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-# Every performance figure of README (bench/run_all.py; about 25 minutes on 2 CPU cores).
+# Every performance figure of README (bench/run_all.py; 18 minutes measured on 2 CPU cores).
 bench: setup
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),bench]"
 	if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi

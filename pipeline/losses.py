@@ -11,8 +11,7 @@ import math
 
 import torch
 
-from gndpo.pipeline.methods.base import AGGREGATIONS, POLICY_LOSSES, TOPK_FORMS, WEIGHTED_SEQ_MEAN  # noqa: F401
-
+from gndpo.pipeline.methods.base import AGGREGATIONS, POLICY_LOSSES, TOPK_FORMS, WEIGHTED_SEQ_MEAN
 
 
 def gspo_token_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

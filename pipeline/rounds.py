@@ -192,7 +192,7 @@ def run_stage_processes(procs: list[StageProcess], stage: str, round_idx: int) -
 
 
 def keeps_models(cfg, gpus: int) -> bool:
-    """Whether ``gndpo run`` can run every stage in its own process, keeping engines and models alive
+    """Whether ``gndpo run`` can run every stage in this process, keeping engines and models alive
     between stages and rounds: with at most one GPU, one train rank and one rollout worker."""
     return gpus <= 1 and cfg.train.num_processes <= 1 and cfg.engine.tensor_parallel_size == 1
 
@@ -201,57 +201,51 @@ def run_rounds(url: str, rounds: int, log=print, gpus: int | None = None, keep_a
     """Run rounds 0..rounds-1, skipping committed stages; a failing stage stops the loop.
 
     ``gpus``: GPUs of this node to use (None: every visible one); see the module docstring.
-    ``keep_alive``: where :func:`keeps_models` allows, run the stages in this process and keep the vLLM
-    engine, the teacher and the DeepSpeed engine alive across them (:mod:`gndpo.stages.live`); ``live``
-    is a caller's kept set to use (and leave open, e.g. for a final evaluation on the same engine)."""
+    ``keep_alive``: where :func:`keeps_models` allows, run the stages in this process, each through the
+    work-unit executor exactly as a stage process would, and keep the vLLM engine, the teacher and the
+    DeepSpeed engine alive across them (:mod:`gndpo.stages.live`); ``live`` is a caller's kept set to use
+    (and leave open, e.g. for a final evaluation on the same engine), else one is made and closed here."""
+    from gndpo.stages.live import LiveModels
+
     run = open_run(url)
     if gpus is None:
         from gndpo.stages.device import visible_gpus
 
         gpus = visible_gpus()
-    if keep_alive and keeps_models(run.cfg, gpus):
-        run_rounds_in_process(url, rounds, log, live)
-        return
-    for r in range(rounds):
-        for stage in STAGES:
-            if run.records(r, stage).manifest() is not None:
-                continue
-            t0 = time.time()
-            per = run.cfg.engine.tensor_parallel_size if stage == "rollout" else 1
-            procs = stage_processes(url, stage, r, gpus, run.cfg.train.num_processes, gpus_per_worker=per)
-            workers = [p for p in procs if p.log_path]
-            where = f" on {len(workers)} workers (logs: {Path(workers[0].log_path).parent}/)" if workers else ""
-            log(f"round {r}: {stage}{where} ...")
-            run_stage_processes(procs, stage, r)
-            if run.records(r, stage).manifest() is None:
-                # Every worker exited and none committed the stage (one lost a race, or all found the
-                # last units leased): one more process takes over what is left and commits.
-                finish = StageProcess(stage_command(url, stage, r), dict(workers[0].env) if workers else {}, None)
-                run_stage_processes([finish], stage, r)
-            if run.records(r, stage).manifest() is None:
-                raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
-            log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")
-
-
-def run_rounds_in_process(url: str, rounds: int, log=print, live=None) -> None:
-    """The round loop in this process, on one set of kept engines and models (``live``, or a set made
-    and closed here). Each stage still runs through the work-unit executor and commits to the run folder
-    exactly as a stage process would."""
-    from gndpo.stages.live import LiveModels
-
-    run = open_run(url)
-    own = live is None
-    live = live or LiveModels(keep=True, log=log)
+    in_process = keep_alive and keeps_models(run.cfg, gpus)
+    own = in_process and live is None
+    if own:
+        live = LiveModels(keep=True, log=log)
     try:
         for r in range(rounds):
             for stage in STAGES:
                 if run.records(r, stage).manifest() is not None:
                     continue
                 t0 = time.time()
-                log(f"round {r}: {stage} ...")
-                if run_stage(url, stage, r, log=log, live=live) is None:
+                if in_process:
+                    log(f"round {r}: {stage} ...")
+                    run_stage(url, stage, r, log=log, live=live)
+                else:
+                    run_stage_in_processes(url, run, stage, r, gpus, log)
+                if run.records(r, stage).manifest() is None:
                     raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
                 log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")
     finally:
         if own:
             live.close()
+
+
+def run_stage_in_processes(url: str, run, stage: str, round_idx: int, gpus: int, log=print) -> None:
+    """Run one stage as the processes :func:`stage_processes` plans, and one more to finish if none of
+    them committed."""
+    per = run.cfg.engine.tensor_parallel_size if stage == "rollout" else 1
+    procs = stage_processes(url, stage, round_idx, gpus, run.cfg.train.num_processes, gpus_per_worker=per)
+    workers = [p for p in procs if p.log_path]
+    where = f" on {len(workers)} workers (logs: {Path(workers[0].log_path).parent}/)" if workers else ""
+    log(f"round {round_idx}: {stage}{where} ...")
+    run_stage_processes(procs, stage, round_idx)
+    if run.records(round_idx, stage).manifest() is None:
+        # Every worker exited and none committed the stage (one lost a race, or all found the
+        # last units leased): one more process takes over what is left and commits.
+        finish = StageProcess(stage_command(url, stage, round_idx), dict(workers[0].env) if workers else {}, None)
+        run_stage_processes([finish], stage, round_idx)

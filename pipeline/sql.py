@@ -12,9 +12,8 @@ import polars as pl
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.metrics import collect_metrics, committed_rounds
-from gndpo.storage.records import rollout_shards
 from gndpo.storage.duck import connect, create_view
-from gndpo.storage.records import manifest_files
+from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import ROLLOUTS, SCORES, STATS
 
 READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}

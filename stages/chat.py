@@ -97,6 +97,8 @@ def tool_turn_ids(tok, row: dict, data: DataConfig, tool_text: str) -> list[int]
         text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **data.template_kwargs)
     except Exception as exc:
         raise GndpoError(f"the chat template cannot render a tool turn: {first_line(exc)}") from None
-    if probe not in text or tool_text not in text[text.rfind(probe):]:
+    at = text.rfind(probe)
+    tail = text[at + len(probe):] if at >= 0 else ""
+    if tool_text not in tail:
         raise GndpoError("the chat template drops tool turns (its rendering has no tool result); it cannot be used for tool use")
-    return list(tok(text[text.rfind(probe) + len(probe):], add_special_tokens=False)["input_ids"])
+    return list(tok(tail, add_special_tokens=False)["input_ids"])

@@ -23,8 +23,7 @@ from gndpo.pipeline.methods import Response, get_method, response_targets, score
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.runs import Run
 from gndpo.stages.normalize import round_stats
-from gndpo.storage.records import rollout_shards
-from gndpo.storage.records import manifest_files
+from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import flat_values, read_shards
 
 ROLLOUT_COLUMNS = ["rollout_id", "prompt_id", "prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs",

@@ -16,10 +16,14 @@ def eval_command(
     n: int = typer.Option(0, "--n", help="Samples per prompt for pass@k (default k; must be >= k)."),
     reward: Optional[str] = typer.Option(None, "--reward", help="Reward name or module:function (default: the run's, else exact_match)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Default: the run's rollout.max_tokens, else 16."),
+    tools: Optional[str] = typer.Option(
+        None, "--tools", help="Comma-separated tools the model may call (built-in or module:function; default: the run's, none for a model)."
+    ),
     out: str = typer.Option("eval-results", "--out", help="Folder (any fsspec URL) for per_prompt.parquet and summary.json."),
 ):
     """Verifiable-reward accuracy (pass@1 greedy, optional unbiased pass@k) on held-out prompts with vLLM."""
-    result = evaluate(target, prompts, out, k=k, n=n, reward=reward, max_tokens=max_tokens)
+    tool_names = [t.strip() for t in tools.split(",") if t.strip()] if tools is not None else None
+    result = evaluate(target, prompts, out, k=k, n=n, reward=reward, max_tokens=max_tokens, tools=tool_names)
     files = result.pop("files")
     typer.echo("  ".join(f"{key}={val:.4f}" if isinstance(val, float) else f"{key}={val}" for key, val in result.items()))
     typer.echo(f"per-prompt results: {files['per_prompt']}")

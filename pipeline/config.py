@@ -177,6 +177,21 @@ class RolloutConfig:
     # Responses cut at max_tokens (finish_reason "length"): keep (trained like any other, the usual
     # choice for distillation), mask (no loss, still in the statistics) or drop (neither).
     truncated: str = "keep"
+    # Multi-turn tool use: the tools the student may call (built-in names or module:function; empty =
+    # one turn per response). A call ends the student's turn, its result comes back as a tool turn
+    # rendered by the chat template, and the student continues, for at most max_turns student turns
+    # and max_tool_response_tokens tokens of interleaved response (student, tool and template tokens;
+    # each student turn is also capped by max_tokens). A tool that fails or runs past tool_timeout_s
+    # answers with an error message instead.
+    tools: list = field(default_factory=list)
+    max_turns: Count = 4
+    max_tool_response_tokens: Count = 512
+    tool_timeout_s: Positive = 10.0
+
+    @property
+    def response_tokens(self) -> int:
+        """The most tokens one response can hold: the whole interleaved conversation with tools."""
+        return self.max_tool_response_tokens if self.tools else self.max_tokens
 
 
 @dataclass
@@ -310,6 +325,10 @@ def _check_combinations(cfg: Config) -> None:
             raise GndpoError(f"config key {key} must be one of {', '.join(choices)}, got {value!r}")
     if not all(isinstance(s, str) and s for s in rc.stop):
         raise GndpoError(f"config key rollout.stop must be a list of non-empty strings, got {rc.stop!r}")
+    if not all(isinstance(t, str) and t for t in rc.tools):
+        raise GndpoError(f"config key rollout.tools must be a list of tool names (built-in or module:function), got {rc.tools!r}")
+    if rc.tools and rc.guided_fraction > 0:
+        raise GndpoError("config keys rollout.tools and rollout.guided_fraction cannot be combined: guidance writes one turn's prefix")
     if rc.top_k == 0:
         raise GndpoError("config key rollout.top_k must be -1 (off) or >= 1, got 0")
     if rc.guided_fraction > 0 and rc.guide_prefix_tokens >= rc.max_tokens:

@@ -15,13 +15,19 @@ from gndpo.pipeline.metrics import collect_metrics
 from gndpo.pipeline.rounds import run_rounds
 from gndpo.pipeline.runs import init_run, open_run
 from gndpo.pipeline.toy import ensure_toy_assets
+from gndpo.pipeline.toy_tools import ensure_tool_toy_assets
 from gndpo.stages.live import LiveModels
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.yaml")
+# task -> (its experiment config, the function that builds or finds its toy assets)
+TASKS = {
+    "addition": (DEFAULT_CONFIG, ensure_toy_assets),
+    "tools": (Path(__file__).with_name("demo_tools.yaml"), ensure_tool_toy_assets),
+}
 
 
-def write_demo_config(folder: Path, assets: Path) -> Path:
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
+def write_demo_config(folder: Path, assets: Path, config: Path = DEFAULT_CONFIG) -> Path:
+    data = yaml.safe_load(config.read_text())
     data.update(student=str(assets / "student"), teacher=str(assets / "teacher"))
     data["data"] = {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")}
     path = folder / "config.yaml"
@@ -51,19 +57,24 @@ def demo_table(metrics: list[dict], final_accuracy: float, teacher_accuracy: flo
     return rows
 
 
-def run_demo(folder: str, rounds: int = 3, overrides: list[str] = (), assets: str | None = None, log=print) -> list[dict]:
-    """Build or reuse the toy assets (or use ``assets``: a folder laid out like them), run ``rounds``
-    rounds, evaluate the final student, and return the before/after table."""
+def run_demo(
+    folder: str, rounds: int = 3, overrides: list[str] = (), assets: str | None = None, log=print, task: str = "addition",
+) -> list[dict]:
+    """Build or reuse the ``task``'s toy assets (or use ``assets``: a folder laid out like them), run
+    ``rounds`` rounds, evaluate the final student, and return the before/after table."""
     from gndpo.pipeline.evaluation import evaluate
 
+    if task not in TASKS:
+        raise GndpoError(f"unknown demo task {task!r} (tasks: {', '.join(TASKS)})")
+    config, ensure_assets = TASKS[task]
     t0 = time.time()
     out = Path(folder).resolve()
-    assets = Path(assets).resolve() if assets else ensure_toy_assets(log=log)
+    assets = Path(assets).resolve() if assets else ensure_assets(log=log)
     if not (assets / "info.json").exists():
         raise GndpoError(f"{assets} is not a toy assets folder (no info.json)")
     info = json.loads((assets / "info.json").read_text())
     log(f"toy assets: {assets} (teacher {info['teacher_heldout_accuracy']:.3f}, student {info['student_heldout_accuracy']:.3f} held-out exact match)")
-    cfg = load_config(str(write_demo_config(out, assets)), list(overrides))
+    cfg = load_config(str(write_demo_config(out, assets, config)), list(overrides))
     run_url = str(out / "run")
     init_run(run_url, cfg)
     # One vLLM engine, teacher and DeepSpeed engine serve every round and the final evaluation.

@@ -4,7 +4,11 @@ A prompt file has an answer column and either a plain prompt column or a message
 ``{"role": ..., "content": ...}`` turns, system turn included). The run's prompt table keeps, per
 prompt: ``prompt_id``, ``prompt`` (the plain prompt, or the last user turn of a conversation: what a
 person reading the run wants to see), ``messages`` (the conversation as JSON, null for a plain prompt)
-and ``answer``. How a prompt becomes text and token ids is decided in one place,
+and ``answer``; and, where the file has them, the tool-use columns ``tool_calls`` (the calls a correct
+response makes, for the ``tool_format`` and ``tool_correctness`` rewards) and ``lookup`` (the ``lookup``
+tool's key-value table for that prompt), kept as JSON text. JSON strings are the safest form for these
+columns: a file of nested objects is read with one struct type per column, whose missing keys come back
+as nulls and are dropped here. How a prompt becomes text and token ids is decided in one place,
 :func:`gndpo.stages.chat.render_prompt`.
 """
 
@@ -19,6 +23,20 @@ from gndpo.errors import GndpoError
 from gndpo.storage.tables import read_table_url
 
 ROLES = ("system", "user", "assistant", "tool")
+TOOL_COLUMNS = ("tool_calls", "lookup")
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def json_column(values: list) -> list[str | None]:
+    """A nested column's values as JSON text (strings are taken as JSON already; nulls stay null)."""
+    return [v if v is None or isinstance(v, str) else json.dumps(_without_nulls(v), ensure_ascii=False) for v in values]
 
 
 def prompt_id(prompt: str) -> str:
@@ -67,9 +85,10 @@ def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer
         prompts = df[prompt_key].cast(pl.Utf8, strict=False).to_list()
         messages = [None] * len(prompts)
         ids = [prompt_id(p) if p else "" for p in prompts]
+    extra = {name: json_column(df[name].to_list()) for name in TOOL_COLUMNS if name in df.columns}
     out = pl.DataFrame(
-        {"prompt_id": ids, "prompt": prompts, "messages": messages, "answer": answers},
-        schema={"prompt_id": pl.Utf8, "prompt": pl.Utf8, "messages": pl.Utf8, "answer": pl.Utf8},
+        {"prompt_id": ids, "prompt": prompts, "messages": messages, "answer": answers, **extra},
+        schema={"prompt_id": pl.Utf8, "prompt": pl.Utf8, "messages": pl.Utf8, "answer": pl.Utf8, **{k: pl.Utf8 for k in extra}},
     )
     bad = out.filter(pl.col("prompt").is_null() | (pl.col("prompt").str.len_chars() == 0) | pl.col("answer").is_null())
     if bad.height:

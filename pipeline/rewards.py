@@ -11,7 +11,17 @@ A prompt's row is the dict rollout reads from the run's prompt table (``prompt_i
   fractions (``1,234``, ``-3``, ``0.5``, ``1/2``, ``\\frac{1}{2}`` and ``50\\%`` are understood); other
   answers compare with the ``math-verify`` package where it is installed (symbolic equivalence), and as
   normalized strings where it is not;
-* ``math_format``: 1 when the response states a final answer as ``\\boxed{...}`` or a ``#### ...`` line.
+* ``math_format``: 1 when the response states a final answer as ``\\boxed{...}`` or a ``#### ...`` line;
+* ``tool_format``: 1 when every ``<tool_call>`` of the response (the student's turns; see
+  :mod:`gndpo.pipeline.tools`) is closed and reads as a call, a final answer follows the last call, and
+  the response calls a tool exactly when the row's ``tool_calls`` expects one (GDPO's tool-calling format
+  reward, adapted to this call convention);
+* ``tool_correctness``: in [-3, 3], how well the response's calls match the row's ``tool_calls`` by tool
+  names, argument names and argument values (ToolRL's correctness reward, which GDPO uses for tool
+  calling); 3 for exactly the expected calls.
+
+A row's ``tool_calls`` is a list of ``{"name": ..., "arguments": {...}}``, or a JSON string holding one;
+missing, None or empty means the prompt expects no call. Both tool rewards are defined on every row.
 
 A user's own reward is named by import path, ``package.module:function``, wherever a reward name is
 accepted (``reward``, ``method.outcome.rewards``); ``gndpo init`` imports it and calls it on the first
@@ -20,13 +30,16 @@ prompt before writing the run.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections import Counter
 from fractions import Fraction
 from typing import Callable
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.plugins import first_line, named_callable
+from gndpo.pipeline.tools import CALL, ToolCall, parse_tool_call
 
 Reward = Callable[[str, dict], float]
 
@@ -144,6 +157,111 @@ def math_format(response: str, row: dict) -> float:
     return float(bool(boxed_answer(response)) or hashes_answer(response) is not None)
 
 
+# -- tool use ----------------------------------------------------------------------------------------
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def expected_tool_calls(row: dict) -> list[ToolCall]:
+    """The row's ``tool_calls`` as ToolCalls ([] when missing, None or empty); a ValueError when it is
+    not a list of ``{"name": str, "arguments": {...}}`` (or a JSON string holding one)."""
+    raw = row.get("tool_calls")
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return []
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise ValueError(f"the row's tool_calls is not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError(f"the row's tool_calls must be a list of calls, not {type(raw).__name__}")
+    calls = []
+    for i, call in enumerate(raw):
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"]
+                and isinstance(call.get("arguments"), dict)):
+            raise ValueError(f'the row\'s tool_calls[{i}] must be {{"name": "<tool>", "arguments": {{...}}}}')
+        calls.append(ToolCall(call["name"], call["arguments"]))
+    return calls
+
+
+def _blocks(response: str) -> list[ToolCall | str]:
+    """Every ``<tool_call>...</tool_call>`` block of the response in order, each read by
+    :func:`parse_tool_call` (a ToolCall, or a string saying why it cannot be read)."""
+    return [parse_tool_call(m.group(0)) for m in CALL.finditer(response)]
+
+
+def tool_format(response: str, row: dict) -> float:
+    """Format for tool use: 1 iff every ``<tool_call>`` is closed by its own ``</tool_call>`` (and none
+    closes nothing), every call reads as ``{"name": ..., "arguments": {...}}``, non-blank text (the final
+    answer) follows the last call (or makes up a response without calls), and the response holds a call
+    if and only if the row's ``tool_calls`` expects one. GDPO's format reward for tool calling, adapted
+    to the ``<tool_call>`` convention of :mod:`gndpo.pipeline.tools`."""
+    expected = expected_tool_calls(row)
+    matches = list(CALL.finditer(response))
+    opens, closes = response.count(_OPEN), response.count(_CLOSE)
+    if not (opens == closes == len(matches)):
+        return 0.0
+    if not all(isinstance(parse_tool_call(m.group(0)), ToolCall) for m in matches):
+        return 0.0
+    answer = response[matches[-1].end():] if matches else response
+    if not answer.strip():
+        return 0.0
+    return float(bool(matches) == bool(expected))
+
+
+def _match_score(l1: list, l2: list) -> float:
+    """ToolRL's list similarity: 1 for equal lists, 0 when either is empty, else the multiset Jaccard
+    index |l1 & l2| / (|l1| + |l2| - |l1 & l2|)."""
+    if l1 == l2:
+        return 1.0
+    if not l1 or not l2:
+        return 0.0
+    common = sum((Counter(l1) & Counter(l2)).values())
+    return common / (len(l1) + len(l2) - common)
+
+
+def tool_correctness(response: str, row: dict) -> float:
+    """Correctness of the response's tool calls against the row's ``tool_calls``, in [-3, 3].
+
+    The correctness reward of ToolRL (Qian et al. 2025, "ToolRL: Reward is All Tool Learning Needs"),
+    which GDPO uses for its tool-calling task. The predicted calls are every ``<tool_call>`` block of the
+    response that reads as a call, in order (blocks that do not are skipped). Then:
+
+    * predicted calls == expected calls (names and arguments, in order): 3;
+    * otherwise ``score = match(expected names, predicted names)`` and ``max = 1``, where ``match`` is 1
+      for equal lists, 0 when either is empty, else the multiset Jaccard index; for each expected call in
+      order, ``max += 1 + its argument count``, and among the predicted calls of the same name not yet
+      used, the one with the greatest (strictly above 0, first wins ties)
+      ``match(expected argument names, predicted argument names) + number of expected arguments whose
+      value the predicted call repeats`` is used up and that total added to ``score``;
+    * reward = ``6 * score / max - 3``.
+
+    Argument values compare with ``==`` after JSON decoding (``"37*41"`` differs from ``"37 * 41"``;
+    ``2 == 2.0``). With no call expected and none made the reward is 3; any call made then is -3.
+    """
+    expected = expected_tool_calls(row)
+    predicted = [c for c in _blocks(response) if isinstance(c, ToolCall)]
+    if [(c.name, c.arguments) for c in predicted] == [(c.name, c.arguments) for c in expected]:
+        return 3.0
+    score = _match_score([c.name for c in expected], [c.name for c in predicted])
+    local_max = 1.0
+    used: set[int] = set()
+    for want in expected:
+        local_max += 1 + len(want.arguments)
+        best, best_total = None, 0.0
+        for i, got in enumerate(predicted):
+            if i in used or got.name != want.name:
+                continue
+            total = _match_score(list(want.arguments), list(got.arguments)) + sum(
+                1 for key, value in want.arguments.items() if key in got.arguments and got.arguments[key] == value
+            )
+            if total > best_total:
+                best, best_total = i, total
+        if best is not None:
+            used.add(best)
+            score += best_total
+    return 6 * score / local_max - 3
+
+
 # Rollout stores every built-in (and every custom reward the run names) per response, in the
 # ``rewards`` map, so GDPO and the logs can use any of them; ``reward`` in the config names the primary
 # one (accuracy, pass rates, the GRPO default).
@@ -153,6 +271,8 @@ REWARDS: dict[str, Reward] = {
     "answer_length": answer_length,
     "math": math_answer,
     "math_format": math_format,
+    "tool_format": tool_format,
+    "tool_correctness": tool_correctness,
 }
 
 

@@ -142,15 +142,29 @@ def check_context(cfg: Config, splits: dict) -> None:
         )
     names = [s for s in PROMPT_SPLITS if s == "train" or cfg.rollout.eval_heldout]
     longest, where = max((longest_prompt_tokens(cfg.student, splits[s].to_dicts(), cfg.data), s) for s in names)
-    total = longest + cfg.rollout.max_tokens
+    total = longest + cfg.rollout.response_tokens
     if total > max_len:
+        budget = "rollout.max_tool_response_tokens" if cfg.rollout.tools else "rollout.max_tokens"
         source = "engine.max_model_len" if cfg.engine.max_model_len else "engine.max_model_len 0 = the student's own"
         knobs = [f"raise engine.max_model_len (at most {own}, the student's context length)"] if max_len < own else []
-        knobs += ["lower rollout.max_tokens", "shorten the prompts"]
+        knobs += [f"lower {budget}", "shorten the prompts"]
         raise GndpoError(
-            f"the longest data.{where} prompt has {longest} tokens; plus rollout.max_tokens {cfg.rollout.max_tokens} "
+            f"the longest data.{where} prompt has {longest} tokens; plus {budget} {cfg.rollout.response_tokens} "
             f"that is {total}, more than max_model_len {max_len} ({source}): {', or '.join(knobs)}"
         )
+
+
+def check_tools(cfg: Config, row: dict) -> None:
+    """Every tool the config names imports, and the student's chat template renders a tool turn (on
+    ``row``), so tool use is refused at init rather than in the middle of a rollout."""
+    if not cfg.rollout.tools:
+        return
+    from gndpo.stages.agent import ToolUse
+    from gndpo.stages.chat import tool_turn_ids
+    from gndpo.stages.modeling import load_tokenizer
+
+    ToolUse.from_config(cfg.rollout)
+    tool_turn_ids(load_tokenizer(cfg.student), row, cfg.data, "gndpo-probe-result")
 
 
 def init_run(url: str, cfg: Config) -> Run:
@@ -171,6 +185,7 @@ def init_run(url: str, cfg: Config) -> Run:
         splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key)
     check_context(cfg, splits)
     check_rewards(cfg, splits["train"].row(0, named=True))
+    check_tools(cfg, splits["train"].row(0, named=True))
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
     if not fs.create("run.yaml", config_to_yaml(cfg).encode()):

@@ -125,7 +125,7 @@ def build_tokenizer():
     return fast
 
 
-def new_model(spec: ModelSpec, vocab_size: int):
+def new_model(spec: ModelSpec, vocab_size: int, context: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -135,7 +135,7 @@ def new_model(spec: ModelSpec, vocab_size: int):
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.heads,
-        max_position_embeddings=64,
+        max_position_embeddings=context,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -147,48 +147,38 @@ def new_model(spec: ModelSpec, vocab_size: int):
 
 def _encode_batch(tok, rows: list[dict]):
     """Left-aligned padded ids, and a mask selecting the answer tokens and the final </s>."""
-    import torch
-
     seqs, masks = [], []
     for r in rows:
         p = tok(r["prompt"])["input_ids"]
         a = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
-    for i, (s, m) in enumerate(zip(seqs, masks)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
-    return ids, mask
+    return padded_batch(seqs, masks, tok.pad_token_id)
 
 
-def train_supervised(model, tok, spec: ModelSpec, digits: int, seed: int, milestones: list, on_milestone, log=print) -> int:
-    """Next-token training on freshly sampled (never held-out) problems with AdamW at a constant LR
-    after warm-up. ``milestones`` is a list of (name, target exact match, step cap): each is reached the
-    first time validation exact match (checked every 10 steps) passes its target, or at its step cap,
-    and ``on_milestone(name, step, accuracy)`` is called then. Training stops after the last one (or at
-    ``spec.max_steps``, which reaches all remaining). Returns the number of steps taken.
+def train_supervised(model, spec: ModelSpec, seed: int, next_batch, validate, milestones: list, on_milestone, log=print) -> int:
+    """Next-token training with AdamW at a constant LR after warm-up, on the masked tokens of
+    ``next_batch(rng) -> (ids, mask)`` (freshly sampled, never held-out problems). ``milestones`` is a
+    list of (name, target, step cap): each is reached the first time ``validate()`` (checked every 10
+    steps) passes its target, or at its step cap, and ``on_milestone(name, step, accuracy)`` is called
+    then. Training stops after the last one (or at ``spec.max_steps``, which reaches all remaining).
+    Returns the number of steps taken.
 
-    Small transformers learn addition abruptly (validation accuracy jumps from ~5% to ~60% within 50
-    steps, at a step that depends on the seed), so milestones on measured accuracy, not
-    fixed step counts, are what make the teacher reliably strong and the student reliably weak.
+    Small transformers learn these tasks abruptly (validation accuracy jumps from ~5% to ~60% within 50
+    steps, at a step that depends on the seed), so milestones on measured accuracy, not fixed step
+    counts, are what make the teacher reliably strong and the student reliably weak.
     """
     import torch
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    # Validation problems come from the training bucket (never the held-out one) with their own rng.
-    validation = toy_rows(sample_pairs(random.Random(f"val:{seed}"), 256, digits, seed, heldout=False), digits)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0, betas=(0.9, 0.98))
     pending = list(milestones)
     acc, step = 0.0, 0
     for step in range(1, spec.max_steps + 1):
         for g in opt.param_groups:
             g["lr"] = spec.lr * min(1.0, step / 100)
-        rows = toy_rows(sample_pairs(rng, spec.batch, digits, seed, heldout=False), digits)
-        ids, mask = _encode_batch(tok, rows)
+        ids, mask = next_batch(rng)
         model.train()
         logits = model(input_ids=ids).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
@@ -199,7 +189,7 @@ def train_supervised(model, tok, spec: ModelSpec, digits: int, seed: int, milest
         opt.step()
         model.eval()
         if step % 10 == 0:
-            acc = greedy_accuracy(model, tok, validation)
+            acc = validate()
             if step % 200 == 0:
                 log(f"  step {step:5d}  loss {loss.item():.4f}  validation exact match {acc:.3f}")
         while pending and (
@@ -211,6 +201,19 @@ def train_supervised(model, tok, spec: ModelSpec, digits: int, seed: int, milest
         if not pending:
             break
     return step
+
+
+def padded_batch(seqs: list[list[int]], masks: list[list[int]], pad_id: int):
+    """Left-aligned ``[B, T]`` ids padded with ``pad_id``, and the float loss mask beside them."""
+    import torch
+
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, (s, m) in enumerate(zip(seqs, masks)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids, mask
 
 
 def greedy_accuracy(model, tok, rows: list[dict], max_new_tokens: int = 8) -> float:
@@ -249,15 +252,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("GNDPO_CACHE", Path.home() / ".cache" / "gndpo"))
 
 
-def ensure_toy_assets(spec: ToySpec = ToySpec(), log=print) -> Path:
-    """Return the folder with the built toy assets, building it first if it is not cached."""
-    dest = cache_root() / f"toy-{spec.key()}"
+def cached_build(name: str, build) -> Path:
+    """``cache_root()/name``, made by ``build(folder)`` first if it is not there (``info.json`` marks a
+    finished build). Builds go to a temporary folder that is renamed into place, so a crashed build
+    leaves nothing and two processes building at once both end with one complete folder."""
+    dest = cache_root() / name
     if (dest / "info.json").exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
     try:
-        build_toy_assets(spec, tmp, log=log)
+        build(tmp)
         try:
             tmp.rename(dest)
         except OSError:  # another process finished the same build first; theirs is identical
@@ -266,6 +271,11 @@ def ensure_toy_assets(spec: ToySpec = ToySpec(), log=print) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def ensure_toy_assets(spec: ToySpec = ToySpec(), log=print) -> Path:
+    """Return the folder with the built toy assets, building it first if it is not cached."""
+    return cached_build(f"toy-{spec.key()}", lambda folder: build_toy_assets(spec, folder, log=log))
 
 
 def build_toy_assets(spec: ToySpec, out: Path, log=print) -> dict:
@@ -297,7 +307,13 @@ def build_toy_assets(spec: ToySpec, out: Path, log=print) -> dict:
         ("student", spec.student_target, spec.student_max_steps or m.max_steps),
         ("teacher", spec.teacher_target, m.max_steps),
     ]
-    train_supervised(model, tok, m, spec.digits, spec.seed, milestones, save, log=log)
+    # Validation problems come from the training bucket (never the held-out one) with their own rng.
+    validation = toy_rows(sample_pairs(random.Random(f"val:{spec.seed}"), 256, spec.digits, spec.seed, heldout=False), spec.digits)
+
+    def next_batch(rng):
+        return _encode_batch(tok, toy_rows(sample_pairs(rng, m.batch, spec.digits, spec.seed, heldout=False), spec.digits))
+
+    train_supervised(model, m, spec.seed, next_batch, lambda: greedy_accuracy(model, tok, validation), milestones, save, log=log)
     info["parameters"] = sum(p.numel() for p in model.parameters())
     (out / "info.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return info

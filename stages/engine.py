@@ -132,6 +132,7 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]  # the sampler's log-prob of each generated token
     finish_reason: str
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it, if one did
 
 
 def generate(llm, prompt_token_ids: list[list[int]], params: list) -> list[Generation]:
@@ -148,5 +149,5 @@ def generate(llm, prompt_token_ids: list[list[int]], params: list) -> list[Gener
             lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, ids)]
         else:
             lps = [0.0] * len(ids)
-        result.append(Generation(ids, lps, str(comp.finish_reason)))
+        result.append(Generation(ids, lps, str(comp.finish_reason), comp.stop_reason))
     return result

@@ -17,7 +17,8 @@ import pyarrow as pa
 from gndpo.pipeline.config import DataConfig, EngineConfig
 from gndpo.stages.chat import render_prompt, stop_token_ids
 from gndpo.errors import GndpoError
-from gndpo.stages.engine import generate, resolve_max_model_len, shutdown_llm
+from gndpo.stages.agent import Conversation, ToolUse, run_conversations
+from gndpo.stages.engine import resolve_max_model_len, shutdown_llm
 from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import load_tokenizer
 
@@ -26,20 +27,40 @@ EVAL_SCHEMA = pa.schema(
 )
 
 
-def greedy_eval(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig) -> dict:
-    """Greedy pass@1 over ``rows`` (prompt-table rows): {"accuracy", "n", "table"}; ``table`` holds
-    one row per prompt (the rendered prompt, the response and its reward)."""
+def _responses(llm, tok, rows: list[dict], samples: int, max_tokens: int, data: DataConfig, tool_use: ToolUse | None,
+               temperature: float) -> list[Conversation]:
+    """``samples`` finished conversations per row, row by row: rendered and stopped as rollout does,
+    with the run's tools when it has them; greedy (temperature 0) or seeded per prompt and sample."""
     from vllm import SamplingParams
 
-    rendered = [render_prompt(tok, r, data) for r in rows]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids(tok, data))
-    gens = generate(llm, [p.token_ids for p in rendered], [params] * len(rows))
+    stops = stop_token_ids(tok, data)
+    conversations = []
+    for r in rows:
+        ids = render_prompt(tok, r, data).token_ids
+        for s in range(samples):
+            key = f"eval:{r.get('prompt_id') or r['prompt']}:{s}"
+            conversations.append(Conversation(r, ids, int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")))
+
+    def sampling(seed: int, turn_max: int, extra_stops: list[str]):
+        return SamplingParams(temperature=temperature, max_tokens=turn_max, seed=seed, stop_token_ids=stops,
+                              stop=extra_stops or None, include_stop_str_in_output=bool(extra_stops))
+
+    run_conversations(llm, tok, conversations, data, tool_use, max_tokens, sampling)
+    return conversations
+
+
+def greedy_eval(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig, tool_use: ToolUse | None = None) -> dict:
+    """Greedy pass@1 over ``rows`` (prompt-table rows): {"accuracy", "n", "table"}; ``table`` holds
+    one row per prompt (the rendered prompt, the response and its reward). With ``tool_use`` each
+    response is a conversation with the tools and the reward reads the student's turns."""
     out = []
-    for r, p, g in zip(rows, rendered, gens):
-        text = tok.decode(g.token_ids, skip_special_tokens=True)
-        out.append(
-            {"prompt_id": r.get("prompt_id", ""), "prompt": p.text, "answer": str(r["answer"]), "response": text, "reward": float(reward(text, r))}
-        )
+    for r, c in zip(rows, _responses(llm, tok, rows, 1, max_tokens, data, tool_use, 0.0)):
+        text = c.student_text(tok)
+        shown = text if tool_use is None else tok.decode(c.response_ids)
+        out.append({
+            "prompt_id": r.get("prompt_id", ""), "prompt": render_prompt(tok, r, data).text, "answer": str(r["answer"]),
+            "response": shown, "reward": float(reward(text, r)),
+        })
     acc = sum(o["reward"] for o in out) / max(len(out), 1)
     return {"accuracy": acc, "n": len(out), "table": pa.Table.from_pylist(out, schema=EVAL_SCHEMA)}
 
@@ -52,28 +73,15 @@ def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def sample_correct(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig, n: int) -> list[int]:
+def sample_correct(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig, n: int, tool_use: ToolUse | None = None) -> list[int]:
     """Per prompt, how many of ``n`` temperature-1 samples get a reward > 0."""
-    from vllm import SamplingParams
-
-    stops = stop_token_ids(tok, data)
-    requests, params = [], []
-    for r in rows:
-        ids = render_prompt(tok, r, data).token_ids
-        for s in range(n):
-            seed = int.from_bytes(hashlib.sha256(f"eval:{r.get('prompt_id') or r['prompt']}:{s}".encode()).digest()[:4], "little")
-            requests.append(ids)
-            params.append(SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, stop_token_ids=stops))
-    gens = generate(llm, requests, params)
-    return [
-        sum(reward(tok.decode(g.token_ids, skip_special_tokens=True), r) > 0 for g in gens[i * n : (i + 1) * n])
-        for i, r in enumerate(rows)
-    ]
+    conversations = _responses(llm, tok, rows, n, max_tokens, data, tool_use, 1.0)
+    return [sum(reward(c.student_text(tok), r) > 0 for c in conversations[i * n : (i + 1) * n]) for i, r in enumerate(rows)]
 
 
 def evaluate_model(
     model_path: str, rows: list[dict], reward, engine: EngineConfig, max_tokens: int, data: DataConfig, k: int = 1, n: int = 0,
-    live: LiveModels | None = None,
+    live: LiveModels | None = None, tool_use: ToolUse | None = None,
 ) -> tuple[dict, pa.Table]:
     """Evaluate ``model_path`` on an engine from ``live`` (default: one started for this call); return
     the summary (pass@1 greedy and, for k > 1, pass@k from n >= k samples per prompt) and the per-prompt
@@ -81,20 +89,21 @@ def evaluate_model(
     n = n or k
     tok = load_tokenizer(model_path)
     context = resolve_max_model_len(model_path, engine)
+    budget, name = (tool_use.max_response_tokens, "the tool-use budget") if tool_use else (max_tokens, "max_tokens")
     for r in rows:  # vLLM would refuse the request mid-run; say which prompt, before starting it
         length = len(render_prompt(tok, r, data).token_ids)
-        if length + max_tokens > context:
+        if length + budget > context:
             raise GndpoError(
-                f"prompt {r.get('prompt_id') or r['prompt'][:40]!r} has {length} tokens; plus max_tokens {max_tokens} "
+                f"prompt {r.get('prompt_id') or r['prompt'][:40]!r} has {length} tokens; plus {name} {budget} "
                 f"that is more than the engine's max_model_len {context}"
             )
     live = live or LiveModels()
     llm = live.student_engine(model_path, engine, seed=0)
-    greedy = greedy_eval(llm, tok, rows, reward, max_tokens, data)
+    greedy = greedy_eval(llm, tok, rows, reward, max_tokens, data, tool_use)
     table = greedy["table"].rename_columns(["prompt_id", "prompt", "answer", "greedy_response", "greedy_reward"])
     summary = {"model": model_path, "prompts": greedy["n"], "pass@1": greedy["accuracy"]}
     if k > 1:
-        correct = sample_correct(llm, tok, rows, reward, max_tokens, data, n)
+        correct = sample_correct(llm, tok, rows, reward, max_tokens, data, n, tool_use)
         per_prompt = [unbiased_pass_at_k(n, c, k) for c in correct]
         summary.update({"samples_per_prompt": n, f"pass@{k}": sum(per_prompt) / max(len(per_prompt), 1)})
         table = table.append_column("samples", pa.array([n] * len(rows), pa.int32()))

@@ -20,9 +20,9 @@ import pyarrow as pa
 from gndpo.faults import crash_point
 from gndpo.pipeline.rewards import run_rewards, score_response
 from gndpo.pipeline.runs import Run
+from gndpo.stages.agent import Conversation, ToolUse, conversation_counts, conversation_metrics, run_conversations
 from gndpo.stages.chat import render_prompt, stop_token_ids
 from gndpo.stages.device import local_device
-from gndpo.stages.engine import generate
 from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
 from gndpo.storage.records import EVAL_UNIT
@@ -82,6 +82,7 @@ class RolloutJob:
         self.rewards = run_rewards(self.cfg)
         self.stop_ids = stop_token_ids(self.tok, self.cfg.data)
         self.reward = self.rewards[self.cfg.reward]
+        self.tool_use = ToolUse.from_config(self.cfg.rollout)
         self.teacher = None
         if self.cfg.rollout.guided_fraction > 0:
             check_same_tokenizer(policy, self.cfg.teacher)
@@ -112,82 +113,85 @@ class RolloutJob:
                     break
         return out
 
-    def run_unit(self, unit, out_dir):
-        if unit["unit"] == EVAL_UNIT:
-            return self._eval_unit(out_dir)
+    def sampling(self, seed: int, max_tokens: int, extra_stops: list[str]):
+        """One student turn's SamplingParams: the run's sampling settings with this turn's seed."""
         from vllm import SamplingParams
 
         rc = self.cfg.rollout
+        return SamplingParams(
+            n=1, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_tokens=max_tokens, seed=seed, logprobs=0,
+            stop_token_ids=self.stop_ids, stop=list(rc.stop) + extra_stops or None, include_stop_str_in_output=bool(extra_stops),
+        )
+
+    def run_unit(self, unit, out_dir):
+        if unit["unit"] == EVAL_UNIT:
+            return self._eval_unit(out_dir)
+        rc = self.cfg.rollout
         by_id = {p["prompt_id"]: p for p in self.run.prompts("train")}
-        requests, params, meta = [], [], []
+        conversations, meta = [], []
         for pid in unit["prompt_ids"]:
             prompt = by_id[pid]
             rendered = render_prompt(self.tok, prompt, self.cfg.data)
-            ids = rendered.token_ids
             guided = self.teacher is not None and self.is_guided(pid)
             for s in range(rc.n):
-                seed = sample_seed(rc.seed, self.round, pid, s)
-                prefix = self.teacher_prefix(ids, seed) if guided else []
-                requests.append(ids + prefix)
-                params.append(
-                    SamplingParams(
-                        n=1,
-                        temperature=rc.temperature,
-                        top_p=rc.top_p,
-                        top_k=rc.top_k,
-                        # A prefix that already ended (EOS) still gets one request; its output is dropped.
-                        max_tokens=max(rc.max_tokens - len(prefix), 1),
-                        seed=seed,
-                        logprobs=0,
-                        stop_token_ids=self.stop_ids,
-                        stop=list(rc.stop) or None,
-                    )
-                )
-                meta.append((prompt, rendered.text, s, seed, ids, prefix))
-        gens = generate(self.llm, requests, params)
+                c = Conversation(prompt, rendered.token_ids, sample_seed(rc.seed, self.round, pid, s))
+                if guided:
+                    prefix = self.teacher_prefix(rendered.token_ids, c.seed)
+                    c.add_prefix(prefix, ended=prefix[-1] in self.stop_ids)
+                conversations.append(c)
+                meta.append((rendered.text, s))
+        run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, rc.max_tokens, self.sampling)
         crash_point("rollout.generate")
-        rows = []
-        for (prompt, prompt_text, s, seed, ids, prefix), g in zip(meta, gens):
-            if prefix and prefix[-1] in self.stop_ids:
-                g.token_ids, g.logprobs, g.finish_reason = [], [], "stop"
-            response = prefix + list(g.token_ids)
-            text = self.tok.decode(response, skip_special_tokens=True)
-            rewards = score_response(self.rewards, text, prompt)
-            rows.append(
-                {
-                    "rollout_id": f"r{self.round:04d}-{prompt['prompt_id']}-{s:03d}",
-                    "prompt_id": prompt["prompt_id"],
-                    "sample_idx": s,
-                    "round": self.round,
-                    "policy_version": self.round,
-                    "prompt_token_ids": ids,
-                    "response_token_ids": response,
-                    "loss_mask": [0] * len(prefix) + [1] * len(g.token_ids),
-                    "teacher_prefix_len": len(prefix),
-                    # Prefix tokens were not sampled by the student: no sampler log-prob (0 here).
-                    "sampler_logprobs": [0.0] * len(prefix) + list(g.logprobs),
-                    "finish_reason": g.finish_reason,
-                    "reward": rewards[self.cfg.reward],
-                    "rewards": rewards,
-                    "temperature": rc.temperature,
-                    "top_p": rc.top_p,
-                    "top_k": rc.top_k,
-                    "max_tokens": rc.max_tokens,
-                    "seed": seed,
-                    "logprobs_mode": "raw",
-                    "prompt": prompt_text,
-                    "response": text,
-                }
-            )
+        rows = [self.row(c, text, s) for c, (text, s) in zip(conversations, meta)]
         table = pa.Table.from_pylist(rows, schema=ROLLOUTS)
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
-        tokens = sum(len(r["response_token_ids"]) for r in rows)
-        return [record], {"responses": len(rows), "tokens": tokens, "reward_sum": sum(r["reward"] for r in rows)}
+        return [record], {
+            "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows), "reward_sum": sum(r["reward"] for r in rows),
+            **conversation_counts(rows),
+        }
+
+    def row(self, c: Conversation, prompt_text: str, sample_idx: int) -> dict:
+        """The stored row of one finished conversation."""
+        rc = self.cfg.rollout
+        pid = c.row["prompt_id"]
+        prefix_len = len(c.response_ids) - sum(c.loss_mask) if self.teacher is not None else 0
+        return {
+            "rollout_id": f"r{self.round:04d}-{pid}-{sample_idx:03d}",
+            "prompt_id": pid,
+            "sample_idx": sample_idx,
+            "round": self.round,
+            "policy_version": self.round,
+            "prompt_token_ids": c.prompt_ids,
+            "response_token_ids": c.response_ids,
+            "loss_mask": c.loss_mask,
+            "teacher_prefix_len": prefix_len,
+            # Tokens the student did not sample (a teacher prefix, tool turns) carry 0 here.
+            "sampler_logprobs": c.sampler_logprobs,
+            "finish_reason": c.finish_reason,
+            "num_turns": c.num_turns,
+            "tool_calls": c.tool_calls,
+            **self.rewarded(c),
+            "temperature": rc.temperature,
+            "top_p": rc.top_p,
+            "top_k": rc.top_k,
+            "max_tokens": rc.max_tokens,
+            "seed": c.seed,
+            "logprobs_mode": "raw",
+            "prompt": prompt_text,
+            # With tools the special tokens stay, so the stored text shows where each turn begins.
+            "response": self.tok.decode(c.response_ids, skip_special_tokens=self.tool_use is None),
+        }
+
+    def rewarded(self, c: Conversation) -> dict:
+        rewards = score_response(self.rewards, c.student_text(self.tok), c.row)
+        return {"reward": rewards[self.cfg.reward], "rewards": rewards}
 
     def _eval_unit(self, out_dir):
         from gndpo.stages.eval import greedy_eval
 
-        result = greedy_eval(self.llm, self.tok, self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens, self.cfg.data)
+        result = greedy_eval(
+            self.llm, self.tok, self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use
+        )
         record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"))
         record["kind"] = "eval"
         return [record], {"eval": result}
@@ -201,6 +205,7 @@ class RolloutJob:
             "tokens": sum(c["tokens"] for c in gen),
             "reward_mean": sum(c["reward_sum"] for c in gen) / max(responses, 1),
             "seconds": sum(c["seconds"] for c in commits),
+            **conversation_metrics(gen, responses),
         }
         for c in commits:
             if c["unit"] == EVAL_UNIT:

@@ -1,0 +1,188 @@
+"""Multi-turn tool use through the real stages: vLLM rollouts with the calculator, teacher scoring,
+normalize, and the train loss, on a small build of the tool-use toy.
+
+One reference run goes through rollout, score and normalize; a second run with the same config is
+SIGKILLed after the second turn of its first unit and rerun, and must end with exactly the reference's
+rows. The train loss on the reference's rows must have exactly zero gradient at every position that
+predicts a prompt, tool or template token.
+"""
+
+import signal
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from gndpo.pipeline.rewards import math_answer
+from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.toy import ModelSpec
+from tests.conftest import committed_rows, gndpo, gndpo_killed
+
+pytestmark = pytest.mark.slow
+ROUND = ("--round", "0")
+
+
+@pytest.fixture(scope="module")
+def tool_assets(cache_dir):
+    """The tool-use toy, small: a student that calls the calculator on about half of its samples."""
+    from gndpo.pipeline.toy_tools import ToolToySpec, ensure_tool_toy_assets
+
+    spec = ToolToySpec(
+        n_train_prompts=64, n_heldout=12, student_tool_share=0.5, student_steps=60, teacher_target=0.5,
+        model=ModelSpec(layers=2, hidden=64, heads=2, max_steps=120, lr=3e-3, batch=64),
+    )
+    return ensure_tool_toy_assets(spec, log=lambda *_: None)
+
+
+def write_config(folder, assets):
+    cfg = {
+        "student": str(assets / "student"), "teacher": str(assets / "teacher"), "reward": "math",
+        "data": {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")},
+        "rollout": {"prompts_per_round": 16, "n": 3, "prompts_per_unit": 8, "max_tokens": 20, "tools": ["calculator"],
+                    "max_turns": 3, "max_tool_response_tokens": 48},
+        "score": {"rows_per_chunk": 16},
+        "train": {"lr": 1e-3, "optimizer_steps": 1, "micro_batch_size": 64},
+        "engine": {"max_model_len": 128},
+    }
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tool_assets):
+    folder = tmp_path_factory.mktemp("tools-reference")
+    run = folder / "run"
+    gndpo("init", run, "--config", write_config(folder, tool_assets))
+    for stage in ("rollout", "score", "normalize"):
+        gndpo(stage, run, *ROUND)
+    return run
+
+
+@pytest.fixture(scope="module")
+def tok(tool_assets):
+    from gndpo.stages.modeling import load_tokenizer
+
+    return load_tokenizer(str(tool_assets / "student"))
+
+
+def mask_zero_stretches(mask):
+    """[start, end) of each run of 0s in a loss mask."""
+    edges = np.flatnonzero(np.diff(np.r_[1, np.asarray(mask), 1] == 0))
+    return list(zip(edges[::2], edges[1::2]))
+
+
+def test_rows_masks_and_turns(reference, tok):
+    rows = committed_rows(reference)
+    assert len(rows) == 48
+    multi = [r for r in rows if r["num_turns"] > 1]
+    assert multi, "the small student should call the calculator in some of 48 samples"
+    for r in rows:
+        ids, mask, lps = r["response_token_ids"], r["loss_mask"], r["sampler_logprobs"]
+        assert len(ids) == len(mask) == len(lps) <= 48
+        assert r["finish_reason"] in ("stop", "length", "max_turns")
+        executed = [c for c in r["tool_calls"] if c["result"] is not None]
+        # Each executed call adds one tool turn (mask 0); each student turn is a stretch of 1s.
+        stretches = mask_zero_stretches(mask)
+        assert len(stretches) == len(executed)
+        assert r["num_turns"] == len(mask_zero_stretches([1 - m for m in mask]))
+        for (a, b), call in zip(stretches, executed):
+            shown = tok.decode(ids[a:b])
+            full = f"<|end|><|tool|>{call['result']}<|end|><|assistant|>"
+            assert shown == full or (b == len(ids) and full.startswith(shown) and r["finish_reason"] == "length")
+            assert all(lp == 0.0 for lp in lps[a:b])
+        assert all(lp <= 0 for lp, m in zip(lps, mask) if m)
+        if r["finish_reason"] == "max_turns":
+            assert r["tool_calls"][-1]["result"] is None and r["num_turns"] == 3
+    manifest = open_run(str(reference)).records(0, "rollout").manifest()
+    metrics = manifest["metrics"]
+    llm = sum(sum(r["loss_mask"]) for r in rows)
+    tool = sum(len(r["loss_mask"]) - sum(r["loss_mask"]) for r in rows)
+    assert metrics["tool_mask/llm_tokens"] == pytest.approx(llm / 48)
+    assert metrics["tool_mask/tool_tokens"] == pytest.approx(tool / 48)
+    assert metrics["tool_mask/tool_ratio"] == pytest.approx(tool / (llm + tool))
+    assert metrics["num_turns/mean"] == pytest.approx(sum(r["num_turns"] for r in rows) / 48)
+    assert metrics["num_turns/max"] == max(r["num_turns"] for r in rows)
+    assert "heldout_accuracy" in metrics
+
+
+def test_rewards_read_the_students_turns(reference, tok):
+    prompts = {r["prompt_id"]: r for r in open_run(str(reference)).prompts("train")}
+    for r in committed_rows(reference):
+        ids, mask = r["response_token_ids"], r["loss_mask"]
+        spans, start = [], None
+        for i, m in enumerate(list(mask) + [0]):
+            if m and start is None:
+                start = i
+            if not m and start is not None:
+                spans.append(tok.decode(ids[start:i], skip_special_tokens=True))
+                start = None
+        assert r["reward"] == math_answer("\n".join(spans), prompts[r["prompt_id"]])
+
+
+def test_scores_and_statistics_cover_student_tokens_only(reference):
+    run = open_run(str(reference))
+    rows = {r["rollout_id"]: r for r in committed_rows(reference)}
+    scores = committed_rows(reference, "score")
+    assert len(scores) == len(rows)
+    n_valid = 0
+    for s in scores:
+        r = rows[s["rollout_id"]]
+        assert len(s["teacher_logprobs"]) == len(r["response_token_ids"])  # every token scored in context
+        assert s["n_valid"] == sum(r["loss_mask"])
+        n_valid += s["n_valid"]
+    stats = run.records(0, "normalize").manifest()["metrics"]
+    assert stats["n_valid_tokens"] == n_valid
+
+
+def test_sigkill_mid_conversation_then_rerun_gives_identical_rows(reference, tool_assets, tmp_path):
+    run = tmp_path / "run"
+    gndpo("init", run, "--config", write_config(tmp_path, tool_assets))
+    code = gndpo_killed("rollout", run, *ROUND, env={"GNDPO_CRASH_AT": "agent.turn", "GNDPO_CRASH_AFTER": "1"}, log=tmp_path / "crash.log")
+    assert code == -signal.SIGKILL, (tmp_path / "crash.log").read_text()[-2000:]
+    assert open_run(str(run)).records(0, "rollout").manifest() is None
+    gndpo("rollout", run, *ROUND)
+    assert committed_rows(run) == committed_rows(reference)
+
+
+def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets, monkeypatch):
+    """d loss / d (last hidden state) at a position is zero iff the loss ignores what the model predicts
+    there: the last hidden state of a position feeds only that position's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from gndpo.stages import logprobs
+    from gndpo.stages.train import TrainJob
+    from gndpo.stages.train_batch import load_share
+    from gndpo.pipeline.methods import policy_settings
+
+    run = open_run(str(reference))
+    share = load_share(run, 0, 0, 1)
+    micro = [row for step in share.steps for row in step]
+    assert any((row.mask == 0).any() for row in micro)
+    job = TrainJob(run, 0)
+    job.device, job.pad_id, job.divergence = torch.device("cpu"), 0, None
+    job.policy_loss, job.loss_agg = policy_settings(run.cfg.method)
+    model = AutoModelForCausalLM.from_pretrained(str(tool_assets / "student"))
+
+    captured = {}
+
+    def response_hidden(model, batch):
+        out = model.get_decoder()(input_ids=batch.ids, attention_mask=batch.attention_mask, use_cache=False)
+        full = out.last_hidden_state
+        full.retain_grad()
+        captured["full"], captured["batch"] = full, batch
+        return full[batch.rows, batch.cols]
+
+    monkeypatch.setattr(logprobs, "response_hidden", response_hidden)
+    n_tokens = int(sum(row.mask.sum() for row in micro))
+    loss, _ = job.micro_batch_loss(model, micro, 0, len(micro), n_tokens, float(len(micro)))
+    loss.backward()
+    grad = captured["full"].grad.abs().sum(-1)  # [B, T]
+    trained = torch.zeros_like(grad, dtype=torch.bool)
+    for b, row in enumerate(micro):
+        p = len(row.prompt)
+        for j in np.flatnonzero(row.mask):  # response token j is predicted at position p + j - 1
+            trained[b, p + j - 1] = True
+    assert (grad[~trained] == 0).all()
+    assert (grad[trained] > 0).float().mean() > 0.9

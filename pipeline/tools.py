@@ -23,10 +23,11 @@ A user's own tool is named by import path, ``package.module:function``, with the
 from __future__ import annotations
 
 import ast
-import concurrent.futures
 import json
 import operator
 import re
+import threading
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
@@ -149,28 +150,60 @@ def _as_text(value) -> str:
     raise TypeError(f"returned {type(value).__name__}, not text, a number or JSON data")
 
 
-# One worker thread per call: a tool that never returns costs a thread, never the rollout.
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gndpo-tool")
+def _in_thread(tool: Tool, arguments: dict, row: dict) -> tuple[threading.Thread, dict]:
+    """Start ``tool`` on a daemon thread (one that never returns costs that thread, never the rollout
+    or the process's exit); the dict receives ``value`` or ``error`` when it finishes."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = tool(arguments, row)
+        except BaseException as exc:  # anything the tool raises is the student's or the tool's problem
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name="gndpo-tool")
+    thread.start()
+    return thread, outcome
+
+
+def run_tool_calls(texts: list[str], tools: dict[str, Tool], rows: list[dict], timeout_s: float) -> list[ToolResult | None]:
+    """Execute the first tool call in each of ``texts`` (with ``rows[i]`` as its prompt row) with
+    ``tools`` (name -> function; only these may be called), all at once: each call runs on its own
+    thread and has ``timeout_s`` from the moment they all start. Per text: None when it calls no tool;
+    otherwise the result, ``error: ...`` on any failure."""
+    results: list[ToolResult | None] = [None] * len(texts)
+    running = []
+    for i, (text, row) in enumerate(zip(texts, rows)):
+        call = parse_tool_call(text)
+        if call is None:
+            continue
+        if isinstance(call, str):
+            results[i] = ToolResult(None, f"error: {call}", False)
+        elif call.name not in tools:
+            results[i] = ToolResult(call.name, f"error: unknown tool {call.name!r}; available: {', '.join(sorted(tools))}", False)
+        else:
+            running.append((i, call.name, *_in_thread(tools[call.name], call.arguments, row)))
+    deadline = time.monotonic() + timeout_s
+    for i, name, thread, outcome in running:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+        results[i] = _result(name, outcome, timeout_s)
+    return results
+
+
+def _result(name: str, outcome: dict, timeout_s: float) -> ToolResult:
+    if not outcome:
+        return ToolResult(name, f"error: {name} did not answer within {timeout_s:g} s", False)
+    if "error" in outcome:
+        return ToolResult(name, f"error: {name}: {first_line(outcome['error'])}", False)
+    try:
+        text = _as_text(outcome["value"])
+    except TypeError as exc:
+        return ToolResult(name, f"error: {name}: {first_line(exc)}", False)
+    if len(text) > MAX_RESULT_CHARS:
+        text = text[:MAX_RESULT_CHARS] + " ...(cut)"
+    return ToolResult(name, text, True)
 
 
 def run_tool_call(text: str, tools: dict[str, Tool], row: dict, timeout_s: float) -> ToolResult | None:
-    """Execute the first tool call in ``text`` with ``tools`` (name -> function; only these may be
-    called). None when ``text`` calls no tool; otherwise the result, ``error: ...`` on any failure."""
-    call = parse_tool_call(text)
-    if call is None:
-        return None
-    if isinstance(call, str):
-        return ToolResult(None, f"error: {call}", False)
-    tool = tools.get(call.name)
-    if tool is None:
-        return ToolResult(call.name, f"error: unknown tool {call.name!r}; available: {', '.join(sorted(tools))}", False)
-    future = _POOL.submit(tool, call.arguments, row)
-    try:
-        result = _as_text(future.result(timeout=timeout_s))
-    except concurrent.futures.TimeoutError:
-        return ToolResult(call.name, f"error: {call.name} did not answer within {timeout_s:g} s", False)
-    except Exception as exc:  # anything the tool raises is the student's or the tool's problem, not the run's
-        return ToolResult(call.name, f"error: {call.name}: {first_line(exc)}", False)
-    if len(result) > MAX_RESULT_CHARS:
-        result = result[:MAX_RESULT_CHARS] + " ...(cut)"
-    return ToolResult(call.name, result, True)
+    """:func:`run_tool_calls` for one text."""
+    return run_tool_calls([text], tools, [row], timeout_s)[0]

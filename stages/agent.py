@@ -3,7 +3,7 @@
 Rollout and eval both write responses through :func:`run_conversations`. Without tools a conversation is
 one student turn, exactly the single ``generate`` call it always was. With tools (``rollout.tools``)
 each student turn also stops at ``</tool_call>``; the first call of the turn is executed
-(:func:`gndpo.pipeline.tools.run_tool_call`, which never raises), its result is rendered as a tool
+(:func:`gndpo.pipeline.tools.run_tool_calls`: all calls of a turn at once, never raising), its result is rendered as a tool
 turn through the chat template (:func:`gndpo.stages.chat.tool_turn_ids`) and appended, and the student
 continues from the whole conversation so far. All conversations of a batch advance together, one vLLM
 ``generate`` per turn over the ones still open, so the engine batches them and its prefix cache
@@ -27,7 +27,7 @@ from typing import Callable
 
 from gndpo.faults import crash_point
 from gndpo.pipeline.config import DataConfig, RolloutConfig
-from gndpo.pipeline.tools import Tool, ToolResult, get_tool, parse_tool_call, run_tool_call
+from gndpo.pipeline.tools import Tool, ToolResult, get_tool, parse_tool_call, run_tool_calls
 from gndpo.stages.chat import tool_turn_ids
 from gndpo.stages.engine import generate
 
@@ -120,6 +120,7 @@ def run_conversations(
         # At least one token per request: a conversation with no room left was ended below.
         params = [sampling(turn_seed(c.seed, turn), max(min(max_tokens, budget - len(c.response_ids)), 1), extra_stops) for c in active]
         gens = generate(llm, [c.prompt_ids + c.response_ids for c in active], params)
+        calling = []
         for c, g in zip(active, gens):
             start = 0 if turn == 0 else len(c.response_ids)  # the first turn includes a guided prefix
             c._append(list(g.token_ids), 1, list(g.logprobs))
@@ -130,7 +131,9 @@ def run_conversations(
                 c.tool_calls.append(call_record(_last_turn_text(c, tok), turn, None, False))
                 c.finish_reason = "max_turns"
             else:
-                _answer_call(c, tok, data, tool_use, turn, budget)
+                calling.append(c)
+        if calling:
+            _answer_calls(calling, tok, data, tool_use, turn, budget)
         crash_point("agent.turn")
 
 
@@ -139,18 +142,20 @@ def _last_turn_text(c: Conversation, tok) -> str:
     return tok.decode(c.response_ids[a:b], skip_special_tokens=True)
 
 
-def _answer_call(c: Conversation, tok, data: DataConfig, tool_use: ToolUse, turn: int, budget: int) -> None:
-    """Execute the call that ended ``turn`` and append its tool turn, cut to what the budget leaves."""
-    text = _last_turn_text(c, tok)
-    result = run_tool_call(text, tool_use.tools, c.row, tool_use.timeout_s)
-    if result is None:  # the turn closed a call it never opened
-        result = ToolResult(None, f"error: {CALL_END} without <tool_call>", False)
-    c.tool_calls.append(call_record(text, turn, result.text, result.ok))
-    ids = tool_turn_ids(tok, c.row, data, result.text)
-    room = budget - len(c.response_ids)
-    c._append(ids[:room], 0, [0.0] * min(len(ids), room))
-    if len(ids) >= room:  # no room left for the student to answer
-        c.finish_reason = "length"
+def _answer_calls(calling: list[Conversation], tok, data: DataConfig, tool_use: ToolUse, turn: int, budget: int) -> None:
+    """Execute the calls that ended ``turn`` (all at once, each within the timeout) and append each
+    conversation's tool turn, cut to what the budget leaves."""
+    texts = [_last_turn_text(c, tok) for c in calling]
+    results = run_tool_calls(texts, tool_use.tools, [c.row for c in calling], tool_use.timeout_s)
+    for c, text, result in zip(calling, texts, results):
+        if result is None:  # the turn closed a call it never opened
+            result = ToolResult(None, f"error: {CALL_END} without <tool_call>", False)
+        c.tool_calls.append(call_record(text, turn, result.text, result.ok))
+        ids = tool_turn_ids(tok, c.row, data, result.text)
+        room = budget - len(c.response_ids)
+        c._append(ids[:room], 0, [0.0] * min(len(ids), room))
+        if len(ids) >= room:  # no room left for the student to answer
+            c.finish_reason = "length"
 
 
 def call_record(turn_text: str, turn: int, result: str | None, ok: bool) -> dict:

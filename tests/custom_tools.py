@@ -22,3 +22,8 @@ def garbage(arguments, row):
 
 def structured(arguments, row):
     return {"rows": [1, 2]}
+
+
+def nap(arguments, row):
+    time.sleep(0.5)
+    return "rested"

@@ -165,3 +165,34 @@ def test_a_rollout_config_with_unusable_tools_is_refused(tmp_path):
         config_from_dict({"rollout": {"tools": ["calculator"], "guided_fraction": 0.5, "max_tokens": 8}})
     with pytest.raises(GndpoError, match="unknown tool"):
         ToolUse.from_config(RolloutConfig(tools=["nope"]))
+
+
+def test_prompt_files_keep_their_tool_columns_as_json(tmp_path):
+    from gndpo.pipeline.prompts import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"prompt": "2*3", "answer": "6", "tool_calls": [{"name": "calculator", "arguments": {"expression": "2*3"}}],
+         "lookup": {"a": 1}},
+        {"prompt": "capital?", "answer": "Paris", "tool_calls": [{"name": "lookup", "arguments": {"key": "fr"}}],
+         "lookup": {"fr": "Paris"}},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = load_prompts(str(path)).to_dicts()
+    # One struct type per column: keys missing from a row come back as nulls and are dropped.
+    assert [json.loads(r["tool_calls"]) for r in got] == [r["tool_calls"] for r in rows]
+    assert [json.loads(r["lookup"]) for r in got] == [r["lookup"] for r in rows]
+    from gndpo.pipeline.tools import TOOLS, run_tool_call
+
+    call = '<tool_call>{"name": "lookup", "arguments": {"key": "fr"}}</tool_call>'
+    assert run_tool_call(call, TOOLS, got[1], 1.0).text == "Paris"
+
+
+def test_the_calls_of_a_turn_run_at_once(tok, monkeypatch):
+    import time
+
+    call = '<tool_call>{"name": "tests.custom_tools:nap", "arguments": {}}</tool_call>'
+    t0 = time.monotonic()
+    convs, _ = converse(tok, monkeypatch, {s: [call, "ok"] for s in range(6)}, tools=("tests.custom_tools:nap",), timeout_s=5)
+    assert time.monotonic() - t0 < 2.0  # six 0.5 s calls, not 3 s
+    assert all(c.tool_calls[0]["result"] == "rested" for c in convs)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from gndpo.pipeline.rewards import math_answer
+from gndpo.pipeline.rewards import math_answer, tool_correctness, tool_format
 from gndpo.pipeline.runs import open_run
 from gndpo.pipeline.toy import ModelSpec
 from tests.conftest import committed_rows, gndpo, gndpo_killed
@@ -38,6 +38,8 @@ def tool_assets(cache_dir):
 def write_config(folder, assets):
     cfg = {
         "student": str(assets / "student"), "teacher": str(assets / "teacher"), "reward": "math",
+        # GNDPO with GRPO's outcome advantage mixed in, from GDPO's tool-use rewards and the answer.
+        "method": {"name": "gndpo", "outcome": {"rewards": ["tool_format", "tool_correctness", "math"], "coef": 0.5}},
         "data": {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")},
         "rollout": {"prompts_per_round": 16, "n": 3, "prompts_per_unit": 8, "max_tokens": 20, "tools": ["calculator"],
                     "max_turns": 3, "max_tool_response_tokens": 48},
@@ -118,7 +120,11 @@ def test_rewards_read_the_students_turns(reference, tok):
             if not m and start is not None:
                 spans.append(tok.decode(ids[start:i], skip_special_tokens=True))
                 start = None
-        assert r["reward"] == math_answer("\n".join(spans), prompts[r["prompt_id"]])
+        text, prompt = "\n".join(spans), prompts[r["prompt_id"]]
+        assert r["reward"] == math_answer(text, prompt)
+        rewards = dict(r["rewards"])  # a Parquet map reads back as (key, value) pairs
+        assert rewards["tool_format"] == tool_format(text, prompt)
+        assert rewards["tool_correctness"] == tool_correctness(text, prompt)
 
 
 def test_scores_and_statistics_cover_student_tokens_only(reference):
@@ -133,7 +139,7 @@ def test_scores_and_statistics_cover_student_tokens_only(reference):
         assert s["n_valid"] == sum(r["loss_mask"])
         n_valid += s["n_valid"]
     stats = run.records(0, "normalize").manifest()["metrics"]
-    assert stats["n_valid_tokens"] == n_valid
+    assert stats["token_count"] == n_valid
 
 
 def test_sigkill_mid_conversation_then_rerun_gives_identical_rows(reference, tool_assets, tmp_path):
@@ -186,3 +192,19 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
             trained[b, p + j - 1] = True
     assert (grad[~trained] == 0).all()
     assert (grad[trained] > 0).float().mean() > 0.9
+
+
+def test_demo_tools_task_on_prebuilt_assets(tmp_path, tool_assets):
+    out = gndpo(
+        "demo", tmp_path / "demo", "--task", "tools", "--rounds", "1", "--assets", tool_assets,
+        "--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.optimizer_steps=2",
+    ).stdout
+    assert "teacher" in out and "student (start)" in out and "student after round 1" in out
+    metrics = open_run(str(tmp_path / "demo" / "run")).records(0, "rollout").manifest()["metrics"]
+    assert {"tool_mask/llm_tokens", "tool_mask/tool_tokens", "tool_mask/tool_ratio", "num_turns/mean"} <= set(metrics)
+
+
+def test_unknown_demo_task_is_one_line(tmp_path):
+    proc = gndpo("demo", tmp_path / "d", "--task", "chess", check=False)
+    assert proc.returncode != 0 and "unknown demo task 'chess' (tasks: addition, tools)" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -32,6 +32,7 @@ STEPS = {
     "shard_bytes": ["shard_bytes.py"],
     "scaling": ["scaling.py"],
     "normalize_scale": ["normalize_scale.py", "--tokens", "100e6", "--tokens", "1e9"],
+    "tool_rollout": ["tool_rollout.py"],
 }
 
 
@@ -104,6 +105,12 @@ def summary_rows(demo: dict | None) -> list[dict]:
         pts = sc["points"]
         add("round time at 1x / 2x / 4x prompts (W)", "how cost grows",
             " / ".join(f"{p['wall_s']:.0f} s" for p in pts) + " (compute " + " / ".join(f"{p['compute_ratio']:.1f}x" for p in pts) + ")", None)
+    tr = load("tool_rollout")
+    if tr:
+        b, o = tr["batched_per_turn"], tr["one_at_a_time"]
+        add("multi-turn tool rollout, batched per turn vs one conversation at a time", "faster, the same conversations",
+            f"{b['conversations_per_s']:.0f} / {o['conversations_per_s']:.0f} conversations/s = {tr['ratio']:.1f}x; "
+            f"{tr['identical_conversations']} identical", tr["ratio"] > 1)
     if demo:
         add("`gndpo demo`, venv and toy models cached", "<= 90 s, the same table", f"{demo['seconds']:.0f} s; held-out acc {demo['heldout_acc']}",
             demo["seconds"] <= 90)
@@ -137,7 +144,9 @@ def main(argv=None) -> None:
             subprocess.run([sys.executable, str(HERE / argv_[0]), *argv_[1:]], check=True)
         timings[name] = round(time.time() - t, 1)
     rows = summary_rows(demo)
-    save_json(RESULTS / "summary.json", {"rows": rows, "script_seconds": timings, "total_seconds": round(time.time() - t0, 1)})
+    if a.only or a.skip:  # a partial run: the other scripts' times are those of the run that made their JSON
+        timings = {**(load("summary") or {}).get("script_seconds", {}), **timings}
+    save_json(RESULTS / "summary.json", {"rows": rows, "script_seconds": timings, "total_seconds": round(sum(timings.values()), 1)})
     (RESULTS / "summary.md").write_text(markdown(rows))
     print(markdown(rows))
     print(f"run_all: {time.time() - t0:.0f} s ({timings})")

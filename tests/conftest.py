@@ -68,6 +68,13 @@ def tiny_config_dict(assets: Path, **sections) -> dict:
     return cfg
 
 
+def write_config(folder: Path, cfg: dict) -> Path:
+    """``folder/config.yaml`` holding ``cfg``."""
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 @pytest.fixture
 def tiny_config(tmp_path, tiny_assets) -> Path:
     path = tmp_path / "config.yaml"

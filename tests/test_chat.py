@@ -22,7 +22,7 @@ from gndpo.stages.chat import render_prompt
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards
-from tests.conftest import gndpo, tiny_config_dict
+from tests.conftest import gndpo, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
@@ -42,9 +42,7 @@ def chat_config(folder, assets, **sections):
     cfg = tiny_config_dict(assets, reward="math", **sections)
     cfg["data"].update({"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")})
     cfg["rollout"].update({"max_tokens": MAX_TOKENS, "prompts_per_round": 16, "n": 2})
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_config(folder, cfg)
 
 
 @pytest.fixture(scope="module")

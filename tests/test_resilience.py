@@ -16,13 +16,12 @@ import time
 
 import numpy as np
 import pytest
-import yaml
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.runs import open_run
 from gndpo.pipeline.status import stage_rows
 from gndpo.storage.records import rollout_shards
-from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict
+from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
@@ -34,9 +33,7 @@ def make_config(folder, assets):
         rollout={"prompts_per_unit": 4},  # 4 generation units + the held-out eval unit
         train={"optimizer_steps": 3, "checkpoint_every": 1},
     )
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_config(folder, cfg)
 
 
 def crashed(run, stage, point, after=0):

@@ -12,12 +12,11 @@ import signal
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from gndpo.pipeline.rewards import math_answer, tool_correctness, tool_format
 from gndpo.pipeline.runs import open_run
 from gndpo.pipeline.toy import ModelSpec
-from tests.conftest import committed_rows, gndpo, gndpo_killed
+from tests.conftest import committed_rows, gndpo, gndpo_killed, write_config
 
 pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
@@ -35,7 +34,7 @@ def tool_assets(cache_dir):
     return ensure_tool_toy_assets(spec, log=lambda *_: None)
 
 
-def write_config(folder, assets):
+def tool_config(folder, assets):
     cfg = {
         "student": str(assets / "student"), "teacher": str(assets / "teacher"), "reward": "math",
         # GNDPO with GRPO's outcome advantage mixed in, from GDPO's tool-use rewards and the answer.
@@ -47,16 +46,14 @@ def write_config(folder, assets):
         "train": {"lr": 1e-3, "optimizer_steps": 1, "micro_batch_size": 64},
         "engine": {"max_model_len": 128},
     }
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_config(folder, cfg)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tool_assets):
     folder = tmp_path_factory.mktemp("tools-reference")
     run = folder / "run"
-    gndpo("init", run, "--config", write_config(folder, tool_assets))
+    gndpo("init", run, "--config", tool_config(folder, tool_assets))
     for stage in ("rollout", "score", "normalize"):
         gndpo(stage, run, *ROUND)
     return run
@@ -144,7 +141,7 @@ def test_scores_and_statistics_cover_student_tokens_only(reference):
 
 def test_sigkill_mid_conversation_then_rerun_gives_identical_rows(reference, tool_assets, tmp_path):
     run = tmp_path / "run"
-    gndpo("init", run, "--config", write_config(tmp_path, tool_assets))
+    gndpo("init", run, "--config", tool_config(tmp_path, tool_assets))
     code = gndpo_killed("rollout", run, *ROUND, env={"GNDPO_CRASH_AT": "agent.turn", "GNDPO_CRASH_AFTER": "1"}, log=tmp_path / "crash.log")
     assert code == -signal.SIGKILL, (tmp_path / "crash.log").read_text()[-2000:]
     assert open_run(str(run)).records(0, "rollout").manifest() is None

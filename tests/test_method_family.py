@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import MethodConfig
+from gndpo.pipeline.config import MethodConfig, OutcomeConfig
 from gndpo.pipeline.losses import token_losses, topk_divergence
 from gndpo.pipeline.methods import (
+    METHODS,
     Response,
     Stats,
     StatsQuery,
@@ -443,3 +444,30 @@ def test_eopd_loss_is_ppo_opd_plus_gated_forward_kl():
             fkl = divergence_reference("forward_kl", s_full[b, t].tolist(), t_topk[b, t].tolist(), top_ids[b, t].tolist())
             total += ppo + float(gate[b, t]) * fkl
     assert float(got) == pytest.approx(total / float(mask.sum()), rel=1e-9)
+
+
+# -- multi-turn responses: tool and template tokens (loss mask 0) -----------------------------------
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_no_method_trains_or_counts_masked_tokens(name):
+    """Every method, with the outcome mix on: targets are zero wherever the loss mask is 0 (a tool turn
+    in a multi-turn response), and what tool tokens hold changes neither the round's statistics nor any
+    target at the student's tokens."""
+    cfg = MethodConfig(name=name, outcome=OutcomeConfig(coef=0.5))
+    batch = make_batch(seed=3)
+    stats, out = targets(batch, cfg)
+    for r, t in zip(batch, out):
+        off = r.mask == 0
+        for field in ("adv", "pg_mask", "div", "mask"):
+            assert np.all(getattr(t, field)[off] == 0), (name, field)
+    rng = np.random.default_rng(9)
+    for r in batch:  # different "tool outputs": new values at every masked position
+        off = r.mask == 0
+        for key in ("teacher_lp", "student_lp", "sampler_lp", "teacher_entropy", "student_entropy", "token_kl"):
+            getattr(r, key)[off] = rng.normal(-3.0, 2.0, off.sum())
+    stats2, out2 = targets(batch, cfg)
+    assert stats2.glob == pytest.approx(stats.glob)
+    assert stats2.groups == stats.groups
+    for r, t, t2 in zip(batch, out, out2):
+        on = r.mask == 1
+        for field in ("adv", "pg_mask", "div", "mask"):
+            assert getattr(t2, field)[on] == pytest.approx(getattr(t, field)[on]), (name, field)

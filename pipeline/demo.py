@@ -54,6 +54,11 @@ def demo_table(metrics: list[dict], final_accuracy: float, teacher_accuracy: flo
             row["kl_est"] = by[(r, "normalize")]["reverse_kl_estimate"]
         if (r, "train") in by:
             row["grad_norm_max"] = by[(r, "train")]["grad_norm_max"]
+        rollout = by.get((r, "rollout"), {})
+        if rollout.get("tool_calls/per_response"):  # the tool task: how the student used the tool
+            row["tool_calls"] = rollout["tool_calls/per_response"]
+            row["turns"] = rollout["num_turns/mean"]
+            row["tool_token_share"] = rollout["tool_mask/tool_ratio"]
     return rows
 
 

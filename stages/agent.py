@@ -45,10 +45,16 @@ class ToolUse:
 
     @classmethod
     def from_config(cls, rc: RolloutConfig) -> "ToolUse | None":
-        """The run's tool settings, or None for single-turn rollouts (no ``rollout.tools``)."""
+        """The run's tool settings, or None for single-turn rollouts (no ``rollout.tools``). An entry is
+        a built-in's name, ``module:function`` (called by that path) or ``name=module:function``
+        (called by ``name``); a GndpoError (one line) for one that does not resolve."""
         if not rc.tools:
             return None
-        return cls({name: get_tool(name) for name in rc.tools}, rc.max_turns, rc.max_tool_response_tokens, rc.tool_timeout_s)
+        tools = {}
+        for entry in rc.tools:
+            name, _, path = entry.rpartition("=") if "=" in entry else (entry, "", entry)
+            tools[name.strip()] = get_tool(path.strip())
+        return cls(tools, rc.max_turns, rc.max_tool_response_tokens, rc.tool_timeout_s)
 
 
 @dataclass

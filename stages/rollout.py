@@ -6,7 +6,8 @@ Rows store token ids, the sampler's log-probs, the loss mask, every registered v
 (GNDPO only logs them) and the sampling settings. With ``rollout.guided_fraction`` > 0 (TrOPD's
 off-policy guidance) the teacher writes the first ``guide_prefix_tokens`` tokens of a seeded subset
 of prompts and the student continues; those tokens get loss_mask 0 and ``teacher_prefix_len`` says
-how many there are. With ``rollout.eval_heldout`` an extra unit measures the same policy's
+how many there are. With ``rollout.tools`` a response is a conversation with tool turns
+(:mod:`gndpo.stages.agent`), with its turns and calls in the row. With ``rollout.eval_heldout`` an extra unit measures the same policy's
 greedy held-out accuracy on the same engine, which is what the demo's per-round table reports.
 """
 
@@ -137,7 +138,7 @@ class RolloutJob:
                 c = Conversation(prompt, rendered.token_ids, sample_seed(rc.seed, self.round, pid, s))
                 if guided:
                     prefix = self.teacher_prefix(rendered.token_ids, c.seed)
-                    c.add_prefix(prefix, ended=prefix[-1] in self.stop_ids)
+                    c.add_prefix(prefix, ended=bool(prefix) and prefix[-1] in self.stop_ids)
                 conversations.append(c)
                 meta.append((rendered.text, s))
         run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, rc.max_tokens, self.sampling)

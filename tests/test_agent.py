@@ -155,6 +155,12 @@ def test_without_tools_a_conversation_is_one_turn(tok, monkeypatch):
     assert c.loss_mask == [0, 0] + [1] * 6
 
 
+def test_user_tools_are_called_by_their_path_or_a_name_given_to_them():
+    tools = ToolUse.from_config(RolloutConfig(tools=["calculator", "tests.custom_tools:reverse", "flip = tests.custom_tools:reverse"])).tools
+    assert sorted(tools) == ["calculator", "flip", "tests.custom_tools:reverse"]
+    assert tools["flip"]({"text": "ab"}, {}) == "ba"
+
+
 def test_a_rollout_config_with_unusable_tools_is_refused(tmp_path):
     from gndpo.errors import GndpoError
     from gndpo.pipeline.config import config_from_dict

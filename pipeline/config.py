@@ -52,6 +52,7 @@ Fraction = Annotated[float, Range(ge=0, le=1)]  # a share or a probability, 0 an
 CHAT_TEMPLATE_MODES = ("auto", "none")
 TRUNCATED_MODES = ("keep", "mask", "drop")
 SCORE_DTYPES = ("float32", "bfloat16")
+SCORE_BACKENDS = ("hf", "vllm")
 
 
 @dataclass
@@ -216,6 +217,12 @@ class ScoreConfig:
     # so every reader sees plain floats) and shards shrink about 2.5x; the importance ratio at a round's
     # first step is then 1 only to bf16 precision (~0.4% of a log-prob) instead of float32's.
     dtype: str = "float32"
+    # Where the teacher's log-probs come from: hf (the teacher module on the score worker's device,
+    # every column) or vllm (a vLLM engine scoring the stored token ids as prompt log-probs: the
+    # sampled token's and the top-k; engine settings below, tensor_parallel_size for a teacher larger
+    # than one GPU). The student's log-probs are always recomputed by the training forward.
+    backend: str = "hf"
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig())
 
 
 @dataclass
@@ -320,6 +327,7 @@ def _check_combinations(cfg: Config) -> None:
         ("data.chat_template", cfg.data.chat_template, CHAT_TEMPLATE_MODES),
         ("rollout.truncated", rc.truncated, TRUNCATED_MODES),
         ("score.dtype", cfg.score.dtype, SCORE_DTYPES),
+        ("score.backend", cfg.score.backend, SCORE_BACKENDS),
     ):
         if value not in choices:
             raise GndpoError(f"config key {key} must be one of {', '.join(choices)}, got {value!r}")

@@ -175,6 +175,9 @@ def init_run(url: str, cfg: Config) -> Run:
             raise GndpoError(f"run folder {url} was created from another config; use a new folder")
         return existing
     validate_method(cfg.method)
+    from gndpo.stages.score import check_backend
+
+    check_backend(cfg)
     check_precision(cfg)
     check_models(cfg)
     splits = {}

@@ -54,6 +54,12 @@ def _model_config(path: str) -> dict:
         raise GndpoError(f"cannot read the model config of {path}: {str(exc).splitlines()[0]}") from None
 
 
+def vocabulary_size(path: str) -> int:
+    """The width of the model's output layer (``vocab_size`` of its config)."""
+    config = _model_config(path)
+    return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
+
+
 def model_context_length(path: str) -> int:
     """The model's own context length: ``max_position_embeddings`` (or an equivalent key) of its config."""
     config = _model_config(path)
@@ -100,15 +106,18 @@ def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool 
     return kwargs
 
 
-def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False):
+def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0):
     """An in-process vLLM engine for ``model_path`` (callers need an ``if __name__ == "__main__"`` guard:
     the engine starts its workers with spawn). ``sleep_mode`` (CUDA only) lets it hand the GPU back
-    between rollouts (:mod:`gndpo.stages.live`)."""
+    between rollouts (:mod:`gndpo.stages.live`); ``max_logprobs`` raises vLLM's cap (20) on the top-k
+    log-probs a request may ask for."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     kwargs = engine_kwargs(model_path, cfg, seed)
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
+    if max_logprobs > 20:
+        kwargs["max_logprobs"] = max_logprobs
     from vllm import LLM
 
     llm = LLM(**kwargs)
@@ -150,4 +159,33 @@ def generate(llm, prompt_token_ids: list[list[int]], params: list) -> list[Gener
         else:
             lps = [0.0] * len(ids)
         result.append(Generation(ids, lps, str(comp.finish_reason), comp.stop_reason))
+    return result
+
+
+def response_logprobs(llm, prompts: list, responses: list, topk: int) -> dict:
+    """The model's log-probs (temperature 1, full softmax of the raw logits) of every response token
+    given the prompt and the response before it, as vLLM's prompt log-probs over the stored ids; flat
+    over the responses' tokens in order: {"logprobs": [N]} and, for ``topk`` > 0, the top-k
+    {"topk_ids": [N, k], "topk_logprobs": [N, k]} ordered by rank (as ``torch.topk`` orders them)."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # One generated token is the least vLLM will do; it is not used. detokenize=False: ids only.
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=topk, detokenize=False)
+    requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p] + [int(t) for t in r]) for p, r in zip(prompts, responses)]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    sampled, ids, values = [], [], []
+    for p, r, out in zip(prompts, responses, outputs):
+        for position, token in zip(range(len(p), len(p) + len(r)), r):
+            entry = out.prompt_logprobs[position]
+            sampled.append(entry[int(token)].logprob)
+            if topk:
+                ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= topk)
+                ids.append([tid for _, tid, _ in ranked[:topk]])
+                values.append([v for _, _, v in ranked[:topk]])
+    result = {"logprobs": np.asarray(sampled, np.float32)}
+    if topk:
+        result["topk_ids"] = np.asarray(ids, np.int32).reshape(-1, topk)
+        result["topk_logprobs"] = np.asarray(values, np.float32).reshape(-1, topk)
     return result

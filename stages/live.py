@@ -57,6 +57,7 @@ class LiveModels:
     _engine: _Engine | None = None
     _modules: dict = field(default_factory=dict)  # (path, dtype, device) -> module, teacher only
     _trainer: _Trainer | None = None
+    _teacher_engine: _Engine | None = None  # score.backend vllm
 
     # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
     def student_engine(self, policy: str, cfg, seed: int):
@@ -87,18 +88,36 @@ class LiveModels:
         return live.llm
 
     def release_engine(self) -> None:
-        """Let the other stages have the device: on a GPU the kept engine sleeps (its weights go to CPU
-        memory and the KV cache is freed); on CPU there is nothing to release. A one-stage process
-        shuts its engine down when it exits."""
-        live = self._engine
-        if live is not None and not live.asleep and cuda_available():
-            live.llm.sleep(level=1)
-            live.asleep = True
+        """Let the other stages have the device: on a GPU the kept engines (the student's, and the
+        teacher's of ``score.backend: vllm``) sleep (weights to CPU memory, KV cache freed); on CPU there
+        is nothing to release. A one-stage process shuts its engines down when it exits."""
+        for live in (self._engine, self._teacher_engine):
+            if live is not None and not live.asleep and cuda_available():
+                live.llm.sleep(level=1)
+                live.asleep = True
 
     def close_engine(self) -> None:
         if self._engine is not None:
             shutdown_llm(self._engine.llm)
             self._engine = None
+
+    # -- score with score.backend vllm: the teacher's engine -------------------------------------------
+    def teacher_engine(self, path: str, cfg, max_logprobs: int = 0):
+        """A vLLM engine holding the teacher. Kept, it is started once per run (the teacher never
+        changes) and sleeps on a GPU while other stages run; the student's engine sleeps while it scores."""
+        if not self.keep:
+            return make_llm(path, cfg, max_logprobs=max_logprobs)
+        key = (path, repr(cfg), max_logprobs)
+        live = self._teacher_engine
+        if live is not None and live.key != key:
+            shutdown_llm(live.llm)
+            live = self._teacher_engine = None
+        if live is None:
+            self._teacher_engine = live = _Engine(make_llm(path, cfg, sleep_mode=cuda_available(), max_logprobs=max_logprobs), key, path)
+        if live.asleep:
+            live.llm.wake_up()
+            live.asleep = False
+        return live.llm
 
     # -- score: HF modules -----------------------------------------------------------------------------
     def causal_lm(self, path: str, model_cfg, device, fixed: bool):
@@ -152,6 +171,9 @@ class LiveModels:
 
     def close(self) -> None:
         self.close_engine()
+        if self._teacher_engine is not None:
+            shutdown_llm(self._teacher_engine.llm)
+            self._teacher_engine = None
         self._modules.clear()
         self._trainer = None
 

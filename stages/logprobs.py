@@ -129,23 +129,27 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
                      topk: int = 0, entropies: tuple[bool, bool] = (False, False), kl: bool = False) -> dict:
     """Score's per-token numbers for one batch, flat over response tokens ([N] or [N, k], on the CPU).
 
-    Always: ``teacher_logprobs`` (temperature 1) and ``student_logprobs`` (the sampling temperature).
-    On request: the teacher's top-``topk`` ids and log-probs, the teacher's / student's entropy and the
-    full-vocabulary KL(p_S || p_T). At most one chunk of each model's [chunk, V] log-probs exists."""
-    h_teacher = response_hidden(teacher, batch)
+    Always: ``student_logprobs`` (the sampling temperature) and, unless ``teacher`` is None (its numbers
+    come from elsewhere), ``teacher_logprobs`` (temperature 1). On request: the teacher's top-``topk``
+    ids and log-probs, the teacher's / student's entropy and the full-vocabulary KL(p_S || p_T). At most
+    one chunk of each model's [chunk, V] log-probs exists."""
+    h_teacher = response_hidden(teacher, batch) if teacher is not None else None
     h_student = response_hidden(student, batch)
     want_teacher_entropy, want_student_entropy = entropies
     parts: dict[str, list] = {}
     for sl in chunks(batch.n_tokens, token_chunk):
-        t_all = head_logprobs(teacher, h_teacher[sl])
         s_all = head_logprobs(student, h_student[sl], student_temperature)
         targets = batch.targets[sl].unsqueeze(-1)
-        out = {"teacher_logprobs": t_all.gather(-1, targets).squeeze(-1), "student_logprobs": s_all.gather(-1, targets).squeeze(-1)}
-        if topk:
-            values, ids = t_all.topk(min(topk, t_all.shape[-1]), dim=-1)
-            out["teacher_topk_logprobs"], out["teacher_topk_ids"] = values, ids.int()
-        if want_teacher_entropy:
-            out["teacher_entropy"] = entropy(t_all)
+        out = {"student_logprobs": s_all.gather(-1, targets).squeeze(-1)}
+        t_all = None
+        if teacher is not None:
+            t_all = head_logprobs(teacher, h_teacher[sl])
+            out["teacher_logprobs"] = t_all.gather(-1, targets).squeeze(-1)
+            if topk:
+                values, ids = t_all.topk(min(topk, t_all.shape[-1]), dim=-1)
+                out["teacher_topk_logprobs"], out["teacher_topk_ids"] = values, ids.int()
+            if want_teacher_entropy:
+                out["teacher_entropy"] = entropy(t_all)
         if want_student_entropy or kl:
             s_prob = s_all.exp()  # one full-vocabulary exp shared by the entropy and the KL
             if want_student_entropy:

@@ -9,6 +9,12 @@ the importance ratio at a round's first step is 1 up to float error). Each row a
 sums of the clamped score c_t that normalize aggregates, and the optional per-token columns the run's
 method needs (teacher top-k, entropies, full-vocabulary KL). Non-finite values are refused: a NaN here
 would silently poison the round's global statistics.
+
+With ``score.backend: vllm`` the teacher's sampled-token and top-k log-probs come from a vLLM engine
+instead (prompt log-probs over the stored ids, :func:`gndpo.stages.engine.response_logprobs`; tensor
+parallel through ``score.engine``), while the student's are still computed here by the same forward
+train differentiates, so the first step's importance ratio stays exactly 1. Methods that need the
+teacher's whole distribution (its entropy, the full KL) are refused with this backend.
 """
 
 from __future__ import annotations
@@ -22,11 +28,28 @@ from gndpo.pipeline.methods import clamped_score, score_needs, score_partial_sum
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
 from gndpo.pipeline.runs import Run
 from gndpo.stages.device import local_device, set_cpu_threads
+from gndpo.stages.engine import response_logprobs, vocabulary_size
 from gndpo.stages.logprobs import make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import flat_values, list_column, read_shard, round_to_bfloat16, scores_schema, write_shard
+
+ENGINE_CANNOT = {TEACHER_ENTROPY: "the teacher's entropy", TOKEN_KL: "the full-vocabulary KL"}
+
+
+def check_backend(cfg) -> None:
+    """A GndpoError (one line) when ``score.backend: vllm`` cannot give what the run's method needs: the
+    engine returns the teacher's sampled-token and top-k log-probs, not its whole distribution."""
+    if cfg.score.backend != "vllm":
+        return
+    missing = [what for need, what in ENGINE_CANNOT.items() if need in score_needs(cfg.method)]
+    if missing:
+        raise GndpoError(
+            f"score.backend vllm gives the teacher's sampled-token and top-k log-probs only; method {cfg.method.name} "
+            f"also needs {' and '.join(missing)}: use score.backend hf"
+        )
+
 
 class ScoreJob:
     stage = "score"
@@ -47,11 +70,16 @@ class ScoreJob:
         set_cpu_threads()
         policy = self.run.policy_path(self.round)
         check_same_tokenizer(policy, self.cfg.teacher)
+        check_backend(self.cfg)
         self.pad_id = load_tokenizer(policy).pad_token_id or 0
         self.device = local_device()
         self.live.release_engine()
         self.student = self.live.causal_lm(policy, self.cfg.model, self.device, fixed=False)
-        self.teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, self.device, fixed=True)
+        self.teacher = self.teacher_engine = None
+        if self.cfg.score.backend == "vllm":
+            self.teacher_engine = self.live.teacher_engine(self.cfg.teacher, self.cfg.score.engine, self.cfg.score.teacher_topk)
+        else:
+            self.teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, self.device, fixed=True)
 
     @torch.no_grad()
     def run_unit(self, unit, out_dir):
@@ -62,7 +90,8 @@ class ScoreJob:
         lengths = np.diff(offsets)
         temps = table.column("temperature").to_pylist()
         temperature = temps[0] if temps else 1.0
-        topk = sc.teacher_topk if TOPK in needs else 0
+        # At most the vocabulary: the HF backend's torch.topk and vLLM both stop there.
+        topk = min(sc.teacher_topk, vocabulary_size(self.cfg.teacher)) if TOPK in needs else 0
         per_token: dict[str, np.ndarray] = {}
         for rows in token_budget_batches(np.diff(prompt_offsets) + lengths, sc.max_tokens_per_batch, sc.rows_per_chunk):
             batch = make_batch(
@@ -80,6 +109,14 @@ class ScoreJob:
                 if name not in per_token:
                     per_token[name] = np.zeros((len(responses), *values.shape[1:]), dtype=values.dtype)
                 per_token[name][where] = values
+        if self.teacher_engine is not None:  # the teacher's columns, from its engine, in the same token order
+            by_engine = response_logprobs(
+                self.teacher_engine, [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in range(len(lengths))],
+                [responses[offsets[i] : offsets[i + 1]] for i in range(len(lengths))], topk,
+            )
+            per_token["teacher_logprobs"] = by_engine["logprobs"]
+            if topk:
+                per_token["teacher_topk_ids"], per_token["teacher_topk_logprobs"] = by_engine["topk_ids"], by_engine["topk_logprobs"]
         self._refuse_non_finite(table, per_token, offsets)
         if sc.dtype == "bfloat16":
             # Rounded before anything is derived from them, so the row sums below, normalize's token

@@ -15,7 +15,7 @@ app = typer.Typer(
 
 def _register() -> None:
     # Importing a command module registers its command on `app`.
-    from gndpo.cli import compare, demo, eval, gc, init, methods, run, sql, stages, status  # noqa: F401
+    from gndpo.cli import compare, demo, eval, fork, gc, init, methods, run, sql, stages, status  # noqa: F401
 
 
 def main() -> None:

@@ -1,7 +1,10 @@
 """`gndpo compare`: several methods on the toy task, same rounds, one table.
 
 Each method runs the demo's experiment (pipeline/demo.yaml, the same toy assets, seeds and budget)
-with ``method.name`` and its own overrides, in its own folder ``<out>/<label>/``. The table reports, per
+with ``method.name`` and its own overrides, in its own folder ``<out>/<label>/``. Methods after the first
+are forks of the first method's run at round 0 (:mod:`gndpo.pipeline.fork`): they score and train on
+its round-0 rollouts, not merely on rollouts sampled with the same seeds (a method whose overrides change
+the rollout settings samples its own). The table reports, per
 method, the held-out exact match of every policy version (start, after each round) and stability
 figures over all optimizer steps of all rounds: the maximum and the standard deviation of the
 pre-clip gradient norm, and the range of the policy-gradient advantages (none for pure divergence
@@ -69,7 +72,10 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
     for i, (label, _, method_overrides) in enumerate(parsed):
         log(f"compare: {label} ({i + 1}/{len(parsed)})")
         folder = out_dir / f"{i:02d}-{label.split('+')[0]}"
-        demo_rows = run_demo(str(folder), rounds, [*overrides, *method_overrides], assets=assets, log=log)
+        # Methods after the first replay its round-0 rollouts where their settings allow (`gndpo fork`),
+        # so every method starts from identical samples.
+        first = str(out_dir / f"00-{labels[0].split('+')[0]}" / "run") if i else None
+        demo_rows = run_demo(str(folder), rounds, [*overrides, *method_overrides], assets=assets, log=log, fork_from=first)
         rows.append(method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"]))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "compare.json").write_text(json.dumps({"rounds": rounds, "overrides": list(overrides), "rows": rows}, indent=1))

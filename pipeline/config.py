@@ -53,6 +53,8 @@ CHAT_TEMPLATE_MODES = ("auto", "none")
 TRUNCATED_MODES = ("keep", "mask", "drop")
 SCORE_DTYPES = ("float32", "bfloat16")
 SCORE_BACKENDS = ("hf", "vllm")
+TEACHER_MIXES = ("route", "mean")
+STATS_SCOPES = ("global", "teacher")
 
 
 @dataclass
@@ -69,6 +71,9 @@ class DataConfig:
     chat_template: str = "auto"
     system_prompt: str = ""  # a system turn put first where a prompt has none
     template_kwargs: dict = field(default_factory=dict)  # passed to the template, e.g. {enable_thinking: false}
+    # With several teachers (``teachers``) and score.teacher_mix route: the prompt-file column naming
+    # each prompt's teacher.
+    teacher_key: str = "teacher"
 
 
 @dataclass
@@ -141,6 +146,9 @@ class MethodConfig:
     clip_low: NonNegative = 0.2
     clip_high: NonNegative = 0.2
     std_eps: Positive = 1e-8
+    # With several routed teachers: GNDPO's mean and std of c over the whole round (global) or over
+    # each teacher's tokens (teacher), so a teacher whose scores run higher does not dominate.
+    stats_scope: str = "global"
     jsd_beta: float = 0.5
     schedule: str = ""  # divergence methods, e.g. "fkl:2,rkl:4": forward KL rounds 0-1, then reverse KL
     reward_beta: NonNegative = 0.0  # > 0: reward-weighted responses, w_i = B softmax(r_i / reward_beta)
@@ -222,6 +230,9 @@ class ScoreConfig:
     # sampled token's and the top-k; engine settings below, tensor_parallel_size for a teacher larger
     # than one GPU). The student's log-probs are always recomputed by the training forward.
     backend: str = "hf"
+    # Several teachers (``teachers``): route (each prompt to the teacher its prompt-file column names)
+    # or mean (every token scored by all of them: log of the mean probability, over the vocabulary).
+    teacher_mix: str = "route"
     engine: EngineConfig = field(default_factory=lambda: EngineConfig())
 
 
@@ -260,6 +271,7 @@ class EngineConfig:
 class Config:
     student: str = ""
     teacher: str = ""
+    teachers: dict = field(default_factory=dict)  # several teachers: {name: model path}, instead of teacher
     reward: str = "exact_match"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -271,6 +283,11 @@ class Config:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def teacher_models(self) -> dict[str, str]:
+        """{name: model path} of the run's teachers: ``teachers``, or the one ``teacher`` named by its path
+        (the name score records per row)."""
+        return dict(self.teachers) if self.teachers else {self.teacher: self.teacher}
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
@@ -328,11 +345,22 @@ def _check_combinations(cfg: Config) -> None:
         ("rollout.truncated", rc.truncated, TRUNCATED_MODES),
         ("score.dtype", cfg.score.dtype, SCORE_DTYPES),
         ("score.backend", cfg.score.backend, SCORE_BACKENDS),
+        ("score.teacher_mix", cfg.score.teacher_mix, TEACHER_MIXES),
+        ("method.stats_scope", cfg.method.stats_scope, STATS_SCOPES),
     ):
         if value not in choices:
             raise GndpoError(f"config key {key} must be one of {', '.join(choices)}, got {value!r}")
     if not all(isinstance(s, str) and s for s in rc.stop):
         raise GndpoError(f"config key rollout.stop must be a list of non-empty strings, got {rc.stop!r}")
+    if cfg.teachers:
+        if cfg.teacher:
+            raise GndpoError("config names both teacher and teachers; name one teacher, or several under teachers")
+        if len(cfg.teachers) < 2 or not all(isinstance(k, str) and k and isinstance(v, str) and v for k, v in cfg.teachers.items()):
+            raise GndpoError(f"config key teachers must map two or more names to model paths, got {cfg.teachers!r}")
+        if cfg.score.backend == "vllm":
+            raise GndpoError("several teachers are scored with score.backend hf only (one teacher per vLLM engine is not built yet)")
+    if cfg.method.stats_scope == "teacher" and not (cfg.teachers and cfg.score.teacher_mix == "route"):
+        raise GndpoError("method.stats_scope teacher needs several teachers routed by prompt (teachers, score.teacher_mix route)")
     if not all(isinstance(t, str) and t for t in rc.tools):
         raise GndpoError(f"config key rollout.tools must be a list of tool names (built-in or module:function), got {rc.tools!r}")
     if rc.tools and rc.guided_fraction > 0:
@@ -379,6 +407,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     cfg = config_from_dict(data)
     cfg.student = _resolve(cfg.student, base)
     cfg.teacher = _resolve(cfg.teacher, base)
+    cfg.teachers = {name: _resolve(path, base) for name, path in cfg.teachers.items()}
     cfg.data.train = _resolve(cfg.data.train, base)
     cfg.data.heldout = _resolve(cfg.data.heldout, base)
     return cfg

@@ -11,6 +11,7 @@ import yaml
 from gndpo.errors import GndpoError
 
 from gndpo.pipeline.config import load_config
+from gndpo.pipeline.fork import fork_run
 from gndpo.pipeline.metrics import collect_metrics
 from gndpo.pipeline.rounds import run_rounds
 from gndpo.pipeline.runs import init_run, open_run
@@ -64,9 +65,11 @@ def demo_table(metrics: list[dict], final_accuracy: float, teacher_accuracy: flo
 
 def run_demo(
     folder: str, rounds: int = 3, overrides: list[str] = (), assets: str | None = None, log=print, task: str = "addition",
+    fork_from: str | None = None,
 ) -> list[dict]:
     """Build or reuse the ``task``'s toy assets (or use ``assets``: a folder laid out like them), run
-    ``rounds`` rounds, evaluate the final student, and return the before/after table."""
+    ``rounds`` rounds, evaluate the final student, and return the before/after table. ``fork_from``: a
+    run whose round-0 rollouts this one reuses (`gndpo fork`) where its settings allow."""
     from gndpo.pipeline.evaluation import evaluate
 
     if task not in TASKS:
@@ -81,7 +84,15 @@ def run_demo(
     log(f"toy assets: {assets} (teacher {info['teacher_heldout_accuracy']:.3f}, student {info['student_heldout_accuracy']:.3f} held-out exact match)")
     cfg = load_config(str(write_demo_config(out, assets, config)), list(overrides))
     run_url = str(out / "run")
-    init_run(run_url, cfg)
+    try:
+        if not fork_from:
+            raise GndpoError("no run to fork")
+        fork_run(fork_from, run_url, 0, cfg=cfg)
+        log(f"round 0 rollouts: reused from {fork_from}")
+    except GndpoError as why:
+        if fork_from:
+            log(f"round 0 rollouts: sampled anew ({why})")
+        init_run(run_url, cfg)
     # One vLLM engine, teacher and DeepSpeed engine serve every round and the final evaluation.
     live = LiveModels(keep=True, log=log)
     try:

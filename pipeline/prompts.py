@@ -6,7 +6,8 @@ prompt: ``prompt_id``, ``prompt`` (the plain prompt, or the last user turn of a 
 person reading the run wants to see), ``messages`` (the conversation as JSON, null for a plain prompt)
 and ``answer``; and, where the file has them, the tool-use columns ``tool_calls`` (the calls a correct
 response makes, for the ``tool_format`` and ``tool_correctness`` rewards) and ``lookup`` (the ``lookup``
-tool's key-value table for that prompt), kept as JSON text. JSON strings are the safest form for these
+tool's key-value table for that prompt), kept as JSON text; and ``teacher`` (from ``data.teacher_key``),
+the teacher a prompt is routed to when a run has several. JSON strings are the safest form for these
 columns: a file of nested objects is read with one struct type per column, whose missing keys come back
 as nulls and are dropped here. How a prompt becomes text and token ids is decided in one place,
 :func:`gndpo.stages.chat.render_prompt`.
@@ -65,7 +66,8 @@ def check_messages(value, where: str) -> list[dict]:
     return turns
 
 
-def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages") -> pl.DataFrame:
+def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages",
+                 teacher_key: str = "teacher") -> pl.DataFrame:
     """Read and validate a prompts file into (prompt_id, prompt, messages, answer); any problem is a
     GndpoError. A file with a ``messages_key`` column is read as conversations, else ``prompt_key``."""
     df = read_table_url(url)
@@ -86,6 +88,8 @@ def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer
         messages = [None] * len(prompts)
         ids = [prompt_id(p) if p else "" for p in prompts]
     extra = {name: json_column(df[name].to_list()) for name in TOOL_COLUMNS if name in df.columns}
+    if teacher_key in df.columns:  # the teacher a prompt is routed to (several teachers)
+        extra["teacher"] = df[teacher_key].cast(pl.Utf8, strict=False).to_list()
     out = pl.DataFrame(
         {"prompt_id": ids, "prompt": prompts, "messages": messages, "answer": answers, **extra},
         schema={"prompt_id": pl.Utf8, "prompt": pl.Utf8, "messages": pl.Utf8, "answer": pl.Utf8, **{k: pl.Utf8 for k in extra}},

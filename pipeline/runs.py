@@ -20,7 +20,7 @@ from gndpo.pipeline.config import Config, config_from_dict, config_to_yaml
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.prompts import load_prompts
 from gndpo.pipeline.rewards import check_rewards
-from gndpo.storage.records import StageRecords
+from gndpo.storage.records import InheritedRecords, StageRecords
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import read_prompt_table, write_prompt_table
 
@@ -31,9 +31,19 @@ PROMPT_SPLITS = ("train", "heldout")
 class Run:
     fs: RunFS
     cfg: Config
+    # A forked run (`gndpo fork`): {"parent": URL, "from_round": K}. Its rounds before K, and round K's
+    # rollouts, are the parent's committed records, read where they are.
+    lineage: dict | None = None
 
     def records(self, round_idx: int, stage: str) -> StageRecords:
+        if self.lineage and self.inherits(round_idx, stage):
+            return InheritedRecords(RunFS(self.lineage["parent"], self.fs.storage_options), round_idx, stage)
         return StageRecords(self.fs, round_idx, stage)
+
+    def inherits(self, round_idx: int, stage: str) -> bool:
+        """Whether this (forked) run takes ``stage`` of ``round_idx`` from its parent."""
+        k = self.lineage["from_round"] if self.lineage else -1
+        return round_idx < k or (round_idx == k and stage == "rollout")
 
     def prompts(self, split: str) -> list[dict]:
         return read_prompt_table(self.fs, f"prompts/{split}.parquet")
@@ -43,7 +53,8 @@ class Run:
         0, else the model exported by the previous round's train stage (downloaded if remote)."""
         if round_idx == 0:
             return self.cfg.student
-        return self.fs.local_dir(self.policy_dir(round_idx), model_cache_dir())
+        holder = self.records(round_idx - 1, "train").run  # a forked run's early rounds live in its parent
+        return holder.local_dir(self.policy_dir(round_idx), model_cache_dir())
 
     def policy_dir(self, round_idx: int) -> str | None:
         """The run-relative folder of the model exported by round ``round_idx - 1`` (None for round 0)."""
@@ -73,7 +84,8 @@ def open_run(url: str) -> Run:
         data = yaml.safe_load(fs.read_bytes("run.yaml"))
     except yaml.YAMLError:
         raise GndpoError(f"corrupt run.yaml in {url}") from None
-    return Run(fs=fs, cfg=config_from_dict(data))
+    lineage = data.pop("lineage", None) if isinstance(data, dict) else None
+    return Run(fs=fs, cfg=config_from_dict(data), lineage=lineage)
 
 
 def check_models(cfg: Config) -> None:
@@ -81,13 +93,14 @@ def check_models(cfg: Config) -> None:
     would compare log-probs of different tokens)."""
     from gndpo.stages.modeling import check_same_tokenizer
 
-    for role in ("student", "teacher"):
-        path = getattr(cfg, role)
+    roles = {"student": cfg.student, **({f"teachers.{n}": p for n, p in cfg.teachers.items()} or {"teacher": cfg.teacher})}
+    for role, path in roles.items():
         if not path:
             raise GndpoError(f"config has no {role} model path")
         if not Path(path).exists():
             raise GndpoError(f"{role} model path does not exist: {path}")
-    check_same_tokenizer(cfg.student, cfg.teacher)
+    for path in cfg.teacher_models().values():
+        check_same_tokenizer(cfg.student, path)
 
 
 def check_precision(cfg: Config) -> None:
@@ -154,6 +167,19 @@ def check_context(cfg: Config, splits: dict) -> None:
         )
 
 
+def check_routes(cfg: Config, train: list[dict]) -> None:
+    """With several teachers routed by prompt, every training prompt (a prompt-table row) names one."""
+    if not cfg.teachers or cfg.score.teacher_mix != "route":
+        return
+    key = cfg.data.teacher_key
+    if train and "teacher" not in train[0]:
+        raise GndpoError(f"score.teacher_mix route needs a {key!r} column in data.train naming each prompt's teacher")
+    unknown = sorted({r["teacher"] for r in train if r["teacher"] not in cfg.teachers}, key=str)
+    if unknown:
+        raise GndpoError(f"data.train routes prompts to teachers not in teachers: {', '.join(map(str, unknown[:5]))} "
+                         f"(teachers: {', '.join(cfg.teachers)})")
+
+
 def check_tools(cfg: Config, row: dict) -> None:
     """Every tool the config names imports, and the student's chat template renders a tool turn (on
     ``row``), so tool use is refused at init rather than in the middle of a rollout."""
@@ -185,10 +211,11 @@ def init_run(url: str, cfg: Config) -> Run:
         source = getattr(cfg.data, split)
         if not source:
             raise GndpoError(f"config has no data.{split} prompts file")
-        splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key)
+        splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key, cfg.data.teacher_key)
     check_context(cfg, splits)
     check_rewards(cfg, splits["train"].row(0, named=True))
     check_tools(cfg, splits["train"].row(0, named=True))
+    check_routes(cfg, splits["train"].to_dicts())
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
     if not fs.create("run.yaml", config_to_yaml(cfg).encode()):

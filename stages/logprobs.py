@@ -15,6 +15,8 @@ most ``max_tokens`` padded tokens, so a batch of short answers is large and one 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,6 +116,13 @@ def head_logprobs(model, hidden: torch.Tensor, temperature: float = 1.0) -> torc
     return torch.log_softmax(logits, dim=-1)
 
 
+def mixture(logps: list[torch.Tensor]) -> torch.Tensor:
+    """log((1/n) sum_i exp(logp_i)): the log-probs of the equal-weight mixture of n distributions."""
+    if len(logps) == 1:
+        return logps[0]
+    return torch.logsumexp(torch.stack(logps), dim=0) - math.log(len(logps))
+
+
 def chunks(n: int, size: int):
     for start in range(0, n, max(size, 1)):
         yield slice(start, min(start + size, n))
@@ -132,8 +141,11 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
     Always: ``student_logprobs`` (the sampling temperature) and, unless ``teacher`` is None (its numbers
     come from elsewhere), ``teacher_logprobs`` (temperature 1). On request: the teacher's top-``topk``
     ids and log-probs, the teacher's / student's entropy and the full-vocabulary KL(p_S || p_T). At most
-    one chunk of each model's [chunk, V] log-probs exists."""
-    h_teacher = response_hidden(teacher, batch) if teacher is not None else None
+    one chunk of each model's [chunk, V] log-probs exists. ``teacher`` may be a list of models: the
+    teacher is then their mean, p_T = (1/n) sum_i p_i over the whole vocabulary, so every column above
+    is the mixture's."""
+    teachers = [] if teacher is None else list(teacher) if isinstance(teacher, (list, tuple)) else [teacher]
+    h_teachers = [response_hidden(t, batch) for t in teachers]
     h_student = response_hidden(student, batch)
     want_teacher_entropy, want_student_entropy = entropies
     parts: dict[str, list] = {}
@@ -142,8 +154,8 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
         targets = batch.targets[sl].unsqueeze(-1)
         out = {"student_logprobs": s_all.gather(-1, targets).squeeze(-1)}
         t_all = None
-        if teacher is not None:
-            t_all = head_logprobs(teacher, h_teacher[sl])
+        if teachers:
+            t_all = mixture([head_logprobs(t, h[sl]) for t, h in zip(teachers, h_teachers)])
             out["teacher_logprobs"] = t_all.gather(-1, targets).squeeze(-1)
             if topk:
                 values, ids = t_all.topk(min(topk, t_all.shape[-1]), dim=-1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from gndpo.pipeline.methods import Stats, StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
+from gndpo.pipeline.methods.base import TEACHER_SCOPE
 from gndpo.pipeline.runs import Run
 from gndpo.storage.duck import connect, parquet_source
 from gndpo.storage.records import manifest_files, rollout_shards
@@ -84,6 +85,11 @@ class NormalizeJob:
         stats["reverse_kl_estimate"] = -stats["c_mean"]
         method_glob, groups = method_statistics(StatsQuery(con), self.cfg.method, self.round)
         stats.update(method_glob)
+        if self.cfg.method.stats_scope == "teacher":  # GNDPO's moments over each teacher's tokens too
+            for teacher, t_n, t_sum, t_sq in con.execute(
+                f"SELECT teacher, sum(n_valid), sum(c_sum), sum(c_sq_sum) FROM {scores} GROUP BY teacher ORDER BY teacher"
+            ).fetchall():
+                groups[f"{TEACHER_SCOPE}{teacher}"] = gndpo_stats_from_sums(t_n or 0, t_sum or 0.0, t_sq or 0.0)
         rows = [{"round": self.round, "scope": "global", "name": k, "value": float(v)} for k, v in sorted(stats.items()) if v is not None]
         rows += [
             {"round": self.round, "scope": pid, "name": k, "value": float(v)}

@@ -64,22 +64,42 @@ class ScoreJob:
             {"unit": u["unit"], "rollout_files": u["files"]} for u in rollouts["units"] if u["unit"] != EVAL_UNIT
         ]
         extras = sorted(score_needs(self.cfg.method))
-        return units, {"rollout_manifest_finished_at": rollouts["finished_at"], "teacher": self.cfg.teacher, "extras": extras}
+        teacher = self.cfg.teachers or self.cfg.teacher
+        return units, {"rollout_manifest_finished_at": rollouts["finished_at"], "teacher": teacher, "extras": extras}
 
     def setup(self):
         set_cpu_threads()
         policy = self.run.policy_path(self.round)
-        check_same_tokenizer(policy, self.cfg.teacher)
+        models = self.cfg.teacher_models()
+        for path in models.values():
+            check_same_tokenizer(policy, path)
         check_backend(self.cfg)
         self.pad_id = load_tokenizer(policy).pad_token_id or 0
         self.device = local_device()
         self.live.release_engine()
         self.student = self.live.causal_lm(policy, self.cfg.model, self.device, fixed=False)
-        self.teacher = self.teacher_engine = None
+        self.teachers, self.teacher_engine = {}, None
         if self.cfg.score.backend == "vllm":
             self.teacher_engine = self.live.teacher_engine(self.cfg.teacher, self.cfg.score.engine, self.cfg.score.teacher_topk)
         else:
-            self.teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, self.device, fixed=True)
+            self.teachers = {name: self.live.causal_lm(path, self.cfg.model, self.device, fixed=True) for name, path in models.items()}
+        self.routes = {}
+        if self.cfg.teachers and self.cfg.score.teacher_mix == "route":
+            self.routes = {p["prompt_id"]: p["teacher"] for p in self.run.prompts("train")}
+
+    def teacher_groups(self, prompt_ids: list[str]) -> dict[str, tuple[object, list[int]]]:
+        """{label recorded per row: (the teacher module(s) that score those rows, the rows)}: each row's
+        routed teacher, or all rows to the one teacher (a list of modules for the mean mix)."""
+        if self.routes:
+            groups: dict[str, tuple[object, list[int]]] = {}
+            for i, pid in enumerate(prompt_ids):
+                name = self.routes[pid]
+                groups.setdefault(name, (self.teachers[name], []))[1].append(i)
+            return groups
+        rows = list(range(len(prompt_ids)))
+        if len(self.teachers) > 1:  # score.teacher_mix mean
+            return {f"mean({','.join(self.teachers)})": (list(self.teachers.values()), rows)}
+        return {self.cfg.teacher: (next(iter(self.teachers.values()), None), rows)}
 
     @torch.no_grad()
     def run_unit(self, unit, out_dir):
@@ -91,24 +111,32 @@ class ScoreJob:
         temps = table.column("temperature").to_pylist()
         temperature = temps[0] if temps else 1.0
         # At most the vocabulary: the HF backend's torch.topk and vLLM both stop there.
-        topk = min(sc.teacher_topk, vocabulary_size(self.cfg.teacher)) if TOPK in needs else 0
+        first_teacher = next(iter(self.cfg.teacher_models().values()))
+        topk = min(sc.teacher_topk, vocabulary_size(first_teacher)) if TOPK in needs else 0
         per_token: dict[str, np.ndarray] = {}
-        for rows in token_budget_batches(np.diff(prompt_offsets) + lengths, sc.max_tokens_per_batch, sc.rows_per_chunk):
-            batch = make_batch(
-                [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in rows],
-                [responses[offsets[i] : offsets[i + 1]] for i in rows], self.pad_id, self.device,
-            )
-            stats = pair_token_stats(
-                self.teacher, self.student, batch, self.cfg.model.token_chunk, temperature, topk,
-                (TEACHER_ENTROPY in needs, STUDENT_ENTROPY in needs), TOKEN_KL in needs,
-            )
-            # Put the batch's tokens back at their rows' places in the unit's flat token order.
-            where = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in rows] + [np.zeros(0, np.int64)])
-            for name, values in stats.items():
-                values = values.float().numpy() if values.is_floating_point() else values.numpy()
-                if name not in per_token:
-                    per_token[name] = np.zeros((len(responses), *values.shape[1:]), dtype=values.dtype)
-                per_token[name][where] = values
+        labels = [""] * table.num_rows
+        for label, (teacher, members) in self.teacher_groups(table.column("prompt_id").to_pylist()).items():
+            members = np.asarray(members)
+            for i in members:
+                labels[i] = label
+            spans = (np.diff(prompt_offsets) + lengths)[members]
+            for batch_rows in token_budget_batches(spans, sc.max_tokens_per_batch, sc.rows_per_chunk):
+                rows = members[batch_rows]
+                batch = make_batch(
+                    [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in rows],
+                    [responses[offsets[i] : offsets[i + 1]] for i in rows], self.pad_id, self.device,
+                )
+                stats = pair_token_stats(
+                    teacher, self.student, batch, self.cfg.model.token_chunk, temperature, topk,
+                    (TEACHER_ENTROPY in needs, STUDENT_ENTROPY in needs), TOKEN_KL in needs,
+                )
+                # Put the batch's tokens back at their rows' places in the unit's flat token order.
+                where = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in rows] + [np.zeros(0, np.int64)])
+                for name, values in stats.items():
+                    values = values.float().numpy() if values.is_floating_point() else values.numpy()
+                    if name not in per_token:
+                        per_token[name] = np.zeros((len(responses), *values.shape[1:]), dtype=values.dtype)
+                    per_token[name][where] = values
         if self.teacher_engine is not None:  # the teacher's columns, from its engine, in the same token order
             by_engine = response_logprobs(
                 self.teacher_engine, [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in range(len(lengths))],
@@ -130,7 +158,7 @@ class ScoreJob:
         columns = {
             "rollout_id": table.column("rollout_id"),
             "prompt_id": table.column("prompt_id"),
-            "teacher": pa.array([self.cfg.teacher] * table.num_rows, pa.string()),
+            "teacher": pa.array(labels, pa.string()),
         }
         for name in schema.names:
             if name in columns:

@@ -298,11 +298,11 @@ class TrainJob:
         undoes much of a round."""
         if self.round == 0 or not self.cfg.train.carry_optimizer_state:
             return False
-        prev = self.run.records(self.round - 1, "train").require_manifest()["units"][0]
-        state = prev.get("optimizer_state")
+        records = self.run.records(self.round - 1, "train")  # the parent's, for a forked run's first round
+        state = records.require_manifest()["units"][0].get("optimizer_state")
         if not state or "files" not in state:
             return False
-        if not load_state(engine, self.run.fs, state, self.world):
+        if not load_state(engine, records.run, state, self.world):
             self.log(f"train r{self.round}: optimizer state of round {self.round - 1} was written by {state['world']} ranks; starting a fresh one")
             return False
         return True

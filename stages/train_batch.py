@@ -28,7 +28,7 @@ from gndpo.storage.shards import flat_values, read_shards
 
 ROLLOUT_COLUMNS = ["rollout_id", "prompt_id", "prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs",
                    "reward", "rewards", "teacher_prefix_len", "finish_reason"]
-SCORE_COLUMNS = ["rollout_id", "teacher_logprobs", "student_logprobs", "teacher_entropy", "student_entropy", "token_kl"]
+SCORE_COLUMNS = ["rollout_id", "teacher", "teacher_logprobs", "student_logprobs", "teacher_entropy", "student_entropy", "token_kl"]
 
 
 @dataclass
@@ -110,6 +110,7 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
     method = get_method(mc.name)
     stats = round_stats(run, round_idx)
     score_row = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
+    teachers = scores.column("teacher").to_pylist()
     r = {name: flat_values(rollouts.column(name)) for name in ("prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs")}
     optional = ["teacher_entropy", "student_entropy", "token_kl"] + (["teacher_topk_ids", "teacher_topk_logprobs"] if needs_topk else [])
     s = {name: flat_values(scores.column(name)) for name in ["teacher_logprobs", "student_logprobs"] + optional}
@@ -135,6 +136,7 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
             teacher_lp=view(s, "teacher_logprobs", j), student_lp=view(s, "student_logprobs", j),
             sampler_lp=view(r, "sampler_logprobs", i), rewards=dict(m["rewards"] or {}), reward=m["reward"], prefix=prefix,
             **{name: (view(s, name, j) if name in present else None) for name in ("teacher_entropy", "student_entropy", "token_kl")},
+            teacher=teachers[j] or "",
         )
         t = response_targets(resp, stats, mc, round_idx)
         out[m["rollout_id"]] = TrainRow(

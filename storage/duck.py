@@ -17,7 +17,7 @@ def connect(run: RunFS) -> duckdb.DuckDBPyConnection:
 
 def parquet_source(run: RunFS, records: list[dict]) -> str:
     """A ``read_parquet([...])`` expression over the given file records (union by column name)."""
-    uris = ", ".join("'" + run.uri(r["path"]).replace("'", "''") + "'" for r in records)
+    uris = ", ".join("'" + run.holding(r).uri(r["path"]).replace("'", "''") + "'" for r in records)
     return f"read_parquet([{uris}], union_by_name = true)"
 
 

@@ -117,6 +117,35 @@ class StageRecords:
         return self.manifest()
 
 
+class InheritedRecords(StageRecords):
+    """A forked run's view of a stage it takes from its parent run: the parent's records, read-only,
+    with every file record marked with the parent's URL (``run``), so that readers open the file
+    there (:meth:`RunFS.holding`) and it is never copied."""
+
+    def manifest(self) -> dict | None:
+        return _mark(super().manifest(), self.run.url)
+
+    def done(self, unit: str) -> dict | None:
+        return _mark(super().done(unit), self.run.url)
+
+    def _refuse(self, *_args, **_kwargs):
+        raise GndpoError(f"stage {self.stage} of round {self.round} is inherited from {self.run.url}; a fork never writes it")
+
+    create_plan = create_claim = commit = create_manifest = heartbeat = _refuse
+
+
+def _mark(obj, url: str):
+    """``obj`` with ``run: url`` added to every file record (a dict with a path and a sha256) in it."""
+    if isinstance(obj, dict):
+        out = {k: _mark(v, url) for k, v in obj.items()}
+        if "path" in obj and "sha256" in obj:
+            out["run"] = url
+        return out
+    if isinstance(obj, list):
+        return [_mark(v, url) for v in obj]
+    return obj
+
+
 def manifest_files(manifest: dict) -> list[dict]:
     """All file records of a manifest, in unit order."""
     return [f for unit in manifest["units"] for f in unit["files"]]

@@ -34,6 +34,7 @@ class RunFS:
 
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url = url.rstrip("/")
+        self.storage_options = storage_options
         fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
         self.fs = fs
         self.root = root.rstrip("/")
@@ -53,6 +54,16 @@ class RunFS:
             return p
         proto = _protocols(self.fs)[0]
         return f"{proto}://{p}"
+
+    def holding(self, record: dict) -> "RunFS":
+        """The run folder a file record's ``path`` is relative to: this one, or, for a record a forked
+        run inherited (it carries ``run``, the parent's URL), the parent's."""
+        url = record.get("run")
+        if not url or url == self.url:
+            return self
+        if url not in _OTHER_RUNS:
+            _OTHER_RUNS[url] = RunFS(url, self.storage_options)
+        return _OTHER_RUNS[url]
 
     # -- reading ----------------------------------------------------------------------------------
     def _fresh(self, path: str) -> str:
@@ -170,6 +181,9 @@ class RunFS:
             self.fs.rm(self.path(rel), recursive=recursive)
         except FileNotFoundError:
             pass
+
+
+_OTHER_RUNS: dict[str, RunFS] = {}
 
 
 def _protocols(fs) -> tuple[str, ...]:

@@ -177,6 +177,7 @@ def write_shard(run: RunFS, rel: str, table: pa.Table, schema: pa.Schema | None 
 
 def verified_bytes(run: RunFS, record: dict) -> bytes:
     """The bytes of a committed file, refused if they no longer match its commit record."""
+    run = run.holding(record)
     uri = run.uri(record["path"])
     try:
         data = run.fs.cat_file(run.path(record["path"]))
@@ -195,7 +196,7 @@ def verify_shards(run: RunFS, records: list[dict]) -> None:
 
 def read_shard(run: RunFS, record: dict) -> pa.Table:
     """Read one committed shard, refusing it if it no longer matches its commit record."""
-    uri = run.uri(record["path"])
+    uri = run.holding(record).uri(record["path"])
     data = verified_bytes(run, record)
     try:
         table = pq.read_table(io.BytesIO(data))

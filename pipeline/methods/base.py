@@ -57,6 +57,7 @@ class Response:
     teacher_entropy: np.ndarray | None = None
     student_entropy: np.ndarray | None = None
     token_kl: np.ndarray | None = None
+    teacher: str = ""  # the teacher (or mix) that scored it, as score recorded
 
     @property
     def log_ratio(self) -> np.ndarray:
@@ -83,6 +84,9 @@ class Targets:
         return Targets(adv=np.zeros_like(mask), pg_mask=np.zeros_like(mask), div=mask.copy(), mask=mask.copy())
 
 
+TEACHER_SCOPE = "teacher:"  # normalize's scope prefix for per-teacher statistics
+
+
 @dataclass
 class Stats:
     """The round's committed statistics: global {name: value} and per prompt {prompt_id: {name: value}}."""
@@ -97,6 +101,14 @@ class Stats:
 
     def group(self, prompt_id: str) -> dict:
         return self.groups.get(prompt_id, {})
+
+    def of_teacher(self, teacher: str) -> "Stats":
+        """The statistics normalize computed over one teacher's tokens (``method.stats_scope: teacher``;
+        stored under the scope ``teacher:<name>``), as a Stats whose global values are that teacher's."""
+        scope = f"{TEACHER_SCOPE}{teacher}"
+        if scope not in self.groups:
+            raise GndpoError(f"the round's normalize output has no statistics for teacher {teacher!r}")
+        return Stats(dict(self.groups[scope]), self.groups)
 
 
 @dataclass(frozen=True)

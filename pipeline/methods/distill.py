@@ -57,7 +57,9 @@ def _opd_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
 
 def _gndpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
     c = clamped_score(resp.teacher_lp, resp.student_lp, cfg.clamp)
-    return Targets.policy_gradient(gndpo_normalized(c, stats, cfg.std_eps), resp.mask)
+    # stats_scope teacher: mean and std over the tokens of the teacher that scored this response.
+    scope = stats.of_teacher(resp.teacher) if cfg.stats_scope == "teacher" else stats
+    return Targets.policy_gradient(gndpo_normalized(c, scope, cfg.std_eps), resp.mask)
 
 
 def _tinker_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:

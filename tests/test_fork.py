@@ -1,0 +1,86 @@
+"""`gndpo fork`: a new run that re-scores a parent run's committed rollouts with other settings, reading
+them where they are (never copied or recomputed), resumable after a crash, refused where it cannot be
+what it says."""
+
+import signal
+
+import pytest
+import yaml
+
+from gndpo.pipeline.runs import open_run
+from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory, tiny_assets):
+    """A run with round 0's rollouts committed, and nothing after."""
+    folder = tmp_path_factory.mktemp("fork-parent")
+    gndpo("init", folder / "run", "--config", write_config(folder, tiny_config_dict(tiny_assets)))
+    gndpo("rollout", folder / "run", "--round", 0)
+    return folder / "run"
+
+
+@pytest.fixture(scope="module")
+def forked(parent, tmp_path_factory):
+    """A fork at round 0 with another method, through round 0 with `gndpo run`."""
+    new = tmp_path_factory.mktemp("fork-child") / "run"
+    out = gndpo("fork", parent, new, "--from-round", "0", "method.name=opd", "train.lr=5e-4").stdout
+    assert "forked from" in out
+    gndpo("run", new, "--rounds", "1")
+    return new
+
+
+def test_the_fork_recomputes_no_rollout_and_records_its_lineage(parent, forked):
+    assert not (forked / "rounds" / "r0000" / "rollout").exists()  # nothing sampled, nothing copied
+    assert (forked / "rounds" / "r0000" / "train" / "_MANIFEST.json").exists()
+    run = open_run(str(forked))
+    assert run.lineage == {"parent": str(parent), "from_round": 0, "parent_fingerprint": open_run(str(parent)).cfg.fingerprint()}
+    assert run.cfg.method.name == "opd" and run.cfg.train.lr == 5e-4
+    assert yaml.safe_load((forked / "run.yaml").read_text())["lineage"]["parent"] == str(parent)
+    # Round 0's rollouts are the parent's rows, read in the parent's folder.
+    rollouts = run.records(0, "rollout").manifest()
+    assert all(f["run"] == str(parent) for u in rollouts["units"] for f in u["files"])
+    scored = committed_rows(forked, "score")
+    assert [r["rollout_id"] for r in scored] == [r["rollout_id"] for r in committed_rows(parent)]
+    # The SQL views read them there too.
+    out = gndpo("sql", forked, "SELECT count(*) AS n FROM rollouts JOIN scores USING (rollout_id)").stdout
+    assert "32" in out
+
+
+def test_a_crashed_forked_round_resumes_to_the_same_rows(parent, forked, tmp_path):
+    new = tmp_path / "run"
+    gndpo("fork", parent, new, "--from-round", "0", "method.name=opd", "train.lr=5e-4")
+    code = gndpo_killed("score", new, "--round", "0", env={"GNDPO_CRASH_AT": "units.before_commit"}, log=tmp_path / "crash.log")
+    assert code == -signal.SIGKILL, (tmp_path / "crash.log").read_text()[-2000:]
+    assert open_run(str(new)).records(0, "score").manifest() is None
+    gndpo("score", new, "--round", "0")
+    assert committed_rows(new, "score") == committed_rows(forked, "score")
+    # Forking again with the same settings is a no-op; with others, refused.
+    gndpo("fork", parent, new, "--from-round", "0", "method.name=opd", "train.lr=5e-4")
+    proc = gndpo("fork", parent, new, "--from-round", "0", "method.name=gndpo", check=False)
+    assert proc.returncode != 0 and "already exists with other settings" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("--from-round", "1"), "its rollout of round 1 is not committed"),
+        (("--from-round", "0", "rollout.temperature=0.5"), "fork: rollout cannot change"),
+        (("--from-round", "0", "student=/elsewhere"), "fork: student cannot change"),
+        (("--from-round", "0", "method.name=grpo", "method.outcome.rewards=[tests.custom_rewards:length]"),
+         "did not record the reward(s) tests.custom_rewards:length"),
+    ],
+)
+def test_refusals_are_one_line_and_write_nothing(parent, tmp_path, args, fragment):
+    new = tmp_path / "new"
+    proc = gndpo("fork", parent, new, *args, check=False)
+    assert proc.returncode != 0 and fragment in proc.stderr and "Traceback" not in proc.stderr
+    assert not new.exists()
+
+
+def test_inherited_stages_are_never_rerun(forked):
+    proc = gndpo("rollout", forked, "--round", "0", check=False)
+    assert proc.returncode == 0 or "inherited" in proc.stderr
+    assert not (forked / "rounds" / "r0000" / "rollout").exists()

@@ -1,0 +1,126 @@
+"""Several teachers: prompts routed to named teachers, or every token scored by their mean, on one
+parent run's round-0 rollouts (two forks, so nothing is sampled twice). The stored teacher log-probs are
+checked against the HF models recomputed here, and normalize's statistics against numpy over the shards."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config import config_from_dict
+from gndpo.pipeline.runs import open_run
+from tests.conftest import committed_rows, gndpo, tiny_config_dict, write_config
+
+pytestmark = pytest.mark.slow
+CLAMP = 5.0
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory, tiny_assets):
+    """Round 0 rolled out from prompts that each name a teacher (a or b) in a ``teacher`` column."""
+    folder = tmp_path_factory.mktemp("teachers")
+    rows = [json.loads(line) for line in (tiny_assets / "train.jsonl").read_text().splitlines()]
+    train = folder / "train.jsonl"
+    train.write_text("".join(json.dumps({**r, "teacher": "ab"[i % 2]}) + "\n" for i, r in enumerate(rows)))
+    cfg = tiny_config_dict(tiny_assets, rollout={"eval_heldout": False})
+    cfg["data"]["train"] = str(train)
+    gndpo("init", folder / "run", "--config", write_config(folder, cfg))
+    gndpo("rollout", folder / "run", "--round", 0)
+    return folder / "run"
+
+
+def fork_and_score(parent, folder, *settings):
+    new = folder / "run"
+    gndpo("fork", parent, new, "--from-round", "0", "teacher=", *settings)
+    gndpo("score", new, "--round", "0")
+    gndpo("normalize", new, "--round", "0")
+    return new
+
+
+def teacher_logprobs(model_path, prompt, response):
+    """log p(response_t | prompt, response_<t) of one HF model, written out here."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path)).eval()
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[positions, torch.tensor(response)].numpy()
+
+
+def moments(c):
+    return c.mean(), c.var(ddof=1)
+
+
+def test_routing_scores_each_prompt_with_its_teacher(parent, tiny_assets, tmp_path):
+    new = fork_and_score(parent, tmp_path, f"teachers={{a: {tiny_assets / 'teacher'}, b: {tiny_assets / 'student'}}}",
+                         "method.stats_scope=teacher")
+    prompts = {p["prompt_id"]: p["teacher"] for p in open_run(str(new)).prompts("train")}
+    rollouts = {r["rollout_id"]: r for r in committed_rows(parent)}
+    scores = committed_rows(new, "score")
+    assert {s["teacher"] for s in scores} == {"a", "b"}
+    paths = {"a": tiny_assets / "teacher", "b": tiny_assets / "student"}
+    per_teacher = {"a": [], "b": []}
+    for s in scores:
+        r = rollouts[s["rollout_id"]]
+        assert s["teacher"] == prompts[r["prompt_id"]]
+        c = np.clip(np.subtract(s["teacher_logprobs"], s["student_logprobs"]), -CLAMP, CLAMP)
+        per_teacher[s["teacher"]].append(c[np.asarray(r["loss_mask"]) == 1])
+    for s in scores[:4]:  # the stored values are the routed model's, recomputed here
+        r = rollouts[s["rollout_id"]]
+        want = teacher_logprobs(paths[s["teacher"]], r["prompt_token_ids"], r["response_token_ids"])
+        np.testing.assert_allclose(s["teacher_logprobs"], want, atol=1e-5)
+    from gndpo.stages.normalize import round_stats
+
+    got = round_stats(open_run(str(new)), 0)
+    everything = np.concatenate(per_teacher["a"] + per_teacher["b"])
+    assert got["c_mean"] == pytest.approx(everything.mean(), abs=1e-9)
+    assert got["c_var"] == pytest.approx(everything.var(ddof=1), rel=1e-9)
+    for name, parts in per_teacher.items():
+        mean, var = moments(np.concatenate(parts))
+        assert got.of_teacher(name)["c_mean"] == pytest.approx(mean, abs=1e-9)
+        assert got.of_teacher(name)["c_var"] == pytest.approx(var, rel=1e-9)
+    # Train uses each response's teacher's statistics.
+    gndpo("train", new, "--round", "0")
+
+
+def test_mean_mix_scores_every_token_with_the_mixture(parent, tiny_assets, tmp_path):
+    new = fork_and_score(parent, tmp_path, f"teachers={{a: {tiny_assets / 'teacher'}, b: {tiny_assets / 'student'}}}",
+                         "score.teacher_mix=mean")
+    rollouts = {r["rollout_id"]: r for r in committed_rows(parent)}
+    scores = committed_rows(new, "score")
+    assert {s["teacher"] for s in scores} == {"mean(a,b)"}
+    for s in scores[:4]:
+        r = rollouts[s["rollout_id"]]
+        lp_a = teacher_logprobs(tiny_assets / "teacher", r["prompt_token_ids"], r["response_token_ids"])
+        lp_b = teacher_logprobs(tiny_assets / "student", r["prompt_token_ids"], r["response_token_ids"])
+        np.testing.assert_allclose(s["teacher_logprobs"], np.log((np.exp(lp_a) + np.exp(lp_b)) / 2), atol=1e-5)
+    c = np.concatenate([
+        np.clip(np.subtract(s["teacher_logprobs"], s["student_logprobs"]), -CLAMP, CLAMP)[np.asarray(rollouts[s["rollout_id"]]["loss_mask"]) == 1]
+        for s in scores
+    ])
+    from gndpo.stages.normalize import round_stats
+
+    got = round_stats(open_run(str(new)), 0)
+    assert got["c_mean"] == pytest.approx(c.mean(), abs=1e-9)
+    assert got["c_var"] == pytest.approx(c.var(ddof=1), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        ({"teacher": "x", "teachers": {"a": "p", "b": "q"}}, "names both teacher and teachers"),
+        ({"teachers": {"a": "p"}}, "two or more names"),
+        ({"teachers": {"a": "p", "b": "q"}, "score": {"backend": "vllm"}}, "score.backend hf only"),
+        ({"method": {"stats_scope": "teacher"}}, "needs several teachers routed by prompt"),
+        ({"teachers": {"a": "p", "b": "q"}, "score": {"teacher_mix": "mean"}, "method": {"stats_scope": "teacher"}},
+         "needs several teachers routed by prompt"),
+        ({"score": {"teacher_mix": "max"}}, "score.teacher_mix must be one of route, mean"),
+    ],
+)
+def test_bad_teacher_settings_are_one_line_errors(data, fragment):
+    with pytest.raises(GndpoError, match=fragment):
+        config_from_dict(data)

@@ -33,6 +33,7 @@ STEPS = {
     "scaling": ["scaling.py"],
     "normalize_scale": ["normalize_scale.py", "--tokens", "100e6", "--tokens", "1e9"],
     "tool_rollout": ["tool_rollout.py"],
+    "score_backend": ["score_backend.py"],
 }
 
 
@@ -111,6 +112,11 @@ def summary_rows(demo: dict | None) -> list[dict]:
         add("multi-turn tool rollout, batched per turn vs one conversation at a time", "faster, the same conversations",
             f"{b['conversations_per_s']:.0f} / {o['conversations_per_s']:.0f} conversations/s = {tr['ratio']:.1f}x; "
             f"{tr['identical_conversations']} identical", tr["ratio"] > 1)
+    sb2 = load("score_backend")
+    if sb2:
+        add("teacher scoring, score.backend vllm vs hf (W teacher, CPU)", "same numbers; speed measured",
+            f"{sb2['vllm']['tokens_per_s']:.0f} / {sb2['hf']['tokens_per_s']:.0f} tok/s = {sb2['ratio']:.2f}x; "
+            f"max |diff| {sb2['max_abs_diff']:.1e}", None)
     if demo:
         add("`gndpo demo`, venv and toy models cached", "<= 90 s, the same table", f"{demo['seconds']:.0f} s; held-out acc {demo['heldout_acc']}",
             demo["seconds"] <= 90)

@@ -82,6 +82,24 @@ def tiny_config(tmp_path, tiny_assets) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def rolled_out(tmp_path_factory, tiny_assets) -> Path:
+    """A run with only round 0's rollouts committed, from prompts that each name a teacher (a or b) in a
+    ``teacher`` column: the parent that fork, several-teacher and score-backend tests re-score (`gndpo
+    fork`), so those tests start no rollout engine of their own."""
+    import json
+
+    folder = tmp_path_factory.mktemp("rolled-out")
+    rows = [json.loads(line) for line in (tiny_assets / "train.jsonl").read_text().splitlines()]
+    train = folder / "train.jsonl"
+    train.write_text("".join(json.dumps({**r, "teacher": "ab"[i % 2]}) + "\n" for i, r in enumerate(rows)))
+    cfg = tiny_config_dict(tiny_assets, rollout={"eval_heldout": False})
+    cfg["data"]["train"] = str(train)
+    gndpo("init", folder / "run", "--config", write_config(folder, cfg))
+    gndpo("rollout", folder / "run", "--round", 0)
+    return folder / "run"
+
+
 def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) -> list[dict]:
     """Every committed row of a rollout or score stage, sorted by rollout id."""
     import pyarrow.parquet as pq

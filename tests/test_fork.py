@@ -8,18 +8,15 @@ import pytest
 import yaml
 
 from gndpo.pipeline.runs import open_run
-from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict, write_config
+from tests.conftest import committed_rows, gndpo, gndpo_killed
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def parent(tmp_path_factory, tiny_assets):
+def parent(rolled_out):
     """A run with round 0's rollouts committed, and nothing after."""
-    folder = tmp_path_factory.mktemp("fork-parent")
-    gndpo("init", folder / "run", "--config", write_config(folder, tiny_config_dict(tiny_assets)))
-    gndpo("rollout", folder / "run", "--round", 0)
-    return folder / "run"
+    return rolled_out
 
 
 @pytest.fixture(scope="module")

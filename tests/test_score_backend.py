@@ -14,21 +14,18 @@ from gndpo.pipeline.runs import open_run
 from gndpo.stages.engine import shutdown_llm
 from gndpo.stages.score import ScoreJob, check_backend
 from gndpo.storage.shards import read_shard
-from tests.conftest import committed_rows, gndpo, tiny_config_dict, write_config
+from tests.conftest import committed_rows, gndpo
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def scored(tmp_path_factory, tiny_assets):
-    """A round scored by the HF backend through the CLI, and the same rollouts scored again in this
-    process by the vLLM backend; (HF rows, vLLM rows) by rollout id."""
-    folder = tmp_path_factory.mktemp("backends")
-    run_dir = folder / "run"
-    # forward_kl needs the teacher's top-k; 8 tokens per response so most positions are answered.
-    cfg = tiny_config_dict(tiny_assets, method={"name": "forward_kl"}, rollout={"max_tokens": 8}, score={"teacher_topk": 4})
-    gndpo("init", run_dir, "--config", write_config(folder, cfg))
-    gndpo("rollout", run_dir, "--round", 0)
+def scored(tmp_path_factory, rolled_out):
+    """Round 0's rollouts scored by the HF backend through the CLI, and the same rollouts scored again
+    in this process by the vLLM backend; (HF rows, vLLM rows) by rollout id."""
+    run_dir = tmp_path_factory.mktemp("backends") / "run"
+    # forward_kl needs the teacher's top-k.
+    gndpo("fork", rolled_out, run_dir, "--from-round", "0", "method.name=forward_kl", "score.teacher_topk=4")
     gndpo("score", run_dir, "--round", 0)
     run = open_run(str(run_dir))
     run.cfg = dataclasses.replace(run.cfg, score=dataclasses.replace(run.cfg.score, backend="vllm"))

@@ -2,8 +2,6 @@
 parent run's round-0 rollouts (two forks, so nothing is sampled twice). The stored teacher log-probs are
 checked against the HF models recomputed here, and normalize's statistics against numpy over the shards."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -11,24 +9,15 @@ import torch
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config import config_from_dict
 from gndpo.pipeline.runs import open_run
-from tests.conftest import committed_rows, gndpo, tiny_config_dict, write_config
+from tests.conftest import committed_rows, gndpo
 
 pytestmark = pytest.mark.slow
 CLAMP = 5.0
 
 
 @pytest.fixture(scope="module")
-def parent(tmp_path_factory, tiny_assets):
-    """Round 0 rolled out from prompts that each name a teacher (a or b) in a ``teacher`` column."""
-    folder = tmp_path_factory.mktemp("teachers")
-    rows = [json.loads(line) for line in (tiny_assets / "train.jsonl").read_text().splitlines()]
-    train = folder / "train.jsonl"
-    train.write_text("".join(json.dumps({**r, "teacher": "ab"[i % 2]}) + "\n" for i, r in enumerate(rows)))
-    cfg = tiny_config_dict(tiny_assets, rollout={"eval_heldout": False})
-    cfg["data"]["train"] = str(train)
-    gndpo("init", folder / "run", "--config", write_config(folder, cfg))
-    gndpo("rollout", folder / "run", "--round", 0)
-    return folder / "run"
+def parent(rolled_out):
+    return rolled_out
 
 
 def fork_and_score(parent, folder, *settings):

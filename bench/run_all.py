@@ -116,7 +116,7 @@ def summary_rows(demo: dict | None) -> list[dict]:
     if sb2:
         add("teacher scoring, score.backend vllm vs hf (W teacher, CPU)", "same numbers; speed measured",
             f"{sb2['vllm']['tokens_per_s']:.0f} / {sb2['hf']['tokens_per_s']:.0f} tok/s = {sb2['ratio']:.2f}x; "
-            f"max |diff| {sb2['max_abs_diff']:.1e}", None)
+            f"max abs diff {sb2['max_abs_diff']:.1e}", None)
     if demo:
         add("`gndpo demo`, venv and toy models cached", "<= 90 s, the same table", f"{demo['seconds']:.0f} s; held-out acc {demo['heldout_acc']}",
             demo["seconds"] <= 90)

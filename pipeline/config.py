@@ -233,6 +233,11 @@ class ScoreConfig:
     # Several teachers (``teachers``): route (each prompt to the teacher its prompt-file column names)
     # or mean (every token scored by all of them: log of the mean probability, over the vocabulary).
     teacher_mix: str = "route"
+    # A teacher whose tokenizer differs from the student's (refused unless this is true): the response
+    # is re-tokenized by the teacher after its own rendering of the prompt, and teacher log-probs are
+    # mapped onto the student's tokens by character offsets (gndpo.stages.align); student tokens that
+    # do not align get no signal. Sampled-token methods only (top-k needs one vocabulary).
+    cross_tokenizer: bool = False
     engine: EngineConfig = field(default_factory=lambda: EngineConfig())
 
 
@@ -359,6 +364,11 @@ def _check_combinations(cfg: Config) -> None:
             raise GndpoError(f"config key teachers must map two or more names to model paths, got {cfg.teachers!r}")
         if cfg.score.backend == "vllm":
             raise GndpoError("several teachers are scored with score.backend hf only (one teacher per vLLM engine is not built yet)")
+    if cfg.score.cross_tokenizer:
+        for other, clash in (("teachers", bool(cfg.teachers)), ("score.backend vllm", cfg.score.backend == "vllm"),
+                             ("rollout.tools", bool(rc.tools)), ("rollout.guided_fraction", rc.guided_fraction > 0)):
+            if clash:
+                raise GndpoError(f"score.cross_tokenizer cannot be combined with {other} yet")
     if cfg.method.stats_scope == "teacher" and not (cfg.teachers and cfg.score.teacher_mix == "route"):
         raise GndpoError("method.stats_scope teacher needs several teachers routed by prompt (teachers, score.teacher_mix route)")
     if not all(isinstance(t, str) and t for t in rc.tools):

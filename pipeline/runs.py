@@ -99,6 +99,8 @@ def check_models(cfg: Config) -> None:
             raise GndpoError(f"config has no {role} model path")
         if not Path(path).exists():
             raise GndpoError(f"{role} model path does not exist: {path}")
+    if cfg.score.cross_tokenizer:  # log-probs are mapped by character offsets (gndpo.stages.align)
+        return
     for path in cfg.teacher_models().values():
         check_same_tokenizer(cfg.student, path)
 

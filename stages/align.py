@@ -9,8 +9,7 @@ gives it no teacher value and train no policy-gradient signal, and the count is 
 with no text (its template's special tokens) never align with anything.
 
 Offsets are (start, end) character positions in the response text, as fast tokenizers return them with
-``return_offsets_mapping``. Score does not use this yet: a teacher whose tokenizer differs from the
-student's is still refused at init.
+``return_offsets_mapping``. Score uses it with ``score.cross_tokenizer: true``.
 """
 
 from __future__ import annotations
@@ -57,3 +56,29 @@ def align_by_offsets(student: list[tuple[int, int]], teacher: list[tuple[int, in
             j += 1
         groups.append(tuple(inside) if inside and position == end else None)
     return Alignment(groups)
+
+
+def token_offsets(tok, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """(the text of ``ids`` without special tokens, each token's (start, end) in it). Special tokens get
+    an empty span where they stand. The text is re-tokenized with offsets; where that does not give
+    back ``ids`` (a non-canonical tokenization), each token's span is found by decoding prefixes."""
+    special = set(tok.all_special_ids)
+    ids = [int(t) for t in ids]
+    text = tok.decode(ids, skip_special_tokens=True)
+    plain = [t for t in ids if t not in special]
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) == plain:
+        spans, out, at = iter(enc["offset_mapping"]), [], 0
+        for t in ids:
+            if t in special:
+                out.append((at, at))
+            else:
+                start, at = next(spans)
+                out.append((start, at))
+        return text, out
+    out, at = [], 0
+    for j in range(len(ids)):
+        end = max(len(tok.decode(ids[: j + 1], skip_special_tokens=True)), at)
+        out.append((at, end))
+        at = end
+    return text, out

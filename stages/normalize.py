@@ -63,10 +63,12 @@ class NormalizeJob:
             f"unnest(s.{column}) AS {alias}" if column in stored else f"NULL::FLOAT AS {alias}"
             for column, alias in (("teacher_entropy", "hT"), ("student_entropy", "hS"), ("token_kl", "kl"))
         )
+        # A cross-tokenizer teacher's unaligned tokens are out, like tool and prompt tokens.
+        mask = "unnest(list_transform(list_zip(r.loss_mask, s.aligned), lambda x: x[1] * x[2]))" if self.cfg.score.cross_tokenizer else "unnest(r.loss_mask)"
         con.sql(
             f"""CREATE VIEW tokens AS
                 SELECT * EXCLUDE (m) FROM (
-                    SELECT r.rollout_id, r.prompt_id, unnest(range(len(r.loss_mask))) AS t, unnest(r.loss_mask) AS m,
+                    SELECT r.rollout_id, r.prompt_id, unnest(range(len(r.loss_mask))) AS t, {mask} AS m,
                            unnest(s.teacher_logprobs) AS lpT, unnest(s.student_logprobs) AS lpS, {extras}
                     FROM {rollouts} r JOIN {scores} s USING (rollout_id))
                 WHERE m = 1"""

@@ -27,6 +27,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.methods import clamped_score, score_needs, score_partial_sums
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
 from gndpo.pipeline.runs import Run
+from gndpo.stages.cross_tokenizer import CrossTokenizerTeacher
 from gndpo.stages.device import local_device, set_cpu_threads
 from gndpo.stages.engine import response_logprobs, vocabulary_size
 from gndpo.stages.logprobs import make_batch, pair_token_stats, token_budget_batches
@@ -39,8 +40,15 @@ ENGINE_CANNOT = {TEACHER_ENTROPY: "the teacher's entropy", TOKEN_KL: "the full-v
 
 
 def check_backend(cfg) -> None:
-    """A GndpoError (one line) when ``score.backend: vllm`` cannot give what the run's method needs: the
-    engine returns the teacher's sampled-token and top-k log-probs, not its whole distribution."""
+    """A GndpoError (one line) when the scoring set-up cannot give what the run's method needs:
+    ``score.backend: vllm`` returns the teacher's sampled-token and top-k log-probs, not its whole
+    distribution; ``score.cross_tokenizer`` maps sampled-token log-probs only (no shared vocabulary)."""
+    over_vocabulary = sorted(score_needs(cfg.method) & {TOPK, TEACHER_ENTROPY, TOKEN_KL})
+    if cfg.score.cross_tokenizer and over_vocabulary:
+        raise GndpoError(
+            f"score.cross_tokenizer maps the teacher's sampled-token log-probs only; method {cfg.method.name} needs "
+            f"{', '.join(over_vocabulary)} over one vocabulary: use a teacher with the student's tokenizer"
+        )
     if cfg.score.backend != "vllm":
         return
     missing = [what for need, what in ENGINE_CANNOT.items() if need in score_needs(cfg.method)]
@@ -71,15 +79,22 @@ class ScoreJob:
         set_cpu_threads()
         policy = self.run.policy_path(self.round)
         models = self.cfg.teacher_models()
-        for path in models.values():
-            check_same_tokenizer(policy, path)
+        if not self.cfg.score.cross_tokenizer:
+            for path in models.values():
+                check_same_tokenizer(policy, path)
         check_backend(self.cfg)
         self.pad_id = load_tokenizer(policy).pad_token_id or 0
         self.device = local_device()
         self.live.release_engine()
         self.student = self.live.causal_lm(policy, self.cfg.model, self.device, fixed=False)
-        self.teachers, self.teacher_engine = {}, None
-        if self.cfg.score.backend == "vllm":
+        self.teachers, self.teacher_engine, self.cross = {}, None, None
+        if self.cfg.score.cross_tokenizer:  # the student pass runs alone; the teacher scores its own tokens
+            sc = self.cfg.score
+            self.cross = CrossTokenizerTeacher(
+                self.live.causal_lm(self.cfg.teacher, self.cfg.model, self.device, fixed=True), load_tokenizer(self.cfg.teacher),
+                load_tokenizer(policy), self.cfg.data, self.device, self.cfg.model.token_chunk, sc.max_tokens_per_batch, sc.rows_per_chunk,
+            )
+        elif self.cfg.score.backend == "vllm":
             self.teacher_engine = self.live.teacher_engine(self.cfg.teacher, self.cfg.score.engine, self.cfg.score.teacher_topk)
         else:
             self.teachers = {name: self.live.causal_lm(path, self.cfg.model, self.device, fixed=True) for name, path in models.items()}
@@ -145,6 +160,13 @@ class ScoreJob:
             per_token["teacher_logprobs"] = by_engine["logprobs"]
             if topk:
                 per_token["teacher_topk_ids"], per_token["teacher_topk_logprobs"] = by_engine["topk_ids"], by_engine["topk_logprobs"]
+        aligned = None
+        if self.cross is not None:
+            by_id = {p["prompt_id"]: p for p in self.run.prompts("train")}
+            per_token["teacher_logprobs"], aligned = self.cross.score(
+                [by_id[pid] for pid in table.column("prompt_id").to_pylist()],
+                [responses[offsets[i] : offsets[i + 1]] for i in range(len(lengths))], per_token["student_logprobs"],
+            )
         self._refuse_non_finite(table, per_token, offsets)
         if sc.dtype == "bfloat16":
             # Rounded before anything is derived from them, so the row sums below, normalize's token
@@ -152,6 +174,9 @@ class ScoreJob:
             per_token = {k: round_to_bfloat16(v) if v.dtype == np.float32 else v for k, v in per_token.items()}
         c = clamped_score(per_token["teacher_logprobs"], per_token["student_logprobs"], self.cfg.method.clamp)
         masks, _ = flat_values(table.column("loss_mask"))
+        if aligned is not None:  # unaligned student tokens count nowhere
+            masks = masks * aligned
+            per_token["aligned"] = aligned
         partial = [score_partial_sums(c[offsets[i] : offsets[i + 1]], masks[offsets[i] : offsets[i + 1]].astype(np.float64)) for i in range(len(lengths))]
         k = per_token["teacher_topk_ids"].shape[1] if "teacher_topk_ids" in per_token else sc.teacher_topk
         schema = scores_schema(k)
@@ -171,7 +196,10 @@ class ScoreJob:
             else:
                 columns[name] = pa.array([p[name] for p in partial], typ)
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", pa.table(columns, schema=schema))
-        return [record], {"tokens": int(sum(p["n_valid"] for p in partial))}
+        counts = {"tokens": int(sum(p["n_valid"] for p in partial))}
+        if aligned is not None:
+            counts["unaligned_tokens"] = int(len(aligned) - aligned.sum())
+        return [record], counts
 
     def _refuse_non_finite(self, table, per_token: dict, offsets: np.ndarray) -> None:
         for name, values in per_token.items():
@@ -184,4 +212,9 @@ class ScoreJob:
                 raise GndpoError(f"non-finite {name} for rollout {rid} in round {self.round}; refusing to score")
 
     def summarize(self, commits):
-        return {"tokens": sum(c["tokens"] for c in commits), "seconds": sum(c["seconds"] for c in commits)}
+        metrics = {"tokens": sum(c["tokens"] for c in commits), "seconds": sum(c["seconds"] for c in commits)}
+        if self.cfg.score.cross_tokenizer:
+            unaligned = sum(c["unaligned_tokens"] for c in commits)
+            metrics["cross_tokenizer/unaligned_tokens"] = unaligned
+            metrics["cross_tokenizer/unaligned_fraction"] = unaligned / max(unaligned + metrics["tokens"], 1)
+        return metrics

@@ -28,7 +28,8 @@ from gndpo.storage.shards import flat_values, read_shards
 
 ROLLOUT_COLUMNS = ["rollout_id", "prompt_id", "prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs",
                    "reward", "rewards", "teacher_prefix_len", "finish_reason"]
-SCORE_COLUMNS = ["rollout_id", "teacher", "teacher_logprobs", "student_logprobs", "teacher_entropy", "student_entropy", "token_kl"]
+SCORE_COLUMNS = ["rollout_id", "teacher", "teacher_logprobs", "student_logprobs", "teacher_entropy", "student_entropy", "token_kl",
+                 "aligned"]
 
 
 @dataclass
@@ -115,6 +116,9 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
     optional = ["teacher_entropy", "student_entropy", "token_kl"] + (["teacher_topk_ids", "teacher_topk_logprobs"] if needs_topk else [])
     s = {name: flat_values(scores.column(name)) for name in ["teacher_logprobs", "student_logprobs"] + optional}
     present = {name for name in optional if scores.column(name).null_count < scores.num_rows}
+    cross = run.cfg.score.cross_tokenizer
+    if cross:  # student tokens the teacher's tokens did not cover exactly get no loss
+        s["aligned"] = flat_values(scores.column("aligned"))
     if needs_topk and "teacher_topk_ids" not in present and scores.num_rows:
         raise GndpoError(f"score rows of round {round_idx} have no teacher top-k, which method {mc.name} needs")
 
@@ -132,7 +136,8 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
         prefix = np.zeros(n)
         prefix[: m["teacher_prefix_len"] or 0] = 1.0
         resp = Response(
-            rollout_id=m["rollout_id"], prompt_id=m["prompt_id"], mask=view(r, "loss_mask", i),
+            rollout_id=m["rollout_id"], prompt_id=m["prompt_id"],
+            mask=view(r, "loss_mask", i) * (view(s, "aligned", j) if cross else 1.0),
             teacher_lp=view(s, "teacher_logprobs", j), student_lp=view(s, "student_logprobs", j),
             sampler_lp=view(r, "sampler_logprobs", i), rewards=dict(m["rewards"] or {}), reward=m["reward"], prefix=prefix,
             **{name: (view(s, name, j) if name in present else None) for name in ("teacher_entropy", "student_entropy", "token_kl")},

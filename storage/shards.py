@@ -76,6 +76,9 @@ SCORES = pa.schema(
         ("teacher_entropy", pa.list_(pa.float32())),
         ("student_entropy", pa.list_(pa.float32())),
         ("token_kl", pa.list_(pa.float32())),
+        # score.cross_tokenizer: 1 where the student token's teacher log-prob came from teacher tokens
+        # covering exactly its characters; 0 where it did not align (no signal there). Null otherwise.
+        ("aligned", pa.list_(pa.int8())),
     ]
 )
 

@@ -1,0 +1,113 @@
+"""score.cross_tokenizer: a teacher whose tokenizer merges doubled digits ("11", "22", ...) scores the
+character-level student's round-0 rollouts (a fork of the shared rolled-out run). The stored teacher
+values are re-derived here from the teacher model and its tokenizer's own offsets; unaligned tokens are
+flagged, counted, and out of normalize's statistics and train's loss."""
+
+import numpy as np
+import pytest
+import torch
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config import config_from_dict
+from gndpo.pipeline.runs import open_run
+from gndpo.stages.score import check_backend
+from tests.conftest import committed_rows, gndpo
+
+pytestmark = pytest.mark.slow
+CLAMP = 5.0
+
+
+@pytest.fixture(scope="module")
+def pair_teacher(tmp_path_factory):
+    """The toy tokenizer plus ten merged tokens "00".."99", and a random 1-layer Llama over it."""
+    from gndpo.pipeline.toy import ModelSpec, build_tokenizer, new_model
+
+    path = tmp_path_factory.mktemp("pair-teacher")
+    tok = build_tokenizer()
+    tok.add_tokens([d + d for d in "0123456789"])
+    torch.manual_seed(5)
+    new_model(ModelSpec(layers=1, hidden=64, heads=2, max_steps=0, lr=0.0), len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def crossed(rolled_out, pair_teacher, tmp_path_factory):
+    new = tmp_path_factory.mktemp("cross") / "run"
+    gndpo("fork", rolled_out, new, "--from-round", "0", f"teacher={pair_teacher}", "score.cross_tokenizer=true")
+    for stage in ("score", "normalize", "train"):
+        gndpo(stage, new, "--round", "0")
+    return new
+
+
+def teacher_view(tok, model, prompt_text, text):
+    """The teacher's (char offsets, log-probs) of its own tokens of ``text`` after its prompt."""
+    prompt = tok.apply_chat_template([{"role": "user", "content": prompt_text}], tokenize=False, add_generation_prompt=True)
+    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor([p_ids + enc["input_ids"]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+    lps = [float(logp[len(p_ids) + k - 1, t]) for k, t in enumerate(enc["input_ids"])]
+    return enc["offset_mapping"], lps
+
+
+def test_teacher_values_are_its_own_log_probs_where_a_student_token_is_covered(crossed, rolled_out, pair_teacher):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pair_teacher))
+    model = AutoModelForCausalLM.from_pretrained(str(pair_teacher)).eval()
+    student_tok = AutoTokenizer.from_pretrained(str(open_run(str(rolled_out)).cfg.student))
+    rollouts = {r["rollout_id"]: r for r in committed_rows(rolled_out)}
+    prompts = {p["prompt_id"]: p for p in open_run(str(crossed)).prompts("train")}
+    merged = unaligned = 0
+    for s in committed_rows(crossed, "score"):
+        r = rollouts[s["rollout_id"]]
+        ids = r["response_token_ids"]
+        pieces = [student_tok.decode([t], skip_special_tokens=True) for t in ids]  # one character or none
+        text = "".join(pieces)
+        offsets, lps = teacher_view(tok, model, prompts[r["prompt_id"]]["prompt"], text)
+        single = {start: lp for (start, end), lp in zip(offsets, lps) if end - start == 1}
+        at = 0
+        for j, piece in enumerate(pieces):
+            covered = len(piece) == 1 and at in single
+            assert s["aligned"][j] == int(covered)
+            if covered:
+                assert s["teacher_logprobs"][j] == pytest.approx(single[at], abs=1e-4)
+            else:
+                assert s["teacher_logprobs"][j] == s["student_logprobs"][j]
+                unaligned += 1
+                merged += len(piece) == 1
+            at += len(piece)
+    assert merged > 0, "some doubled digits should have been merged by the teacher"
+    metrics = open_run(str(crossed)).records(0, "score").manifest()["metrics"]
+    assert metrics["cross_tokenizer/unaligned_tokens"] == unaligned
+
+
+def test_statistics_and_loss_leave_unaligned_tokens_out(crossed, rolled_out):
+    from gndpo.stages.normalize import round_stats
+    from gndpo.stages.train_batch import load_share
+
+    rollouts = {r["rollout_id"]: r for r in committed_rows(rolled_out)}
+    c = []
+    for s in committed_rows(crossed, "score"):
+        keep = np.asarray(rollouts[s["rollout_id"]]["loss_mask"]) * np.asarray(s["aligned"]) == 1
+        c.append(np.clip(np.subtract(s["teacher_logprobs"], s["student_logprobs"]), -CLAMP, CLAMP)[keep])
+    c = np.concatenate(c)
+    run = open_run(str(crossed))
+    got = round_stats(run, 0)
+    assert got["token_count"] == c.size
+    assert got["c_mean"] == pytest.approx(c.mean(), abs=1e-9) and got["c_var"] == pytest.approx(c.var(ddof=1), rel=1e-9)
+    scores = {s["rollout_id"]: s for s in committed_rows(crossed, "score")}
+    for row in (row for step in load_share(run, 0, 0, 1).steps for row in step):
+        assert np.all(row.mask[np.asarray(scores[row.rollout_id]["aligned"]) == 0] == 0)
+    assert run.records(0, "train").manifest() is not None
+
+
+def test_methods_that_need_one_vocabulary_are_refused():
+    for method in ({"name": "forward_kl"}, {"name": "eopd"}, {"name": "gndpo", "tip": {"enabled": True}}):
+        with pytest.raises(GndpoError, match="score.cross_tokenizer maps the teacher's sampled-token log-probs only"):
+            check_backend(config_from_dict({"method": method, "score": {"cross_tokenizer": True}}))
+    check_backend(config_from_dict({"method": {"name": "reopold"}, "score": {"cross_tokenizer": True}}))
+    with pytest.raises(GndpoError, match="cannot be combined with rollout.tools"):
+        config_from_dict({"score": {"cross_tokenizer": True}, "rollout": {"tools": ["calculator"]}})

@@ -15,15 +15,17 @@ from gndpo.pipeline.fork import fork_run
 from gndpo.pipeline.metrics import collect_metrics
 from gndpo.pipeline.rounds import run_rounds
 from gndpo.pipeline.runs import init_run, open_run
-from gndpo.pipeline.toy import ensure_toy_assets
+from gndpo.pipeline.toy import ensure_cross_tokenizer_assets, ensure_toy_assets
 from gndpo.pipeline.toy_tools import ensure_tool_toy_assets
 from gndpo.stages.live import LiveModels
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.yaml")
-# task -> (its experiment config, the function that builds or finds its toy assets)
+# task -> (its experiment config, the function that builds or finds its toy assets, config overrides)
 TASKS = {
-    "addition": (DEFAULT_CONFIG, ensure_toy_assets),
-    "tools": (Path(__file__).with_name("demo_tools.yaml"), ensure_tool_toy_assets),
+    "addition": (DEFAULT_CONFIG, ensure_toy_assets, []),
+    "tools": (Path(__file__).with_name("demo_tools.yaml"), ensure_tool_toy_assets, []),
+    # The addition task with a teacher whose tokenizer merges doubled digits.
+    "cross-tokenizer": (DEFAULT_CONFIG, ensure_cross_tokenizer_assets, ["score.cross_tokenizer=true"]),
 }
 
 
@@ -74,7 +76,7 @@ def run_demo(
 
     if task not in TASKS:
         raise GndpoError(f"unknown demo task {task!r} (tasks: {', '.join(TASKS)})")
-    config, ensure_assets = TASKS[task]
+    config, ensure_assets, task_overrides = TASKS[task]
     t0 = time.time()
     out = Path(folder).resolve()
     assets = Path(assets).resolve() if assets else ensure_assets(log=log)
@@ -82,7 +84,7 @@ def run_demo(
         raise GndpoError(f"{assets} is not a toy assets folder (no info.json)")
     info = json.loads((assets / "info.json").read_text())
     log(f"toy assets: {assets} (teacher {info['teacher_heldout_accuracy']:.3f}, student {info['student_heldout_accuracy']:.3f} held-out exact match)")
-    cfg = load_config(str(write_demo_config(out, assets, config)), list(overrides))
+    cfg = load_config(str(write_demo_config(out, assets, config)), [*task_overrides, *overrides])
     run_url = str(out / "run")
     try:
         if not fork_from:

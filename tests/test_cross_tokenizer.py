@@ -3,6 +3,8 @@ character-level student's round-0 rollouts (a fork of the shared rolled-out run)
 values are re-derived here from the teacher model and its tokenizer's own offsets; unaligned tokens are
 flagged, counted, and out of normalize's statistics and train's loss."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -111,3 +113,19 @@ def test_methods_that_need_one_vocabulary_are_refused():
     check_backend(config_from_dict({"method": {"name": "reopold"}, "score": {"cross_tokenizer": True}}))
     with pytest.raises(GndpoError, match="cannot be combined with rollout.tools"):
         config_from_dict({"score": {"cross_tokenizer": True}, "rollout": {"tools": ["calculator"]}})
+
+
+def test_the_toy_builder_makes_a_teacher_with_its_own_tokenizer(tiny_assets, cache_dir):
+    from transformers import AutoTokenizer
+
+    from gndpo.pipeline.toy import ModelSpec, ToySpec, ensure_cross_tokenizer_assets
+    from tests.conftest import TINY
+
+    spec = ToySpec(**TINY, model=ModelSpec(layers=1, hidden=64, heads=2, max_steps=20, lr=3e-3, batch=32), student_max_steps=5)
+    assets = ensure_cross_tokenizer_assets(spec, log=lambda *_: None)
+    student, teacher = (AutoTokenizer.from_pretrained(str(assets / role)) for role in ("student", "teacher"))
+    assert student("11+22=")["input_ids"] != teacher("11+22=")["input_ids"]
+    assert teacher.decode(teacher("11+22=", add_special_tokens=False)["input_ids"]) == "11+22="
+    assert (assets / "train.jsonl").read_text() == (tiny_assets / "train.jsonl").read_text()
+    info = json.loads((assets / "info.json").read_text())
+    assert "teacher_heldout_accuracy" in info and info["teacher_tokenizer"]

@@ -88,8 +88,12 @@ class Conversation:
     def num_turns(self) -> int:
         return len(self.turn_spans)
 
+    def turn_text(self, tok, turn: int) -> str:
+        a, b = self.turn_spans[turn]
+        return tok.decode(self.response_ids[a:b], skip_special_tokens=True)
+
     def turn_texts(self, tok) -> list[str]:
-        return [tok.decode(self.response_ids[a:b], skip_special_tokens=True) for a, b in self.turn_spans]
+        return [self.turn_text(tok, t) for t in range(self.num_turns)]
 
     def student_text(self, tok) -> str:
         """What rewards read: the student's turns (a guided prefix included), joined by newlines; the
@@ -97,11 +101,15 @@ class Conversation:
         return "\n".join(self.turn_texts(tok))
 
 
+def derived_seed(*parts) -> int:
+    """A 32-bit sampling seed determined by ``parts`` alone (never by a worker or a batch), so a retried
+    request samples what the first try did."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of a conversation's ``turn``: the conversation's own seed for the first."""
-    if turn == 0:
-        return seed
-    return int.from_bytes(hashlib.sha256(f"{seed}:turn:{turn}".encode()).digest()[:4], "little")
+    return seed if turn == 0 else derived_seed(seed, "turn", turn)
 
 
 def _called_tool(g) -> bool:
@@ -144,8 +152,7 @@ def run_conversations(
 
 
 def _last_turn_text(c: Conversation, tok) -> str:
-    a, b = c.turn_spans[-1]
-    return tok.decode(c.response_ids[a:b], skip_special_tokens=True)
+    return c.turn_text(tok, -1)
 
 
 def _answer_calls(calling: list[Conversation], tok, data: DataConfig, tool_use: ToolUse, turn: int, budget: int) -> None:

@@ -9,7 +9,6 @@ sample) and uses the unbiased estimator of Chen et al. (2021), averaged over pro
 
 from __future__ import annotations
 
-import hashlib
 from math import comb
 
 import pyarrow as pa
@@ -17,7 +16,7 @@ import pyarrow as pa
 from gndpo.pipeline.config import DataConfig, EngineConfig
 from gndpo.stages.chat import render_prompt, stop_token_ids
 from gndpo.errors import GndpoError
-from gndpo.stages.agent import Conversation, ToolUse, run_conversations
+from gndpo.stages.agent import Conversation, ToolUse, derived_seed, run_conversations
 from gndpo.stages.engine import resolve_max_model_len, shutdown_llm
 from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import load_tokenizer
@@ -27,19 +26,18 @@ EVAL_SCHEMA = pa.schema(
 )
 
 
-def _responses(llm, tok, rows: list[dict], samples: int, max_tokens: int, data: DataConfig, tool_use: ToolUse | None,
-               temperature: float) -> list[Conversation]:
-    """``samples`` finished conversations per row, row by row: rendered and stopped as rollout does,
-    with the run's tools when it has them; greedy (temperature 0) or seeded per prompt and sample."""
+def _responses(llm, tok, rows: list[dict], rendered: list, samples: int, max_tokens: int, data: DataConfig,
+               tool_use: ToolUse | None, temperature: float) -> list[Conversation]:
+    """``samples`` finished conversations per row (``rendered``: its :func:`render_prompt`), row by row:
+    stopped as rollout does, with the run's tools when it has them; greedy (temperature 0) or seeded
+    per prompt and sample."""
     from vllm import SamplingParams
 
     stops = stop_token_ids(tok, data)
-    conversations = []
-    for r in rows:
-        ids = render_prompt(tok, r, data).token_ids
-        for s in range(samples):
-            key = f"eval:{r.get('prompt_id') or r['prompt']}:{s}"
-            conversations.append(Conversation(r, ids, int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")))
+    conversations = [
+        Conversation(r, p.token_ids, derived_seed("eval", r.get("prompt_id") or r["prompt"], s))
+        for r, p in zip(rows, rendered) for s in range(samples)
+    ]
 
     def sampling(seed: int, turn_max: int, extra_stops: list[str]):
         return SamplingParams(temperature=temperature, max_tokens=turn_max, seed=seed, stop_token_ids=stops,
@@ -54,11 +52,12 @@ def greedy_eval(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataC
     one row per prompt (the rendered prompt, the response and its reward). With ``tool_use`` each
     response is a conversation with the tools and the reward reads the student's turns."""
     out = []
-    for r, c in zip(rows, _responses(llm, tok, rows, 1, max_tokens, data, tool_use, 0.0)):
+    rendered = [render_prompt(tok, r, data) for r in rows]
+    for r, p, c in zip(rows, rendered, _responses(llm, tok, rows, rendered, 1, max_tokens, data, tool_use, 0.0)):
         text = c.student_text(tok)
         shown = text if tool_use is None else tok.decode(c.response_ids)
         out.append({
-            "prompt_id": r.get("prompt_id", ""), "prompt": render_prompt(tok, r, data).text, "answer": str(r["answer"]),
+            "prompt_id": r.get("prompt_id", ""), "prompt": p.text, "answer": str(r["answer"]),
             "response": shown, "reward": float(reward(text, r)),
         })
     acc = sum(o["reward"] for o in out) / max(len(out), 1)
@@ -75,7 +74,8 @@ def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
 
 def sample_correct(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig, n: int, tool_use: ToolUse | None = None) -> list[int]:
     """Per prompt, how many of ``n`` temperature-1 samples get a reward > 0."""
-    conversations = _responses(llm, tok, rows, n, max_tokens, data, tool_use, 1.0)
+    rendered = [render_prompt(tok, r, data) for r in rows]
+    conversations = _responses(llm, tok, rows, rendered, n, max_tokens, data, tool_use, 1.0)
     return [sum(reward(c.student_text(tok), r) > 0 for c in conversations[i * n : (i + 1) * n]) for i, r in enumerate(rows)]
 
 

@@ -13,7 +13,6 @@ greedy held-out accuracy on the same engine, which is what the demo's per-round 
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import pyarrow as pa
@@ -21,7 +20,7 @@ import pyarrow as pa
 from gndpo.faults import crash_point
 from gndpo.pipeline.rewards import run_rewards, score_response
 from gndpo.pipeline.runs import Run
-from gndpo.stages.agent import Conversation, ToolUse, conversation_counts, conversation_metrics, run_conversations
+from gndpo.stages.agent import Conversation, ToolUse, derived_seed, conversation_counts, conversation_metrics, run_conversations
 from gndpo.stages.chat import render_prompt, stop_token_ids
 from gndpo.stages.device import local_device
 from gndpo.stages.live import LiveModels
@@ -30,8 +29,7 @@ from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
 
 def sample_seed(base: int, round_idx: int, prompt_id: str, sample_idx: int) -> int:
-    digest = hashlib.sha256(f"{base}:{round_idx}:{prompt_id}:{sample_idx}".encode()).digest()
-    return int.from_bytes(digest[:4], "little")
+    return derived_seed(base, round_idx, prompt_id, sample_idx)
 
 
 def round_prompt_ids(prompt_ids: list[str], round_idx: int, count: int, seed: int) -> list[str]:

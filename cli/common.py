@@ -24,12 +24,18 @@ def user_errors(fn):
     return wrapper
 
 
+def echo_frame(df) -> None:
+    """Print a polars DataFrame as an aligned text table (no truncation, no shape line)."""
+    from gndpo.storage.tables import encode_frame
+
+    typer.echo(encode_frame(df, "table").decode(), nl=False)
+
+
 def echo_table(rows: list[dict]) -> None:
-    """Print rows as an aligned text table (polars, no truncation)."""
+    """Print rows as an aligned text table."""
     import polars as pl
 
     if not rows:
         typer.echo("(no rows)")
         return
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=60, tbl_hide_dataframe_shape=True):
-        typer.echo(pl.DataFrame(rows))
+    echo_frame(pl.DataFrame(rows))

@@ -17,4 +17,4 @@ def compare(
     assets: Optional[str] = typer.Option(None, "--assets", help="Use this prebuilt toy assets folder instead of building."),
 ):
     """Run several methods on the toy task for the same rounds; print held-out accuracy and stability."""
-    echo_table(run_compare(methods, out, rounds, overrides or [], assets=assets, log=typer.echo))
+    echo_table(run_compare(methods, out, rounds, overrides or [], assets=assets))

@@ -18,4 +18,4 @@ def demo(
         "(addition with a teacher whose tokenizer merges doubled digits)."),
 ):
     """Build (or reuse) the toy teacher/student and run the pipeline end to end on them."""
-    echo_table(run_demo(folder, rounds, overrides or [], assets=assets, log=typer.echo, task=task))
+    echo_table(run_demo(folder, rounds, overrides or [], assets=assets, task=task))

@@ -28,4 +28,4 @@ def run(
     ),
 ):
     """Run the round loop; stages already committed are skipped, so rerunning resumes."""
-    run_rounds(run, rounds, log=typer.echo, gpus=gpus, keep_alive=keep_alive)
+    run_rounds(run, rounds, gpus=gpus, keep_alive=keep_alive)

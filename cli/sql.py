@@ -2,23 +2,30 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
+from gndpo.errors import GndpoError
 from gndpo.pipeline.runs import open_run
 from gndpo.pipeline.sql import query
+from gndpo.storage.tables import FRAME_FORMATS, encode_frame, write_file
 
 
 @app.command()
 @user_errors
 def sql(
     run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),
-    statement: str = typer.Argument(..., help="One read-only statement over rollouts, scores, stats, metrics."),
-    csv: bool = typer.Option(False, "--csv", help="Print CSV instead of a table."),
+    statement: str = typer.Argument(
+        ..., help="One read-only statement over the views rollouts, scores, tokens, stats, metrics (each has `round`)."
+    ),
+    fmt: str = typer.Option("table", "--format", "-f", help=f"Output format: {' | '.join(FRAME_FORMATS)}."),
+    out: str = typer.Option(None, "--out", "-o", help="Write the result to this file (any fsspec URL) instead of stdout."),
 ):
     """Read-only DuckDB SQL over the run's committed shards."""
+    if fmt not in FRAME_FORMATS:
+        raise GndpoError(f"unknown --format {fmt!r} (use one of {', '.join(FRAME_FORMATS)})")
+    if fmt == "parquet" and out is None:
+        raise GndpoError("--format parquet needs --out FILE")
     df = query(open_run(run), statement)
-    if csv:
-        typer.echo(df.write_csv(), nl=False)
+    data = encode_frame(df, fmt)
+    if out is None:
+        typer.echo(data.decode(), nl=False)
     else:
-        import polars as pl
-
-        with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=60):
-            typer.echo(df)
+        write_file(out, data)

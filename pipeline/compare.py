@@ -22,6 +22,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.demo import run_demo
 from gndpo.pipeline.methods import get_method
 from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.logs import info
 
 
 def parse_entry(entry: str) -> tuple[str, str, list[str]]:
@@ -59,7 +60,7 @@ def method_row(label: str, run_url: str, final_accuracy: float) -> dict:
     return row
 
 
-def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] = (), assets: str | None = None, log=print) -> list[dict]:
+def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] = (), assets: str | None = None, log=info) -> list[dict]:
     """Run every method (resuming any that already ran) and return the comparison table."""
     parsed = [parse_entry(e) for e in entries]  # every name checked before anything runs
     if not parsed:

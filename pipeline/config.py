@@ -135,7 +135,7 @@ class OutcomeConfig:
 
 @dataclass
 class MethodConfig:
-    """Which method trains the student, and its knobs (formulas: shared/ALGORITHMS.md).
+    """Which method trains the student, and its knobs (formulas: docs/methods.md).
 
     ``policy_loss`` and ``loss_agg`` left empty take the method's own default (``gndpo methods``)."""
 
@@ -272,6 +272,21 @@ class EngineConfig:
     tensor_parallel_size: Count = 1
 
 
+METRICS_BACKENDS = ("tensorboard", "wandb")
+WANDB_MODES = ("online", "offline")
+
+
+@dataclass
+class LoggingConfig:
+    """Where the round metrics go besides ``metrics.jsonl``. Not part of the run's fingerprint: where a
+    run reports does not change what it computes."""
+
+    backends: list = field(default_factory=list)  # any of: tensorboard (RUN/tensorboard/), wandb
+    wandb_project: str = "gndpo"
+    wandb_entity: str = ""  # empty: the default entity of the logged-in account
+    wandb_mode: str = "online"  # offline: write RUN/logs/wandb/ only (upload later with `wandb sync`)
+
+
 @dataclass
 class Config:
     student: str = ""
@@ -285,6 +300,7 @@ class Config:
     score: ScoreConfig = field(default_factory=ScoreConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -295,7 +311,9 @@ class Config:
         return dict(self.teachers) if self.teachers else {self.teacher: self.teacher}
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        """The run's identity: every setting that changes what is computed (``logging`` is left out)."""
+        settings = {k: v for k, v in self.to_dict().items() if k != "logging"}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _build(cls, data: dict, where: str):
@@ -352,6 +370,7 @@ def _check_combinations(cfg: Config) -> None:
         ("score.backend", cfg.score.backend, SCORE_BACKENDS),
         ("score.teacher_mix", cfg.score.teacher_mix, TEACHER_MIXES),
         ("method.stats_scope", cfg.method.stats_scope, STATS_SCOPES),
+        ("logging.wandb_mode", cfg.logging.wandb_mode, WANDB_MODES),
     ):
         if value not in choices:
             raise GndpoError(f"config key {key} must be one of {', '.join(choices)}, got {value!r}")
@@ -375,6 +394,9 @@ def _check_combinations(cfg: Config) -> None:
         raise GndpoError(f"config key rollout.tools must be a list of tool names (built-in or module:function), got {rc.tools!r}")
     if rc.tools and rc.guided_fraction > 0:
         raise GndpoError("config keys rollout.tools and rollout.guided_fraction cannot be combined: guidance writes one turn's prefix")
+    unknown = [b for b in cfg.logging.backends if b not in METRICS_BACKENDS]
+    if unknown:
+        raise GndpoError(f"config key logging.backends: unknown backend {unknown[0]!r} (use {', '.join(METRICS_BACKENDS)})")
     if rc.top_k == 0:
         raise GndpoError("config key rollout.top_k must be -1 (off) or >= 1, got 0")
     if rc.guided_fraction > 0 and rc.guide_prefix_tokens >= rc.max_tokens:

@@ -18,6 +18,7 @@ from gndpo.pipeline.runs import init_run, open_run
 from gndpo.pipeline.toy import ensure_cross_tokenizer_assets, ensure_toy_assets
 from gndpo.pipeline.toy_tools import ensure_tool_toy_assets
 from gndpo.stages.live import LiveModels
+from gndpo.pipeline.logs import info
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.yaml")
 # task -> (its experiment config, the function that builds or finds its toy assets, config overrides)
@@ -66,7 +67,7 @@ def demo_table(metrics: list[dict], final_accuracy: float, teacher_accuracy: flo
 
 
 def run_demo(
-    folder: str, rounds: int = 3, overrides: list[str] = (), assets: str | None = None, log=print, task: str = "addition",
+    folder: str, rounds: int = 3, overrides: list[str] = (), assets: str | None = None, log=info, task: str = "addition",
     fork_from: str | None = None,
 ) -> list[dict]:
     """Build or reuse the ``task``'s toy assets (or use ``assets``: a folder laid out like them), run

@@ -2,7 +2,7 @@
 
 All functions work on padded ``[B, T]`` tensors with a 0/1 ``mask``. Aggregation divides by the GLOBAL
 number of sequences or tokens of the optimizer step (passed in), never by a micro-batch's own count, so
-gradient accumulation and data parallelism do not change the objective (shared/ALGORITHMS.md, last part).
+gradient accumulation and data parallelism do not change the objective (docs/methods.md, Aggregation).
 """
 
 from __future__ import annotations

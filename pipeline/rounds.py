@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.metrics import write_metrics_jsonl
+from gndpo.pipeline import progress
+from gndpo.pipeline.logs import info, worker_file
+from gndpo.pipeline.metrics import publish_metrics, write_metrics_jsonl
 from gndpo.pipeline.runs import model_cache_dir, open_run
 from gndpo.pipeline.units import Worker, run_collective
 from gndpo.storage.records import STAGES
@@ -53,23 +55,26 @@ def check_round(run, round_idx: int, stage: str) -> None:
 
 
 def run_stage(
-    url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=print, live=None
+    url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=info, live=None
 ) -> dict | None:
     """Run (or join, with ``worker``) one stage; returns its manifest, or None if other workers still
     hold units when this worker runs out of work. ``live``: the engines and models to compute with
     (:class:`gndpo.stages.live.LiveModels`; default: built for this stage alone)."""
     run = open_run(url)
     check_round(run, round_idx, stage)
-    job = stage_job(stage)(run, round_idx, log=log, live=live)
     if lease_ttl <= 0:
         raise GndpoError("--lease-ttl must be positive")
     records = run.records(round_idx, stage)
-    if stage == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        manifest = run_collective(records, job, ttl=lease_ttl, log=log)
-    else:
-        manifest = Worker(records, job, ttl=lease_ttl, log=log).run(wait_for_others=not worker)
-    if manifest is not None:
-        write_metrics_jsonl(run)
+    # The log file first: the stage's modules import vLLM, which sets up its logging when imported.
+    with worker_log(url, f"r{round_idx:04d}-{stage}"):
+        job = stage_job(stage)(run, round_idx, log=log, live=live)
+        if stage == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            manifest = run_collective(records, job, ttl=lease_ttl, log=log)
+        else:
+            manifest = Worker(records, job, ttl=lease_ttl, log=log).run(wait_for_others=not worker)
+        if manifest is not None and os.environ.get("RANK", "0") == "0":
+            write_metrics_jsonl(run)
+            publish_metrics(run)
     return manifest
 
 
@@ -93,6 +98,15 @@ def worker_log_dir(url: str) -> str:
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", fs.root).strip("_") or "run"
     digest = hashlib.sha256(fs.url.encode()).hexdigest()[:8]
     return str(Path(model_cache_dir()).parent / "logs" / f"{name}-{digest}")
+
+
+def worker_log(url: str, name: str):
+    """This process's log file for ``name`` (a stage, or the whole loop) in :func:`worker_log_dir`;
+    for a run on object storage it is copied into ``RUN/logs/`` when the block ends."""
+    from gndpo.storage.runfs import RunFS
+
+    fs = RunFS(url)
+    return worker_file(worker_log_dir(url), name, copy_to=None if fs.is_local else fs)
 
 
 @dataclass(frozen=True)
@@ -197,7 +211,7 @@ def keeps_models(cfg, gpus: int) -> bool:
     return gpus <= 1 and cfg.train.num_processes <= 1 and cfg.engine.tensor_parallel_size == 1
 
 
-def run_rounds(url: str, rounds: int, log=print, gpus: int | None = None, keep_alive: bool = True, live=None) -> None:
+def run_rounds(url: str, rounds: int, log=info, gpus: int | None = None, keep_alive: bool = True, live=None) -> None:
     """Run rounds 0..rounds-1, skipping committed stages; a failing stage stops the loop.
 
     ``gpus``: GPUs of this node to use (None: every visible one); see the module docstring.
@@ -217,25 +231,28 @@ def run_rounds(url: str, rounds: int, log=print, gpus: int | None = None, keep_a
     if own:
         live = LiveModels(keep=True, log=log)
     try:
-        for r in range(rounds):
-            for stage in STAGES:
-                if run.records(r, stage).manifest() is not None:
-                    continue
-                t0 = time.time()
-                if in_process:
-                    log(f"round {r}: {stage} ...")
-                    run_stage(url, stage, r, log=log, live=live)
-                else:
-                    run_stage_in_processes(url, run, stage, r, gpus, log)
-                if run.records(r, stage).manifest() is None:
-                    raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
-                log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")
+        with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages") as bar:
+            for r in range(rounds):
+                for stage in STAGES:
+                    if run.records(r, stage).manifest() is not None:
+                        bar.advance(1)
+                        continue
+                    t0 = time.time()
+                    if in_process:
+                        log(f"round {r}: {stage} ...")
+                        run_stage(url, stage, r, log=log, live=live)
+                    else:
+                        run_stage_in_processes(url, run, stage, r, gpus, log)
+                    if run.records(r, stage).manifest() is None:
+                        raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
+                    log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")
+                    bar.advance(1)
     finally:
         if own:
             live.close()
 
 
-def run_stage_in_processes(url: str, run, stage: str, round_idx: int, gpus: int, log=print) -> None:
+def run_stage_in_processes(url: str, run, stage: str, round_idx: int, gpus: int, log=info) -> None:
     """Run one stage as the processes :func:`stage_processes` plans, and one more to finish if none of
     them committed."""
     per = run.cfg.engine.tensor_parallel_size if stage == "rollout" else 1

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from gndpo.pipeline.logs import info
 
 SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
 CHARS = list("0123456789+=")
@@ -156,7 +157,7 @@ def _encode_batch(tok, rows: list[dict]):
     return padded_batch(seqs, masks, tok.pad_token_id)
 
 
-def train_supervised(model, spec: ModelSpec, seed: int, next_batch, validate, milestones: list, on_milestone, log=print) -> int:
+def train_supervised(model, spec: ModelSpec, seed: int, next_batch, validate, milestones: list, on_milestone, log=info) -> int:
     """Next-token training with AdamW at a constant LR after warm-up, on the masked tokens of
     ``next_batch(rng) -> (ids, mask)`` (freshly sampled, never held-out problems). ``milestones`` is a
     list of (name, target, step cap): each is reached the first time ``validate()`` (checked every 10
@@ -273,12 +274,12 @@ def cached_build(name: str, build) -> Path:
     return dest
 
 
-def ensure_toy_assets(spec: ToySpec = ToySpec(), log=print) -> Path:
+def ensure_toy_assets(spec: ToySpec = ToySpec(), log=info) -> Path:
     """Return the folder with the built toy assets, building it first if it is not cached."""
     return cached_build(f"toy-{spec.key()}", lambda folder: build_toy_assets(spec, folder, log=log))
 
 
-def build_toy_assets(spec: ToySpec, out: Path, log=print) -> dict:
+def build_toy_assets(spec: ToySpec, out: Path, log=info) -> dict:
     import torch
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -300,7 +301,7 @@ def build_toy_assets(spec: ToySpec, out: Path, log=print) -> dict:
     return info
 
 
-def train_toy_models(spec: ToySpec, tok, milestones: list, heldout: list[dict], out: Path, log=print, model=None) -> dict:
+def train_toy_models(spec: ToySpec, tok, milestones: list, heldout: list[dict], out: Path, log=info, model=None) -> dict:
     """Train one model of ``spec.model`` (or ``model``, from where it is) on the task with tokenizer
     ``tok`` and save it (with ``tok``) as ``out/<role>`` at each milestone (see :func:`train_supervised`);
     returns each role's held-out exact match and step, and the parameter count."""
@@ -339,7 +340,7 @@ def build_pair_tokenizer():
     return tok
 
 
-def ensure_cross_tokenizer_assets(spec: ToySpec = ToySpec(), log=print) -> Path:
+def ensure_cross_tokenizer_assets(spec: ToySpec = ToySpec(), log=info) -> Path:
     """The toy with a teacher that has its own tokenizer (:func:`build_pair_tokenizer`): the toy's
     teacher with ten new embedding rows, trained on with the new tokenizer until it passes the teacher
     target again (from scratch, the merged digits make the carry much slower to learn: 0.14 after 2400
@@ -348,7 +349,7 @@ def ensure_cross_tokenizer_assets(spec: ToySpec = ToySpec(), log=print) -> Path:
     return cached_build(f"toy-cross-{spec.key()}", lambda folder: build_cross_tokenizer_variant(spec, base, folder, log=log))
 
 
-def build_cross_tokenizer_variant(spec: ToySpec, base: Path, out: Path, log=print) -> dict:
+def build_cross_tokenizer_variant(spec: ToySpec, base: Path, out: Path, log=info) -> dict:
     import torch
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))

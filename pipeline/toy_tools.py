@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gndpo.pipeline.toy import CHAT_TEMPLATE, SPECIAL, ModelSpec, cached_build, new_model, padded_batch, train_supervised
+from gndpo.pipeline.logs import info
 
 ROLES = ("system", "user", "assistant", "tool")
 END_OF_TURN = "<|end|>"
@@ -185,12 +186,12 @@ def _all_argmax_right(model, ids, mask):
 # -- building and caching ---------------------------------------------------------------------------
 
 
-def ensure_tool_toy_assets(spec: ToolToySpec = ToolToySpec(), log=print) -> Path:
+def ensure_tool_toy_assets(spec: ToolToySpec = ToolToySpec(), log=info) -> Path:
     """Return the folder with the built tool-use toy, building it first if it is not cached."""
     return cached_build(f"toy-tools-{spec.key()}", lambda folder: build_tool_toy(spec, folder, log=log))
 
 
-def build_tool_toy(spec: ToolToySpec, out: Path, log=print) -> dict:
+def build_tool_toy(spec: ToolToySpec, out: Path, log=info) -> dict:
     import os
 
     import torch

@@ -26,6 +26,12 @@ from typing import Protocol
 from gndpo.errors import GndpoError
 from gndpo.faults import crash_point
 from gndpo.storage.records import StageRecords
+from gndpo.pipeline import progress
+from gndpo.pipeline.logs import info, unit_context
+
+
+# Counts of a unit's commit summary that progress sums and shows with their rate.
+PROGRESS_COUNTS = ("responses", "tokens")
 
 
 class StageJob(Protocol):
@@ -71,7 +77,7 @@ class Worker:
     """Claims, computes and commits units of one stage until none is left to claim."""
 
     def __init__(
-        self, records: StageRecords, job: StageJob, ttl: float = 120.0, poll: float = 2.0, log=print, set_up: bool = False
+        self, records: StageRecords, job: StageJob, ttl: float = 120.0, poll: float = 2.0, log=info, set_up: bool = False
     ):
         self.records = records
         self.job = job
@@ -129,20 +135,30 @@ class Worker:
             return manifest
         plan = self.ensure_plan()
         units = {u["unit"]: u for u in plan["units"]}
-        while True:
-            pending = [u for u in units if u not in self.records.done_units()]
-            if not pending:
-                break
-            claimed = next(((u, a) for u in pending if (a := self.try_claim(u)) is not None), None)
-            if claimed is None:
-                if not wait_for_others:
-                    return None
-                time.sleep(self.poll)
-                continue
-            self.compute(units[claimed[0]], claimed[1])
+        done = self.records.done_units()
+        with progress.task(f"{self.records.stage} r{self.records.round}", total=len(units), unit="units") as bar:
+            bar.advance(len(done & set(units)))
+            while True:
+                pending = [u for u in units if u not in done]
+                if not pending:
+                    break
+                claimed = next(((u, a) for u in pending if (a := self.try_claim(u)) is not None), None)
+                if claimed is None:
+                    if not wait_for_others:
+                        return None
+                    time.sleep(self.poll)
+                    summary = None
+                else:
+                    summary = self.compute(units[claimed[0]], claimed[1]) or {}
+                # One listing per pass, not one per unit (a listing is a request on object stores).
+                now_done = self.records.done_units()
+                bar.advance(len((now_done - done) & set(units)), **{k: summary[k] for k in PROGRESS_COUNTS if k in (summary or {})})
+                done = now_done
         return self.finish(plan)
 
-    def compute(self, unit: dict, attempt: int) -> bool:
+    def compute(self, unit: dict, attempt: int) -> dict | None:
+        """Compute and commit one claimed unit; returns its commit summary, or None if another attempt
+        committed first."""
         uid = unit["unit"]
         if not self._is_set_up:
             self.job.setup()
@@ -153,7 +169,8 @@ class Worker:
         beat.start()
         t0 = time.time()
         try:
-            files, summary = self.job.run_unit(unit, out_dir)
+            with unit_context(uid):
+                files, summary = self.job.run_unit(unit, out_dir)
         finally:
             stop.set()
             beat.join()
@@ -161,11 +178,11 @@ class Worker:
         crash_point("units.before_commit")
         if self.records.commit(uid, attempt, files, summary):
             self.log(f"{self.records.stage} r{self.records.round} {uid}: committed attempt {attempt}")
-            return True
+            return summary
         # Another attempt committed first; ours was never visible, so removing it is safe.
         self.records.run.rm(out_dir)
         self.log(f"{self.records.stage} r{self.records.round} {uid}: attempt {attempt} lost the commit race")
-        return False
+        return None
 
     def finish(self, plan: dict) -> dict:
         manifest = self.records.manifest()
@@ -183,7 +200,7 @@ class Worker:
         return self.records.create_manifest(body)
 
 
-def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=print) -> dict:
+def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=info) -> dict:
     """Run a one-unit stage that every rank of a torch.distributed group computes together (train
     under torchrun/deepspeed): rank 0 alone plans, holds the lease and commits; the others follow its
     decision, broadcast to them, and compute the same unit in lockstep."""

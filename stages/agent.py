@@ -118,12 +118,13 @@ def _called_tool(g) -> bool:
 
 def run_conversations(
     llm, tok, conversations: list[Conversation], data: DataConfig, tool_use: ToolUse | None, max_tokens: int,
-    sampling: Callable[[int, int, list[str]], object],
+    sampling: Callable[[int, int, list[str]], object], on_turn: Callable[[list[Conversation]], None] | None = None,
 ) -> None:
     """Write every open conversation to its end, in place. ``max_tokens`` caps each student turn and,
     without tools, the whole response (a guided prefix included); ``sampling(seed, max_tokens,
     extra_stops)`` makes a turn's vLLM SamplingParams (the caller's temperature, stops and log-prob
-    settings; ``extra_stops`` are the stop strings tool use adds, to be kept in the output)."""
+    settings; ``extra_stops`` are the stop strings tool use adds, to be kept in the output).
+    ``on_turn`` is called after each turn with the conversations that ended in it (for progress)."""
     budget = tool_use.max_response_tokens if tool_use else max_tokens
     turns = tool_use.max_turns if tool_use else 1
     extra_stops = [CALL_END] if tool_use else []
@@ -148,6 +149,8 @@ def run_conversations(
                 calling.append(c)
         if calling:
             _answer_calls(calling, tok, data, tool_use, turn, budget)
+        if on_turn is not None:
+            on_turn([c for c in active if c.finish_reason])
         crash_point("agent.turn")
 
 

@@ -13,6 +13,7 @@ from math import comb
 
 import pyarrow as pa
 
+from gndpo.pipeline import progress
 from gndpo.pipeline.config import DataConfig, EngineConfig
 from gndpo.stages.chat import render_prompt, stop_token_ids
 from gndpo.errors import GndpoError
@@ -43,7 +44,10 @@ def _responses(llm, tok, rows: list[dict], rendered: list, samples: int, max_tok
         return SamplingParams(temperature=temperature, max_tokens=turn_max, seed=seed, stop_token_ids=stops,
                               stop=extra_stops or None, include_stop_str_in_output=bool(extra_stops))
 
-    run_conversations(llm, tok, conversations, data, tool_use, max_tokens, sampling)
+    label = "eval greedy" if temperature == 0 else f"eval {samples} samples per prompt"
+    with progress.task(label, total=len(conversations), unit="responses") as bar:
+        run_conversations(llm, tok, conversations, data, tool_use, max_tokens, sampling,
+                          on_turn=lambda ended: bar.advance(len(ended), tokens=sum(len(c.response_ids) for c in ended)))
     return conversations
 
 

@@ -19,12 +19,13 @@ from gndpo.pipeline.runs import Run
 from gndpo.storage.duck import connect, parquet_source
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import STATS, read_shards, verify_shards, write_shard
+from gndpo.pipeline.logs import info
 
 
 class NormalizeJob:
     stage = "normalize"
 
-    def __init__(self, run: Run, round_idx: int, log=print, live=None):
+    def __init__(self, run: Run, round_idx: int, log=info, live=None):
         # ``live`` (kept engines and models) is accepted like every stage's; normalize needs none.
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
 
@@ -79,10 +80,10 @@ class NormalizeJob:
         stats = gndpo_stats_from_sums(n or 0, c_sum or 0.0, c_sq or 0.0)
         stats.update({"c_min": c_min, "c_max": c_max, "responses": responses})
         # Reported over every response, dropped ones included: how often max_tokens cuts a response.
-        reward_mean, len_mean, truncated = con.execute(
-            f"SELECT avg(reward), avg(len(response_token_ids)), avg((finish_reason = 'length')::INT) FROM {all_rollouts}"
+        reward_mean, len_mean, len_max, truncated = con.execute(
+            f"SELECT avg(reward), avg(len(response_token_ids)), max(len(response_token_ids)), avg((finish_reason = 'length')::INT) FROM {all_rollouts}"
         ).fetchall()[0]
-        stats.update({"reward_mean": reward_mean, "response_length_mean": len_mean, "truncated_fraction": truncated})
+        stats.update({"reward_mean": reward_mean, "response_length_mean": len_mean, "response_length_max": len_max, "truncated_fraction": truncated})
         # E[c] = -KL(pi_S || pi_T) (k1 estimator, clamped): logged as the round's distillation gap.
         stats["reverse_kl_estimate"] = -stats["c_mean"]
         method_glob, groups = method_statistics(StatsQuery(con), self.cfg.method, self.round)
@@ -102,7 +103,8 @@ class NormalizeJob:
         return [record], {"stats": summary, "groups": len(groups)}
 
     def summarize(self, commits):
-        return dict(commits[0]["stats"])
+        seconds = commits[0]["seconds"]
+        return {**commits[0]["stats"], "seconds": seconds, "tokens_per_s": (commits[0]["stats"]["token_count"] or 0) / max(seconds, 1e-9)}
 
 
 def round_stats(run: Run, round_idx: int) -> Stats:

@@ -27,6 +27,7 @@ from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
+from gndpo.pipeline.logs import info
 
 def sample_seed(base: int, round_idx: int, prompt_id: str, sample_idx: int) -> int:
     return derived_seed(base, round_idx, prompt_id, sample_idx)
@@ -57,7 +58,7 @@ def round_prompt_ids(prompt_ids: list[str], round_idx: int, count: int, seed: in
 class RolloutJob:
     stage = "rollout"
 
-    def __init__(self, run: Run, round_idx: int, log=print, live: LiveModels | None = None):
+    def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
         self.live = live or LiveModels()
         self.llm = self.tok = None
@@ -206,6 +207,7 @@ class RolloutJob:
             "seconds": sum(c["seconds"] for c in commits),
             **conversation_metrics(gen, responses),
         }
+        metrics["tokens_per_s"] = metrics["tokens"] / max(sum(c["seconds"] for c in gen), 1e-9)
         for c in commits:
             if c["unit"] == EVAL_UNIT:
                 metrics["heldout_accuracy"] = c["eval"]["accuracy"]

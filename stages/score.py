@@ -35,6 +35,7 @@ from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import flat_values, list_column, read_shard, round_to_bfloat16, scores_schema, write_shard
+from gndpo.pipeline.logs import info
 
 ENGINE_CANNOT = {TEACHER_ENTROPY: "the teacher's entropy", TOKEN_KL: "the full-vocabulary KL"}
 
@@ -62,7 +63,7 @@ def check_backend(cfg) -> None:
 class ScoreJob:
     stage = "score"
 
-    def __init__(self, run: Run, round_idx: int, log=print, live: LiveModels | None = None):
+    def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
         self.live = live or LiveModels()
 
@@ -141,9 +142,11 @@ class ScoreJob:
                     [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in rows],
                     [responses[offsets[i] : offsets[i + 1]] for i in rows], self.pad_id, self.device,
                 )
+                # Both entropies always: the round's entropy metrics need them even where the method
+                # stores no entropy column (one more pass over each chunk's log-probs).
                 stats = pair_token_stats(
                     teacher, self.student, batch, self.cfg.model.token_chunk, temperature, topk,
-                    (TEACHER_ENTROPY in needs, STUDENT_ENTROPY in needs), TOKEN_KL in needs,
+                    (teacher is not None, True), TOKEN_KL in needs,
                 )
                 # Put the batch's tokens back at their rows' places in the unit's flat token order.
                 where = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in rows] + [np.zeros(0, np.int64)])
@@ -168,12 +171,17 @@ class ScoreJob:
                 [responses[offsets[i] : offsets[i + 1]] for i in range(len(lengths))], per_token["student_logprobs"],
             )
         self._refuse_non_finite(table, per_token, offsets)
+        student_mask, _ = flat_values(table.column("loss_mask"))
+        counts = token_metric_sums(per_token, flat_values(table.column("sampler_logprobs"))[0], student_mask > 0)
+        for name in (TEACHER_ENTROPY, STUDENT_ENTROPY):  # written as columns only for the methods that use them
+            if name not in needs:
+                per_token.pop(name, None)
         if sc.dtype == "bfloat16":
             # Rounded before anything is derived from them, so the row sums below, normalize's token
             # statistics and train's old log-probs all see the stored values.
             per_token = {k: round_to_bfloat16(v) if v.dtype == np.float32 else v for k, v in per_token.items()}
         c = clamped_score(per_token["teacher_logprobs"], per_token["student_logprobs"], self.cfg.method.clamp)
-        masks, _ = flat_values(table.column("loss_mask"))
+        masks = student_mask
         if aligned is not None:  # unaligned student tokens count nowhere
             masks = masks * aligned
             per_token["aligned"] = aligned
@@ -196,7 +204,7 @@ class ScoreJob:
             else:
                 columns[name] = pa.array([p[name] for p in partial], typ)
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", pa.table(columns, schema=schema))
-        counts = {"tokens": int(sum(p["n_valid"] for p in partial))}
+        counts["tokens"] = int(sum(p["n_valid"] for p in partial))
         if aligned is not None:
             counts["unaligned_tokens"] = int(len(aligned) - aligned.sum())
         return [record], counts
@@ -212,9 +220,33 @@ class ScoreJob:
                 raise GndpoError(f"non-finite {name} for rollout {rid} in round {self.round}; refusing to score")
 
     def summarize(self, commits):
-        metrics = {"tokens": sum(c["tokens"] for c in commits), "seconds": sum(c["seconds"] for c in commits)}
+        total = lambda key: sum(c.get(key, 0.0) for c in commits)  # noqa: E731
+        seconds, student_tokens = total("seconds"), total("student_tokens")
+        metrics = {"tokens": total("tokens"), "seconds": seconds, "tokens_per_s": total("tokens") / max(seconds, 1e-9)}
+        # Named after verl's actor/entropy and training/rollout_probs_diff_{max,mean} (in log-probs here).
+        metrics["student_entropy_mean"] = total("student_entropy_sum") / max(student_tokens, 1)
+        if all("teacher_entropy_sum" in c for c in commits):
+            metrics["teacher_entropy_mean"] = total("teacher_entropy_sum") / max(student_tokens, 1)
+        metrics["rollout_logprob_diff_max"] = max((c.get("logprob_diff_max", 0.0) for c in commits), default=0.0)
+        metrics["rollout_logprob_diff_mean"] = total("logprob_diff_sum") / max(student_tokens, 1)
         if self.cfg.score.cross_tokenizer:
             unaligned = sum(c["unaligned_tokens"] for c in commits)
             metrics["cross_tokenizer/unaligned_tokens"] = unaligned
             metrics["cross_tokenizer/unaligned_fraction"] = unaligned / max(unaligned + metrics["tokens"], 1)
         return metrics
+
+
+def token_metric_sums(per_token: dict, sampler_logprobs: np.ndarray, student_tokens: np.ndarray) -> dict:
+    """A unit's sums behind the round's score metrics, over the tokens the student sampled: both models'
+    entropies (where computed) and |student log-prob recomputed here - the sampler's|, the gap between
+    the rollout engine's and the training forward's numbers for the same policy."""
+    diff = np.abs(per_token["student_logprobs"][student_tokens].astype(np.float64) - sampler_logprobs[student_tokens])
+    sums = {
+        "student_tokens": int(student_tokens.sum()),
+        "logprob_diff_max": float(diff.max(initial=0.0)),
+        "logprob_diff_sum": float(diff.sum()),
+    }
+    for name in (STUDENT_ENTROPY, TEACHER_ENTROPY):
+        if name in per_token:
+            sums[f"{name}_sum"] = float(per_token[name][student_tokens].astype(np.float64).sum())
+    return sums

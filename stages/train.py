@@ -17,6 +17,7 @@ Reads top to bottom as the round's recipe:
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import tempfile
@@ -35,6 +36,8 @@ from gndpo.stages.modeling import load_tokenizer
 from gndpo.stages.train_batch import TrainRow, load_share
 from gndpo.stages.live import LiveModels
 from gndpo.stages.train_engine import export_model, isolate_extension_builds, load_state, save_state
+from gndpo.pipeline import progress
+from gndpo.pipeline.logs import adopt_library_loggers, info
 
 
 def ensure_distributed_env() -> None:
@@ -81,7 +84,7 @@ def padded(rows: list[TrainRow], key: str, width: int, device, dtype=torch.float
 class TrainJob:
     stage = "train"
 
-    def __init__(self, run: Run, round_idx: int, log=print, live: LiveModels | None = None):
+    def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
         self.live = live or LiveModels()
 
@@ -95,6 +98,7 @@ class TrainJob:
         set_cpu_threads()
         isolate_extension_builds()
         ensure_distributed_env()
+        adopt_library_loggers()  # DeepSpeed installs its own stdout handler when imported
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
     def run_unit(self, unit, out_dir):
@@ -117,13 +121,18 @@ class TrainJob:
         # steps already taken are not repeated (the mini-batch order is seeded by round, not attempt).
         history = self._resume(engine, rank)
         resumed = bool(history) or continued or self._continue_optimizer(engine)
-        for i in range(len(history), len(steps)):
-            history.append(self.optimizer_step(engine, **steps[i]))
-            self.log(f"train r{self.round} step {i + 1}/{len(steps)}: loss {history[-1]['loss']:+.5f} grad_norm {history[-1]['grad_norm']:.4f}")
-            crash_point("train.step")
-            every = tc.checkpoint_every
-            if every and (i + 1) % every == 0 and i + 1 < len(steps):
-                self._save_checkpoint(engine, out_dir, history, rank)
+        with progress.task(f"train r{self.round}", total=len(steps), unit="steps") as bar:
+            bar.advance(len(history))
+            for i in range(len(history), len(steps)):
+                history.append(self.optimizer_step(engine, **steps[i]))
+                step = history[-1]
+                logging.getLogger(__name__).debug(f"train r{self.round} step {i + 1}/{len(steps)}: loss {step['loss']:+.5f} grad_norm {step['grad_norm']:.4f}")
+                bar.advance(1, tokens=steps[i]["n_tokens"])
+                bar.show(loss=step["loss"], grad_norm=step["grad_norm"], clip_fraction=step["clip_fraction"])
+                crash_point("train.step")
+                every = tc.checkpoint_every
+                if every and (i + 1) % every == 0 and i + 1 < len(steps):
+                    self._save_checkpoint(engine, out_dir, history, rank)
 
         summary = {
             "steps": history,
@@ -248,15 +257,16 @@ class TrainJob:
         return loss + pad_term, (loss.item(), float(was_clipped.sum()), ratio)
 
     def _advantage_range(self, share) -> dict:
-        """Advantage min/max/mean over the tokens with a policy-gradient term, over all ranks (None for
-        pure divergence methods)."""
-        advs = np.concatenate([r.adv[r.pg_mask > 0] for rows in share.steps for r in rows] + [np.zeros(0)])
-        total, count = all_reduce(np.array([advs.sum(), advs.size]))
+        """Advantage min/max/mean/std over the tokens with a policy-gradient term, over all ranks (None
+        for pure divergence methods)."""
+        advs = np.concatenate([r.adv[r.pg_mask > 0] for rows in share.steps for r in rows] + [np.zeros(0)]).astype(np.float64)
+        total, squares, count = all_reduce(np.array([advs.sum(), (advs**2).sum(), advs.size]))
         lo = all_reduce(np.array([advs.min() if advs.size else np.inf]), "min")[0]
         hi = all_reduce(np.array([advs.max() if advs.size else -np.inf]), "max")[0]
         if not count:
-            return {"adv_min": None, "adv_max": None, "adv_mean": None}
-        return {"adv_min": float(lo), "adv_max": float(hi), "adv_mean": float(total / count)}
+            return {"adv_min": None, "adv_max": None, "adv_mean": None, "adv_std": None}
+        mean = total / count
+        return {"adv_min": float(lo), "adv_max": float(hi), "adv_mean": float(mean), "adv_std": float(np.sqrt(max(squares / count - mean**2, 0.0)))}
 
     # -- optimizer state within and across rounds ---------------------------------------------------
     def _save_checkpoint(self, engine, out_dir: str, history: list[dict], rank: int) -> None:
@@ -309,16 +319,25 @@ class TrainJob:
 
     def summarize(self, commits):
         c = commits[0]
-        norms = np.array([s["grad_norm"] for s in c["steps"]])
+        steps = c["steps"]
+        norms = np.array([s["grad_norm"] for s in steps])
         return {
             "policy_version": self.round + 1,
             "model_dir": c["model_dir"],
-            "loss_mean": float(np.mean([s["loss"] for s in c["steps"]])),
+            "loss_mean": float(np.mean([s["loss"] for s in steps])),
+            "grad_norm_mean": float(norms.mean()),
             "grad_norm_max": float(norms.max()),
             "grad_norm_std": float(norms.std()),
-            "optimizer_steps": len(c["steps"]),
+            # Fraction of loss tokens whose ratio the policy loss clipped (verl's actor/pg_clipfrac).
+            "clip_fraction": float(np.mean([s["clip_fraction"] for s in steps])),
+            "ratio_mean": float(np.mean([s["ratio_mean"] for s in steps])),
+            "optimizer_steps": len(steps),
             "adv_min": c["adv_min"],
             "adv_max": c["adv_max"],
+            "adv_mean": c.get("adv_mean"),
+            "adv_std": c.get("adv_std"),
             "divergence": c.get("divergence"),
+            "tokens": c.get("tokens"),
             "seconds": c["seconds"],
+            "tokens_per_s": c.get("tokens", 0) / max(c["seconds"], 1e-9),
         }

@@ -52,16 +52,45 @@ def read_prompt_table(run: RunFS, rel: str) -> list[dict]:
     return pl.read_parquet(io.BytesIO(run.read_bytes(rel))).to_dicts()
 
 
+def write_file(url: str, data: bytes) -> None:
+    """Write ``data`` to ``url`` (any fsspec URL) under a temporary name and move it into place, so a
+    crash never leaves a half-written file under the final name."""
+    fs, path = fsspec.core.url_to_fs(url)
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, path)
+
+
 def write_results(folder: str, table: pa.Table, summary: dict) -> dict:
-    """``folder/per_prompt.parquet`` and ``folder/summary.json`` (any fsspec URL), each written to a
-    temporary name first and moved into place, so a crash never leaves a half-written result."""
-    fs, root = fsspec.core.url_to_fs(folder)
-    fs.makedirs(root, exist_ok=True)
-    paths = {"per_prompt": f"{root}/per_prompt.parquet", "summary": f"{root}/summary.json"}
+    """``folder/per_prompt.parquet`` and ``folder/summary.json`` (any fsspec URL), each moved into place
+    only when complete."""
+    folder = folder.rstrip("/")
+    paths = {"per_prompt": f"{folder}/per_prompt.parquet", "summary": f"{folder}/summary.json"}
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
-    for path, data in ((paths["per_prompt"], buf.getvalue()), (paths["summary"], json.dumps(summary, indent=1).encode())):
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        fs.pipe_file(tmp, data)
-        fs.mv(tmp, path)
+    write_file(paths["per_prompt"], buf.getvalue())
+    write_file(paths["summary"], json.dumps(summary, indent=1).encode())
     return paths
+
+
+FRAME_FORMATS = ("table", "csv", "json", "parquet")
+
+
+def encode_frame(df: pl.DataFrame, fmt: str) -> bytes:
+    """``df`` as the bytes of an aligned text table (every row and column, no shape line), a csv, a json
+    (an array of row objects) or a parquet file."""
+    if fmt == "table":
+        with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=60, tbl_hide_dataframe_shape=True):
+            return (str(df) + "\n").encode()
+    if fmt == "csv":
+        return df.write_csv().encode()
+    if fmt == "json":
+        return df.write_json().encode()
+    if fmt == "parquet":
+        buf = io.BytesIO()
+        df.write_parquet(buf, compression="zstd")
+        return buf.getvalue()
+    raise GndpoError(f"unknown format {fmt!r} (use one of {', '.join(FRAME_FORMATS)})")

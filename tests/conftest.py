@@ -142,3 +142,29 @@ def gndpo(*args, check=True, env=None, timeout=600) -> subprocess.CompletedProce
     if check and proc.returncode != 0:
         raise AssertionError(f"gndpo {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+# Files a person may want to look at after a run of the suite (not committed).
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def open_in_chromium(page: Path, screenshot: Path) -> list[str]:
+    """Load ``page`` in headless Chromium, save a screenshot, and return the console messages it logged
+    (a gndpo report logs none; a figure that fails to decode logs one). Skips where Chromium is absent
+    (`make test` installs it)."""
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium is not installed (make test installs Debian's package)")
+    screenshot.parent.mkdir(parents=True, exist_ok=True)
+    profile = screenshot.parent / f".chromium-{os.getpid()}"
+    proc = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}",
+         "--enable-logging=stderr", "--v=0", f"--screenshot={screenshot}", "--window-size=1280,3000", page.resolve().as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+    shutil.rmtree(profile, ignore_errors=True)
+    assert screenshot.exists() and screenshot.stat().st_size > 10_000, proc.stderr[-2000:]
+    return [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]

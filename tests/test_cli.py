@@ -113,7 +113,7 @@ def test_status_and_sql_on_a_fresh_run(tmp_path, tiny_config):
     run = tmp_path / "run"
     invoke("init", run, "--config", tiny_config)
     assert invoke("status", run).exit_code == 0
-    result = invoke("sql", run, "SELECT count(*) AS n FROM rollouts", "--csv")
+    result = invoke("sql", run, "SELECT count(*) AS n FROM rollouts", "--format", "csv")
     assert result.exit_code == 0 and result.stdout.strip().splitlines() == ["n", "0"]
     assert_one_line_error(invoke("sql", run, "COPY (SELECT 1) TO 'x.csv'"), "read-only")
     assert_one_line_error(invoke("sql", run, "CREATE TABLE t (x INT)"), "read-only")

@@ -13,7 +13,7 @@ import yaml
 from gndpo.pipeline.runs import open_run
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import STAGES, manifest_files
-from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict
+from tests.conftest import ARTIFACTS, committed_rows, gndpo, gndpo_killed, open_in_chromium, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 PROMPTS, N = 16, 2
@@ -24,12 +24,14 @@ def run_dir(tmp_path_factory, tiny_assets):
     """Round 0 through each stage command, then round 1 through the loop."""
     folder = tmp_path_factory.mktemp("e2e")
     config = folder / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
+    # TensorBoard does not change what is computed (logging is not in the fingerprint), so the kept
+    # runs below, without it, must still match this run bit for bit.
+    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets, logging={"backends": ["tensorboard"]})))
     run = folder / "run"
     gndpo("init", run, "--config", config)
     for stage in STAGES:
-        gndpo(stage, run, "--round", 0)
-    gndpo("run", run, "--rounds", 2)
+        (folder / f"{stage}.stderr").write_text(gndpo(stage, run, "--round", 0).stderr)
+    (folder / "run.stderr").write_text(gndpo("run", run, "--rounds", 2).stderr)
     return run
 
 
@@ -44,7 +46,7 @@ def kept_runs(tmp_path_factory, tiny_assets):
     kept, crashed = folder / "kept", folder / "crashed"
     for run in (kept, crashed):
         gndpo("init", run, "--config", config)
-    log = gndpo("run", kept, "--rounds", 2).stdout
+    log = gndpo("run", kept, "--rounds", 2).stderr
     # Round 0 takes 2 optimizer steps, so the 3rd pass of train.step is round 1's first.
     crash_log = folder / "crash.log"
     code = gndpo_killed("run", crashed, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.step", "GNDPO_CRASH_AFTER": "2"}, log=crash_log)
@@ -153,17 +155,20 @@ def test_exported_student_loads_and_generates(run_dir, tmp_path):
 def test_status_and_sql_commands(run_dir):
     status = gndpo("status", run_dir).stdout
     assert status.count("committed") == 8
-    out = gndpo("sql", run_dir, "SELECT round, count(*) AS n FROM rollouts GROUP BY round ORDER BY round", "--csv").stdout
+    out = gndpo("sql", run_dir, "SELECT round, count(*) AS n FROM rollouts GROUP BY round ORDER BY round", "--format", "csv").stdout
     assert out.strip().splitlines() == ["round,n", f"0,{PROMPTS * N}", f"1,{PROMPTS * N}"]
-    out = gndpo("sql", run_dir, "SELECT value FROM stats WHERE name = 'token_count' AND round = 0", "--csv").stdout
+    out = gndpo("sql", run_dir, "SELECT value FROM stats WHERE name = 'token_count' AND round = 0", "--format", "csv").stdout
     assert float(out.splitlines()[1]) > 0
 
 
 def test_rerun_is_a_no_op(run_dir):
-    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file())
+    """Nothing is computed or written again (but the new process's log file)."""
+    def files():
+        return sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file() and p.relative_to(run_dir).parts[0] != "logs")
+
+    before = files()
     gndpo("run", run_dir, "--rounds", 2)
-    after = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file())
-    assert before == after
+    assert files() == before
 
 
 def test_demo_on_prebuilt_assets(tmp_path, tiny_assets):
@@ -171,8 +176,21 @@ def test_demo_on_prebuilt_assets(tmp_path, tiny_assets):
         "demo", tmp_path / "demo", "--rounds", "1", "--assets", tiny_assets,
         "--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.micro_batch_size=8",
         "--set", "engine.max_model_len=32",
+        "--set", "logging.backends=[wandb]", "--set", "logging.wandb_mode=offline",
     ).stdout
     assert "teacher" in out and "student (start)" in out and "student after round 1" in out
+    # W&B offline: one run, resumable by its id, holding the round metrics (its record file is binary).
+    records = list((tmp_path / "demo" / "run" / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(records) == 1 and b"train/grad_norm_mean" in records[0].read_bytes()
+    # gndpo report on the demo folder: the final student's accuracy comes from DIR/eval.
+    report = tmp_path / "report"
+    gndpo("report", tmp_path / "demo", "--out", report)
+    html = (report / "report.html").read_text()
+    for figure in ("accuracy", "reward", "teacher_kl", "grad_norm", "clip_fraction", "response_length", "stage_seconds"):
+        assert (report / f"{figure}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f'alt="{figure}"' in html
+    assert html.count('class="rollout"') == 4 and "teacher finds it unlikely" in html and "method:" in html
+    console = open_in_chromium(report / "report.html", ARTIFACTS / "report.png")
+    assert console == [], console
 
 
 def test_compare_two_methods(tmp_path, tiny_assets):
@@ -190,6 +208,157 @@ def test_compare_two_methods(tmp_path, tiny_assets):
     assert rows[0]["adv_min"] >= -5.0 and rows[0]["adv_max"] <= 5.0  # OPD's clamp
     assert rows[1]["adv_min"] is None  # a pure divergence loss has no policy-gradient advantage
     assert (tmp_path / "cmp" / "compare.md").read_text().startswith("| method |")
+    # gndpo report on the comparison: one config, table rows and figure line per method.
+    gndpo("report", tmp_path / "cmp")
+    html = (tmp_path / "cmp" / "report" / "report.html").read_text()
+    assert html.count("<h3>opd</h3>") == 1 and html.count("<h3>forward_kl</h3>") == 1
+    assert "<td>opd</td>" in html and "<td>forward_kl</td>" in html
     bad = gndpo("compare", "opd", "nope", "--out", tmp_path / "bad", check=False)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "unknown method 'nope'" in bad.stderr
     assert not (tmp_path / "bad").exists()
+
+
+# -- operability: metrics, TensorBoard, progress and logs, SQL formats, report ---------------------------
+
+
+def round_frames(run_dir, r: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Round r's rollouts and scores, read straight from the committed shards."""
+    run = open_run(str(run_dir))
+    rollouts = pl.concat([pl.read_parquet(run_dir / f["path"]) for f in rollout_shards(run.records(r, "rollout").manifest())])
+    scores = pl.concat([pl.read_parquet(run_dir / f["path"]) for f in manifest_files(run.records(r, "score").manifest())])
+    return rollouts, scores
+
+
+def test_round_metrics_equal_recomputations_from_the_shards(run_dir):
+    """Every metric of the operability set is in metrics.jsonl for every round, and those the shards
+    determine equal a recomputation here: rewards, lengths, truncation, the teacher KL estimate, the
+    rollout-vs-train log-prob gap, and GNDPO's advantages (c - mean) / (std + eps)."""
+    rows = {(m["round"], m["stage"]): m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    expected = {
+        "rollout": ["reward_mean", "heldout_accuracy", "tokens", "tokens_per_s"],
+        "score": ["student_entropy_mean", "teacher_entropy_mean", "rollout_logprob_diff_max", "rollout_logprob_diff_mean", "tokens_per_s"],
+        "normalize": ["reverse_kl_estimate", "reward_mean", "response_length_mean", "response_length_max", "truncated_fraction", "tokens_per_s"],
+        "train": ["adv_mean", "adv_std", "adv_min", "adv_max", "grad_norm_mean", "grad_norm_max", "clip_fraction", "loss_mean", "tokens_per_s"],
+    }
+    for r in range(2):
+        for stage, names in expected.items():
+            for name in names:
+                value = rows[(r, stage)].get(name)
+                assert isinstance(value, (int, float)) and np.isfinite(value), (r, stage, name, value)
+        rollouts, scores = round_frames(run_dir, r)
+        joined = rollouts.join(scores, on="rollout_id")
+        mask = np.concatenate([np.asarray(m, bool) for m in joined["loss_mask"]])
+        lp_t = np.concatenate([np.asarray(x, np.float64) for x in joined["teacher_logprobs"]])[mask]
+        lp_s = np.concatenate([np.asarray(x, np.float64) for x in joined["student_logprobs"]])[mask]
+        sampler = np.concatenate([np.asarray(x, np.float64) for x in joined["sampler_logprobs"]])[mask]
+        lengths = np.array([len(x) for x in rollouts["response_token_ids"]])
+        norm, score, train = rows[(r, "normalize")], rows[(r, "score")], rows[(r, "train")]
+        assert norm["reward_mean"] == pytest.approx(rollouts["reward"].mean(), abs=1e-12)
+        assert rows[(r, "rollout")]["reward_mean"] == pytest.approx(rollouts["reward"].mean(), abs=1e-12)
+        assert norm["response_length_mean"] == pytest.approx(lengths.mean()) and norm["response_length_max"] == lengths.max()
+        assert norm["truncated_fraction"] == pytest.approx((rollouts["finish_reason"] == "length").mean())
+        c = np.clip(lp_t - lp_s, -5, 5)
+        assert norm["reverse_kl_estimate"] == pytest.approx(-c.mean(), rel=1e-6)
+        gap = np.abs(lp_s - sampler)
+        assert score["rollout_logprob_diff_max"] == pytest.approx(gap.max(), rel=1e-5, abs=1e-7)
+        assert score["rollout_logprob_diff_mean"] == pytest.approx(gap.mean(), rel=1e-5, abs=1e-7)
+        adv = (c - c.mean()) / (np.std(c, ddof=1) + 1e-8)
+        for name, value in (("adv_mean", adv.mean()), ("adv_std", adv.std()), ("adv_min", adv.min()), ("adv_max", adv.max())):
+            assert train[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+        # Entropies are over the vocabulary (not in the shards for GNDPO): in (0, log V].
+        assert 0 < score["student_entropy_mean"] <= np.log(15) + 1e-6 and 0 < score["teacher_entropy_mean"] <= np.log(15) + 1e-6
+        assert 0.0 <= train["clip_fraction"] <= 1.0 and train["grad_norm_max"] >= train["grad_norm_mean"] > 0
+
+
+def test_tensorboard_event_files_hold_the_metrics(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((run_dir / "tensorboard").iterdir())
+    assert len(events) == 1 and events[0].name.startswith("events.out.tfevents")  # rebuilt whole, never appended
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for stage, name in (("normalize", "reverse_kl_estimate"), ("train", "grad_norm_mean"), ("score", "student_entropy_mean")):
+        points = [(e.step, e.value) for e in acc.Scalars(f"{stage}/{name}")]
+        assert points == [(m["round"], pytest.approx(m[name], rel=1e-6)) for m in rows if m["stage"] == stage]
+
+
+def test_progress_lines_and_worker_logs_without_a_terminal(run_dir):
+    """Captured output is not a terminal: progress comes as plain lines (no escape codes), vLLM's own
+    messages stay off the terminal but are in the worker's log file, whose lines name host, pid, unit."""
+    import re
+
+    folder = run_dir.parent
+    rollout_err, run_err = (folder / "rollout.stderr").read_text(), (folder / "run.stderr").read_text()
+    assert "\x1b[" not in rollout_err + run_err
+    assert re.search(r"^\d\d:\d\d:\d\d INFO rollout r0: 3/3 units, responses 32 \(\d+/s\), tokens \d+ \(\d+/s\)", rollout_err, re.M), rollout_err
+    assert re.search(r"^\d\d:\d\d:\d\d INFO train r1: 2/2 steps, tokens \d+ \([\d,]+/s\), loss [-+.\de]+, grad_norm [.\d]+", run_err, re.M), run_err
+    assert re.search(r"INFO rounds: 8/8 stages", run_err)
+    assert "Resolved architecture" not in rollout_err  # a vLLM INFO line
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    rollout_log = next(text for name, text in logs.items() if name.endswith("-r0000-rollout.log"))
+    assert "Resolved architecture" in rollout_log
+    assert re.search(r"host=\S+ pid=\d+ unit=u0000[01] ", rollout_log), rollout_log[-2000:]
+    assert any(name.endswith("-run.log") for name in logs)
+
+
+def test_progress_draws_a_bar_on_a_terminal(tmp_path):
+    """With stderr on a (pseudo) terminal, auto mode draws rich's bar rather than lines."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    script = ("from gndpo.pipeline import progress; import sys; print(progress.resolve_mode('auto'), file=sys.stdout)\n"
+              "with progress.task('demo', total=2, unit='steps') as t:\n    t.advance(1); t.advance(1, tokens=5)\n")
+    leader, follower = pty.openpty()
+    proc = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=follower, text=True, timeout=60)
+    os.close(follower)
+    drawn = os.read(leader, 65536).decode(errors="replace")
+    os.close(leader)
+    assert proc.stdout.strip() == "bar" and "demo" in drawn and "2/2" in drawn
+
+
+def test_sql_formats_round_trip_and_every_view_has_round(run_dir, tmp_path):
+    from gndpo.pipeline.sql import query
+
+    for view in ("rollouts", "scores", "tokens", "stats", "metrics"):
+        rounds = gndpo("sql", run_dir, f"SELECT DISTINCT round FROM {view} ORDER BY round", "--format", "csv").stdout
+        assert rounds.split() == ["round", "0", "1"], view
+    statement = "SELECT round, rollout_id, reward, finish_reason, response_token_ids FROM rollouts ORDER BY rollout_id"
+    expected = query(open_run(str(run_dir)), statement)
+    readers = {"json": pl.read_json, "parquet": pl.read_parquet}
+    for fmt, reader in readers.items():
+        out = tmp_path / f"result.{fmt}"
+        gndpo("sql", run_dir, statement, "--format", fmt, "--out", out)
+        back = reader(out)
+        assert back.columns == expected.columns and back.height == PROMPTS * N * 2
+        assert back.select(pl.col("response_token_ids").cast(pl.List(pl.Int64))).equals(
+            expected.select(pl.col("response_token_ids").cast(pl.List(pl.Int64)))
+        )
+        assert back["rollout_id"].to_list() == expected["rollout_id"].to_list() and back["reward"].to_list() == expected["reward"].to_list()
+    scalar = statement.replace(", response_token_ids", "")
+    csv_text = gndpo("sql", run_dir, scalar, "--format", "csv").stdout
+    back = pl.read_csv(csv_text.encode())
+    assert back.equals(query(open_run(str(run_dir)), scalar).with_columns(pl.col("round").cast(pl.Int64)))
+    table = gndpo("sql", run_dir, scalar, "--format", "table").stdout
+    assert "rollout_id" in table and expected["rollout_id"][0] in table and len(table.splitlines()) > PROMPTS * N * 2
+    bad = gndpo("sql", run_dir, "SELECT 1", "--format", "parquet", check=False)
+    assert bad.returncode == 1 and bad.stderr.strip() == "error: --format parquet needs --out FILE"
+    bad = gndpo("sql", run_dir, "SELECT 1", "--format", "xml", check=False)
+    assert bad.returncode == 1 and "unknown --format 'xml'" in bad.stderr
+
+
+def test_readme_sql_cookbook_runs(run_dir):
+    """Every `gndpo sql RUN "..."` of README's cookbook runs on a real run and returns rows."""
+    import re
+    from pathlib import Path
+
+    from gndpo.pipeline.sql import query
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    cookbook = readme[readme.index("A cookbook:"):]
+    statements = re.findall(r'gndpo sql RUN "(.*?)"', cookbook, re.S)
+    assert len(statements) >= 5
+    for statement in statements:
+        assert query(open_run(str(run_dir)), " ".join(statement.split())).height > 0, statement

@@ -1,5 +1,5 @@
 """OPD / GNDPO advantages and the policy losses, against straightforward re-derivations of
-shared/ALGORITHMS.md sections 1-2 written here with plain Python loops (not the implementation)."""
+docs/methods.md (opd and gndpo) written here with plain Python loops (not the implementation)."""
 
 import math
 

@@ -202,7 +202,7 @@ def test_run_rounds_without_gpus_runs_today_s_processes(tmp_path, monkeypatch):
     calls = sorted((tmp_path / "calls.txt").read_text().splitlines())
     # train.num_processes 0 on CPU is one plain process (stage_command's default is 1 rank)
     assert calls == sorted(f"{s} main - 1" for s in STAGES)
-    assert not (tmp_path / "run/logs").exists()
+    assert not list((tmp_path / "run").glob("logs/*-gpu*.log"))  # no per-GPU workers (only this process's own log)
 
 
 def test_run_rounds_reports_the_failed_worker(tmp_path, monkeypatch):

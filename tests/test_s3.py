@@ -62,9 +62,9 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     gndpo("run", run, "--rounds", "1", env=s3_endpoint)
     status = gndpo("status", run, env=s3_endpoint).stdout
     assert status.count("committed") == 4
-    out = gndpo("sql", run, "SELECT count(*) AS n, count(DISTINCT rollout_id) AS ids FROM rollouts", "--csv", env=s3_endpoint).stdout
+    out = gndpo("sql", run, "SELECT count(*) AS n, count(DISTINCT rollout_id) AS ids FROM rollouts", "--format", "csv", env=s3_endpoint).stdout
     assert out.strip().splitlines() == ["n,ids", "32,32"]
-    out = gndpo("sql", run, "SELECT count(*) FROM scores s JOIN rollouts r USING (rollout_id)", "--csv", env=s3_endpoint).stdout
+    out = gndpo("sql", run, "SELECT count(*) FROM scores s JOIN rollouts r USING (rollout_id)", "--format", "csv", env=s3_endpoint).stdout
     assert out.strip().splitlines()[1] == "32"
     # The exported student lives on S3; eval downloads it, serves it with vLLM, and writes its
     # per-prompt results back to S3.

@@ -1,4 +1,4 @@
-"""Divergence losses on the teacher's top-k, reward-weighted distillation, PACED (ALGORITHMS.md 3, 5).
+"""Divergence losses on the teacher's top-k, reward-weighted distillation, PACED (docs/methods.md).
 
 The loss term itself, D_t over the stored teacher top-k and the student's full softmax, is
 :func:`gndpo.pipeline.losses.topk_divergence`; here is what each method asks of it. ``method.topk_form``

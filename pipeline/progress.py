@@ -1,0 +1,150 @@
+"""Progress of long steps, for a person at a terminal and for a log file.
+
+A step opens a :func:`task` (what it is, how many of what it will do) and advances it; counts it passes
+(tokens, responses) are summed and shown with their rate, values it shows (loss, grad norm) replace the
+previous ones. How that is drawn is decided once per process by :func:`configure`:
+
+* ``bar``: a live rich progress bar on stderr (ETA, rates), log lines printed above it;
+* ``lines``: a plain line at most every ``interval`` seconds and when the task ends, for CI and Slurm
+  logs, where a redrawn bar would be garbage;
+* ``none``: nothing;
+* ``auto`` (default): ``bar`` when stderr is a terminal, else ``lines``.
+
+The mode and interval also come from ``GNDPO_PROGRESS`` / ``GNDPO_PROGRESS_INTERVAL``, so the stage
+processes ``gndpo run`` starts draw the way their parent was told to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+MODES = ("auto", "bar", "lines", "none")
+_log = logging.getLogger("gndpo.progress")
+_state = {"mode": None, "interval": 10.0, "bar": None, "console": None, "open": set()}
+
+
+def console() -> Console:
+    """The rich console on stderr that bars and log lines share."""
+    if _state["console"] is None:
+        _state["console"] = Console(stderr=True)
+    return _state["console"]
+
+
+def resolve_mode(mode: str | None = None) -> str:
+    """``mode`` (or ``GNDPO_PROGRESS``) with ``auto`` decided by whether stderr is a terminal."""
+    mode = mode or os.environ.get("GNDPO_PROGRESS", "auto")
+    if mode not in MODES:
+        raise ValueError(f"progress mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if os.environ.get("RANK", "0") != "0":  # one train rank draws for all of them
+        return "none"
+    if mode == "auto":
+        mode = "bar" if sys.stderr.isatty() else "lines"
+    return mode
+
+
+def configure(mode: str | None = None, interval: float | None = None) -> str:
+    """Choose how tasks are drawn in this process; returns the resolved mode."""
+    _state["mode"] = resolve_mode(mode)
+    _state["interval"] = float(interval if interval is not None else os.environ.get("GNDPO_PROGRESS_INTERVAL", 10.0))
+    return _state["mode"]
+
+
+def mode() -> str:
+    if _state["mode"] is None:
+        configure()
+    return _state["mode"]
+
+
+def _format_number(value) -> str:
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.4g}"
+    return f"{int(value):,}"
+
+
+class Task:
+    """One long step: ``done`` of ``total`` ``unit``, summed counts, the latest shown values."""
+
+    def __init__(self, description: str, total: int | None, unit: str):
+        self.description, self.total, self.unit = description, total, unit
+        self.done, self.counts, self.shown = 0, {}, {}
+        self.started = self._last_line = time.monotonic()
+        self._bar_id = None
+        if mode() == "bar":
+            if _state["bar"] is None:
+                _state["bar"] = Progress(
+                    TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[details]}"),
+                    console=console(), transient=False,
+                )
+                _state["bar"].start()
+            self._bar_id = _state["bar"].add_task(description, total=total, unit=unit, details="")
+            _state["open"].add(self._bar_id)
+
+    def advance(self, n: int = 1, **counts) -> None:
+        """``n`` more done; ``counts`` (tokens, responses, ...) are added to the task's sums."""
+        self.done += n
+        for key, value in counts.items():
+            self.counts[key] = self.counts.get(key, 0) + value
+        self._draw()
+
+    def show(self, **values) -> None:
+        """Values to display as they are now (loss, grad norm), replacing the previous ones."""
+        self.shown.update(values)
+        self._draw()
+
+    def details(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        parts = [f"{key} {_format_number(value)} ({value / elapsed:,.0f}/s)" for key, value in self.counts.items()]
+        parts += [f"{key} {_format_number(value)}" for key, value in self.shown.items()]
+        return ", ".join(parts)
+
+    def line(self) -> str:
+        """The plain-text state: ``rollout r0: 8/16 units, tokens 40,960 (1,234/s), ETA 0:00:12``."""
+        of = f"/{self.total}" if self.total is not None else ""
+        text = f"{self.description}: {self.done}{of} {self.unit}"
+        details = self.details()
+        if details:
+            text += f", {details}"
+        elapsed = time.monotonic() - self.started
+        if self.total and 0 < self.done < self.total:
+            eta = elapsed / self.done * (self.total - self.done)
+            text += f", ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
+        return text + f", {elapsed:.1f}s"
+
+    def _draw(self, final: bool = False) -> None:
+        if self._bar_id is not None:
+            _state["bar"].update(self._bar_id, completed=self.done, details=self.details())
+        elif mode() == "lines":
+            now = time.monotonic()
+            if final or now - self._last_line >= _state["interval"]:
+                self._last_line = now
+                _log.info(self.line())
+
+    def close(self) -> None:
+        if self._bar_id is not None:
+            bar = _state["bar"]
+            bar.update(self._bar_id, completed=self.done, details=self.details())
+            bar.stop_task(self._bar_id)
+            _state["open"].discard(self._bar_id)
+            if not _state["open"]:  # the last open task: leave the finished bars on screen, stop redrawing
+                bar.stop()
+                _state["bar"] = None
+        else:
+            self._draw(final=True)
+
+
+@contextmanager
+def task(description: str, total: int | None = None, unit: str = "steps"):
+    """A :class:`Task` drawn as this process was configured, closed (its last line written) on exit."""
+    t = Task(description, total, unit)
+    try:
+        yield t
+    finally:
+        t.close()

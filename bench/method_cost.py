@@ -1,7 +1,9 @@
 """What the method family costs on top of GNDPO, measured as ratios within one run.
 
 1. Score: one batch of responses through teacher and student (the score stage's chunked forward),
-   without extras (GNDPO) and with every optional column (teacher top-k, both entropies, full-vocab KL).
+   without extras (GNDPO with logging.entropy_metrics off), with both entropies (what the round's
+   entropy metrics cost: the default) and with every optional column (teacher top-k, both entropies,
+   full-vocab KL).
    The toy vocabulary has 15 tokens, so the same is also timed on a pair with a realistic vocabulary
    (``--vocab``, default 32000; random weights, built in a temporary folder).
 2. Train: forward + backward of one micro-batch with GNDPO's GSPO loss, and with the forward-KL
@@ -47,8 +49,8 @@ def measure(student, teacher, prompts, responses, pad, topk: int, repeats: int) 
     batch = make_batch(prompts, responses, pad, torch.device("cpu"))
     chunk = 1024
 
-    def score(extras: bool):
-        pair_token_stats(teacher, student, batch, chunk, 1.0, topk if extras else 0, (extras, extras), extras)
+    def score(extras: bool, entropies: bool = False):
+        pair_token_stats(teacher, student, batch, chunk, 1.0, topk if extras else 0, (extras or entropies,) * 2, extras)
 
     stored = pair_token_stats(teacher, student, batch, chunk, 1.0, topk)
     t_topk, ids = stored["teacher_topk_logprobs"], stored["teacher_topk_ids"].long()
@@ -65,10 +67,12 @@ def measure(student, teacher, prompts, responses, pad, topk: int, repeats: int) 
         aggregate(losses, mask, "token-mean", len(prompts), int(mask.sum())).backward()
 
     base_score, full_score = timed(lambda: score(False), repeats), timed(lambda: score(True), repeats)
+    entropy_score = timed(lambda: score(False, entropies=True), repeats)
     base_train, div_train = timed(lambda: train_step(None), repeats), timed(lambda: train_step("forward_kl"), repeats)
     return {
         "vocab": student.config.vocab_size, "rows": len(prompts), "tokens": batch.n_tokens, "topk": topk,
-        "score_seconds": {"gndpo": base_score, "all_extras": full_score, "ratio": full_score / base_score},
+        "score_seconds": {"gndpo": base_score, "all_extras": full_score, "ratio": full_score / base_score,
+                          "entropy_metrics": entropy_score, "entropy_ratio": entropy_score / base_score},
         "train_step_seconds": {"gspo": base_train, "forward_kl_topk": div_train, "ratio": div_train / base_train},
     }
 
@@ -100,10 +104,11 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     (OUT / "method_cost.json").write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=1))
     lines = [f"{torch.get_num_threads()} threads, median of {args.repeats}\n",
-             "| models | vocab | responses x tokens | score: + top-k, entropies, KL (ratio) | train fwd+bwd: top-k forward KL vs GSPO (ratio) |",
-             "|---|---|---|---|---|"]
+             "| models | vocab | responses x tokens | score: + entropy metrics (ratio) | score: + top-k, entropies, KL (ratio) | train fwd+bwd: top-k forward KL vs GSPO (ratio) |",
+             "|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['models']} | {r['vocab']} | {r['rows']} x {r['tokens'] // r['rows']} | {r['score_seconds']['ratio']:.2f} | {r['train_step_seconds']['ratio']:.2f} |")
+        lines.append(f"| {r['models']} | {r['vocab']} | {r['rows']} x {r['tokens'] // r['rows']} | {r['score_seconds']['entropy_ratio']:.2f} "
+                     f"| {r['score_seconds']['ratio']:.2f} | {r['train_step_seconds']['ratio']:.2f} |")
     (OUT / "method_cost.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(results, indent=1))
 

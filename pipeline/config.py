@@ -285,6 +285,8 @@ class LoggingConfig:
     wandb_project: str = "gndpo"
     wandb_entity: str = ""  # empty: the default entity of the logged-in account
     wandb_mode: str = "online"  # offline: write RUN/logs/wandb/ only (upload later with `wandb sync`)
+    # score's entropy metrics: one more full-vocabulary pass per scored chunk and model; off saves it
+    entropy_metrics: bool = True
 
 
 @dataclass

@@ -87,17 +87,10 @@ def quiet_libraries() -> None:
         ("TORCH_CPP_LOG_LEVEL", "ERROR"),
         ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),  # transformers' and the hub's tqdm bars
         ("TQDM_DISABLE", "1"),  # vLLM's and DeepSpeed's own tqdm bars (tqdm reads TQDM_* as defaults)
-        ("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda"),  # skips DeepSpeed's detection warning
     ):
         os.environ.setdefault(name, value)
     if "VLLM_LOGGING_CONFIG_PATH" not in os.environ:
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = vllm_logging_config(None)
-
-
-def _has_cuda() -> bool:
-    import shutil
-
-    return shutil.which("nvidia-smi") is not None
 
 
 def vllm_logging_config(log_file: str | None) -> str:

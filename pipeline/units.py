@@ -31,7 +31,7 @@ from gndpo.pipeline.logs import info, unit_context
 
 
 # Counts of a unit's commit summary that progress sums and shows with their rate.
-PROGRESS_COUNTS = ("responses", "tokens")
+PROGRESS_COUNTS = ("prompts", "responses", "tokens")
 
 
 class StageJob(Protocol):
@@ -158,7 +158,11 @@ class Worker:
 
     def compute(self, unit: dict, attempt: int) -> dict | None:
         """Compute and commit one claimed unit; returns its commit summary, or None if another attempt
-        committed first."""
+        committed first. Everything logged meanwhile names the unit."""
+        with unit_context(unit["unit"]):
+            return self._compute(unit, attempt)
+
+    def _compute(self, unit: dict, attempt: int) -> dict | None:
         uid = unit["unit"]
         if not self._is_set_up:
             self.job.setup()
@@ -169,8 +173,7 @@ class Worker:
         beat.start()
         t0 = time.time()
         try:
-            with unit_context(uid):
-                files, summary = self.job.run_unit(unit, out_dir)
+            files, summary = self.job.run_unit(unit, out_dir)
         finally:
             stop.set()
             beat.join()

@@ -146,7 +146,7 @@ class RolloutJob:
         table = pa.Table.from_pylist(rows, schema=ROLLOUTS)
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
         return [record], {
-            "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows), "reward_sum": sum(r["reward"] for r in rows),
+            "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows), "reward_sum": sum(r["reward"] for r in rows),
             **conversation_counts(rows),
         }
 

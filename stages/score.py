@@ -142,11 +142,12 @@ class ScoreJob:
                     [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in rows],
                     [responses[offsets[i] : offsets[i + 1]] for i in rows], self.pad_id, self.device,
                 )
-                # Both entropies always: the round's entropy metrics need them even where the method
-                # stores no entropy column (one more pass over each chunk's log-probs).
+                # The round's entropy metrics need both entropies even where the method stores no
+                # entropy column (logging.entropy_metrics: one more pass over each chunk's log-probs).
+                metric = self.cfg.logging.entropy_metrics
                 stats = pair_token_stats(
                     teacher, self.student, batch, self.cfg.model.token_chunk, temperature, topk,
-                    (teacher is not None, True), TOKEN_KL in needs,
+                    ((metric and teacher is not None) or TEACHER_ENTROPY in needs, metric or STUDENT_ENTROPY in needs), TOKEN_KL in needs,
                 )
                 # Put the batch's tokens back at their rows' places in the unit's flat token order.
                 where = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in rows] + [np.zeros(0, np.int64)])
@@ -224,7 +225,8 @@ class ScoreJob:
         seconds, student_tokens = total("seconds"), total("student_tokens")
         metrics = {"tokens": total("tokens"), "seconds": seconds, "tokens_per_s": total("tokens") / max(seconds, 1e-9)}
         # Named after verl's actor/entropy and training/rollout_probs_diff_{max,mean} (in log-probs here).
-        metrics["student_entropy_mean"] = total("student_entropy_sum") / max(student_tokens, 1)
+        if all("student_entropy_sum" in c for c in commits):
+            metrics["student_entropy_mean"] = total("student_entropy_sum") / max(student_tokens, 1)
         if all("teacher_entropy_sum" in c for c in commits):
             metrics["teacher_entropy_mean"] = total("teacher_entropy_sum") / max(student_tokens, 1)
         metrics["rollout_logprob_diff_max"] = max((c.get("logprob_diff_max", 0.0) for c in commits), default=0.0)

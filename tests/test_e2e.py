@@ -291,7 +291,7 @@ def test_progress_lines_and_worker_logs_without_a_terminal(run_dir):
     folder = run_dir.parent
     rollout_err, run_err = (folder / "rollout.stderr").read_text(), (folder / "run.stderr").read_text()
     assert "\x1b[" not in rollout_err + run_err
-    assert re.search(r"^\d\d:\d\d:\d\d INFO rollout r0: 3/3 units, responses 32 \(\d+/s\), tokens \d+ \(\d+/s\)", rollout_err, re.M), rollout_err
+    assert re.search(r"^\d\d:\d\d:\d\d INFO rollout r0: 3/3 units, prompts 16 \(\d+/s\), responses 32 \(\d+/s\), tokens \d+ \(\d+/s\)", rollout_err, re.M), rollout_err
     assert re.search(r"^\d\d:\d\d:\d\d INFO train r1: 2/2 steps, tokens \d+ \([\d,]+/s\), loss [-+.\de]+, grad_norm [.\d]+", run_err, re.M), run_err
     assert re.search(r"INFO rounds: 8/8 stages", run_err)
     assert "Resolved architecture" not in rollout_err  # a vLLM INFO line

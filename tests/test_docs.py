@@ -1,0 +1,33 @@
+"""The documentation stands on its own: every link and path in README.md, docs/ and examples/ stays
+inside the repository and names something that exists."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]
+
+
+def test_docs_exist():
+    assert (ROOT / "docs" / "methods.md").exists() and (ROOT / "docs" / "storage.md").exists()
+    assert (ROOT / "examples" / "slurm" / "stage-workers.sbatch").exists()
+
+
+def test_links_stay_in_the_repository_and_resolve():
+    for doc in DOCS:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://", "#", "mailto:")):
+                continue
+            path = (doc.parent / target.split("#")[0]).resolve()
+            assert path.is_relative_to(ROOT), f"{doc.name}: link {target} leaves the repository"
+            assert path.exists(), f"{doc.name}: link {target} names nothing"
+
+
+def test_no_path_points_outside():
+    for doc in DOCS + sorted(ROOT.glob("*/**/*.py")):
+        if ".venv" in doc.parts or doc == Path(__file__).resolve():
+            continue
+        text = doc.read_text()
+        for bad in ("../shared", "shared/DESIGN", "shared/ALGORITHMS", "shared/ENVIRONMENT", "/work/"):
+            assert bad not in text, f"{doc.relative_to(ROOT)} mentions {bad}"

@@ -13,6 +13,7 @@ the run's log folder; every line carries host, pid and the unit being computed (
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
 import os
@@ -29,6 +30,7 @@ LEVELS = ("debug", "info", "warning", "error")
 # Libraries whose own handlers are replaced by ours (they print to stdout by default).
 LIBRARY_LOGGERS = ("DeepSpeed", "deepspeed", "torch", "transformers", "accelerate", "py.warnings")
 _unit = contextvars.ContextVar("gndpo_unit", default="-")
+_cleanup_registered: list[str] = []
 log = logging.getLogger("gndpo")
 
 
@@ -96,7 +98,8 @@ def quiet_libraries() -> None:
 def vllm_logging_config(log_file: str | None) -> str:
     """A logging dictConfig file for vLLM (it applies ``VLLM_LOGGING_CONFIG_PATH`` in every process it
     starts, its engine core included): errors to stderr, and with ``log_file`` everything from INFO
-    appended to it. Written to a temporary file; returns its path."""
+    appended to it. Written to this process's own temporary file (replaced on each call, removed at
+    exit: children read it when they start); returns its path."""
     import json
 
     handlers = {"terminal": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "level": "ERROR", "formatter": "plain"}}
@@ -112,9 +115,14 @@ def vllm_logging_config(log_file: str | None) -> str:
         "handlers": handlers,
         "loggers": {"vllm": {"handlers": list(handlers), "level": "INFO", "propagate": False}},
     }
-    fd, path = tempfile.mkstemp(prefix="gndpo-vllm-logging-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
+    path = f"{tempfile.gettempdir()}/gndpo-vllm-logging-{os.getpid()}.json"
+    tmp = f"{path}.{time.monotonic_ns()}"
+    with open(tmp, "w") as f:
         json.dump(config, f)
+    os.replace(tmp, path)  # a child starting now reads the old or the new config, never half of one
+    if not _cleanup_registered:
+        atexit.register(lambda: Path(path).unlink(missing_ok=True))
+        _cleanup_registered.append(path)
     return path
 
 
@@ -141,7 +149,8 @@ def configure(level: str | None = None, progress_mode: str | None = None) -> Non
     handler.setLevel(numeric)
     handler.addFilter(_TerminalFilter(debug=numeric <= logging.DEBUG))
     root.addHandler(handler)
-    log.setLevel(numeric)
+    # The terminal shows the chosen level; the worker's file keeps gndpo's INFO lines whatever it is.
+    log.setLevel(min(numeric, logging.INFO))
     adopt_library_loggers()
 
 
@@ -162,7 +171,7 @@ def worker_file(folder: str, name: str, copy_to=None):
     handler = logging.FileHandler(path)
     handler._gndpo_worker_file = True
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s host=%(host)s pid=%(process)d unit=%(unit)s %(name)s: %(message)s"))
-    handler.setLevel(min(log.getEffectiveLevel(), logging.WARNING))
+    handler.setLevel(min(log.getEffectiveLevel(), logging.INFO))
     handler.addFilter(_Context())
     # vLLM's loggers do not propagate once vLLM configured them (imported before this block): they get
     # the file too. For a vLLM imported later (here or in a child), its logging config names the file.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 
 from gndpo.storage.records import STAGES
@@ -44,23 +45,31 @@ def numeric_metrics(row: dict) -> dict[str, float]:
     }
 
 
-def publish_metrics(run) -> None:
-    """Send the run's metrics to ``logging.backends``: TensorBoard event files rebuilt from the manifests
-    under ``RUN/tensorboard/`` (so a rerun or another worker never duplicates a point), and new
-    (round, stage) rows to a Weights & Biases run whose id is derived from the run folder."""
-    backends = run.cfg.logging.backends
-    if not backends:
-        return
-    rows = collect_metrics(run)
-    if "tensorboard" in backends:
-        write_tensorboard(run, rows)
-    if "wandb" in backends:
-        log_wandb(run, rows)
+def publish_metrics(run, manifest: dict, log_dir: str) -> None:
+    """Send a just-committed stage's metrics to ``logging.backends`` (called once per stage, by the
+    worker that wrote its manifest). TensorBoard: the event file under ``RUN/tensorboard/`` is rebuilt
+    whole from every manifest under one fixed name, so a concurrent or repeated rebuild replaces it
+    rather than adding points. W&B: this stage's row, logged to the run's W&B run. A backend that fails
+    (not installed, no network, no credentials) is a warning: the stage is committed either way."""
+    for backend in run.cfg.logging.backends:
+        try:
+            if backend == "tensorboard":
+                write_tensorboard(run, collect_metrics(run))
+            elif backend == "wandb":
+                log_wandb(run, {"round": manifest["round"], "stage": manifest["stage"], **manifest["metrics"]}, log_dir)
+        except Exception as exc:  # noqa: BLE001 - reporting must never fail a committed stage
+            logging.getLogger(__name__).warning("metrics backend %s failed: %s", backend, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+# TensorBoard reads every file whose name holds "tfevents"; one fixed name makes a rebuild a replacement.
+TENSORBOARD_FILE = "events.out.tfevents.gndpo"
 
 
 def write_tensorboard(run, rows: list[dict]) -> None:
-    """One event file with ``<stage>/<metric>`` scalars at step = round, replacing the previous file."""
+    """``RUN/tensorboard/events.out.tfevents.gndpo``: every row's ``<stage>/<metric>`` scalars at step =
+    round, written whole and moved into place (replacing the previous file)."""
     import tempfile
+    from pathlib import Path
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -70,41 +79,34 @@ def write_tensorboard(run, rows: list[dict]) -> None:
             for name, value in numeric_metrics(row).items():
                 writer.add_scalar(f"{row['stage']}/{name}", value, global_step=row["round"])
         writer.close()
-        run.fs.replace_dir(tmp, "tensorboard")
+        (written,) = Path(tmp).glob("*tfevents*")
+        run.fs.write_new(f"tensorboard/{TENSORBOARD_FILE}", written.read_bytes())
 
 
 _WANDB: dict[str, object] = {}
 
 
-def log_wandb(run, rows: list[dict]) -> None:
-    """Log the rows this process has not logged yet to the run's W&B run (one per run folder, resumed by
-    id; x axis ``round``). Offline mode writes under the run's log folder and needs no network."""
+def log_wandb(run, row: dict, log_dir: str) -> None:
+    """Log one (round, stage) row to the run's W&B run: one per run folder and config (its id is derived
+    from both, so a resumed or relaunched process continues it), x axis ``round``. Offline mode writes
+    under ``log_dir`` and needs no network."""
     import atexit
 
     os.environ.setdefault("WANDB_SILENT", "true")  # no banners or integration hints on the terminal
     import wandb
 
-    from gndpo.pipeline.rounds import worker_log_dir
-
     key = run.fs.url
-    state = _WANDB.get(key)
-    if state is None:
+    if key not in _WANDB:
         lc = run.cfg.logging
-        folder = worker_log_dir(run.fs.url)
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(log_dir, exist_ok=True)
         wb = wandb.init(
-            project=lc.wandb_project, entity=lc.wandb_entity or None, mode=lc.wandb_mode, dir=folder,
-            id=f"gndpo-{hashlib.sha256(run.fs.url.encode()).hexdigest()[:12]}", resume="allow",
-            name=run.fs.url.rstrip("/").rsplit("/", 1)[-1], config=run.cfg.to_dict(),
+            project=lc.wandb_project, entity=lc.wandb_entity or None, mode=lc.wandb_mode, dir=log_dir,
+            id=f"gndpo-{hashlib.sha256(f'{run.fs.url} {run.cfg.fingerprint()}'.encode()).hexdigest()[:12]}", resume="allow",
+            name="/".join(run.fs.url.rstrip("/").rsplit("/", 2)[-2:]), config=run.cfg.to_dict(),
             settings=wandb.Settings(silent=True, console="off"),
         )
         wb.define_metric("round")
         wb.define_metric("*", step_metric="round")
-        state = _WANDB[key] = {"run": wb, "logged": set()}
+        _WANDB[key] = wb
         atexit.register(wb.finish)
-    for row in rows:
-        mark = (row["round"], row["stage"])
-        if mark in state["logged"]:
-            continue
-        state["run"].log({"round": row["round"], **{f"{row['stage']}/{k}": v for k, v in numeric_metrics(row).items()}})
-        state["logged"].add(mark)
+    _WANDB[key].log({"round": row["round"], **{f"{row['stage']}/{k}": v for k, v in numeric_metrics(row).items()}})

@@ -71,12 +71,12 @@ def _format_number(value) -> str:
 class Task:
     """One long step: ``done`` of ``total`` ``unit``, summed counts, the latest shown values."""
 
-    def __init__(self, description: str, total: int | None, unit: str):
+    def __init__(self, description: str, total: int | None, unit: str, bar: bool = True):
         self.description, self.total, self.unit = description, total, unit
         self.done, self.counts, self.shown = 0, {}, {}
         self.started = self._last_line = time.monotonic()
         self._bar_id = None
-        if mode() == "bar":
+        if mode() == "bar" and bar:
             if _state["bar"] is None:
                 _state["bar"] = Progress(
                     TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
@@ -115,13 +115,13 @@ class Task:
         elapsed = time.monotonic() - self.started
         if self.total and 0 < self.done < self.total:
             eta = elapsed / self.done * (self.total - self.done)
-            text += f", ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
+            text += f", ETA {int(eta // 3600)}:{int(eta % 3600 // 60):02d}:{int(eta % 60):02d}"
         return text + f", {elapsed:.1f}s"
 
     def _draw(self, final: bool = False) -> None:
         if self._bar_id is not None:
             _state["bar"].update(self._bar_id, completed=self.done, details=self.details())
-        elif mode() == "lines":
+        elif mode() != "none":
             now = time.monotonic()
             if final or now - self._last_line >= _state["interval"]:
                 self._last_line = now
@@ -141,9 +141,10 @@ class Task:
 
 
 @contextmanager
-def task(description: str, total: int | None = None, unit: str = "steps"):
-    """A :class:`Task` drawn as this process was configured, closed (its last line written) on exit."""
-    t = Task(description, total, unit)
+def task(description: str, total: int | None = None, unit: str = "steps", draw: bool = True):
+    """A :class:`Task` drawn as this process was configured, closed (its last line written) on exit.
+    ``draw`` False: as plain lines even on a terminal (while child processes draw on it)."""
+    t = Task(description, total, unit, bar=draw)
     try:
         yield t
     finally:

@@ -25,7 +25,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.runs import open_run
 from gndpo.storage.records import manifest_files, rollout_shards
-from gndpo.storage.shards import read_shards
+from gndpo.storage.duck import connect, parquet_source
 from gndpo.storage.tables import write_file
 
 # (file name, title, y label, [(stage, metric, legend suffix)]): one figure each.
@@ -91,12 +91,7 @@ def _demo_series(folder: Path, label: str) -> Series:
 
 def curve_figure(series: list[Series], title: str, ylabel: str, lines: list[tuple]) -> bytes | None:
     """A PNG of ``lines`` per series over rounds; None when no series has any of them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    fig, ax = _figure()
     drawn = 0
     for s in series:
         for stage, metric, suffix in lines:
@@ -105,7 +100,6 @@ def curve_figure(series: list[Series], title: str, ylabel: str, lines: list[tupl
                 ax.plot(x, y, marker="o", label=(s.label if len(series) > 1 else "") + suffix or metric)
                 drawn += 1
     if not drawn:
-        plt.close(fig)
         return None
     ax.set_title(title)
     ax.set_xlabel("round (policy version for accuracy)")
@@ -119,16 +113,11 @@ def curve_figure(series: list[Series], title: str, ylabel: str, lines: list[tupl
 
 def stage_time_figure(series: list[Series]) -> bytes | None:
     """Stacked bars of each stage's worker-seconds per round (the first series: one run's timeline)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     s = series[0]
     rounds = sorted({r for r, _ in s.by})
     if not rounds:
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    fig, ax = _figure()
     bottom = np.zeros(len(rounds))
     for stage in STAGE_ORDER:
         secs = np.array([float(s.by.get((r, stage), {}).get("seconds") or 0.0) for r in rounds])
@@ -142,48 +131,61 @@ def stage_time_figure(series: list[Series]) -> bytes | None:
     return _png(fig)
 
 
-def _png(fig) -> bytes:
-    import matplotlib.pyplot as plt
+def _figure():
+    """A figure and its axes, made without pyplot: no GUI backend, nothing a notebook would notice."""
+    from matplotlib.figure import Figure
 
+    fig = Figure(figsize=(6.4, 3.6), dpi=100)
+    return fig, fig.add_subplot()
+
+
+def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png")
-    plt.close(fig)
     return buf.getvalue()
 
 
 def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
     """HTML of a few rollouts of the newest scored round, each token coloured by lpT - lpS: the
     responses with the lowest summed log-ratio (where the student strays most from the teacher), and the
-    one with the highest. Tokens outside the loss mask (tool turns, template) are grey."""
+    one with the highest. Tokens outside the loss mask (tool turns, template) are grey. DuckDB ranks the
+    round's responses over the shards; only the chosen ones are read into Python."""
     from gndpo.stages.modeling import load_tokenizer
 
     run = open_run(url)
     r = max((k for k in range(committed_rounds(run)) if run.records(k, "score").manifest() is not None), default=None)
     if r is None:
         return "<p>No scored round yet.</p>"
-    rollouts = read_shards(run.fs, rollout_shards(run.records(r, "rollout").require_manifest())).to_pylist()
-    scores = {s["rollout_id"]: s for s in read_shards(run.fs, manifest_files(run.records(r, "score").require_manifest())).to_pylist()}
-    scored = []
-    for row in rollouts:
-        s = scores.get(row["rollout_id"])
-        if s is None:
-            continue
-        ratio = np.asarray(s["teacher_logprobs"], np.float64) - np.asarray(s["student_logprobs"], np.float64)
-        mask = np.asarray(row["loss_mask"], np.float64)
-        scored.append((float((ratio * mask).sum()), row, ratio, mask))
-    if not scored:
+    con = connect(run.fs)
+    rollouts = parquet_source(run.fs, rollout_shards(run.records(r, "rollout").require_manifest()))
+    scores = parquet_source(run.fs, manifest_files(run.records(r, "score").require_manifest()))
+    con.sql(f"""CREATE VIEW ranked AS
+        SELECT r.rollout_id, list_sum(list_transform(list_zip(s.teacher_logprobs, s.student_logprobs, r.loss_mask),
+                                                     lambda x: (x[1] - x[2]) * x[3])) AS total
+        FROM {rollouts} r JOIN {scores} s USING (rollout_id)""")
+    chosen = con.sql(f"""(SELECT rollout_id, total FROM ranked ORDER BY total, rollout_id LIMIT {rows - 1})
+                         UNION ALL (SELECT rollout_id, total FROM ranked ORDER BY total DESC, rollout_id LIMIT 1)""").fetchall()
+    if not chosen:
         return "<p>No scored rollouts.</p>"
-    scored.sort(key=lambda x: (x[0], x[1]["rollout_id"]))
-    picks = scored[: rows - 1] + ([scored[-1]] if len(scored) >= rows else [])
-    tok = load_tokenizer(run.policy_path(r))
+    ids = list(dict.fromkeys(rid for rid, _ in chosen))
+    picked = con.execute(
+        f"""SELECT r.rollout_id, r.reward, r.finish_reason, r.prompt, r.response_token_ids, r.loss_mask,
+                   s.teacher_logprobs, s.student_logprobs
+            FROM {rollouts} r JOIN {scores} s USING (rollout_id) WHERE r.rollout_id IN (SELECT unnest(?))""", [ids]
+    ).fetchall()
+    by_id = {row[0]: row for row in picked}
+    tok = load_tokenizer(run.cfg.student)  # the student's tokenizer (every policy version keeps it)
     parts = [f"<p>Round {r} (policy version {r}); lpT - lpS per token: "
              '<span class="tok" style="background:rgba(220,40,40,0.8)">teacher finds it unlikely</span> '
              '<span class="tok" style="background:rgba(40,160,60,0.8)">teacher prefers it</span> '
              '<span class="tok masked">not trained on</span>. Hover a token for its numbers.</p>']
-    for total, row, ratio, mask in picks:
+    for rid in ids:
+        _, reward, finish, prompt, token_ids, mask, lp_t, lp_s = by_id[rid]
+        ratio = np.asarray(lp_t, np.float64) - np.asarray(lp_s, np.float64)
+        mask = np.asarray(mask, np.float64)
         spans = []
-        for t, (token_id, d, m) in enumerate(zip(row["response_token_ids"], ratio, mask)):
+        for t, (token_id, d, m) in enumerate(zip(token_ids, ratio, mask)):
             text = html.escape(tok.decode([token_id])) or "&#8203;"
             tip = f"t={t} id={token_id} lpT-lpS={d:+.3f}"
             if m == 0:
@@ -193,9 +195,9 @@ def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
             rgb = "220,40,40" if d < 0 else "40,160,60"
             spans.append(f'<span class="tok" style="background:rgba({rgb},{alpha:.2f})" title="{tip}">{text}</span>')
         parts.append(
-            f'<div class="rollout"><div class="meta">{html.escape(row["rollout_id"])}: reward {row["reward"]:.3f}, '
-            f'sum of lpT - lpS {total:+.2f} over {int(mask.sum())} tokens, {html.escape(str(row["finish_reason"]))}</div>'
-            f'<pre class="prompt">{html.escape(row["prompt"])}</pre><div class="response">{"".join(spans)}</div></div>'
+            f'<div class="rollout"><div class="meta">{html.escape(rid)}: reward {reward:.3f}, '
+            f'sum of lpT - lpS {float((ratio * mask).sum()):+.2f} over {int(mask.sum())} tokens, {html.escape(str(finish))}</div>'
+            f'<pre class="prompt">{html.escape(prompt)}</pre><div class="response">{"".join(spans)}</div></div>'
         )
     return "\n".join(parts)
 

@@ -68,13 +68,16 @@ def run_stage(
     # The log file first: the stage's modules import vLLM, which sets up its logging when imported.
     with worker_log(url, f"r{round_idx:04d}-{stage}"):
         job = stage_job(stage)(run, round_idx, log=log, live=live)
+
+        def committed(manifest: dict) -> None:  # by the one worker whose manifest write succeeded
+            publish_metrics(run, manifest, worker_log_dir(url))
+
         if stage == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            manifest = run_collective(records, job, ttl=lease_ttl, log=log)
+            manifest = run_collective(records, job, ttl=lease_ttl, log=log, on_manifest=committed)
         else:
-            manifest = Worker(records, job, ttl=lease_ttl, log=log).run(wait_for_others=not worker)
+            manifest = Worker(records, job, ttl=lease_ttl, log=log, on_manifest=committed).run(wait_for_others=not worker)
         if manifest is not None and os.environ.get("RANK", "0") == "0":
             write_metrics_jsonl(run)
-            publish_metrics(run)
     return manifest
 
 
@@ -231,7 +234,7 @@ def run_rounds(url: str, rounds: int, log=info, gpus: int | None = None, keep_al
     if own:
         live = LiveModels(keep=True, log=log)
     try:
-        with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages") as bar:
+        with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages", draw=in_process) as bar:
             for r in range(rounds):
                 for stage in STAGES:
                     if run.records(r, stage).manifest() is not None:

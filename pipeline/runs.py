@@ -195,6 +195,15 @@ def check_tools(cfg: Config, row: dict) -> None:
     tool_turn_ids(load_tokenizer(cfg.student), row, cfg.data, "gndpo-probe-result")
 
 
+def check_metrics_backends(cfg: Config) -> None:
+    """Each of ``logging.backends`` must be importable here (a missing one would only warn later)."""
+    import importlib.util
+
+    for backend, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if backend in cfg.logging.backends and importlib.util.find_spec(module) is None:
+            raise GndpoError(f"logging.backends names {backend}, which is not installed (pip install 'gndpo[metrics]')")
+
+
 def init_run(url: str, cfg: Config) -> Run:
     fs = RunFS(url)
     if fs.exists("run.yaml"):
@@ -203,6 +212,7 @@ def init_run(url: str, cfg: Config) -> Run:
             raise GndpoError(f"run folder {url} was created from another config; use a new folder")
         return existing
     validate_method(cfg.method)
+    check_metrics_backends(cfg)
     from gndpo.stages.score import check_backend
 
     check_backend(cfg)

@@ -77,7 +77,8 @@ class Worker:
     """Claims, computes and commits units of one stage until none is left to claim."""
 
     def __init__(
-        self, records: StageRecords, job: StageJob, ttl: float = 120.0, poll: float = 2.0, log=info, set_up: bool = False
+        self, records: StageRecords, job: StageJob, ttl: float = 120.0, poll: float = 2.0, log=info, set_up: bool = False,
+        on_manifest=None,
     ):
         self.records = records
         self.job = job
@@ -87,6 +88,8 @@ class Worker:
         self.host = socket.gethostname()
         self.worker_id = f"{self.host}:{os.getpid()}:{int(time.time() * 1000) % 10**9}"
         self._is_set_up = set_up  # True when the caller already ran job.setup()
+        # Called with the manifest by the one worker whose write of it succeeded (metrics publishing).
+        self.on_manifest = on_manifest
 
     # -- leases -----------------------------------------------------------------------------------
     def try_claim(self, unit: str) -> int | None:
@@ -200,10 +203,13 @@ class Worker:
             "metrics": self.job.summarize(commits),
             "finished_at": time.time(),
         }
-        return self.records.create_manifest(body)
+        manifest, created = self.records.create_manifest(body)
+        if created and self.on_manifest is not None:
+            self.on_manifest(manifest)
+        return manifest
 
 
-def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=info) -> dict:
+def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=info, on_manifest=None) -> dict:
     """Run a one-unit stage that every rank of a torch.distributed group computes together (train
     under torchrun/deepspeed): rank 0 alone plans, holds the lease and commits; the others follow its
     decision, broadcast to them, and compute the same unit in lockstep."""
@@ -211,7 +217,7 @@ def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log
 
     job.setup()  # joins the process group
     rank = dist.get_rank()
-    worker = Worker(records, job, ttl=ttl, log=log, set_up=True)
+    worker = Worker(records, job, ttl=ttl, log=log, set_up=True, on_manifest=on_manifest)
     decision: list = [None]
     if rank == 0 and records.manifest() is None:
         plan = worker.ensure_plan()

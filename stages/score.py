@@ -173,7 +173,9 @@ class ScoreJob:
             )
         self._refuse_non_finite(table, per_token, offsets)
         student_mask, _ = flat_values(table.column("loss_mask"))
-        counts = token_metric_sums(per_token, flat_values(table.column("sampler_logprobs"))[0], student_mask > 0)
+        # vLLM's sampler log-probs are of the raw distribution: comparable with ours at temperature 1 only.
+        sampler = flat_values(table.column("sampler_logprobs"))[0] if temperature == 1.0 else None
+        counts = token_metric_sums(per_token, sampler, student_mask > 0)
         for name in (TEACHER_ENTROPY, STUDENT_ENTROPY):  # written as columns only for the methods that use them
             if name not in needs:
                 per_token.pop(name, None)
@@ -229,8 +231,9 @@ class ScoreJob:
             metrics["student_entropy_mean"] = total("student_entropy_sum") / max(student_tokens, 1)
         if all("teacher_entropy_sum" in c for c in commits):
             metrics["teacher_entropy_mean"] = total("teacher_entropy_sum") / max(student_tokens, 1)
-        metrics["rollout_logprob_diff_max"] = max((c.get("logprob_diff_max", 0.0) for c in commits), default=0.0)
-        metrics["rollout_logprob_diff_mean"] = total("logprob_diff_sum") / max(student_tokens, 1)
+        if all("logprob_diff_sum" in c for c in commits):
+            metrics["rollout_logprob_diff_max"] = max(c["logprob_diff_max"] for c in commits)
+            metrics["rollout_logprob_diff_mean"] = total("logprob_diff_sum") / max(student_tokens, 1)
         if self.cfg.score.cross_tokenizer:
             unaligned = sum(c["unaligned_tokens"] for c in commits)
             metrics["cross_tokenizer/unaligned_tokens"] = unaligned
@@ -238,16 +241,15 @@ class ScoreJob:
         return metrics
 
 
-def token_metric_sums(per_token: dict, sampler_logprobs: np.ndarray, student_tokens: np.ndarray) -> dict:
+def token_metric_sums(per_token: dict, sampler_logprobs: np.ndarray | None, student_tokens: np.ndarray) -> dict:
     """A unit's sums behind the round's score metrics, over the tokens the student sampled: both models'
-    entropies (where computed) and |student log-prob recomputed here - the sampler's|, the gap between
-    the rollout engine's and the training forward's numbers for the same policy."""
-    diff = np.abs(per_token["student_logprobs"][student_tokens].astype(np.float64) - sampler_logprobs[student_tokens])
-    sums = {
-        "student_tokens": int(student_tokens.sum()),
-        "logprob_diff_max": float(diff.max(initial=0.0)),
-        "logprob_diff_sum": float(diff.sum()),
-    }
+    entropies (where computed) and, given the sampler's log-probs, |student log-prob recomputed here -
+    the sampler's|, the gap between the rollout engine's and the training forward's numbers for the
+    same policy."""
+    sums = {"student_tokens": int(student_tokens.sum())}
+    if sampler_logprobs is not None:
+        diff = np.abs(per_token["student_logprobs"][student_tokens].astype(np.float64) - sampler_logprobs[student_tokens])
+        sums.update({"logprob_diff_max": float(diff.max(initial=0.0)), "logprob_diff_sum": float(diff.sum())})
     for name in (STUDENT_ENTROPY, TEACHER_ENTROPY):
         if name in per_token:
             sums[f"{name}_sum"] = float(per_token[name][student_tokens].astype(np.float64).sum())

@@ -126,7 +126,7 @@ class TrainJob:
             for i in range(len(history), len(steps)):
                 history.append(self.optimizer_step(engine, **steps[i]))
                 step = history[-1]
-                logging.getLogger(__name__).debug(f"train r{self.round} step {i + 1}/{len(steps)}: loss {step['loss']:+.5f} grad_norm {step['grad_norm']:.4f}")
+                logging.getLogger(__name__).debug("train r%d step %d/%d: loss %+.5f grad_norm %.4f", self.round, i + 1, len(steps), step["loss"], step["grad_norm"])
                 bar.advance(1, tokens=steps[i]["n_tokens"])
                 bar.show(loss=step["loss"], grad_norm=step["grad_norm"], clip_fraction=step["clip_fraction"])
                 crash_point("train.step")

@@ -110,11 +110,12 @@ class StageRecords:
             raise GndpoError(f"stage {self.stage} of round {self.round} is not committed yet ({self.run.uri(self.prefix)})")
         return m
 
-    def create_manifest(self, body: dict) -> dict:
-        """Write the manifest once; a concurrent writer's identical manifest is accepted."""
+    def create_manifest(self, body: dict) -> tuple[dict, bool]:
+        """Write the manifest once; a concurrent writer's identical manifest is accepted. Returns the
+        manifest and whether this call wrote it."""
         body = {"round": self.round, "stage": self.stage, **body}
-        self.run.create_json(f"{self.prefix}/_MANIFEST.json", body)
-        return self.manifest()
+        created = self.run.create_json(f"{self.prefix}/_MANIFEST.json", body)
+        return self.manifest(), created
 
 
 class InheritedRecords(StageRecords):

@@ -158,19 +158,6 @@ class RunFS:
             records.append(self.write_new(f"{rel}/{f.relative_to(local_dir).as_posix()}", f.read_bytes()))
         return records
 
-    def replace_dir(self, local_dir: str | Path, rel: str) -> None:
-        """Make the folder ``rel`` hold exactly the files of the flat local folder ``local_dir``: the new
-        files are copied in first, then the ones they replace are removed (for derived files that are
-        rebuilt whole, such as TensorBoard's event files)."""
-        files = sorted(p for p in Path(local_dir).iterdir() if p.is_file())
-        target = self.path(rel)
-        self.fs.makedirs(target, exist_ok=True)
-        self.fs.put([str(f) for f in files], [f"{target}/{f.name}" for f in files])
-        keep = {f.name for f in files}
-        for path in self.fs.ls(self._fresh(target), detail=False):
-            if path.rstrip("/").rsplit("/", 1)[-1] not in keep:
-                self.fs.rm(path, recursive=True)
-
     def local_dir(self, rel: str, cache_root: str | Path) -> str:
         """A local path holding ``rel``: itself for local runs, else a cached download."""
         if self.is_local:

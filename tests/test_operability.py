@@ -1,0 +1,57 @@
+"""Progress, logging and metrics publishing without engines (the end-to-end checks are in test_e2e)."""
+
+import logging
+from types import SimpleNamespace
+
+from gndpo.pipeline import logs, metrics, progress
+from gndpo.pipeline.config import Config
+
+
+def test_lines_mode_writes_a_plain_line_per_interval_and_at_the_end(caplog, monkeypatch):
+    monkeypatch.setenv("GNDPO_PROGRESS", "lines")
+    progress.configure(interval=3600)
+    with caplog.at_level(logging.INFO, logger="gndpo.progress"):
+        with progress.task("score r2", total=4, unit="units") as t:
+            t.advance(1, tokens=1000)
+            t.advance(3, tokens=3000)
+            t.show(loss=0.25)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gndpo.progress"]
+    # The interval has not passed: only the final line, with the sums and the shown value.
+    assert len(lines) == 1 and lines[0].startswith("score r2: 4/4 units, tokens 4,000 (") and "loss 0.25" in lines[0]
+    progress.configure(mode="none")
+    with caplog.at_level(logging.INFO, logger="gndpo.progress"):
+        with progress.task("quiet", total=1) as t:
+            t.advance(1)
+    assert not [r for r in caplog.records if "quiet" in r.getMessage()]
+
+
+def test_non_zero_train_ranks_draw_nothing(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    assert progress.resolve_mode("bar") == "none"
+
+
+def test_a_failing_backend_is_a_warning_not_a_failure(monkeypatch, caplog):
+    cfg = Config()
+    cfg.logging.backends = ["wandb"]
+    run = SimpleNamespace(cfg=cfg, fs=SimpleNamespace(url="/nowhere"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no network\ntraceback lines")
+
+    monkeypatch.setattr(metrics, "log_wandb", broken)
+    with caplog.at_level(logging.WARNING):
+        metrics.publish_metrics(run, {"round": 0, "stage": "score", "metrics": {"tokens": 3}}, "/tmp")
+    assert [r.getMessage() for r in caplog.records] == ["metrics backend wandb failed: no network"]
+
+
+def test_worker_file_keeps_info_when_the_terminal_shows_warnings_only(tmp_path):
+    logs.configure(level="warning", progress_mode="none")
+    try:
+        with logs.worker_file(str(tmp_path), "r0000-score") as path, logs.unit_context("u00007"):
+            logging.getLogger("gndpo").info("committed")
+            logging.getLogger("DeepSpeed").info("library chatter")
+        text = open(path).read()
+        assert "unit=u00007 gndpo: committed" in text and "library chatter" in text
+        assert path.endswith("-r0000-score.log")
+    finally:
+        logs.configure(level="info", progress_mode="none")

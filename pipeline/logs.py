@@ -49,6 +49,18 @@ class _Context(logging.Filter):
         return True
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever ``sys.stderr`` is when a record is written (test runners swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 class _TerminalFilter(logging.Filter):
     """gndpo's records at the handler's level; other libraries' only from ERROR, unless debugging."""
 
@@ -143,7 +155,7 @@ def configure(level: str | None = None, progress_mode: str | None = None) -> Non
         handler = RichHandler(console=progress.console(), show_path=False, show_level=numeric <= logging.DEBUG, markup=False)
         handler.setFormatter(logging.Formatter("%(message)s", datefmt="[%X]"))
     else:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     handler._gndpo_terminal = True
     handler.setLevel(numeric)

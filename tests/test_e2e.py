@@ -320,7 +320,19 @@ def test_progress_draws_a_bar_on_a_terminal(tmp_path):
 
 
 def test_sql_formats_round_trip_and_every_view_has_round(run_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from gndpo.cli.app import app, _register
     from gndpo.pipeline.sql import query
+
+    _register()
+    runner = CliRunner()
+
+    def gndpo(*args, check=True):  # in this process: no interpreter start per statement
+        result = runner.invoke(app, ["--progress", "none", *map(str, args)])
+        assert not check or result.exit_code == 0, result.output
+        result.returncode = result.exit_code
+        return result
 
     for view in ("rollouts", "scores", "tokens", "stats", "metrics"):
         rounds = gndpo("sql", run_dir, f"SELECT DISTINCT round FROM {view} ORDER BY round", "--format", "csv").stdout

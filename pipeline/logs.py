@@ -31,6 +31,7 @@ LEVELS = ("debug", "info", "warning", "error")
 LIBRARY_LOGGERS = ("DeepSpeed", "deepspeed", "torch", "transformers", "accelerate", "py.warnings")
 _unit = contextvars.ContextVar("gndpo_unit", default="-")
 _cleanup_registered: list[str] = []
+FILE_ONLY = {"terminal": False}  # ``extra=`` for a line that belongs in the worker's file, not on the terminal
 log = logging.getLogger("gndpo")
 
 
@@ -69,7 +70,10 @@ class _TerminalFilter(logging.Filter):
         self.debug = debug
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.debug or record.name == "gndpo" or record.name.startswith("gndpo.") or record.levelno >= logging.ERROR
+        if record.levelno >= logging.ERROR or self.debug:
+            return True
+        ours = record.name == "gndpo" or record.name.startswith("gndpo.")
+        return ours and getattr(record, "terminal", True)
 
 
 def resolve_level(level: str | None = None) -> int:

@@ -17,6 +17,7 @@ several workers on several machines can share it:
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -27,9 +28,10 @@ from gndpo.errors import GndpoError
 from gndpo.faults import crash_point
 from gndpo.storage.records import StageRecords
 from gndpo.pipeline import progress
-from gndpo.pipeline.logs import info, unit_context
+from gndpo.pipeline.logs import FILE_ONLY, info, unit_context
 
 
+_units_log = logging.getLogger(__name__)
 # Counts of a unit's commit summary that progress sums and shows with their rate.
 PROGRESS_COUNTS = ("prompts", "responses", "tokens")
 
@@ -183,7 +185,8 @@ class Worker:
         summary = {**summary, "seconds": round(time.time() - t0, 3), "worker": self.worker_id}
         crash_point("units.before_commit")
         if self.records.commit(uid, attempt, files, summary):
-            self.log(f"{self.records.stage} r{self.records.round} {uid}: committed attempt {attempt}")
+            # Per unit: for the worker's log file; the terminal shows the stage's progress instead.
+            _units_log.info("%s r%d %s: committed attempt %d", self.records.stage, self.records.round, uid, attempt, extra=FILE_ONLY)
             return summary
         # Another attempt committed first; ours was never visible, so removing it is safe.
         self.records.run.rm(out_dir)

@@ -33,6 +33,8 @@ _unit = contextvars.ContextVar("gndpo_unit", default="-")
 _cleanup_registered: list[str] = []
 FILE_ONLY = {"terminal": False}  # ``extra=`` for a line that belongs in the worker's file, not on the terminal
 log = logging.getLogger("gndpo")
+# A worker file's line; vLLM's own processes write to the same file with host filled in and no unit.
+FILE_FORMAT = "%(asctime)s %(levelname)s host=%(host)s pid=%(process)d unit=%(unit)s %(name)s: %(message)s"
 
 
 def info(message: str) -> None:
@@ -126,7 +128,7 @@ def vllm_logging_config(log_file: str | None) -> str:
         "disable_existing_loggers": False,
         "formatters": {
             "plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s", "datefmt": "%H:%M:%S"},
-            "file": {"format": "%(asctime)s %(levelname)s host=" + socket.gethostname() + " pid=%(process)d unit=- %(name)s: %(message)s"},
+            "file": {"format": FILE_FORMAT.replace("%(host)s", _Context.host).replace("%(unit)s", "-")},
         },
         "handlers": handlers,
         "loggers": {"vllm": {"handlers": list(handlers), "level": "INFO", "propagate": False}},
@@ -186,7 +188,7 @@ def worker_file(folder: str, name: str, copy_to=None):
     path = f"{folder}/{stamp}-{_Context.host}-{os.getpid()}-{name}.log"
     handler = logging.FileHandler(path)
     handler._gndpo_worker_file = True
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s host=%(host)s pid=%(process)d unit=%(unit)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(FILE_FORMAT))
     handler.setLevel(min(log.getEffectiveLevel(), logging.INFO))
     handler.addFilter(_Context())
     # vLLM's loggers do not propagate once vLLM configured them (imported before this block): they get

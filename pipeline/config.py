@@ -211,7 +211,18 @@ class ModelConfig:
     attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (where installed)
     # Full-vocabulary logits exist for at most this many response positions at a time (lm_head and
     # log-softmax run chunk by chunk after one backbone pass; train recomputes a chunk in backward).
+    # Still the cap on the chunk, now sized by logits_budget_mib below; at a small vocabulary (the toy's)
+    # the budget allows more, so this alone decides, as before.
     token_chunk: Count = 1024
+    # MiB one fp32 [positions, vocabulary] buffer may take: a chunk holds budget // (V x 4 B) positions
+    # (at least 1, at most token_chunk), so memory follows the vocabulary instead of a token count.
+    # Score keeps at most two such buffers per model (train's backward a few more for the student).
+    # 256 MiB: 256 positions at Gemma's 262,144-token vocabulary, 441 at Qwen's 151,936, and token_chunk
+    # (1,024) decides up to 65,536. A chunk of 256 rows is already a large matmul (per-chunk overhead is
+    # negligible: scoring a 2,048-token response at 262,144 was no slower than with 1,024 positions),
+    # and one buffer stays small next to any model with such a vocabulary (its bf16 embedding alone is
+    # 0.5 GiB at hidden 1,024).
+    logits_budget_mib: Count = 256
 
 
 @dataclass

@@ -81,12 +81,38 @@ REST_MASS_FLOOR = 1e-12
 LOGP_FLOOR = -1e4
 
 
-def _with_rest_bucket(topk_logp: torch.Tensor) -> torch.Tensor:
-    """[..., k] full-softmax log-probs -> [..., k + 1] log-probs of the k ids plus one "rest" bucket,
-    log(1 - sum_k p) computed as log(-expm1(logsumexp)) with the rest mass clamped at REST_MASS_FLOOR.
-    Gradients reach every input through the rest bucket too (d log rest / d lp_i = -p_i / rest)."""
-    rest = torch.clamp(-torch.expm1(torch.logsumexp(topk_logp, dim=-1, keepdim=True)), min=REST_MASS_FLOOR)
-    return torch.cat([topk_logp, rest.log()], dim=-1)
+# log(1/2): where log(1 - e^L) switches from log1p(-e^L) to log(-expm1(L)) (Maechler's log1mexp).
+_LOG_HALF = -math.log(2.0)
+
+
+def rest_logprob(topk_logp: torch.Tensor) -> torch.Tensor:
+    """[..., k] full-softmax log-probs -> [..., 1] log(1 - sum_k p), the log of the mass outside the k
+    ids, clamped at log(REST_MASS_FLOOR) (where the clamp bites, no gradient).
+
+    With L = logsumexp(topk_logp): log1p(-exp(L)) while L < log(1/2) (a rest of more than half),
+    log(-expm1(L)) above. Each form is accurate, value and gradient, where it is used: the expm1 form
+    alone loses the gradient when L is very negative (a student with 1e-8 of its mass on the teacher's
+    top-k), because autograd computes expm1's derivative e^L as expm1(L) + 1 = (1e-8 - 1) + 1, all
+    rounding in float32; the log1p form alone loses the rest's precision when the rest is small. Both branches see a clamped L,
+    so the branch not taken stays finite and contributes an exact zero gradient."""
+    lse = torch.logsumexp(topk_logp, dim=-1, keepdim=True)
+    large_rest = torch.log1p(-torch.exp(lse.clamp(max=_LOG_HALF)))
+    small_rest = torch.log(torch.clamp(-torch.expm1(lse.clamp(min=_LOG_HALF)), min=REST_MASS_FLOOR))
+    return torch.where(lse < _LOG_HALF, large_rest, small_rest)
+
+
+def _with_rest_bucket(topk_logp: torch.Tensor, rest_logp: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., k] full-softmax log-probs -> [..., k + 1] log-probs of the k ids plus one "rest" bucket.
+
+    The rest is ``rest_logp`` [...] where given (the teacher's, stored by score from its full softmax:
+    exact even where 1 - sum(p) is below float32's rounding of the top-k values), floored at LOGP_FLOOR;
+    otherwise :func:`rest_logprob` of the k values, with the rest mass clamped at REST_MASS_FLOOR.
+    Recomputed, gradients reach every input through the rest bucket too (d log rest / d lp_i = -p_i / rest)."""
+    if rest_logp is None:
+        rest = rest_logprob(topk_logp)
+    else:
+        rest = rest_logp.to(topk_logp.dtype).clamp(min=LOGP_FLOOR).unsqueeze(-1)
+    return torch.cat([topk_logp, rest], dim=-1)
 
 
 def _divergence(kind: str, log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
@@ -108,6 +134,7 @@ def topk_divergence(
     teacher_topk_logp: torch.Tensor,
     beta: float = 0.5,
     form: str = "bucket",
+    teacher_rest_logp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token divergence on the teacher's top-k ids (section 3, offline form), [..., k] -> [...].
 
@@ -133,9 +160,14 @@ def topk_divergence(
     student's mass outside the teacher's top-k costs nothing there: a student with most of its mass in
     the tail can score a small reverse KL while the full-vocabulary one is large.
 
-    Numerics (bucket): the rest mass is computed as -expm1(logsumexp(topk_logp)) in at least float32 and
-    clamped at REST_MASS_FLOOR, so an empty rest bucket (k = vocabulary, or rounding past 1) contributes
-    0 and finite (zero) gradients rather than 0 * log 0 = NaN.
+    Numerics (bucket): ``teacher_rest_logp`` [...] is the teacher's log rest mass as score stored it,
+    from the full softmax; without it (shards written before score stored it) the teacher's rest is
+    recomputed from its top-k like the student's, which is rounding noise once the true rest is below
+    ~1e-7 (a confident teacher) and can then push the divergence above the full-vocabulary one. The
+    student's rest, log(1 - sum_k p_S), is computed in at least float32 by :func:`rest_logprob` (stable
+    value and gradient from a rest of 1e-12 to a top-k mass of 1e-8 and below) and clamped at
+    REST_MASS_FLOOR, so an empty rest bucket (k = vocabulary, or rounding past 1) contributes ~0 and
+    finite (zero) gradients rather than 0 * log 0 = NaN.
     """
     if form == "renormalized":
         log_pt = teacher_topk_logp - torch.logsumexp(teacher_topk_logp, dim=-1, keepdim=True)
@@ -148,7 +180,7 @@ def topk_divergence(
         raise ValueError(f"unknown top-k divergence form {form!r}; choose one of {TOPK_FORMS}")
     dtype = torch.promote_types(torch.promote_types(student_topk_logp.dtype, teacher_topk_logp.dtype), torch.float32)
     log_ps = _with_rest_bucket(student_topk_logp.to(dtype).clamp(min=LOGP_FLOOR))
-    log_pt = _with_rest_bucket(teacher_topk_logp.to(dtype).clamp(min=LOGP_FLOOR))
+    log_pt = _with_rest_bucket(teacher_topk_logp.to(dtype).clamp(min=LOGP_FLOOR), teacher_rest_logp)
     return _divergence(kind, log_ps, log_pt, beta)
 
 
@@ -166,10 +198,12 @@ def combined_token_losses(
     clip_high: float = 0.2,
     jsd_beta: float = 0.5,
     topk_form: str = "bucket",
+    teacher_rest_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A method's per-token loss: L_t = pg_mask_t L_pg_t + div_t D_t (policy_loss "none": no PG term,
     divergence None: no D term), and the 0/1 clipped-branch marker of the PG term. ``topk_form`` is
-    :func:`topk_divergence`'s ``form`` ("bucket" | "renormalized")."""
+    :func:`topk_divergence`'s ``form`` ("bucket" | "renormalized"), ``teacher_rest_logp`` its stored
+    teacher rest (None: recomputed from the top-k)."""
     losses = torch.zeros_like(logp)
     clipped = torch.zeros_like(logp)
     if policy_loss != "none":
@@ -177,6 +211,6 @@ def combined_token_losses(
         losses = losses + pg * pg_mask
     if divergence is not None:
         losses = losses + div_weight * topk_divergence(
-            divergence, student_topk_logp, teacher_topk_logp, jsd_beta, form=topk_form
+            divergence, student_topk_logp, teacher_topk_logp, jsd_beta, form=topk_form, teacher_rest_logp=teacher_rest_logp
         )
     return losses, clipped * pg_mask

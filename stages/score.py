@@ -2,19 +2,22 @@
 
 One score unit per rollout unit. Responses are grouped by length into batches of at most
 ``score.max_tokens_per_batch`` padded tokens; each batch runs both backbones once and then the output
-layers over ``model.token_chunk`` response positions at a time (:mod:`gndpo.stages.logprobs`), so
-full-vocabulary logits exist for one chunk only and never for prompt positions. The student's log-probs
-use the sampling temperature, the teacher's temperature 1 (the same function train differentiates, so
-the importance ratio at a round's first step is 1 up to float error). Each row also carries the partial
-sums of the clamped score c_t that normalize aggregates, and the optional per-token columns the run's
-method needs (teacher top-k, entropies, full-vocabulary KL). Non-finite values are refused: a NaN here
-would silently poison the round's global statistics.
+layers over a chunk of response positions at a time, sized by ``model.logits_budget_mib`` (at most
+``model.token_chunk``; :mod:`gndpo.stages.logprobs`), so full-vocabulary logits exist for one chunk
+only and never for prompt positions. The student's log-probs use the sampling temperature, the
+teacher's temperature 1 (the same function train differentiates, so the importance ratio at a round's
+first step is 1 up to float error). Each row also carries the partial sums of the clamped score c_t
+that normalize aggregates, and the optional per-token columns the run's method needs (teacher top-k
+with the log of the teacher's mass outside it, entropies, full-vocabulary KL). Non-finite values are
+refused: a NaN here would silently poison the round's global statistics.
 
 With ``score.backend: vllm`` the teacher's sampled-token and top-k log-probs come from a vLLM engine
 instead (prompt log-probs over the stored ids, :func:`gndpo.stages.engine.response_logprobs`; tensor
 parallel through ``score.engine``), while the student's are still computed here by the same forward
 train differentiates, so the first step's importance ratio stays exactly 1. Methods that need the
-teacher's whole distribution (its entropy, the full KL) are refused with this backend.
+teacher's whole distribution (its entropy, the full KL) are refused with this backend, and the
+teacher's rest mass beside its top-k is 1 - sum(top-k p) (vLLM returns no more), computed in float64
+but only as exact as the top-k values: noise for a teacher whose true rest is below ~1e-7.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import pyarrow as pa
 import torch
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.losses import REST_MASS_FLOOR
 from gndpo.pipeline.methods import clamped_score, score_needs, score_partial_sums
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
 from gndpo.pipeline.runs import Run
 from gndpo.stages.cross_tokenizer import CrossTokenizerTeacher
 from gndpo.stages.device import local_device, set_cpu_threads
 from gndpo.stages.engine import response_logprobs, vocabulary_size
-from gndpo.stages.logprobs import make_batch, pair_token_stats, token_budget_batches
+from gndpo.stages.logprobs import logits_chunk, make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
 from gndpo.storage.records import EVAL_UNIT
@@ -91,9 +95,10 @@ class ScoreJob:
         self.teachers, self.teacher_engine, self.cross = {}, None, None
         if self.cfg.score.cross_tokenizer:  # the student pass runs alone; the teacher scores its own tokens
             sc = self.cfg.score
+            teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, self.device, fixed=True)
             self.cross = CrossTokenizerTeacher(
-                self.live.causal_lm(self.cfg.teacher, self.cfg.model, self.device, fixed=True), load_tokenizer(self.cfg.teacher),
-                load_tokenizer(policy), self.cfg.data, self.device, self.cfg.model.token_chunk, sc.max_tokens_per_batch, sc.rows_per_chunk,
+                teacher, load_tokenizer(self.cfg.teacher), load_tokenizer(policy), self.cfg.data, self.device,
+                logits_chunk(teacher, self.cfg.model), sc.max_tokens_per_batch, sc.rows_per_chunk,
             )
         elif self.cfg.score.backend == "vllm":
             self.teacher_engine = self.live.teacher_engine(self.cfg.teacher, self.cfg.score.engine, self.cfg.score.teacher_topk)
@@ -146,7 +151,7 @@ class ScoreJob:
                 # entropy column (logging.entropy_metrics: one more pass over each chunk's log-probs).
                 metric = self.cfg.logging.entropy_metrics
                 stats = pair_token_stats(
-                    teacher, self.student, batch, self.cfg.model.token_chunk, temperature, topk,
+                    teacher, self.student, batch, logits_chunk([self.student, *self.teachers.values()], self.cfg.model), temperature, topk,
                     ((metric and teacher is not None) or TEACHER_ENTROPY in needs, metric or STUDENT_ENTROPY in needs), TOKEN_KL in needs,
                 )
                 # Put the batch's tokens back at their rows' places in the unit's flat token order.
@@ -164,6 +169,7 @@ class ScoreJob:
             per_token["teacher_logprobs"] = by_engine["logprobs"]
             if topk:
                 per_token["teacher_topk_ids"], per_token["teacher_topk_logprobs"] = by_engine["topk_ids"], by_engine["topk_logprobs"]
+                per_token["teacher_rest_logprob"] = rest_logprob_from_topk(by_engine["topk_logprobs"])
         aligned = None
         if self.cross is not None:
             by_id = {p["prompt_id"]: p for p in self.run.prompts("train")}
@@ -182,7 +188,9 @@ class ScoreJob:
         if sc.dtype == "bfloat16":
             # Rounded before anything is derived from them, so the row sums below, normalize's token
             # statistics and train's old log-probs all see the stored values.
-            per_token = {k: round_to_bfloat16(v) if v.dtype == np.float32 else v for k, v in per_token.items()}
+            # The teacher's rest log-prob stays float32: it is kept because it is exact where the
+            # top-k values cannot give it (a rest of 1e-9 next to bf16 top-k mass is all rounding).
+            per_token = {k: round_to_bfloat16(v) if v.dtype == np.float32 and k != "teacher_rest_logprob" else v for k, v in per_token.items()}
         c = clamped_score(per_token["teacher_logprobs"], per_token["student_logprobs"], self.cfg.method.clamp)
         masks = student_mask
         if aligned is not None:  # unaligned student tokens count nowhere
@@ -239,6 +247,15 @@ class ScoreJob:
             metrics["cross_tokenizer/unaligned_tokens"] = unaligned
             metrics["cross_tokenizer/unaligned_fraction"] = unaligned / max(unaligned + metrics["tokens"], 1)
         return metrics
+
+
+def rest_logprob_from_topk(topk_logprobs: np.ndarray) -> np.ndarray:
+    """[N, k] top-k log-probs -> [N] float32 log(1 - sum_k p), the teacher's rest mass where only its
+    top-k is known (score.backend vllm): computed in float64 as log(-expm1(logsumexp)), with the mass
+    floored at REST_MASS_FLOOR as train's own recomputation does. Exact only to the top-k's rounding:
+    a true rest below ~1e-7 comes out as noise (the HF backend stores the full softmax's instead)."""
+    lse = np.logaddexp.reduce(np.asarray(topk_logprobs, dtype=np.float64), axis=-1)
+    return np.log(np.maximum(-np.expm1(lse), REST_MASS_FLOOR)).astype(np.float32)
 
 
 def token_metric_sums(per_token: dict, sampler_logprobs: np.ndarray | None, student_tokens: np.ndarray) -> dict:

@@ -31,7 +31,7 @@ from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.runs import Run
 from gndpo.stages.device import local_device, set_cpu_threads
-from gndpo.stages.logprobs import make_batch, policy_token_logprobs, token_budget_batches
+from gndpo.stages.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
 from gndpo.stages.modeling import load_tokenizer
 from gndpo.stages.train_batch import TrainRow, load_share
 from gndpo.stages.live import LiveModels
@@ -109,12 +109,14 @@ class TrainJob:
         self.policy_loss, self.loss_agg = policy_settings(cfg.method)
         # A div term is computed only where the method stored the teacher top-k for one.
         self.divergence = divergence_of(cfg.method, self.round) if TOPK in score_needs(cfg.method) else None
-        steps = self.plan_steps(share)
-
         policy = self.run.policy_path(self.round)
         self.live.release_engine()
         self.live.release_modules()
         engine, continued = self.live.train_engine(cfg, policy, self.run.policy_dir(self.round), world)
+        # Positions per output-layer chunk (model.logits_budget_mib over the vocabulary); every rank
+        # plans its chunk counts with it, so the model must exist first.
+        self.chunk = logits_chunk(engine.module, cfg.model)
+        steps = self.plan_steps(share)
         torch.manual_seed(cfg.train.seed)
         self.pad_id = load_tokenizer(policy).pad_token_id or 0
         # A retried attempt continues from the newest checkpoint of an earlier attempt, so optimizer
@@ -164,7 +166,7 @@ class TrainJob:
         normalisers), and how many micro-batches and output chunks to run, the maximum over ranks.
         Equal counts keep collective calls aligned (gradient all-reduce, and ZeRO-3's per-call parameter
         gathers)."""
-        tc, chunk = self.cfg.train, self.cfg.model.token_chunk
+        tc, chunk = self.cfg.train, self.chunk
         micros = [
             [[rows[i] for i in idx] for idx in token_budget_batches(np.array([r.tokens for r in rows]), tc.max_tokens_per_batch, tc.micro_batch_size)]
             for rows in share.steps
@@ -222,14 +224,14 @@ class TrainJob:
         cfg, device = self.cfg, self.device
         if not micro:
             batch = make_batch([[self.pad_id]], [[self.pad_id]], self.pad_id, device)
-            logp, _, pad_term = policy_token_logprobs(model, batch, cfg.model.token_chunk, cfg.rollout.temperature, None, min_chunks)
+            logp, _, pad_term = policy_token_logprobs(model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, None, min_chunks)
             return logp.sum() * 0.0 + pad_term, (0.0, 0.0, 0.0)
         batch = make_batch([r.prompt for r in micro], [r.response for r in micro], self.pad_id, device)
         topk_ids = None
         if self.divergence is not None:
             topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro])).to(device)
         flat_logp, flat_topk, pad_term = policy_token_logprobs(
-            model, batch, cfg.model.token_chunk, cfg.rollout.temperature, topk_ids, min_chunks
+            model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, topk_ids, min_chunks
         )
         logp = batch.padded(flat_logp)
         width = logp.shape[1]
@@ -237,7 +239,7 @@ class TrainJob:
         mask = resp_mask * padded(micro, "mask", width, device)
         pg_mask = resp_mask * padded(micro, "pg_mask", width, device)
         old = padded(micro, "old_logp", width, device)
-        student_topk = teacher_topk = None
+        student_topk = teacher_topk = teacher_rest = None
         if self.divergence is not None:
             # Padding positions get a uniform (k+1)-bucket distribution for both models, so every
             # divergence form is finite there (then masked out): a NaN times 0 would still be NaN.
@@ -246,10 +248,14 @@ class TrainJob:
             student_topk = batch.padded(flat_topk, fill)
             teacher_topk = padded(micro, "topk_logp", width, device)
             teacher_topk[resp_mask == 0] = fill
+            if all(r.topk_rest is not None for r in micro):  # else (older shards) the loss recomputes it
+                teacher_rest = padded(micro, "topk_rest", width, device)
+                teacher_rest[resp_mask == 0] = fill
         losses, was_clipped = combined_token_losses(
             self.policy_loss, self.divergence, logp, old, padded(micro, "adv", width, device), pg_mask,
             padded(micro, "div", width, device), student_topk, teacher_topk,
             cfg.method.clip_low, cfg.method.clip_high, cfg.method.jsd_beta, topk_form=cfg.method.topk_form,
+            teacher_rest_logp=teacher_rest,
         )
         weights = torch.tensor([r.weight for r in micro], dtype=torch.float32, device=device).unsqueeze(-1)
         loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens, weight_sum)

@@ -47,6 +47,9 @@ class TrainRow:
     weight: float
     topk_ids: np.ndarray | None = None
     topk_logp: np.ndarray | None = None
+    # log of the teacher's mass outside its top-k, per token; None where score did not store it (shards
+    # written before it did: the loss then recomputes it from the top-k).
+    topk_rest: np.ndarray | None = None
 
     @property
     def tokens(self) -> int:
@@ -61,6 +64,12 @@ class RoundShare:
 
     steps: list[list[TrainRow]]
     step_sizes: list[int]
+
+
+def topk_columns(available: list[str]) -> list[str]:
+    """The score columns a top-k method reads: the teacher's ids and log-probs, and its rest log-prob
+    where the shards have it (older ones do not)."""
+    return ["teacher_topk_ids", "teacher_topk_logprobs"] + (["teacher_rest_logprob"] if "teacher_rest_logprob" in available else [])
 
 
 def step_order(rollout_ids: list[str], seed: int, round_idx: int, optimizer_steps: int) -> list[list[str]]:
@@ -81,7 +90,8 @@ def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     rollout_files = rollout_shards(run.records(round_idx, "rollout").require_manifest())
     score_files = manifest_files(run.records(round_idx, "score").require_manifest())
     rollouts = read_shards(run.fs, rollout_files).select(ROLLOUT_COLUMNS)
-    scores = read_shards(run.fs, score_files).select(SCORE_COLUMNS + (["teacher_topk_ids", "teacher_topk_logprobs"] if needs_topk else []))
+    scores = read_shards(run.fs, score_files)
+    scores = scores.select(SCORE_COLUMNS + (topk_columns(scores.column_names) if needs_topk else []))
     all_ids = rollouts.column("rollout_id").to_pylist()
     if len(set(all_ids)) != len(all_ids) or scores.num_rows != len(all_ids):
         raise GndpoError(f"round {round_idx}: {scores.num_rows} score rows for {len(all_ids)} rollouts")
@@ -113,7 +123,7 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
     score_row = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
     teachers = scores.column("teacher").to_pylist()
     r = {name: flat_values(rollouts.column(name)) for name in ("prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs")}
-    optional = ["teacher_entropy", "student_entropy", "token_kl"] + (["teacher_topk_ids", "teacher_topk_logprobs"] if needs_topk else [])
+    optional = ["teacher_entropy", "student_entropy", "token_kl"] + (topk_columns(scores.column_names) if needs_topk else [])
     s = {name: flat_values(scores.column(name)) for name in ["teacher_logprobs", "student_logprobs"] + optional}
     present = {name for name in optional if scores.column(name).null_count < scores.num_rows}
     cross = run.cfg.score.cross_tokenizer
@@ -151,5 +161,6 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
             adv=t.adv, pg_mask=t.pg_mask, div=t.div, mask=t.mask, weight=t.weight,
             topk_ids=view(s, "teacher_topk_ids", j, np.int64) if needs_topk else None,
             topk_logp=view(s, "teacher_topk_logprobs", j) if needs_topk else None,
+            topk_rest=rest if "teacher_rest_logprob" in present and len(rest := view(s, "teacher_rest_logprob", j)) == n else None,
         )
     return out

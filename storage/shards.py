@@ -73,6 +73,11 @@ SCORES = pa.schema(
         # Top-k as fixed-size lists: one flat buffer per column that readers view as [tokens, k].
         ("teacher_topk_ids", pa.list_(pa.list_(pa.int32(), 16))),
         ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32(), 16))),
+        # With the top-k: log of the teacher's mass outside its top-k ids (the "rest" bucket), from the
+        # full softmax (a logsumexp over the other ids), never 1 - sum(p), which is rounding noise for a
+        # confident teacher; float32 even under score.dtype bfloat16. Shards written before it have no
+        # such column: train then recomputes the rest from the top-k, as it used to.
+        ("teacher_rest_logprob", pa.list_(pa.float32())),
         ("teacher_entropy", pa.list_(pa.float32())),
         ("student_entropy", pa.list_(pa.float32())),
         ("token_kl", pa.list_(pa.float32())),

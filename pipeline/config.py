@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import string
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -157,12 +158,52 @@ class MethodConfig:
     # top-k mass), so student mass outside the teacher's top-k is paid for; "renormalized" compares both
     # models renormalized over the k ids (the student's tail is then free).
     topk_form: str = "bucket"
+    # OPSD's point-wise clipping of top-k divergences: each bucket's contribution to the per-token
+    # divergence (a teacher top-k id, or the rest) is clamped from above at this value before the sum,
+    # so a few tokens (style words) cannot dominate the loss; 0 = off. Sampled-token methods have
+    # method.clamp, the same idea on lpT - lpS.
+    pointwise_clip: NonNegative = 0.0
     tip: TipConfig = field(default_factory=TipConfig)
     paced: PacedConfig = field(default_factory=PacedConfig)
     tropd: TropdConfig = field(default_factory=TropdConfig)
     eopd: EopdConfig = field(default_factory=EopdConfig)
     reopold: ReopoldConfig = field(default_factory=ReopoldConfig)
     outcome: OutcomeConfig = field(default_factory=OutcomeConfig)
+
+
+SELF_TEACHER_WEIGHTS = ("frozen", "live", "ema")
+SELF_TEACHER = "self"  # ``teacher: self``: the student model is its own teacher
+
+
+@dataclass
+class SelfTeacherConfig:
+    """``teacher: self`` (on-policy self-distillation): which weights of the student score its rollouts."""
+
+    # frozen: the run's initial student (OPSD's default); live: the round's rollout policy; ema: an
+    # exponential moving average of the student, updated by train after every optimizer step
+    # (theta_ema <- ema_decay theta_ema + (1 - ema_decay) theta, starting from the initial student)
+    # and exported beside each round's model.
+    weights: str = "frozen"
+    ema_decay: Annotated[float, Range(gt=0, lt=1)] = 0.999
+
+
+@dataclass
+class TeacherContextConfig:
+    """A privileged context only the teacher sees: the teacher's prompt is ``messages`` rendered through
+    the teacher's chat template (each turn's content a Python format string over the prompt row's
+    columns, e.g. "{prompt}\\n\\nA verified solution: {solution}"), and the student's response ids follow
+    it unchanged. Empty: the teacher sees the student's prompt."""
+
+    messages: list = field(default_factory=list)  # [{role, content}], content with {column} placeholders
+    # OP2SD's ablation: every placeholder but {prompt} filled from another, seeded prompt of the set
+    # (never the prompt itself), so the context is real but about a different problem.
+    other_problem: bool = False
+    seed: NonNegativeInt = 0
+
+    def columns(self) -> tuple[str, ...]:
+        """The prompt-row columns the turns name, in order of first use ({prompt} included)."""
+        names = [field for turn in self.messages for _, field, _, _ in string.Formatter().parse(turn["content"]) if field is not None]
+        return tuple(dict.fromkeys(names))
 
 
 @dataclass
@@ -305,6 +346,8 @@ class Config:
     student: str = ""
     teacher: str = ""
     teachers: dict = field(default_factory=dict)  # several teachers: {name: model path}, instead of teacher
+    self_teacher: SelfTeacherConfig = field(default_factory=SelfTeacherConfig)  # with teacher: self
+    teacher_context: TeacherContextConfig = field(default_factory=TeacherContextConfig)
     reward: str = "exact_match"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -383,6 +426,7 @@ def _check_combinations(cfg: Config) -> None:
         ("score.backend", cfg.score.backend, SCORE_BACKENDS),
         ("score.teacher_mix", cfg.score.teacher_mix, TEACHER_MIXES),
         ("method.stats_scope", cfg.method.stats_scope, STATS_SCOPES),
+        ("self_teacher.weights", cfg.self_teacher.weights, SELF_TEACHER_WEIGHTS),
         ("logging.wandb_mode", cfg.logging.wandb_mode, WANDB_MODES),
     ):
         if value not in choices:
@@ -396,6 +440,7 @@ def _check_combinations(cfg: Config) -> None:
             raise GndpoError(f"config key teachers must map two or more names to model paths, got {cfg.teachers!r}")
         if cfg.score.backend == "vllm":
             raise GndpoError("several teachers are scored with score.backend hf only (one teacher per vLLM engine is not built yet)")
+    _check_self_distillation(cfg)
     if cfg.score.cross_tokenizer:
         for other, clash in (("teachers", bool(cfg.teachers)), ("score.backend vllm", cfg.score.backend == "vllm"),
                              ("rollout.tools", bool(rc.tools)), ("rollout.guided_fraction", rc.guided_fraction > 0)):
@@ -417,6 +462,30 @@ def _check_combinations(cfg: Config) -> None:
             f"config key rollout.guide_prefix_tokens ({rc.guide_prefix_tokens}) must be below rollout.max_tokens "
             f"({rc.max_tokens}) when rollout.guided_fraction > 0: the student must write part of each response"
         )
+
+
+def _check_self_distillation(cfg: Config) -> None:
+    """``teacher: self`` and ``teacher_context``: combinations that cannot work, and turns that are not
+    {role, content} format strings."""
+    if cfg.teacher == SELF_TEACHER:
+        for other, clash in (("teachers", bool(cfg.teachers)), ("score.cross_tokenizer", cfg.score.cross_tokenizer),
+                             ("rollout.guided_fraction", cfg.rollout.guided_fraction > 0)):
+            if clash:
+                raise GndpoError(f"teacher: self (self-distillation) cannot be combined with {other}")
+        if cfg.self_teacher.weights == "ema" and cfg.train.zero_stage == 3:
+            raise GndpoError("self_teacher.weights ema keeps the average on each rank: use train.zero_stage 0-2")
+    for i, turn in enumerate(cfg.teacher_context.messages):
+        if not (isinstance(turn, dict) and set(turn) == {"role", "content"} and all(isinstance(v, str) for v in turn.values())):
+            raise GndpoError(f"config key teacher_context.messages: turn {i} must be {{role: ..., content: ...}} strings, got {turn!r}")
+    try:
+        names = cfg.teacher_context.columns()
+    except ValueError as exc:  # an unmatched brace
+        raise GndpoError(f"config key teacher_context.messages: {exc}") from None
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise GndpoError(f"config key teacher_context.messages: {{{bad[0]}}} is not a column name (write {{{{ and }}}} for literal braces)")
+    if cfg.teacher_context.other_problem and not cfg.teacher_context.messages:
+        raise GndpoError("teacher_context.other_problem needs teacher_context.messages (the context to take from another prompt)")
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -451,7 +520,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     data = apply_overrides(data, list(overrides))
     cfg = config_from_dict(data)
     cfg.student = _resolve(cfg.student, base)
-    cfg.teacher = _resolve(cfg.teacher, base)
+    cfg.teacher = cfg.teacher if cfg.teacher == SELF_TEACHER else _resolve(cfg.teacher, base)
     cfg.teachers = {name: _resolve(path, base) for name, path in cfg.teachers.items()}
     cfg.data.train = _resolve(cfg.data.train, base)
     cfg.data.heldout = _resolve(cfg.data.heldout, base)

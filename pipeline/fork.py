@@ -21,7 +21,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config import Config, apply_overrides, config_from_dict
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.rewards import run_rewards
-from gndpo.pipeline.runs import PROMPT_SPLITS, Run, check_models, check_precision, check_routes, open_run
+from gndpo.pipeline.runs import PROMPT_SPLITS, Run, check_models, check_precision, check_routes, check_teacher_prompts, open_run
 from gndpo.storage.runfs import RunFS
 
 # What a round's rollouts depend on besides the seeds: a fork keeps them as they were.
@@ -56,6 +56,7 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     check_precision(cfg)
     check_models(cfg)
     check_routes(cfg, parent.prompts("train"))
+    check_teacher_prompts(cfg, parent.prompts("train"))
     lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}
     body = yaml.safe_dump({**cfg.to_dict(), "lineage": lineage}, sort_keys=False).encode()
     fs = RunFS(url)

@@ -66,10 +66,14 @@ def check_messages(value, where: str) -> list[dict]:
     return turns
 
 
+BUILT_IN = ("prompt_id", "prompt", "messages", "answer")
+
+
 def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages",
-                 teacher_key: str = "teacher") -> pl.DataFrame:
+                 teacher_key: str = "teacher", keep: tuple = ()) -> pl.DataFrame:
     """Read and validate a prompts file into (prompt_id, prompt, messages, answer); any problem is a
-    GndpoError. A file with a ``messages_key`` column is read as conversations, else ``prompt_key``."""
+    GndpoError. A file with a ``messages_key`` column is read as conversations, else ``prompt_key``.
+    ``keep``: more columns to keep as text (those a teacher context names); each must exist."""
     df = read_table_url(url)
     chat = messages_key in df.columns
     for key in (messages_key if chat else prompt_key, answer_key):
@@ -88,6 +92,10 @@ def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer
         messages = [None] * len(prompts)
         ids = [prompt_id(p) if p else "" for p in prompts]
     extra = {name: json_column(df[name].to_list()) for name in TOOL_COLUMNS if name in df.columns}
+    for name in (k for k in keep if k not in BUILT_IN):  # a teacher context's columns (self-distillation)
+        if name not in df.columns:
+            raise GndpoError(f"teacher_context names column {name!r}, which prompts file {url} does not have (columns: {', '.join(df.columns)})")
+        extra[name] = json_column(df[name].to_list())
     if teacher_key in df.columns:  # the teacher a prompt is routed to (several teachers)
         extra["teacher"] = df[teacher_key].cast(pl.Utf8, strict=False).to_list()
     out = pl.DataFrame(

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import Config, config_from_dict, config_to_yaml
+from gndpo.pipeline.config import SELF_TEACHER, Config, config_from_dict, config_to_yaml
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.prompts import load_prompts
 from gndpo.pipeline.rewards import check_rewards
@@ -62,6 +62,27 @@ class Run:
             return None
         return self.records(round_idx - 1, "train").require_manifest()["metrics"]["model_dir"]
 
+    def teacher_models(self, round_idx: int) -> dict[str, str]:
+        """{name recorded per score row: local model folder} of the teachers that score ``round_idx``:
+        the config's, or with ``teacher: self`` the student's weights ``self_teacher.weights`` names
+        (frozen: the initial student; live: the round's policy; ema: the average train exported with
+        the previous round's model, the initial student in round 0)."""
+        if self.cfg.teacher != SELF_TEACHER:
+            return self.cfg.teacher_models()
+        weights = self.cfg.self_teacher.weights
+        if weights == "frozen" or round_idx == 0:
+            path = self.policy_path(0)
+        elif weights == "live":
+            path = self.policy_path(round_idx)
+        else:
+            records = self.records(round_idx - 1, "train")
+            path = records.run.local_dir(records.require_manifest()["metrics"]["ema_dir"], model_cache_dir())
+        return {f"self/{weights}": path}
+
+    def teacher_changes(self) -> bool:
+        """Whether the teacher's weights differ from round to round (a self-teacher that follows the student)."""
+        return self.cfg.teacher == SELF_TEACHER and self.cfg.self_teacher.weights != "frozen"
+
     def latest_policy(self) -> tuple[int, str]:
         """(policy version, local path) of the newest committed student."""
         version = 0
@@ -93,7 +114,8 @@ def check_models(cfg: Config) -> None:
     would compare log-probs of different tokens)."""
     from gndpo.stages.modeling import check_same_tokenizer
 
-    roles = {"student": cfg.student, **({f"teachers.{n}": p for n, p in cfg.teachers.items()} or {"teacher": cfg.teacher})}
+    teachers = {} if cfg.teacher == SELF_TEACHER else {f"teachers.{n}": p for n, p in cfg.teachers.items()} or {"teacher": cfg.teacher}
+    roles = {"student": cfg.student, **teachers}
     for role, path in roles.items():
         if not path:
             raise GndpoError(f"config has no {role} model path")
@@ -101,7 +123,7 @@ def check_models(cfg: Config) -> None:
             raise GndpoError(f"{role} model path does not exist: {path}")
     if cfg.score.cross_tokenizer:  # log-probs are mapped by character offsets (gndpo.stages.align)
         return
-    for path in cfg.teacher_models().values():
+    for path in teachers.values():
         check_same_tokenizer(cfg.student, path)
 
 
@@ -169,6 +191,31 @@ def check_context(cfg: Config, splits: dict) -> None:
         )
 
 
+def check_teacher_prompts(cfg: Config, train: list[dict]) -> None:
+    """Each teacher can read every training prompt as score will give it: through its chat template
+    (a cross-tokenizer teacher renders prompts itself) and with the teacher context, and the longest
+    such prompt plus the response budget fits the teacher's context length. Errors name the teacher."""
+    if not (cfg.teacher_context.messages or cfg.score.cross_tokenizer):
+        return
+    from gndpo.stages.engine import model_context_length, resolve_max_model_len
+    from gndpo.stages.modeling import load_tokenizer
+    from gndpo.stages.teacher_context import TeacherPrompts
+
+    paths = {"teacher (self)": cfg.student} if cfg.teacher == SELF_TEACHER else {f"teacher {p}": p for p in cfg.teacher_models().values()}
+    for name, path in paths.items():
+        try:
+            prompts = TeacherPrompts(load_tokenizer(path), cfg.data, cfg.teacher_context, train)
+            longest = max(len(prompts.token_ids(row)) for row in train)
+        except GndpoError as exc:
+            raise GndpoError(f"{name}: {exc}") from None
+        limit = resolve_max_model_len(path, cfg.score.engine) if cfg.score.backend == "vllm" else model_context_length(path)
+        if longest + cfg.rollout.response_tokens > limit:
+            raise GndpoError(
+                f"{name}: its longest prompt ({longest} tokens with the teacher context) plus {cfg.rollout.response_tokens} "
+                f"response tokens exceeds its context length {limit}: shorten teacher_context.messages or the responses"
+            )
+
+
 def check_routes(cfg: Config, train: list[dict]) -> None:
     """With several teachers routed by prompt, every training prompt (a prompt-table row) names one."""
     if not cfg.teachers or cfg.score.teacher_mix != "route":
@@ -223,11 +270,13 @@ def init_run(url: str, cfg: Config) -> Run:
         source = getattr(cfg.data, split)
         if not source:
             raise GndpoError(f"config has no data.{split} prompts file")
-        splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key, cfg.data.teacher_key)
+        splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key, cfg.data.teacher_key,
+                                     keep=cfg.teacher_context.columns() if split == "train" else ())
     check_context(cfg, splits)
     check_rewards(cfg, splits["train"].row(0, named=True))
     check_tools(cfg, splits["train"].row(0, named=True))
     check_routes(cfg, splits["train"].to_dicts())
+    check_teacher_prompts(cfg, splits["train"].to_dicts())
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
     if not fs.create("run.yaml", config_to_yaml(cfg).encode()):

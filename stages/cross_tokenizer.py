@@ -15,10 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gndpo.pipeline.config import DataConfig
 from gndpo.stages.align import align_by_offsets, token_offsets
-from gndpo.stages.chat import render_prompt
 from gndpo.stages.logprobs import chunks, head_logprobs, make_batch, response_hidden, token_budget_batches
+from gndpo.stages.teacher_context import TeacherPrompts
 
 
 @torch.no_grad()
@@ -33,8 +32,9 @@ def token_logprobs(model, batch, token_chunk: int) -> torch.Tensor:
 class CrossTokenizerTeacher:
     """A teacher module with its own tokenizer, scoring responses written in the student's tokens."""
 
-    def __init__(self, model, teacher_tok, student_tok, data: DataConfig, device, token_chunk: int, max_tokens: int, max_rows: int):
-        self.model, self.teacher_tok, self.student_tok, self.data = model, teacher_tok, student_tok, data
+    def __init__(self, model, prompts: TeacherPrompts, student_tok, device, token_chunk: int, max_tokens: int, max_rows: int):
+        """``prompts`` renders each prompt row as the teacher reads it (its chat template, its context)."""
+        self.model, self.prompts, self.teacher_tok, self.student_tok = model, prompts, prompts.tok, student_tok
         self.device, self.token_chunk, self.max_tokens, self.max_rows = device, token_chunk, max_tokens, max_rows
 
     def score(self, rows: list[dict], responses: list[np.ndarray], student_lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -44,7 +44,7 @@ class CrossTokenizerTeacher:
         for row, ids in zip(rows, responses):
             text, spans = token_offsets(self.student_tok, ids)
             enc = self.teacher_tok(text, add_special_tokens=False, return_offsets_mapping=True)
-            prompts.append(render_prompt(self.teacher_tok, row, self.data).token_ids)
+            prompts.append(self.prompts.token_ids(row))
             teacher_ids.append(list(enc["input_ids"]))
             alignments.append(align_by_offsets(spans, [tuple(o) for o in enc["offset_mapping"]]))
         teacher_lp = self._teacher_logprobs(prompts, teacher_ids)

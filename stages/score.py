@@ -37,6 +37,7 @@ from gndpo.stages.engine import response_logprobs, vocabulary_size
 from gndpo.stages.logprobs import logits_chunk, make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.live import LiveModels
 from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
+from gndpo.stages.teacher_context import TeacherPrompts
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import flat_values, list_column, read_shard, round_to_bfloat16, scores_schema, write_shard
 from gndpo.pipeline.logs import info
@@ -83,7 +84,9 @@ class ScoreJob:
     def setup(self):
         set_cpu_threads()
         policy = self.run.policy_path(self.round)
-        models = self.cfg.teacher_models()
+        # The teachers of this round: a self-teacher's weights may follow the student (live, ema).
+        self.models = models = self.run.teacher_models(self.round)
+        fixed = not self.run.teacher_changes()
         if not self.cfg.score.cross_tokenizer:
             for path in models.values():
                 check_same_tokenizer(policy, path)
@@ -95,18 +98,26 @@ class ScoreJob:
         self.teachers, self.teacher_engine, self.cross = {}, None, None
         if self.cfg.score.cross_tokenizer:  # the student pass runs alone; the teacher scores its own tokens
             sc = self.cfg.score
-            teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, self.device, fixed=True)
+            path = next(iter(models.values()))
+            teacher = self.live.causal_lm(path, self.cfg.model, self.device, fixed=True)
             self.cross = CrossTokenizerTeacher(
-                teacher, load_tokenizer(self.cfg.teacher), load_tokenizer(policy), self.cfg.data, self.device,
+                teacher, self._teacher_prompts(path), load_tokenizer(policy), self.device,
                 logits_chunk(teacher, self.cfg.model), sc.max_tokens_per_batch, sc.rows_per_chunk,
             )
         elif self.cfg.score.backend == "vllm":
-            self.teacher_engine = self.live.teacher_engine(self.cfg.teacher, self.cfg.score.engine, self.cfg.score.teacher_topk)
+            self.teacher_engine = self.live.teacher_engine(next(iter(models.values())), self.cfg.score.engine, self.cfg.score.teacher_topk)
         else:
-            self.teachers = {name: self.live.causal_lm(path, self.cfg.model, self.device, fixed=True) for name, path in models.items()}
+            # A live self-teacher is the round's policy: the student module scores as both.
+            self.teachers = {name: self.student if path == policy else self.live.causal_lm(path, self.cfg.model, self.device, fixed=fixed)
+                             for name, path in models.items()}
+        # With a teacher context the teacher reads its own prompt before the same response ids.
+        self.teacher_prompts = self._teacher_prompts(next(iter(models.values()))) if self.cfg.teacher_context.messages else None
         self.routes = {}
         if self.cfg.teachers and self.cfg.score.teacher_mix == "route":
             self.routes = {p["prompt_id"]: p["teacher"] for p in self.run.prompts("train")}
+
+    def _teacher_prompts(self, teacher_path: str) -> TeacherPrompts:
+        return TeacherPrompts(load_tokenizer(teacher_path), self.cfg.data, self.cfg.teacher_context, self.run.prompts("train"))
 
     def teacher_groups(self, prompt_ids: list[str]) -> dict[str, tuple[object, list[int]]]:
         """{label recorded per row: (the teacher module(s) that score those rows, the rows)}: each row's
@@ -120,7 +131,7 @@ class ScoreJob:
         rows = list(range(len(prompt_ids)))
         if len(self.teachers) > 1:  # score.teacher_mix mean
             return {f"mean({','.join(self.teachers)})": (list(self.teachers.values()), rows)}
-        return {self.cfg.teacher: (next(iter(self.teachers.values()), None), rows)}
+        return {next(iter(self.models)): (next(iter(self.teachers.values()), None), rows)}
 
     @torch.no_grad()
     def run_unit(self, unit, out_dir):
@@ -132,10 +143,14 @@ class ScoreJob:
         temps = table.column("temperature").to_pylist()
         temperature = temps[0] if temps else 1.0
         # At most the vocabulary: the HF backend's torch.topk and vLLM both stop there.
-        first_teacher = next(iter(self.cfg.teacher_models().values()))
+        first_teacher = next(iter(self.models.values()))
         topk = min(sc.teacher_topk, vocabulary_size(first_teacher)) if TOPK in needs else 0
         per_token: dict[str, np.ndarray] = {}
         labels = [""] * table.num_rows
+        teacher_prompts = None  # per row, where the teacher reads a context of its own
+        if self.teacher_prompts is not None:
+            by_id = {p["prompt_id"]: p for p in self.run.prompts("train")}
+            teacher_prompts = [self.teacher_prompts.token_ids(by_id[pid]) for pid in table.column("prompt_id").to_pylist()]
         for label, (teacher, members) in self.teacher_groups(table.column("prompt_id").to_pylist()).items():
             members = np.asarray(members)
             for i in members:
@@ -147,12 +162,16 @@ class ScoreJob:
                     [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in rows],
                     [responses[offsets[i] : offsets[i + 1]] for i in rows], self.pad_id, self.device,
                 )
+                teacher_batch = None if teacher_prompts is None or teacher is None else make_batch(
+                    [teacher_prompts[i] for i in rows], [responses[offsets[i] : offsets[i + 1]] for i in rows], self.pad_id, self.device,
+                )
                 # The round's entropy metrics need both entropies even where the method stores no
                 # entropy column (logging.entropy_metrics: one more pass over each chunk's log-probs).
                 metric = self.cfg.logging.entropy_metrics
                 stats = pair_token_stats(
                     teacher, self.student, batch, logits_chunk([self.student, *self.teachers.values()], self.cfg.model), temperature, topk,
                     ((metric and teacher is not None) or TEACHER_ENTROPY in needs, metric or STUDENT_ENTROPY in needs), TOKEN_KL in needs,
+                    teacher_batch=teacher_batch,
                 )
                 # Put the batch's tokens back at their rows' places in the unit's flat token order.
                 where = np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in rows] + [np.zeros(0, np.int64)])
@@ -163,7 +182,7 @@ class ScoreJob:
                     per_token[name][where] = values
         if self.teacher_engine is not None:  # the teacher's columns, from its engine, in the same token order
             by_engine = response_logprobs(
-                self.teacher_engine, [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in range(len(lengths))],
+                self.teacher_engine, teacher_prompts or [prompts[prompt_offsets[i] : prompt_offsets[i + 1]] for i in range(len(lengths))],
                 [responses[offsets[i] : offsets[i + 1]] for i in range(len(lengths))], topk,
             )
             per_token["teacher_logprobs"] = by_engine["logprobs"]

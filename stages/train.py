@@ -29,13 +29,17 @@ from gndpo.faults import crash_point
 from gndpo.pipeline.losses import aggregate, combined_token_losses
 from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
+from gndpo.pipeline.config import SELF_TEACHER
 from gndpo.pipeline.runs import Run
 from gndpo.stages.device import local_device, set_cpu_threads
 from gndpo.stages.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
 from gndpo.stages.modeling import load_tokenizer
+from gndpo.stages.ema import EMA_FILE, EmaWeights
+from gndpo.stages.probe import probe_logprobs, write_probe
 from gndpo.stages.train_batch import TrainRow, load_share
 from gndpo.stages.live import LiveModels
 from gndpo.stages.train_engine import export_model, isolate_extension_builds, load_state, save_state
+from gndpo.storage.shards import verified_bytes
 from gndpo.pipeline import progress
 from gndpo.pipeline.logs import adopt_library_loggers, info
 
@@ -121,12 +125,17 @@ class TrainJob:
         self.pad_id = load_tokenizer(policy).pad_token_id or 0
         # A retried attempt continues from the newest checkpoint of an earlier attempt, so optimizer
         # steps already taken are not repeated (the mini-batch order is seeded by round, not attempt).
+        # With an EMA self-teacher, the average the previous round exported (the initial student in
+        # round 0), continued from a checkpoint below when the update resumes.
+        self.ema = self._start_ema(engine.module)
         history = self._resume(engine, rank)
         resumed = bool(history) or continued or self._continue_optimizer(engine)
         with progress.task(f"train r{self.round}", total=len(steps), unit="steps") as bar:
             bar.advance(len(history))
             for i in range(len(history), len(steps)):
                 history.append(self.optimizer_step(engine, **steps[i]))
+                if self.ema is not None:
+                    self.ema.update(engine.module)
                 step = history[-1]
                 logging.getLogger(__name__).debug("train r%d step %d/%d: loss %+.5f grad_norm %.4f", self.round, i + 1, len(steps), step["loss"], step["grad_norm"])
                 bar.advance(1, tokens=steps[i]["n_tokens"])
@@ -149,8 +158,18 @@ class TrainJob:
         files = []
         with tempfile.TemporaryDirectory() as tmp:
             export_model(engine, policy, tmp, tc.zero_stage, rank)
+            # What the next round's rollout engine must reproduce (gndpo.stages.probe); every rank
+            # runs the forward, as ZeRO-3 gathers weights collectively.
+            probe = self._probe(engine, policy)
             if rank == 0:
+                write_probe(tmp, probe)
                 files = self.run.fs.upload_dir(tmp, f"{out_dir}/model")
+        if self.ema is not None and rank == 0:  # the next round's EMA teacher
+            with tempfile.TemporaryDirectory() as tmp:
+                self.ema.export(engine.module, tmp)
+                load_tokenizer(policy).save_pretrained(tmp)
+                files += self.run.fs.upload_dir(tmp, f"{out_dir}/ema")
+            summary["ema_dir"] = f"{out_dir}/ema"
         if tc.carry_optimizer_state:
             records = save_state(engine, self.run.fs, f"{out_dir}/optimizer", rank, world)
             if rank == 0:
@@ -159,6 +178,20 @@ class TrainJob:
             # Without the carry the next round starts a fresh optimizer, so the engine is not kept.
             self.live.trained(engine, cfg, world, summary["model_dir"])
         return files, summary
+
+    def _start_ema(self, module) -> EmaWeights | None:
+        if not (self.cfg.teacher == SELF_TEACHER and self.cfg.self_teacher.weights == "ema"):
+            return None
+        return EmaWeights.start(module, self.run.teacher_models(self.round)["self/ema"], self.cfg.self_teacher.ema_decay)
+
+    def _probe(self, engine, policy: str) -> dict:
+        model = engine.module
+        was_training = model.training
+        model.eval()
+        try:
+            return probe_logprobs(model, min(len(load_tokenizer(policy)), model.config.vocab_size), self.pad_id)
+        finally:
+            model.train(was_training)
 
     def plan_steps(self, share) -> list[dict]:
         """Per optimizer step: this rank's token-budgeted micro-batches and the numbers every rank must
@@ -282,7 +315,10 @@ class TrainJob:
         base = f"{out_dir}/ckpt/step-{step:05d}"
         files = save_state(engine, self.run.fs, base, rank, self.world)
         if rank == 0:
-            self.run.fs.create_json(f"{base}.json", {"step": step, "history": history, "world": self.world, "files": files})
+            record = {"step": step, "history": history, "world": self.world, "files": files}
+            if self.ema is not None:
+                record["ema"] = self.run.fs.write_new(f"{base}/{EMA_FILE}", self.ema.to_bytes())
+            self.run.fs.create_json(f"{base}.json", record)
 
     def _resume(self, engine, rank: int) -> list[dict]:
         """Load the newest checkpoint an earlier attempt of this round left; returns its step history.
@@ -304,6 +340,8 @@ class TrainJob:
         self._resumed_after = 0
         if best[0] is None or not load_state(engine, self.run.fs, best[0], self.world):
             return []
+        if self.ema is not None:
+            self.ema.load_bytes(verified_bytes(self.run.fs, best[0]["ema"]))
         self._resumed_after = best[0]["step"]
         self.log(f"train r{self.round}: resuming after step {best[0]['step']} from a checkpoint")
         return list(best[0]["history"])
@@ -330,6 +368,7 @@ class TrainJob:
         return {
             "policy_version": self.round + 1,
             "model_dir": c["model_dir"],
+            **({"ema_dir": c["ema_dir"]} if c.get("ema_dir") else {}),
             "loss_mean": float(np.mean([s["loss"] for s in steps])),
             "grad_norm_mean": float(norms.mean()),
             "grad_norm_max": float(norms.max()),

@@ -115,17 +115,21 @@ def _with_rest_bucket(topk_logp: torch.Tensor, rest_logp: torch.Tensor | None = 
     return torch.cat([topk_logp, rest], dim=-1)
 
 
-def _divergence(kind: str, log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float) -> torch.Tensor:
-    """forward_kl / reverse_kl / jsd between two distributions given as log-probs over the last dim."""
+def _divergence(kind: str, log_ps: torch.Tensor, log_pt: torch.Tensor, beta: float, clip: float = 0.0) -> torch.Tensor:
+    """forward_kl / reverse_kl / jsd between two distributions given as log-probs over the last dim.
+    ``clip`` > 0: each entry's contribution is clamped from above at ``clip`` before the sum (OPSD's
+    point-wise clipping, ``method.pointwise_clip``); a clamped entry passes no gradient."""
     pt, ps = log_pt.exp(), log_ps.exp()
     if kind == "forward_kl":
-        return (pt * (log_pt - log_ps)).sum(-1)
-    if kind == "reverse_kl":
-        return (ps * (log_ps - log_pt)).sum(-1)
-    if kind == "jsd":
+        terms = pt * (log_pt - log_ps)
+    elif kind == "reverse_kl":
+        terms = ps * (log_ps - log_pt)
+    elif kind == "jsd":
         log_m = torch.logsumexp(torch.stack([log_pt + math.log(beta), log_ps + math.log(1.0 - beta)]), dim=0)
-        return beta * (pt * (log_pt - log_m)).sum(-1) + (1.0 - beta) * (ps * (log_ps - log_m)).sum(-1)
-    raise ValueError(f"unknown divergence {kind!r}")
+        terms = beta * pt * (log_pt - log_m) + (1.0 - beta) * ps * (log_ps - log_m)
+    else:
+        raise ValueError(f"unknown divergence {kind!r}")
+    return (terms.clamp(max=clip) if clip > 0 else terms).sum(-1)
 
 
 def topk_divergence(
@@ -135,8 +139,11 @@ def topk_divergence(
     beta: float = 0.5,
     form: str = "bucket",
     teacher_rest_logp: torch.Tensor | None = None,
+    clip: float = 0.0,
 ) -> torch.Tensor:
     """Per-token divergence on the teacher's top-k ids (section 3, offline form), [..., k] -> [...].
+    ``clip`` > 0 clamps each bucket's (each id's) contribution from above before the sum (OPSD's
+    point-wise clipping: a few style tokens otherwise dominate a self-distillation loss).
 
     ``student_topk_logp`` are the student's FULL-softmax log-probs at the teacher's top-k ids,
     ``teacher_topk_logp`` the teacher's full-softmax log-probs at its own top-k ids.
@@ -172,16 +179,16 @@ def topk_divergence(
     if form == "renormalized":
         log_pt = teacher_topk_logp - torch.logsumexp(teacher_topk_logp, dim=-1, keepdim=True)
         if kind == "forward_kl":
-            pt = log_pt.exp()
-            return (pt * (log_pt - student_topk_logp)).sum(-1)
+            terms = log_pt.exp() * (log_pt - student_topk_logp)
+            return (terms.clamp(max=clip) if clip > 0 else terms).sum(-1)
         log_ps = student_topk_logp - torch.logsumexp(student_topk_logp, dim=-1, keepdim=True)
-        return _divergence(kind, log_ps, log_pt, beta)
+        return _divergence(kind, log_ps, log_pt, beta, clip)
     if form != "bucket":
         raise ValueError(f"unknown top-k divergence form {form!r}; choose one of {TOPK_FORMS}")
     dtype = torch.promote_types(torch.promote_types(student_topk_logp.dtype, teacher_topk_logp.dtype), torch.float32)
     log_ps = _with_rest_bucket(student_topk_logp.to(dtype).clamp(min=LOGP_FLOOR))
     log_pt = _with_rest_bucket(teacher_topk_logp.to(dtype).clamp(min=LOGP_FLOOR), teacher_rest_logp)
-    return _divergence(kind, log_ps, log_pt, beta)
+    return _divergence(kind, log_ps, log_pt, beta, clip)
 
 
 def combined_token_losses(
@@ -199,6 +206,7 @@ def combined_token_losses(
     jsd_beta: float = 0.5,
     topk_form: str = "bucket",
     teacher_rest_logp: torch.Tensor | None = None,
+    pointwise_clip: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A method's per-token loss: L_t = pg_mask_t L_pg_t + div_t D_t (policy_loss "none": no PG term,
     divergence None: no D term), and the 0/1 clipped-branch marker of the PG term. ``topk_form`` is
@@ -211,6 +219,7 @@ def combined_token_losses(
         losses = losses + pg * pg_mask
     if divergence is not None:
         losses = losses + div_weight * topk_divergence(
-            divergence, student_topk_logp, teacher_topk_logp, jsd_beta, form=topk_form, teacher_rest_logp=teacher_rest_logp
+            divergence, student_topk_logp, teacher_topk_logp, jsd_beta, form=topk_form, teacher_rest_logp=teacher_rest_logp,
+            clip=pointwise_clip,
         )
     return losses, clipped * pg_mask

@@ -288,7 +288,7 @@ class TrainJob:
             self.policy_loss, self.divergence, logp, old, padded(micro, "adv", width, device), pg_mask,
             padded(micro, "div", width, device), student_topk, teacher_topk,
             cfg.method.clip_low, cfg.method.clip_high, cfg.method.jsd_beta, topk_form=cfg.method.topk_form,
-            teacher_rest_logp=teacher_rest,
+            teacher_rest_logp=teacher_rest, pointwise_clip=cfg.method.pointwise_clip,
         )
         weights = torch.tensor([r.weight for r in micro], dtype=torch.float32, device=device).unsqueeze(-1)
         loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens, weight_sum)

@@ -99,6 +99,36 @@ def test_ema_follows_the_hand_computation_and_exports_it(tmp_path):
     assert all(torch.equal(again.tensors[k], ema.tensors[k]) for k in ema.tensors)
 
 
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("form", ["bucket", "renormalized"])
+def test_pointwise_clip_clamps_each_bucket_before_the_sum(kind, form):
+    """OPSD's point-wise clipping, re-derived in float64 over the k ids and the rest bucket."""
+    from gndpo.pipeline.losses import topk_divergence
+
+    torch.manual_seed(1)
+    vocab, k, beta, clip = 50, 6, 0.3, 0.05
+    s_full = torch.log_softmax(torch.randn(4, vocab, dtype=torch.float64) * 2, -1)
+    t_full = torch.log_softmax(torch.randn(4, vocab, dtype=torch.float64) * 3, -1)
+    t_top, ids = t_full.topk(k, -1)
+    s_top = s_full.gather(-1, ids)
+    if form == "bucket":
+        pt = torch.cat([t_top.exp(), 1 - t_top.exp().sum(-1, keepdim=True)], -1)
+        ps = torch.cat([s_top.exp(), 1 - s_top.exp().sum(-1, keepdim=True)], -1)
+    else:
+        pt, ps = torch.softmax(t_top, -1), torch.softmax(s_top, -1)
+        if kind == "forward_kl":  # the student's log-probs stay unrenormalized in this form
+            ps = s_top.exp()
+    m = beta * pt + (1 - beta) * ps
+    terms = {"forward_kl": pt * (pt.log() - ps.log()), "reverse_kl": ps * (ps.log() - pt.log()),
+             "jsd": beta * pt * (pt.log() - m.log()) + (1 - beta) * ps * (ps.log() - m.log())}[kind]
+    assert (terms > clip).any()  # the case clips something
+    expected = terms.clamp(max=clip).sum(-1)
+    got = topk_divergence(kind, s_top, t_top, beta, form=form, teacher_rest_logp=(1 - t_top.exp().sum(-1)).log(), clip=clip)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+    unclipped = topk_divergence(kind, s_top, t_top, beta, form=form, teacher_rest_logp=(1 - t_top.exp().sum(-1)).log())
+    assert (unclipped > got).any()
+
+
 # -- slow: through the stages ----------------------------------------------------------------------
 def fork(rolled_out, folder, *overrides):
     new = folder / "run"

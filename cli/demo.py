@@ -14,8 +14,9 @@ def demo(
     rounds: int = typer.Option(3, "--rounds", "-n"),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="Config override key=value (repeatable)."),
     assets: Optional[str] = typer.Option(None, "--assets", help="Use this prebuilt toy assets folder instead of building."),
-    task: str = typer.Option("addition", "--task", help="addition (the default), tools (multiplication with a calculator, multi-turn) or cross-tokenizer "
-        "(addition with a teacher whose tokenizer merges doubled digits)."),
+    task: str = typer.Option("addition", "--task", help="addition (the default), tools (multiplication with a calculator, multi-turn) cross-tokenizer "
+        "(addition with a teacher whose tokenizer merges doubled digits) or self-distill (SmolLM2-135M-Instruct learns the answer format "
+        "it follows when it reads three demonstrations; needs the real-models packages)."),
 ):
     """Build (or reuse) the toy teacher/student and run the pipeline end to end on them."""
     echo_table(run_demo(folder, rounds, overrides or [], assets=assets, task=task))

@@ -10,29 +10,47 @@ import yaml
 
 from gndpo.errors import GndpoError
 
-from gndpo.pipeline.config import load_config
+from gndpo.pipeline.config import SELF_TEACHER, load_config
 from gndpo.pipeline.fork import fork_run
 from gndpo.pipeline.metrics import collect_metrics
 from gndpo.pipeline.rounds import run_rounds
 from gndpo.pipeline.runs import init_run, open_run
+from gndpo.pipeline.self_distill_task import context_messages, ensure_self_distill_assets
 from gndpo.pipeline.toy import ensure_cross_tokenizer_assets, ensure_toy_assets
 from gndpo.pipeline.toy_tools import ensure_tool_toy_assets
 from gndpo.stages.live import LiveModels
 from gndpo.pipeline.logs import info
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.yaml")
-# task -> (its experiment config, the function that builds or finds its toy assets, config overrides)
+
+
+def toy_models(assets: Path) -> dict:
+    """A toy assets folder's models: its own student and teacher."""
+    return {"student": str(assets / "student"), "teacher": str(assets / "teacher")}
+
+
+def self_distill_models(assets: Path) -> dict:
+    """SmolLM2 (converted from its package, named by the task's info.json) as student and, reading
+    the demonstrations, as its own frozen teacher."""
+    return {"student": json.loads((assets / "info.json").read_text())["student"], "teacher": SELF_TEACHER,
+            "teacher_context": {"messages": context_messages()}}
+
+
+# task -> (its experiment config, the function that builds or finds its assets, config overrides,
+# the models and settings the assets give the config)
 TASKS = {
-    "addition": (DEFAULT_CONFIG, ensure_toy_assets, []),
-    "tools": (Path(__file__).with_name("demo_tools.yaml"), ensure_tool_toy_assets, []),
+    "addition": (DEFAULT_CONFIG, ensure_toy_assets, [], toy_models),
+    "tools": (Path(__file__).with_name("demo_tools.yaml"), ensure_tool_toy_assets, [], toy_models),
     # The addition task with a teacher whose tokenizer merges doubled digits.
-    "cross-tokenizer": (DEFAULT_CONFIG, ensure_cross_tokenizer_assets, ["score.cross_tokenizer=true"]),
+    "cross-tokenizer": (DEFAULT_CONFIG, ensure_cross_tokenizer_assets, ["score.cross_tokenizer=true"], toy_models),
+    # SmolLM2-135M-Instruct distils demonstrations it reads as a teacher into its bare behaviour.
+    "self-distill": (Path(__file__).with_name("demo_self_distill.yaml"), ensure_self_distill_assets, [], self_distill_models),
 }
 
 
-def write_demo_config(folder: Path, assets: Path, config: Path = DEFAULT_CONFIG) -> Path:
+def write_demo_config(folder: Path, assets: Path, config: Path = DEFAULT_CONFIG, models=toy_models) -> Path:
     data = yaml.safe_load(config.read_text())
-    data.update(student=str(assets / "student"), teacher=str(assets / "teacher"))
+    data.update(models(assets))
     data["data"] = {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")}
     path = folder / "config.yaml"
     folder.mkdir(parents=True, exist_ok=True)
@@ -77,7 +95,7 @@ def run_demo(
 
     if task not in TASKS:
         raise GndpoError(f"unknown demo task {task!r} (tasks: {', '.join(TASKS)})")
-    config, ensure_assets, task_overrides = TASKS[task]
+    config, ensure_assets, task_overrides, models = TASKS[task]
     t0 = time.time()
     out = Path(folder).resolve()
     assets = Path(assets).resolve() if assets else ensure_assets(log=log)
@@ -85,7 +103,7 @@ def run_demo(
         raise GndpoError(f"{assets} is not a toy assets folder (no info.json)")
     info = json.loads((assets / "info.json").read_text())
     log(f"toy assets: {assets} (teacher {info['teacher_heldout_accuracy']:.3f}, student {info['student_heldout_accuracy']:.3f} held-out exact match)")
-    cfg = load_config(str(write_demo_config(out, assets, config)), [*task_overrides, *overrides])
+    cfg = load_config(str(write_demo_config(out, assets, config, models)), [*task_overrides, *overrides])
     run_url = str(out / "run")
     try:
         if not fork_from:

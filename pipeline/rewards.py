@@ -60,6 +60,16 @@ def answer_length(response: str, row: dict) -> float:
     return float(len(response.strip()) == len(str(row["answer"]).strip()))
 
 
+ANSWER_PREFIX, SHORT_ANSWER_WORDS = "Answer:", 8
+
+
+def answer_format(response: str, row: dict) -> float:
+    """Format: 1 if the response starts with "Answer:" and is at most 8 words long ("Answer: Paris."),
+    the short-answer style the self-distillation demo's demonstrations show; its content is not checked."""
+    text = response.strip()
+    return float(text.startswith(ANSWER_PREFIX) and len(text.split()) <= SHORT_ANSWER_WORDS)
+
+
 # -- math ---------------------------------------------------------------------------------------------
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _HASHES = re.compile(r"####[ \t]*([^\n]*)")
@@ -269,6 +279,7 @@ REWARDS: dict[str, Reward] = {
     "exact_match": exact_match,
     "integer_format": integer_format,
     "answer_length": answer_length,
+    "answer_format": answer_format,
     "math": math_answer,
     "math_format": math_format,
     "tool_format": tool_format,

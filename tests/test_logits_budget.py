@@ -154,12 +154,17 @@ page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * page
-cfg = LlamaConfig(vocab_size=262144, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
-torch.manual_seed(0)
-student, teacher = LlamaForCausalLM(cfg).eval(), LlamaForCausalLM(cfg).eval()
+if len(sys.argv) > 2:  # a real model folder, scoring as both student and teacher (one copy loaded)
+    from transformers import AutoModelForCausalLM
+    student = teacher = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32).eval()
+else:
+    cfg = LlamaConfig(vocab_size=262144, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    student, teacher = LlamaForCausalLM(cfg).eval(), LlamaForCausalLM(cfg).eval()
+vocab = student.config.vocab_size
 g = torch.Generator().manual_seed(0)
-prompt, response = torch.randint(3, 262144, (32,), generator=g).tolist(), torch.randint(3, 262144, (2048,), generator=g).tolist()
+prompt, response = torch.randint(3, vocab, (32,), generator=g).tolist(), torch.randint(3, vocab, (2048,), generator=g).tolist()
 batch = make_batch([prompt], [response], 0, torch.device("cpu"))
 chunk = logits_chunk([student, teacher], ModelConfig(**json.loads(sys.argv[1])))
 peak, stop = [0], threading.Event()
@@ -181,8 +186,11 @@ print(json.dumps({"chunk": chunk, "loaded_gib": base / 2**30, "extra_gib": (peak
 """
 
 
-def score_memory(model_cfg: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(model_cfg)], capture_output=True, text=True, timeout=900)
+def score_memory(model_cfg: dict, model_dir: str | None = None) -> dict:
+    """Peak memory above the loaded models of scoring one 2,048-token response, in a fresh process:
+    a random-weight pair at V = 262,144, or ``model_dir`` as both student and teacher."""
+    args = [json.dumps(model_cfg)] + ([model_dir] if model_dir else [])
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -7,6 +7,7 @@ SmolLM2 and a minute for Gemma the first time)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import sys
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from gndpo.pipeline.toy import cache_root
+from tests.conftest import committed_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
@@ -179,3 +181,113 @@ def test_a_stale_kept_engine_is_replaced_by_a_fresh_one(smollm2, tmp_path, monke
         assert engine_vs_transformers(llm, model, tok) < 1e-4
     finally:
         live.close()
+
+
+# -- the stages on SmolLM2 ---------------------------------------------------------------------------
+def smollm2_config(folder, student, **sections) -> dict:
+    """A few short chat questions (the self-distillation demo's), SmolLM2 reading the demonstrations as
+    its own teacher, ZeRO-2."""
+    from gndpo.pipeline.self_distill_task import context_messages, questions
+
+    rows = questions()
+    for name, part in (("train", rows[:16:2]), ("heldout", rows[1:8:2])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    cfg = {
+        "student": str(student), "teacher": "self", "reward": "answer_format",
+        "teacher_context": {"messages": context_messages()},
+        "data": {"train": str(folder / "train.jsonl"), "heldout": str(folder / "heldout.jsonl")},
+        "method": {"name": "gndpo"},
+        "rollout": {"prompts_per_round": 4, "n": 2, "prompts_per_unit": 4, "max_tokens": 12},
+        "score": {"teacher_topk": 8},
+        "train": {"lr": 1e-5, "optimizer_steps": 1, "micro_batch_size": 8, "zero_stage": 2},
+        "engine": {"max_model_len": 256, "kv_cache_gib": 1},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def smollm2_round(smollm2, tmp_path_factory):
+    """One GNDPO round of SmolLM2 self-distillation under ZeRO-2 in one process (`gndpo run`'s kept
+    models), then round 1's rollout on the kept engine with the exported weights loaded into it."""
+    from gndpo.pipeline.config import config_from_dict
+    from gndpo.pipeline.rounds import run_rounds, run_stage
+    from gndpo.pipeline.runs import init_run
+    from gndpo.stages.live import LiveModels
+
+    folder = tmp_path_factory.mktemp("smollm2-run")
+    url = str(folder / "run")
+    init_run(url, config_from_dict(smollm2_config(folder, smollm2)))
+    live = LiveModels(keep=True, log=lambda *_: None)
+    try:
+        run_rounds(url, 1, log=lambda *_: None, live=live)
+        run_stage(url, "rollout", 1, log=lambda *_: None, live=live)
+    finally:
+        live.close()
+    return folder
+
+
+def test_a_gndpo_self_distillation_round_on_smollm2(smollm2_round):
+    from gndpo.pipeline.metrics import collect_metrics
+    from gndpo.pipeline.runs import open_run
+
+    run = open_run(str(smollm2_round / "run"))
+    metrics = {(m["round"], m["stage"]): m for m in collect_metrics(run)}
+    assert set(metrics) == {(0, s) for s in ("rollout", "score", "normalize", "train")} | {(1, "rollout")}
+    rows = committed_rows(smollm2_round / "run", "rollout", 0)
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows) and any(r["finish_reason"] == "stop" for r in rows)
+    assert all(r["response_token_ids"][-1] == 2 for r in rows if r["finish_reason"] == "stop")  # <|im_end|>
+    scores = committed_rows(smollm2_round / "run", "score", 0)
+    assert {s["teacher"] for s in scores} == {"self/frozen"}
+    # The teacher reads the demonstrations: it disagrees with the bare student.
+    assert np.mean([np.mean(np.abs(np.subtract(s["teacher_logprobs"], s["student_logprobs"]))) for s in scores]) > 0.1
+    assert metrics[(0, "train")]["optimizer_steps"] == 1 and np.isfinite(metrics[(0, "train")]["loss_mean"])
+    # Round 1 sampled from the exported student: the kept engine reloaded it and the probe agrees.
+    r1 = metrics[(1, "rollout")]
+    assert r1["engine_reloaded"] == 1 and r1["engine_restarted"] == 0 and r1["engine_probe_gap_mean"] < 1e-4, r1
+
+
+def test_an_ema_top_k_self_distillation_round_on_smollm2(smollm2_round, tmp_path):
+    """A fork of the same round: forward KL on the teacher's top-8 with point-wise clipping, an EMA
+    self-teacher; train exports the average beside the model."""
+    from gndpo.pipeline.fork import fork_run
+    from gndpo.pipeline.rounds import run_stage
+    from gndpo.pipeline.runs import open_run
+
+    url = str(tmp_path / "fork")
+    fork_run(str(smollm2_round / "run"), url, 0, ["method.name=forward_kl", "method.pointwise_clip=1.0", "self_teacher.weights=ema"])
+    for stage in ("score", "normalize", "train"):
+        run_stage(url, stage, 0, log=lambda *_: None)
+    run = open_run(url)
+    assert run.records(0, "train").manifest()["metrics"]["ema_dir"].endswith("/ema")
+    scores = committed_rows(tmp_path / "fork", "score", 0)
+    assert all(np.isfinite(s["teacher_rest_logprob"]).all() for s in scores)
+
+
+def test_gemma_scores_smollm2_responses_across_tokenizers(smollm2_round, gemma3, tmp_path):
+    """Gemma 3 (another tokenizer, no chat template: it reads the plain question after <bos>) as the
+    teacher of SmolLM2's rollouts: most student tokens align and get Gemma's log-probs."""
+    from gndpo.pipeline.fork import fork_run
+    from gndpo.pipeline.rounds import run_stage
+
+    url = str(tmp_path / "cross")
+    fork_run(str(smollm2_round / "run"), url, 0, [f"teacher={gemma3}", "score.cross_tokenizer=true", "teacher_context.messages=[]"])
+    run_stage(url, "score", 0, log=lambda *_: None)
+    scores = committed_rows(tmp_path / "cross", "score", 0)
+    aligned = np.concatenate([s["aligned"] for s in scores])
+    assert aligned.mean() > 0.6, aligned.mean()
+    values = np.concatenate([np.asarray(s["teacher_logprobs"])[np.asarray(s["aligned"]) > 0] for s in scores])
+    assert np.isfinite(values).all() and (values < 0).all()
+
+
+def test_scoring_a_long_response_at_gemmas_vocabulary_stays_within_the_stated_bound(gemma3):
+    """Stated bound: with default settings, scoring one 2,048-token response with Gemma 3 270M
+    (262,144-token vocabulary) as student and teacher (top-16 with its rest, both entropies, the full
+    KL) adds at most 1.5 GiB above the loaded model (5.3 GiB before model.logits_budget_mib)."""
+    from tests.test_logits_budget import score_memory
+
+    measured = score_memory({}, str(gemma3))
+    print("scoring 2,048 tokens with Gemma 3 270M (GiB above the loaded model):", json.dumps(measured))
+    assert measured["finite"] and measured["chunk"] == 256
+    assert measured["extra_gib"] <= 1.5

@@ -157,6 +157,9 @@ def rss():
 if len(sys.argv) > 2:  # a real model folder, scoring as both student and teacher (one copy loaded)
     from transformers import AutoModelForCausalLM
     student = teacher = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32).eval()
+    with torch.no_grad():  # weights may be mapped from the file: make them resident before measuring
+        for p in student.parameters():
+            p.add_(0)
 else:
     cfg = LlamaConfig(vocab_size=262144, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)

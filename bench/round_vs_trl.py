@@ -13,9 +13,15 @@ would start:
 Afterwards (not timed) both students are evaluated by the same ``gndpo eval`` on the held-out prompts,
 where the workload has an accuracy (the toy demo's; W's random-weight models have none).
 
-Workloads: ``demo`` (1024 prompts x 8 samples, 8 tokens, 32 steps of 256 sequences, lr 1e-4) and ``w``
-(:mod:`bench.workload`: 64 prompts x 4 samples x 64 tokens on CPU, one step). Run standalone or from
-``run_all.py``; writes ``results/round_vs_trl.json``.
+Each process's peak memory is sampled from /proc with its descendants (vLLM's engine processes, train's
+ranks): :func:`common.run_measured`.
+
+Workloads: ``demo`` (1024 prompts x 8 samples, 8 tokens, 32 steps of 256 sequences, lr 1e-4), ``w``
+(:mod:`bench.workload`: 64 prompts x 4 samples x 64 tokens on CPU, one step), and ``smollm2``
+(SmolLM2-135M-Instruct as student and, the same folder, as teacher; 32 short chat questions x 2 samples
+x 24 tokens, 2 steps of 32 sequences, lr 1e-6). Run standalone or from ``run_all.py``; writes
+``results/round_vs_trl.json`` (demo, w) and the ``round`` entry of ``results/smollm2.json`` (smollm2,
+whose run folder ``smollm2_throughput.py`` then reads).
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ from gndpo.pipeline.runs import open_run
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import RESULTS, gndpo_cmd, run_timed, save_json  # noqa: E402
-from workload import CPU_SCALE, FULL_SCALE, build_workload, workload_config, write_config  # noqa: E402
+from common import RESULTS, gndpo_cmd, run_measured, save_json  # noqa: E402
+from workload import (CPU_SCALE, FULL_SCALE, SMOLLM2_SCALE, SMOLLM2_STEPS, build_smollm2_workload,  # noqa: E402
+                      build_workload, smollm2_config, workload_config, write_config)
 
 
 def demo_workload(folder: Path) -> dict:
@@ -62,6 +69,18 @@ def w_workload(scale) -> dict:
     return {"config": cfg, "trl": trl, "heldout": None, "eval_tokens": scale.max_tokens}
 
 
+def smollm2_workload() -> dict:
+    """SmolLM2-135M-Instruct against itself on 32 chat questions (:func:`workload.build_smollm2_workload`)."""
+    assets = build_smollm2_workload()
+    cfg = smollm2_config(assets)
+    scale, steps = SMOLLM2_SCALE, SMOLLM2_STEPS
+    batch = scale.prompts * scale.n // steps
+    trl = {"student": cfg["student"], "teacher": cfg["teacher"], "prompts": cfg["data"]["train"], "count": scale.prompts,
+           "n": scale.n, "max-new-tokens": scale.max_tokens, "steps": steps, "batch": batch,
+           "micro": cfg["train"]["micro_batch_size"], "lr": cfg["train"]["lr"], "check-prompts": True}
+    return {"config": cfg, "trl": trl, "heldout": None, "eval_tokens": scale.max_tokens}
+
+
 def heldout_accuracy(target: Path, heldout: str | None, max_tokens: int, out: Path) -> float | None:
     if heldout is None:
         return None
@@ -76,10 +95,10 @@ def gndpo_round(work: dict, folder: Path) -> dict:
     run = folder / "run"
     subprocess.run(gndpo_cmd("init", str(run), "--config", str(write_config(folder / "config.yaml", work["config"]))),
                    check=True, capture_output=True)
-    seconds, _ = run_timed(gndpo_cmd("run", str(run), "--rounds", "1"), folder / "gndpo-run.log")
+    seconds, _, memory = run_measured(gndpo_cmd("run", str(run), "--rounds", "1"), folder / "gndpo-run.log")
     stages = {m["stage"]: m.get("seconds") for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     tokens = open_run(str(run)).records(0, "rollout").manifest()["metrics"]["tokens"]
-    return {"wall_s": round(seconds, 2), "stage_compute_s": stages, "response_tokens": tokens,
+    return {"wall_s": round(seconds, 2), "stage_compute_s": stages, "response_tokens": tokens, "memory": memory,
             "heldout_acc": heldout_accuracy(run, work["heldout"], work["eval_tokens"], folder / "eval-gndpo")}
 
 
@@ -87,16 +106,22 @@ def trl_round(work: dict, folder: Path) -> dict:
     out = folder / "trl-student"
     argv = [sys.executable, str(HERE / "trl_gkd.py"), "--out", str(out)]
     for key, value in work["trl"].items():
-        argv += [f"--{key}", str(value)]
-    seconds, log = run_timed(argv, folder / "trl.log")
+        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    seconds, log, memory = run_measured(argv, folder / "trl.log")
     inner = json.loads(log.strip().splitlines()[-1])
-    return {"wall_s": round(seconds, 2), **inner,
+    return {"wall_s": round(seconds, 2), **inner, "memory": memory,
             "heldout_acc": heldout_accuracy(out, work["heldout"], work["eval_tokens"], folder / "eval-trl")}
+
+
+def round_brief(r: dict) -> dict:
+    """The figures of an earlier smollm2 round that ``results/smollm2.json`` keeps."""
+    side = lambda x: {"wall_s": x["wall_s"], **{k: x.get("memory", {}).get(k) for k in ("cpu_s", "other_cores", "peak_tree_pss_gib")}}  # noqa: E731
+    return {"measured_at": r.get("measured_at"), "speedup": r["speedup"], "gndpo": side(r["gndpo"]), "trl": side(r["trl"])}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", action="append", choices=["demo", "w"], help="default: both")
+    ap.add_argument("--workload", action="append", choices=["demo", "w", "smollm2"], help="default: w and demo")
     ap.add_argument("--full", action="store_true", help="W at its full size (256 x 4 x 256): for a GPU machine")
     ap.add_argument("--work-dir", default="/tmp/gndpo-bench/round_vs_trl")
     a = ap.parse_args(argv)
@@ -105,7 +130,8 @@ def main(argv=None) -> dict:
         folder = Path(a.work_dir) / name
         subprocess.run(["rm", "-rf", str(folder)], check=True)
         folder.mkdir(parents=True)
-        work = demo_workload(folder) if name == "demo" else w_workload(FULL_SCALE if a.full else CPU_SCALE)
+        work = {"demo": lambda: demo_workload(folder), "smollm2": smollm2_workload,
+                "w": lambda: w_workload(FULL_SCALE if a.full else CPU_SCALE)}[name]()
         t0 = time.time()
         g = gndpo_round(work, folder / "gndpo")
         t = trl_round(work, folder / "trl")
@@ -113,7 +139,18 @@ def main(argv=None) -> dict:
                          "workload": {k: work["trl"][k] for k in ("count", "n", "max-new-tokens", "steps", "batch", "lr")},
                          "bench_s": round(time.time() - t0, 1)}
         print(name, json.dumps(results[name]), flush=True)
-    save_json(RESULTS / "round_vs_trl.json", results)
+    toys = {k: v for k, v in results.items() if k != "smollm2"}
+    if toys:
+        save_json(RESULTS / "round_vs_trl.json", toys)
+    if "smollm2" in results:
+        path = RESULTS / "smollm2.json"
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        earlier = previous.get("earlier_rounds", [])
+        if "round" in previous:  # this machine's timings vary run to run: the last rounds stay beside the new one
+            earlier = [*earlier, round_brief(previous["round"])][-5:]
+        save_json(path, {**previous, "earlier_rounds": earlier,
+                         "round": {**results["smollm2"], "measured_at": time.strftime("%Y-%m-%d %H:%M"),
+                                   "run": str(Path(a.work_dir) / "smollm2" / "gndpo" / "run")}})
     return results
 
 

@@ -1,11 +1,13 @@
 """Every performance figure of the README, in one command, each script in its own process.
 
-    .venv/bin/python bench/run_all.py            # all figures (2 CPU cores: 18 minutes)
+    .venv/bin/python bench/run_all.py            # all figures (2 CPU cores: 35 minutes, 14 of them SmolLM2)
     .venv/bin/python bench/run_all.py --skip normalize_scale
 
 Runs, in order: the demo timing (``gndpo demo`` with venv and toy models cached), ``round_vs_trl.py``
 (demo workload and W), ``rollout_speed.py``, ``flops.py``, ``shard_bytes.py`` (on the W round's shards),
-``scaling.py`` and ``normalize_scale.py`` (100M and 1B token rows). Each writes its own JSON under
+``scaling.py``, ``normalize_scale.py`` (100M and 1B token rows), ``tool_rollout.py``,
+``score_backend.py``, and the SmolLM2 workload (``round_vs_trl.py --workload smollm2``, then
+``smollm2_throughput.py`` on that round). Each writes its own JSON under
 ``bench/results/``; this script then writes ``results/summary.json`` and ``results/summary.md``: one row
 per goal of the performance issue with the measured figure and whether it meets the goal.
 """
@@ -34,6 +36,7 @@ STEPS = {
     "normalize_scale": ["normalize_scale.py", "--tokens", "100e6", "--tokens", "1e9"],
     "tool_rollout": ["tool_rollout.py"],
     "score_backend": ["score_backend.py"],
+    "smollm2": [["round_vs_trl.py", "--workload", "smollm2"], ["smollm2_throughput.py"]],  # one after the other
 }
 
 
@@ -117,6 +120,27 @@ def summary_rows(demo: dict | None) -> list[dict]:
         add("teacher scoring, score.backend vllm vs hf (W teacher, CPU)", "same numbers; speed measured",
             f"{sb2['vllm']['tokens_per_s']:.0f} / {sb2['hf']['tokens_per_s']:.0f} tok/s = {sb2['ratio']:.2f}x; "
             f"max abs diff {sb2['max_abs_diff']:.1e}", None)
+    sm = load("smollm2") or {}
+    r, tp = sm.get("round"), sm.get("throughput")
+    if r:
+        g, t = r["gndpo"], r["trl"]
+        runs = [*sm.get("earlier_rounds", []), r]
+        speedups = [e["speedup"] for e in runs]
+        fastest = lambda side: min(e[side]["wall_s"] for e in runs)  # noqa: E731
+        spread = (f"; last {len(runs)} runs {min(speedups):.2f}x to {max(speedups):.2f}x (fastest TRL {fastest('trl'):.0f} s, "
+                  f"gndpo {fastest('gndpo'):.0f} s)") if len(runs) > 1 else ""
+        other = [x["memory"].get("other_cores") for x in (g, t)]
+        busy = f", other jobs busy on {other[0]:.1f} / {other[1]:.1f} of {g['memory']['machine_cores']} cores" if None not in other else ""
+        add("SmolLM2-135M round vs TRL GKD (32 prompts x 2 x 24 tokens, 2 steps), wall time and peak memory", "measured",
+            f"TRL {t['wall_s']:.0f} s / gndpo {g['wall_s']:.0f} s = {r['speedup']:.2f}x{busy}{spread}; peak PSS gndpo "
+            f"{g['memory']['peak_tree_pss_gib']:.1f} GiB, TRL {t['memory']['peak_tree_pss_gib']:.1f} GiB", None)
+    if tp:
+        s_, t_ = tp["score"], tp["train"]
+        add("SmolLM2-135M score / train tokens/s vs plain transformers, same batches", "measured",
+            f"score {s_['gndpo_stage']['tokens_per_s']:.0f} / {s_['plain']['tokens_per_s']:.0f} tok/s = {s_['stage_vs_plain']:.2f}x "
+            f"(forward alone {s_['kernel_vs_plain']:.2f}x); train {t_['gndpo_stage']['tokens_per_s']:.0f} / "
+            f"{t_['plain']['tokens_per_s']:.0f} tok/s = {t_['stage_vs_plain']:.2f}x (stage with its DeepSpeed set-up and export; forward + backward alone "
+            f"{t_['kernel_vs_plain']:.2f}x)", None)
     if demo:
         add("`gndpo demo`, venv and toy models cached", "<= 90 s, the same table", f"{demo['seconds']:.0f} s; held-out acc {demo['heldout_acc']}",
             demo["seconds"] <= 90)
@@ -147,7 +171,8 @@ def main(argv=None) -> None:
             demo = time_demo(Path("/tmp/gndpo-bench/demo"))
             save_json(RESULTS / "demo_timing.json", demo)
         else:
-            subprocess.run([sys.executable, str(HERE / argv_[0]), *argv_[1:]], check=True)
+            for command in argv_ if isinstance(argv_[0], list) else [argv_]:
+                subprocess.run([sys.executable, str(HERE / command[0]), *command[1:]], check=True)
         timings[name] = round(time.time() - t, 1)
     rows = summary_rows(demo)
     if a.only or a.skip:  # a partial run: the other scripts' times are those of the run that made their JSON

@@ -6,6 +6,15 @@ KL(student || teacher), the objective of gndpo's ``reverse_kl`` method), tempera
 in the dataset, so ``--steps`` optimizer steps of ``--batch`` sequences see the same prompts x samples as
 one gndpo round. The trained student is saved to ``--out`` for ``gndpo eval``.
 
+The prompts: GKD's chat collator renders each row's ``messages`` without the last (assistant) turn
+through the tokenizer's chat template and finds the prompt/completion boundary by byte offsets in the
+full conversation; gndpo renders the same turns with ``add_generation_prompt`` and tokenizes the text
+without adding special tokens (templates such as SmolLM2's ChatML write their own). The placeholder
+assistant turn only serves the collator (on-policy generation replaces it). With ``--check-prompts``,
+each prompt goes through the trainer's collator before training and its prompt ids are compared with
+gndpo's rendering; the count that agree is reported (``prompts_match_gndpo``), so a template where the
+two differ shows up (a few milliseconds a prompt, inside the timed process).
+
 Prints one JSON line: wall seconds inside ``train()``, and the process's own start-up (imports, models).
 """
 
@@ -32,6 +41,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, required=True, help="sequences per forward/backward")
     ap.add_argument("--lr", type=float, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--check-prompts", action="store_true", help="compare the collator's prompt ids with gndpo's")
     a = ap.parse_args()
 
     import torch
@@ -58,13 +68,22 @@ def main() -> None:
         save_strategy="no", seed=0, disable_dropout=True, max_length=1024, dataloader_num_workers=0,
     )
     trainer = GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data, processing_class=tok)
+    checked = {}
+    if a.check_prompts:
+        match = 0
+        for row in data.select(range(0, len(data), a.n)):  # each prompt once
+            text = tok.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
+            collated = trainer.data_collator([row])
+            ids = collated["prompts"][0][collated["prompt_attention_mask"][0].bool()].tolist()
+            match += ids == list(tok(text, add_special_tokens=False)["input_ids"])
+        checked = {"prompts_match_gndpo": f"{match} of {len(rows)}"}
     ready = time.time()
     trainer.train()
     trained = time.time()
     trainer.save_model(a.out)
     tok.save_pretrained(a.out)
     print(json.dumps({"startup_s": round(ready - T_START, 2), "train_s": round(trained - ready, 2),
-                      "sequences": a.steps * a.batch}))
+                      "sequences": a.steps * a.batch, **checked}))
 
 
 if __name__ == "__main__":

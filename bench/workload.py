@@ -11,6 +11,10 @@ CPU machine that is about 260k tokens of teacher and student forward passes plus
 roughly 100 TFLOP, a quarter of an hour per round per framework; :data:`CPU_SCALE` is the
 same W with 64 prompts and 64-token responses (1/16 of the tokens), which is what ``run_all.py`` runs
 here. ``--full`` runs W itself (for a GPU machine).
+
+The SmolLM2 workload (:func:`build_smollm2_workload`, :func:`smollm2_config`) is a real pretrained model
+instead: SmolLM2-135M-Instruct as student and teacher, 64 templated chat questions, 32 prompts x 2
+samples x 24 tokens, 2 optimizer steps.
 """
 
 from __future__ import annotations
@@ -96,6 +100,70 @@ def write_config(path: Path, cfg: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+# SmolLM2: a real pretrained model (SmolLM2-135M-Instruct, converted by ``gndpo convert``: Llama, 30
+# layers, hidden 576, a 49,152-token vocabulary, tied embeddings, ChatML with a default system turn).
+# Student and teacher are the same folder (a fixed teacher, the set-up TRL's GKD supports); short chat
+# questions, 32 for the round and 32 held out, 2 samples of up to 24 tokens, 2 optimizer steps, fp32.
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_SCALE = Scale(prompts=32, n=2, max_tokens=24)
+SMOLLM2_STEPS = 2
+SMOLLM2_QUESTIONS = {
+    "What is the capital of {}?": ["France", "Japan", "Italy", "Canada", "Egypt", "Brazil", "Kenya", "Norway"],
+    "How many legs does a {} have?": ["spider", "dog", "chicken", "ant", "horse", "crab", "snake", "octopus"],
+    "What color is a ripe {}?": ["banana", "lemon", "strawberry", "blueberry", "lime", "tomato", "plum", "cherry"],
+    "Which language is mostly spoken in {}?": ["Germany", "Mexico", "Portugal", "China", "Russia", "Greece", "Sweden", "Poland"],
+    "What is the opposite of {}?": ["hot", "tall", "fast", "happy", "early", "open", "heavy", "light"],
+    "What do you call a baby {}?": ["cat", "dog", "cow", "sheep", "horse", "goat", "deer", "bear"],
+    "On which continent is {}?": ["Peru", "India", "Nigeria", "Australia", "Spain", "Chile", "Vietnam", "Morocco"],
+    "What is {}?": ["2 plus 3", "7 times 6", "10 minus 4", "9 plus 8", "12 divided by 3", "5 times 5", "15 minus 7", "6 plus 6"],
+}
+
+
+def smollm2_questions() -> list[str]:
+    """The 64 questions (8 templates x 8 fillers) in a fixed order."""
+    return [template.format(fill) for template, fills in SMOLLM2_QUESTIONS.items() for fill in fills]
+
+
+def build_smollm2_workload(folder: Path = CACHE / "smollm2") -> dict:
+    """The converted SmolLM2 folder (converted once by gndpo, then cached) and ``train.jsonl`` /
+    ``heldout.jsonl`` under ``folder``: the 64 questions in a seeded order, split 32 / 32, so that the
+    round's prompts are the whole train file and both frameworks see exactly the same ones."""
+    import random
+
+    from gndpo.pipeline.real_models import ensure_real_model
+
+    model = ensure_real_model(SMOLLM2, log=lambda *_: None)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    questions = smollm2_questions()
+    random.Random(0).shuffle(questions)
+    half = SMOLLM2_SCALE.prompts
+    for name, part in (("train", questions[:half]), ("heldout", questions[half : 2 * half])):
+        lines = [json.dumps({"prompt_id": f"{name}-{i:03d}", "prompt": q, "answer": ""}) for i, q in enumerate(part)]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return {"model": model, "train": folder / "train.jsonl", "heldout": folder / "heldout.jsonl"}
+
+
+def smollm2_config(assets: dict, scale: Scale = SMOLLM2_SCALE, steps: int = SMOLLM2_STEPS, lr: float = 1e-6) -> dict:
+    """One gndpo round on SmolLM2: ``reverse_kl`` on the teacher's top-16, temperature 1, ``steps``
+    optimizer steps of micro-batches of 16 sequences, fp32, the teacher the same folder as the student."""
+    model = str(assets["model"])
+    return {
+        "student": model,
+        "teacher": model,
+        "data": {"train": str(assets["train"]), "heldout": str(assets["heldout"])},
+        "method": {"name": "reverse_kl"},
+        "reward": "exact_match",
+        "rollout": {"prompts_per_round": scale.prompts, "n": scale.n, "max_tokens": scale.max_tokens,
+                    "prompts_per_unit": max(scale.prompts // 2, 1), "temperature": 1.0, "eval_heldout": False},
+        "score": {"teacher_topk": 16, "max_tokens_per_batch": 8192, "rows_per_chunk": 64},
+        "train": {"lr": lr, "optimizer_steps": steps, "micro_batch_size": 16, "max_tokens_per_batch": 8192,
+                  "checkpoint_every": 0},
+        "model": {"dtype": "float32"},
+        "engine": {"max_model_len": 256, "kv_cache_gib": 1},
+    }
 
 
 if __name__ == "__main__":

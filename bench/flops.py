@@ -1,7 +1,7 @@
 """Achieved FLOP/s of score and train on W's models, as a fraction of a matmul peak measured in the same run.
 
 Peak: the best of repeated square matmuls (``--matmul`` wide) in fp32 and bf16, the most this machine's
-cores reach in either dtype. Score: the project's own scoring path (:func:`gndpo.stages.logprobs.
+cores reach in either dtype. Score: the project's own scoring path (:func:`gndpo.stages.models.logprobs.
 pair_token_stats`: both backbones over prompt + response, then the two output layers and log-softmax
 over response positions, chunked). Train: one micro-batch of the student through
 :func:`policy_token_logprobs`, a token-mean loss and ``backward()``. Both on a batch of ``--rows``
@@ -58,9 +58,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--matmul", type=int, default=3072)
     a = ap.parse_args(argv)
 
-    from gndpo.stages.device import set_cpu_threads
-    from gndpo.stages.logprobs import make_batch, pair_token_stats, policy_token_logprobs
-    from gndpo.stages.modeling import load_causal_lm
+    from gndpo.stages.models.device import set_cpu_threads
+    from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
+    from gndpo.stages.models.loading import load_causal_lm
 
     set_cpu_threads()
     assets = build_workload()

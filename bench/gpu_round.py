@@ -1,7 +1,7 @@
 """One full round on a GPU at realistic shapes: wall time and peak GPU memory of every stage.
 
 Builds (or reuses) a student/teacher pair with real checkpoint shapes and random weights
-(:mod:`gndpo.pipeline.realistic`: Llama, 151,936-wide vocabulary, byte-level BPE tokenizer), writes a
+(:mod:`tests.realistic`: Llama, 151,936-wide vocabulary, byte-level BPE tokenizer), writes a
 config that runs as a real job would on a GPU (``model.dtype: auto`` = bf16, CUDA vLLM with the engine
 defaults, ZeRO-2 train), then runs ``gndpo init`` and each stage of round 0 as its own process,
 ``python -m gndpo.cli <stage> RUN --round 0``, pinned to one GPU, while a thread samples that GPU's
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.realistic
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_round.json"
 STAGES = ("rollout", "score", "normalize", "train")
 # Shapes: the realistic defaults (about 1.2 GB of weights for the pair) and, for --dry-init, tiny ones.
@@ -71,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def shapes(args):
-    from gndpo.pipeline.realistic import ShapeSpec
+    from tests.realistic import ShapeSpec
 
     base = SMALL if args.dry_init else FULL
     v = {key: getattr(args, key) if getattr(args, key) is not None else base[key] for key in FULL}
@@ -123,7 +124,7 @@ class MemorySampler(threading.Thread):
 
 def build_assets(folder: Path, student, teacher, n_prompts: int) -> Path:
     """The realistic pair and prompts, reused when ``folder`` already holds the same shapes."""
-    from gndpo.pipeline.realistic import build_realistic_pair
+    from tests.realistic import build_realistic_pair
 
     stamp = folder / "shapes.json"
     want = json.dumps({"student": asdict(student), "teacher": asdict(teacher), "prompts": n_prompts}, sort_keys=True)
@@ -213,7 +214,7 @@ def main(argv=None) -> None:
         "overrides": args.set,
         "stages": {},
     }
-    from gndpo.pipeline.runs import open_run
+    from gndpo.pipeline.run.run import open_run
 
     for stage in STAGES:
         idle = (gpu_query("memory.used", gpu) or ["0"])[0]

@@ -18,18 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from gndpo.pipeline.losses import aggregate, combined_token_losses
-from gndpo.pipeline.realistic import ShapeSpec, build_realistic_pair
-from gndpo.pipeline.toy import ensure_toy_assets
-from gndpo.stages.device import set_cpu_threads
-from gndpo.stages.logprobs import make_batch, pair_token_stats, policy_token_logprobs
-from gndpo.stages.modeling import load_causal_lm, load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.realistic
+from gndpo.pipeline.methods.losses import aggregate, combined_token_losses  # noqa: E402
+from tests.realistic import ShapeSpec, build_realistic_pair  # noqa: E402
+from gndpo.pipeline.toys.arithmetic import ensure_toy_assets
+from gndpo.stages.models.device import set_cpu_threads
+from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
+from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
 
 OUT = Path(__file__).parent / "results"
 

@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from gndpo.pipeline.config import load_config
-from gndpo.pipeline.runs import init_run
-from gndpo.pipeline.toy import ModelSpec, ToySpec, ensure_toy_assets
-from gndpo.pipeline.units import Worker
+from gndpo.pipeline.config.schema import load_config
+from gndpo.pipeline.apps.init import init_run
+from gndpo.pipeline.toys.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
+from gndpo.pipeline.exec.units import Worker
 from gndpo.storage.records import StageRecords
 from gndpo.storage.shards import ROLLOUTS, scores_schema, write_shard
 
@@ -133,7 +133,7 @@ NUMPY_BASELINE = r"""
 import json, sys, time
 import numpy as np
 import pyarrow.parquet as pq
-from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 t0 = time.time()
@@ -176,7 +176,7 @@ def bench(tokens: int, length: int, shard_tokens: int, keep: bool) -> dict:
         run = make_run(folder, tokens, length, shard_tokens)
         built = time.time() - t0
         stage = measured([sys.executable, "-m", "gndpo.cli", "normalize", str(run), "--round", "0"])
-        from gndpo.pipeline.runs import open_run
+        from gndpo.pipeline.run.run import open_run
 
         manifest = open_run(str(run)).records(0, "normalize").require_manifest()
         stats, stage_seconds = manifest["metrics"], manifest["units"][0]["seconds"]

@@ -2,7 +2,7 @@
 
 W's student (:mod:`bench.workload`), ``--prompts`` x ``--n`` requests of ``--max-tokens`` tokens at
 temperature 1 (no top-p/top-k), fp32. vLLM runs through the project's own engine set-up and generation
-(:func:`gndpo.stages.engine.make_llm`, :func:`generate`, one seeded request per sample, as rollout sends
+(:func:`gndpo.stages.models.vllm_engine.make_llm`, :func:`generate`, one seeded request per sample, as rollout sends
 them); HF ``generate`` runs in batches of ``--hf-batch`` with its KV cache. Random weights never sample
 EOS, so both produce exactly prompts x n x max_tokens tokens. Generation time excludes the engine's
 start-up, which is reported beside it. Writes ``results/rollout_speed.json``.
@@ -34,11 +34,11 @@ def main(argv=None) -> dict:
 
     from vllm import SamplingParams
 
-    from gndpo.pipeline.config import DataConfig, EngineConfig
-    from gndpo.stages.chat import render_prompt
-    from gndpo.stages.device import set_cpu_threads
-    from gndpo.stages.engine import generate, make_llm, shutdown_llm
-    from gndpo.stages.modeling import load_causal_lm, load_tokenizer
+    from gndpo.pipeline.config.schema import DataConfig, EngineConfig
+    from gndpo.stages.text.chat import render_prompt
+    from gndpo.stages.models.device import set_cpu_threads
+    from gndpo.stages.models.vllm_engine import generate, make_llm, shutdown_llm
+    from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
 
     model = str(build_workload() / "student")
     tok = load_tokenizer(model)

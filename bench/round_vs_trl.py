@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.run.run import open_run
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -46,8 +46,8 @@ from workload import (CPU_SCALE, FULL_SCALE, SMOLLM2_SCALE, SMOLLM2_STEPS, build
 
 def demo_workload(folder: Path) -> dict:
     """The demo's round with method reverse_kl; returns the config dict and TRL's arguments."""
-    from gndpo.pipeline.demo import write_demo_config
-    from gndpo.pipeline.toy import ensure_toy_assets
+    from gndpo.pipeline.apps.demo import write_demo_config
+    from gndpo.pipeline.toys.arithmetic import ensure_toy_assets
 
     assets = ensure_toy_assets(log=lambda *_: None)
     cfg = yaml.safe_load(write_demo_config(folder / "base", assets).read_text())

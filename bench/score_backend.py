@@ -3,9 +3,9 @@ module, chunked output layer), same teacher, same token ids, same top-k.
 
 W's teacher (:mod:`bench.workload`, 80M parameters, 32k vocabulary), ``--prompts`` x ``--n`` responses of
 ``--tokens`` random token ids after each rendered prompt (scoring does not care who wrote them), fp32 on
-this machine. hf runs :func:`gndpo.stages.logprobs.pair_token_stats` in score's token-budget batches
+this machine. hf runs :func:`gndpo.stages.models.logprobs.pair_token_stats` in score's token-budget batches
 (teacher side only, as with the vLLM backend the student's forward is the same either way); vllm runs
-:func:`gndpo.stages.engine.response_logprobs`. Reports response tokens/s of each (the engine's start
+:func:`gndpo.stages.models.vllm_engine.response_logprobs`. Reports response tokens/s of each (the engine's start
 reported beside), their ratio and the largest difference of the teacher's log-probs. Writes
 ``results/score_backend.json``.
 """
@@ -35,12 +35,12 @@ def main(argv=None) -> dict:
     import numpy as np
     import torch
 
-    from gndpo.pipeline.config import DataConfig, EngineConfig
-    from gndpo.stages.chat import render_prompt
-    from gndpo.stages.device import set_cpu_threads
-    from gndpo.stages.engine import make_llm, response_logprobs, shutdown_llm
-    from gndpo.stages.logprobs import make_batch, response_hidden, head_logprobs, chunks, token_budget_batches
-    from gndpo.stages.modeling import load_causal_lm, load_tokenizer
+    from gndpo.pipeline.config.schema import DataConfig, EngineConfig
+    from gndpo.stages.text.chat import render_prompt
+    from gndpo.stages.models.device import set_cpu_threads
+    from gndpo.stages.models.vllm_engine import make_llm, response_logprobs, shutdown_llm
+    from gndpo.stages.models.logprobs import make_batch, response_hidden, head_logprobs, chunks, token_budget_batches
+    from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
 
     set_cpu_threads()
     folder = build_workload()

@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--run", default="/tmp/gndpo-bench/round_vs_trl/w/gndpo/run")
     a = ap.parse_args(argv)
 
-    from gndpo.pipeline.runs import open_run
+    from gndpo.pipeline.run.run import open_run
     from gndpo.storage.records import manifest_files
     from gndpo.storage.shards import read_shards, to_parquet_bytes
 

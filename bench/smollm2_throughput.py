@@ -13,7 +13,7 @@ Then, in this process (2 CPU threads, as the stages use), on the same sequences 
   every position, ``log_softmax`` over the vocabulary, a gather of the sampled tokens, the teacher's
   top-16), batched as score batches (its ``token_budget_batches`` over each work unit, with
   ``score.max_tokens_per_batch`` and ``score.rows_per_chunk``);
-* **score, gndpo's kernel**: ``gndpo.stages.logprobs.pair_token_stats`` on the same batches with the
+* **score, gndpo's kernel**: ``gndpo.stages.models.logprobs.pair_token_stats`` on the same batches with the
   stage's arguments (top-16, both entropies for the round's metrics): the stage without its I/O;
 * **train, plain**: on a copy of the student, the forward over every position, ``log_softmax``, and
   the reverse KL of the teacher's top-16 buckets plus the rest of the vocabulary against the stored
@@ -71,7 +71,7 @@ def rollout_units(run) -> list:
 
 def score_batches(table, cfg, pad_id: int) -> list:
     """The unit's batches as score forms them: (TokenBatch, response tokens)."""
-    from gndpo.stages.logprobs import make_batch, token_budget_batches
+    from gndpo.stages.models.logprobs import make_batch, token_budget_batches
 
     prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("response_token_ids").to_pylist()
@@ -118,7 +118,7 @@ def plain_score(student, teacher, batch, topk: int) -> None:
 
 @torch.no_grad()
 def gndpo_score(student, teacher, batch, chunk: int, cfg, topk: int) -> None:
-    from gndpo.stages.logprobs import pair_token_stats
+    from gndpo.stages.models.logprobs import pair_token_stats
 
     # The stage's call: top-k, and both entropies for the round's metrics (logging.entropy_metrics).
     pair_token_stats(teacher, student, batch, chunk, cfg.rollout.temperature, topk, (True, True), False)
@@ -127,7 +127,7 @@ def gndpo_score(student, teacher, batch, chunk: int, cfg, topk: int) -> None:
 def plain_micro_loss(student, micro, pad_id: int, n_tokens: float) -> torch.Tensor:
     """The plain reverse KL over the teacher's top-k buckets and the rest of the vocabulary, on the
     stored teacher columns, summed over the micro-batch's loss tokens / the step's loss tokens."""
-    from gndpo.stages.logprobs import make_batch
+    from gndpo.stages.models.logprobs import make_batch
 
     batch = make_batch([r.prompt for r in micro], [r.response for r in micro], pad_id, torch.device("cpu"))
     s_all = plain_logprobs(student, batch)  # [N, V]
@@ -145,7 +145,7 @@ def train_job(run, student, pad_id: int):
     """train's own loss on a plain module, outside DeepSpeed: a TrainJob with what ``run_unit`` sets."""
     from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
     from gndpo.pipeline.methods.base import TOPK
-    from gndpo.stages.logprobs import logits_chunk
+    from gndpo.stages.models.logprobs import logits_chunk
     from gndpo.stages.train import TrainJob
 
     job = TrainJob(run, 0)
@@ -160,7 +160,7 @@ def compare_train(plain_student, gndpo_student, run, pad_id: int) -> dict:
     """Train's optimizer steps twice, on two copies of the student, micro-batch by micro-batch in turn:
     the plain loss (full logits) and train's own (``TrainJob.micro_batch_loss``: chunked output layer
     on response positions, recomputed in backward), each with backward, clipping and AdamW."""
-    from gndpo.stages.train_batch import load_share
+    from gndpo.stages.training.batch import load_share
 
     tc = run.cfg.train
     job = train_job(run, gndpo_student, pad_id)
@@ -197,10 +197,10 @@ def main(argv=None) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from gndpo.pipeline.runs import open_run
-    from gndpo.stages.device import set_cpu_threads
-    from gndpo.stages.logprobs import logits_chunk
-    from gndpo.stages.modeling import load_tokenizer
+    from gndpo.pipeline.run.run import open_run
+    from gndpo.stages.models.device import set_cpu_threads
+    from gndpo.stages.models.logprobs import logits_chunk
+    from gndpo.stages.models.loading import load_tokenizer
 
     set_cpu_threads()
     run = open_run(a.run)

@@ -1,7 +1,7 @@
 """Benchmark workload W: a ~27M-parameter student and a ~3x teacher with a real-sized BPE vocabulary.
 
 Built offline and deterministically (same files for the same spec): a byte-level BPE tokenizer trained
-with ``tokenizers`` on text :mod:`gndpo.pipeline.realistic` generates (32,000 tokens, the vocabulary of
+with ``tokenizers`` on text :mod:`tests.realistic` generates (32,000 tokens, the vocabulary of
 Llama-2 and Mistral), two Llama models with random weights and that vocabulary, and prompt files. Random
 weights almost never sample EOS, so every response runs to ``max_tokens`` and a round's token count is
 exactly prompts x samples x max_tokens: the shapes, not the weights, are what the benchmarks measure.
@@ -20,12 +20,14 @@ samples x 24 tokens, 2 optimizer steps.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from gndpo.pipeline.realistic import ShapeSpec, build_realistic_pair, synthetic_text
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.realistic
+from tests.realistic import ShapeSpec, build_realistic_pair, synthetic_text  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "gndpo" / "bench"
 
@@ -132,7 +134,7 @@ def build_smollm2_workload(folder: Path = CACHE / "smollm2") -> dict:
     round's prompts are the whole train file and both frameworks see exactly the same ones."""
     import random
 
-    from gndpo.pipeline.real_models import ensure_real_model
+    from gndpo.pipeline.toys.real_models import ensure_real_model
 
     model = ensure_real_model(SMOLLM2, log=lambda *_: None)
     folder = Path(folder)

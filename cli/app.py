@@ -7,6 +7,8 @@ import sys
 
 import typer
 
+from gndpo.pipeline.observe import logs
+
 app = typer.Typer(
     name="gndpo",
     help="Offline, resumable, round-based on-policy distillation with cached teacher scores.",
@@ -27,8 +29,6 @@ def options(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress and only warnings and errors (--progress none --log-level warning)."),
 ):
     """Offline, resumable, round-based on-policy distillation with cached teacher scores."""
-    from gndpo.pipeline import logs
-
     if quiet:
         log_level, progress = log_level or "warning", progress or "none"
     # Also for the stage processes `gndpo run` starts: they read the same settings from the environment.

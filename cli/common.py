@@ -8,6 +8,7 @@ import sys
 import typer
 
 from gndpo.errors import GndpoError
+from gndpo.storage.tables import encode_frame
 
 
 def user_errors(fn):
@@ -26,8 +27,6 @@ def user_errors(fn):
 
 def echo_frame(df) -> None:
     """Print a polars DataFrame as an aligned text table (no truncation, no shape line)."""
-    from gndpo.storage.tables import encode_frame
-
     typer.echo(encode_frame(df, "table").decode(), nl=False)
 
 

@@ -4,7 +4,7 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import echo_table, user_errors
-from gndpo.pipeline.compare import run_compare
+from gndpo.pipeline.apps.compare import run_compare
 
 
 @app.command()

@@ -6,7 +6,7 @@ import typer
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
 from gndpo.errors import GndpoError
-from gndpo.pipeline.real_models import PACKAGED, convert_gguf, ensure_real_model, packaged_gguf
+from gndpo.pipeline.toys.real_models import PACKAGED, convert_gguf, ensure_real_model, packaged_gguf
 
 
 @app.command()

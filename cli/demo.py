@@ -4,7 +4,7 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import echo_table, user_errors
-from gndpo.pipeline.demo import run_demo
+from gndpo.pipeline.apps.demo import run_demo
 
 
 @app.command()

@@ -4,7 +4,7 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
-from gndpo.pipeline.evaluation import evaluate
+from gndpo.pipeline.apps.evaluation import evaluate
 
 
 @app.command(name="eval")

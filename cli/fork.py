@@ -4,7 +4,7 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
-from gndpo.pipeline.fork import fork_run
+from gndpo.pipeline.apps.fork import fork_run
 
 
 @app.command()

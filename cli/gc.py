@@ -2,8 +2,8 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
-from gndpo.pipeline.gc import collect_garbage
-from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.exec.gc import collect_garbage
+from gndpo.pipeline.run.run import open_run
 
 
 @app.command()

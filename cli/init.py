@@ -4,8 +4,8 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
-from gndpo.pipeline.config import load_config
-from gndpo.pipeline.runs import init_run
+from gndpo.pipeline.config.schema import load_config
+from gndpo.pipeline.apps.init import init_run
 
 
 @app.command()

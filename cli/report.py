@@ -4,7 +4,7 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
-from gndpo.pipeline.report import build_report
+from gndpo.pipeline.apps.report import build_report
 
 
 @app.command()

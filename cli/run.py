@@ -4,7 +4,7 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
-from gndpo.pipeline.rounds import run_rounds
+from gndpo.pipeline.apps.loop import run_loop
 
 
 @app.command()
@@ -28,4 +28,4 @@ def run(
     ),
 ):
     """Run the round loop; stages already committed are skipped, so rerunning resumes."""
-    run_rounds(run, rounds, gpus=gpus, keep_alive=keep_alive)
+    run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive)

@@ -3,8 +3,8 @@ import typer
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
 from gndpo.errors import GndpoError
-from gndpo.pipeline.runs import open_run
-from gndpo.pipeline.sql import query
+from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.observe.sql import query
 from gndpo.storage.tables import FRAME_FORMATS, encode_frame, write_file
 
 

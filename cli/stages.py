@@ -4,7 +4,7 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
-from gndpo.pipeline.rounds import run_stage
+from gndpo.pipeline.exec.rounds import run_stage
 
 HELP = {
     "rollout": "The round's student samples responses with vLLM.",

@@ -2,8 +2,8 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import echo_table, user_errors
-from gndpo.pipeline.runs import open_run
-from gndpo.pipeline.status import stage_rows
+from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.exec.status import stage_rows
 
 
 @app.command()

@@ -15,11 +15,11 @@ import pyarrow as pa
 
 from gndpo.pipeline.methods import Stats, StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
 from gndpo.pipeline.methods.base import TEACHER_SCOPE
-from gndpo.pipeline.runs import Run
+from gndpo.pipeline.run.run import Run
 from gndpo.storage.duck import connect, parquet_source
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import STATS, read_shards, verify_shards, write_shard
-from gndpo.pipeline.logs import info
+from gndpo.pipeline.observe.logs import info
 
 
 class NormalizeJob:

@@ -7,7 +7,7 @@ Rows store token ids, the sampler's log-probs, the loss mask, every registered v
 off-policy guidance) the teacher writes the first ``guide_prefix_tokens`` tokens of a seeded subset
 of prompts and the student continues; those tokens get loss_mask 0 and ``teacher_prefix_len`` says
 how many there are. With ``rollout.tools`` a response is a conversation with tool turns
-(:mod:`gndpo.stages.agent`), with its turns and calls in the row. With ``rollout.eval_heldout`` an extra unit measures the same policy's
+(:mod:`gndpo.stages.text.agent`), with its turns and calls in the row. With ``rollout.eval_heldout`` an extra unit measures the same policy's
 greedy held-out accuracy on the same engine, which is what the demo's per-round table reports.
 """
 
@@ -18,16 +18,17 @@ import random
 import pyarrow as pa
 
 from gndpo.faults import crash_point
-from gndpo.pipeline.rewards import run_rewards, score_response
-from gndpo.pipeline.runs import Run
-from gndpo.stages.agent import Conversation, ToolUse, derived_seed, conversation_counts, conversation_metrics, run_conversations
-from gndpo.stages.chat import render_prompt, stop_token_ids
-from gndpo.stages.device import local_device
-from gndpo.stages.live import LiveModels
-from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
+from gndpo.pipeline.tasks.rewards import run_rewards, score_response
+from gndpo.pipeline.run.run import Run
+from gndpo.stages.text.agent import Conversation, ToolUse, derived_seed, conversation_counts, conversation_metrics, run_conversations
+from gndpo.stages.text.chat import render_prompt, stop_token_ids
+from gndpo.stages.models.device import local_device
+from gndpo.stages.models.live import LiveModels
+from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
-from gndpo.pipeline.logs import info
+from gndpo.pipeline.observe.logs import info
+from gndpo.stages.text.heldout_eval import greedy_eval
 
 def sample_seed(base: int, round_idx: int, prompt_id: str, sample_idx: int) -> int:
     return derived_seed(base, round_idx, prompt_id, sample_idx)
@@ -187,8 +188,6 @@ class RolloutJob:
         return {"reward": rewards[self.cfg.reward], "rewards": rewards}
 
     def _eval_unit(self, out_dir):
-        from gndpo.stages.eval import greedy_eval
-
         result = greedy_eval(
             self.llm, self.tok, self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use
         )
@@ -208,7 +207,7 @@ class RolloutJob:
             **conversation_metrics(gen, responses),
         }
         metrics["tokens_per_s"] = metrics["tokens"] / max(sum(c["seconds"] for c in gen), 1e-9)
-        # The engine probe (gndpo.stages.probe): the worst gap of any worker's engine this round.
+        # The engine probe (gndpo.stages.models.probe): the worst gap of any worker's engine this round.
         for key in ("engine_probe_gap_max", "engine_probe_gap_mean", "engine_reloaded", "engine_restarted"):
             if any(key in c for c in gen):
                 metrics[key] = max(c.get(key, 0) for c in gen)

@@ -3,7 +3,7 @@
 One score unit per rollout unit. Responses are grouped by length into batches of at most
 ``score.max_tokens_per_batch`` padded tokens; each batch runs both backbones once and then the output
 layers over a chunk of response positions at a time, sized by ``model.logits_budget_mib`` (at most
-``model.token_chunk``; :mod:`gndpo.stages.logprobs`), so full-vocabulary logits exist for one chunk
+``model.token_chunk``; :mod:`gndpo.stages.models.logprobs`), so full-vocabulary logits exist for one chunk
 only and never for prompt positions. The student's log-probs use the sampling temperature, the
 teacher's temperature 1 (the same function train differentiates, so the importance ratio at a round's
 first step is 1 up to float error). Each row also carries the partial sums of the clamped score c_t
@@ -12,7 +12,7 @@ with the log of the teacher's mass outside it, entropies, full-vocabulary KL). N
 refused: a NaN here would silently poison the round's global statistics.
 
 With ``score.backend: vllm`` the teacher's sampled-token and top-k log-probs come from a vLLM engine
-instead (prompt log-probs over the stored ids, :func:`gndpo.stages.engine.response_logprobs`; tensor
+instead (prompt log-probs over the stored ids, :func:`gndpo.stages.models.vllm_engine.response_logprobs`; tensor
 parallel through ``score.engine``), while the student's are still computed here by the same forward
 train differentiates, so the first step's importance ratio stays exactly 1. Methods that need the
 teacher's whole distribution (its entropy, the full KL) are refused with this backend, and the
@@ -27,20 +27,20 @@ import pyarrow as pa
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.losses import REST_MASS_FLOOR
+from gndpo.pipeline.methods.losses import REST_MASS_FLOOR
 from gndpo.pipeline.methods import clamped_score, score_needs, score_partial_sums
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
-from gndpo.pipeline.runs import Run
-from gndpo.stages.cross_tokenizer import CrossTokenizerTeacher
-from gndpo.stages.device import local_device, set_cpu_threads
-from gndpo.stages.engine import response_logprobs, vocabulary_size
-from gndpo.stages.logprobs import logits_chunk, make_batch, pair_token_stats, token_budget_batches
-from gndpo.stages.live import LiveModels
-from gndpo.stages.modeling import check_same_tokenizer, load_tokenizer
-from gndpo.stages.teacher_context import TeacherPrompts
+from gndpo.pipeline.run.run import Run
+from gndpo.stages.text.cross_tokenizer import CrossTokenizerTeacher
+from gndpo.stages.models.device import local_device, set_cpu_threads
+from gndpo.stages.models.vllm_engine import response_logprobs, vocabulary_size
+from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats, token_budget_batches
+from gndpo.stages.models.live import LiveModels
+from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer
+from gndpo.stages.text.teacher_context import TeacherPrompts
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import flat_values, list_column, read_shard, round_to_bfloat16, scores_schema, write_shard
-from gndpo.pipeline.logs import info
+from gndpo.pipeline.observe.logs import info
 
 ENGINE_CANNOT = {TEACHER_ENTROPY: "the teacher's entropy", TOKEN_KL: "the full-vocabulary KL"}
 

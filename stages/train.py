@@ -3,15 +3,15 @@
 Reads top to bottom as the round's recipe:
 
 1. this rank's share of the round, joined with its scores and the method's targets
-   (:mod:`gndpo.stages.train_batch`): the policy-gradient advantage and its tokens, the weight of a
+   (:mod:`gndpo.stages.training.batch`): the policy-gradient advantage and its tokens, the weight of a
    divergence term on the teacher's top-k per token, the loss mask and a response weight. The token
    loss is L_t = pg_mask L_pg(A_t) + div_t D_t, times the response weight;
-2. a DeepSpeed engine on the round's policy (:mod:`gndpo.stages.train_engine`: dtype, ZeRO stage,
+2. a DeepSpeed engine on the round's policy (:mod:`gndpo.stages.training.deepspeed_engine`: dtype, ZeRO stage,
    checkpoints), continuing the previous round's optimizer state, or an earlier attempt's checkpoint;
 3. ``train.optimizer_steps`` mini-batches (one step per rollout batch by default, so pi_theta = pi_old
    at loss time), each cut into token-budgeted micro-batches; every micro-batch contributes its share of
    the step loss, normalised by the step's GLOBAL sequence or token count, so the step is the same for
-   any number of ranks and micro-batches. Log-probs come chunked from :mod:`gndpo.stages.logprobs`;
+   any number of ranks and micro-batches. Log-probs come chunked from :mod:`gndpo.stages.models.logprobs`;
 4. export the updated student in Hugging Face format; it rolls out the next round.
 """
 
@@ -26,22 +26,22 @@ import numpy as np
 import torch
 
 from gndpo.faults import crash_point
-from gndpo.pipeline.losses import aggregate, combined_token_losses
+from gndpo.pipeline.methods.losses import aggregate, combined_token_losses
 from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
-from gndpo.pipeline.config import SELF_TEACHER
-from gndpo.pipeline.runs import Run
-from gndpo.stages.device import local_device, set_cpu_threads
-from gndpo.stages.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
-from gndpo.stages.modeling import load_tokenizer
-from gndpo.stages.ema import EMA_FILE, EmaWeights
-from gndpo.stages.probe import probe_logprobs, write_probe
-from gndpo.stages.train_batch import TrainRow, load_share
-from gndpo.stages.live import LiveModels
-from gndpo.stages.train_engine import export_model, isolate_extension_builds, load_state, save_state
+from gndpo.pipeline.config.schema import SELF_TEACHER
+from gndpo.pipeline.run.run import Run
+from gndpo.stages.models.device import local_device, set_cpu_threads
+from gndpo.stages.models.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
+from gndpo.stages.models.loading import load_tokenizer
+from gndpo.stages.training.ema import EMA_FILE, EmaWeights
+from gndpo.stages.models.probe import probe_logprobs, write_probe
+from gndpo.stages.training.batch import TrainRow, load_share
+from gndpo.stages.models.live import LiveModels
+from gndpo.stages.training.deepspeed_engine import export_model, isolate_extension_builds, load_state, save_state
 from gndpo.storage.shards import verified_bytes
-from gndpo.pipeline import progress
-from gndpo.pipeline.logs import adopt_library_loggers, info
+from gndpo.pipeline.observe import progress
+from gndpo.pipeline.observe.logs import adopt_library_loggers, info
 
 
 def ensure_distributed_env() -> None:
@@ -158,7 +158,7 @@ class TrainJob:
         files = []
         with tempfile.TemporaryDirectory() as tmp:
             export_model(engine, policy, tmp, tc.zero_stage, rank)
-            # What the next round's rollout engine must reproduce (gndpo.stages.probe); every rank
+            # What the next round's rollout engine must reproduce (gndpo.stages.models.probe); every rank
             # runs the forward, as ZeRO-3 gathers weights collectively.
             probe = self._probe(engine, policy)
             if rank == 0:

@@ -10,7 +10,7 @@ Layout (docs/storage.md)::
     rounds/r0003/<stage>/_MANIFEST.json                 written last; what later stages and SQL read
 
 Everything here is a record operation; the policy (who may claim what, when a lease is stale) lives in
-``gndpo.pipeline.units``.
+``gndpo.pipeline.exec.units``.
 """
 
 from __future__ import annotations

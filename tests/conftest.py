@@ -30,7 +30,7 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_assets(cache_dir) -> Path:
     """A few-step teacher and student: real HF models and tokenizer, accuracy irrelevant."""
-    from gndpo.pipeline.toy import ModelSpec, ToySpec, ensure_toy_assets
+    from gndpo.pipeline.toys.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
 
     spec = ToySpec(
         **TINY,
@@ -43,7 +43,7 @@ def tiny_assets(cache_dir) -> Path:
 @pytest.fixture(scope="session")
 def other_tokenizer_teacher(tmp_path_factory, tiny_assets) -> Path:
     """A model whose tokenizer has one token more than the toy student's."""
-    from gndpo.pipeline.toy import ModelSpec, build_tokenizer, new_model
+    from gndpo.pipeline.toys.arithmetic import ModelSpec, build_tokenizer, new_model
 
     path = tmp_path_factory.mktemp("other-teacher")
     tok = build_tokenizer()
@@ -104,7 +104,7 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
     """Every committed row of a rollout or score stage, sorted by rollout id."""
     import pyarrow.parquet as pq
 
-    from gndpo.pipeline.runs import open_run
+    from gndpo.pipeline.run.run import open_run
     from gndpo.storage.records import rollout_shards
     from gndpo.storage.records import manifest_files
 

@@ -1,4 +1,4 @@
-"""The multi-turn loop (stages/agent.py) with a scripted student in place of vLLM: tool failures become
+"""The multi-turn loop (stages/text/agent.py) with a scripted student in place of vLLM: tool failures become
 error turns, turn and length limits end conversations, and the loss mask is 1 exactly on what the
 student wrote. The loop through a real vLLM engine is tested in tests/test_tool_rollout.py."""
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from gndpo.pipeline.config import DataConfig, RolloutConfig
-from gndpo.pipeline.toy_tools import CALL_CLOSE, END_OF_TURN, build_tokenizer, call_text, task_row
-from gndpo.stages import agent
-from gndpo.stages.agent import Conversation, ToolUse, run_conversations, turn_seed
-from gndpo.stages.engine import Generation
+from gndpo.pipeline.config.schema import DataConfig, RolloutConfig
+from gndpo.pipeline.toys.tool_task import CALL_CLOSE, END_OF_TURN, build_tokenizer, call_text, task_row
+from gndpo.stages.text import agent
+from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations, turn_seed
+from gndpo.stages.models.vllm_engine import Generation
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_user_tools_are_called_by_their_path_or_a_name_given_to_them():
 
 def test_a_rollout_config_with_unusable_tools_is_refused(tmp_path):
     from gndpo.errors import GndpoError
-    from gndpo.pipeline.config import config_from_dict
+    from gndpo.pipeline.config.schema import config_from_dict
 
     with pytest.raises(GndpoError, match="rollout.tools must be a list"):
         config_from_dict({"rollout": {"tools": [3]}})
@@ -174,7 +174,7 @@ def test_a_rollout_config_with_unusable_tools_is_refused(tmp_path):
 
 
 def test_prompt_files_keep_their_tool_columns_as_json(tmp_path):
-    from gndpo.pipeline.prompts import load_prompts
+    from gndpo.pipeline.run.prompts import load_prompts
 
     path = tmp_path / "p.jsonl"
     rows = [
@@ -188,7 +188,7 @@ def test_prompt_files_keep_their_tool_columns_as_json(tmp_path):
     # One struct type per column: keys missing from a row come back as nulls and are dropped.
     assert [json.loads(r["tool_calls"]) for r in got] == [r["tool_calls"] for r in rows]
     assert [json.loads(r["lookup"]) for r in got] == [r["lookup"] for r in rows]
-    from gndpo.pipeline.tools import TOOLS, run_tool_call
+    from gndpo.pipeline.tasks.tools import TOOLS, run_tool_call
 
     call = '<tool_call>{"name": "lookup", "arguments": {"key": "fr"}}</tool_call>'
     assert run_tool_call(call, TOOLS, got[1], 1.0).text == "Paris"

@@ -1,6 +1,6 @@
-"""Character-offset alignment of two tokenizations of one text (stages/align.py), on hand-made strings."""
+"""Character-offset alignment of two tokenizations of one text (stages/text/align.py), on hand-made strings."""
 
-from gndpo.stages.align import align_by_offsets
+from gndpo.stages.text.align import align_by_offsets
 
 
 def spans(pieces: list[str]) -> list[tuple[int, int]]:

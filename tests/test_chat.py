@@ -15,10 +15,10 @@ import pytest
 import yaml
 from safetensors.torch import load_file, save_file
 
-from gndpo.pipeline.config import DataConfig
-from gndpo.pipeline.runs import open_run
-from gndpo.pipeline.toy import END_OF_TURN, build_chat_variant
-from gndpo.stages.chat import render_prompt
+from gndpo.pipeline.config.schema import DataConfig
+from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.toys.arithmetic import END_OF_TURN, build_chat_variant
+from gndpo.stages.text.chat import render_prompt
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards

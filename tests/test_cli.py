@@ -11,8 +11,8 @@ import yaml
 from typer.testing import CliRunner
 
 from gndpo.cli.app import _register, app
-from gndpo.pipeline.config import Config, load_config
-from gndpo.pipeline.demo import DEFAULT_CONFIG
+from gndpo.pipeline.config.schema import Config, load_config
+from gndpo.pipeline.apps.demo import DEFAULT_CONFIG
 from tests.conftest import tiny_config_dict
 
 _register()
@@ -181,7 +181,7 @@ def test_example_configs_parse(name):
 
 
 def test_example_reward_is_a_reward(monkeypatch):
-    from gndpo.pipeline.rewards import get_reward
+    from gndpo.pipeline.tasks.rewards import get_reward
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "examples"))
     reward = get_reward("my_rewards:contains_reference")

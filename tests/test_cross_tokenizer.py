@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import config_from_dict
-from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.run.run import open_run
 from gndpo.stages.score import check_backend
 from tests.conftest import committed_rows, gndpo
 
@@ -22,7 +22,7 @@ CLAMP = 5.0
 @pytest.fixture(scope="module")
 def pair_teacher(tmp_path_factory):
     """The toy tokenizer plus ten merged tokens "00".."99", and a random 1-layer Llama over it."""
-    from gndpo.pipeline.toy import ModelSpec, build_tokenizer, new_model
+    from gndpo.pipeline.toys.arithmetic import ModelSpec, build_tokenizer, new_model
 
     path = tmp_path_factory.mktemp("pair-teacher")
     tok = build_tokenizer()
@@ -88,7 +88,7 @@ def test_teacher_values_are_its_own_log_probs_where_a_student_token_is_covered(c
 
 def test_statistics_and_loss_leave_unaligned_tokens_out(crossed, rolled_out):
     from gndpo.stages.normalize import round_stats
-    from gndpo.stages.train_batch import load_share
+    from gndpo.stages.training.batch import load_share
 
     rollouts = {r["rollout_id"]: r for r in committed_rows(rolled_out)}
     c = []
@@ -118,7 +118,7 @@ def test_methods_that_need_one_vocabulary_are_refused():
 def test_the_toy_builder_makes_a_teacher_with_its_own_tokenizer(tiny_assets, cache_dir):
     from transformers import AutoTokenizer
 
-    from gndpo.pipeline.toy import ModelSpec, ToySpec, ensure_cross_tokenizer_assets
+    from gndpo.pipeline.toys.arithmetic import ModelSpec, ToySpec, ensure_cross_tokenizer_assets
     from tests.conftest import TINY
 
     spec = ToySpec(**TINY, model=ModelSpec(layers=1, hidden=64, heads=2, max_steps=20, lr=3e-3, batch=32), student_max_steps=5)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.run.run import open_run
 from tests.conftest import gndpo, tiny_config_dict
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import STAGES, manifest_files
 from tests.conftest import ARTIFACTS, committed_rows, gndpo, gndpo_killed, open_in_chromium, tiny_config_dict
@@ -309,7 +309,7 @@ def test_progress_draws_a_bar_on_a_terminal(tmp_path):
     import subprocess
     import sys
 
-    script = ("from gndpo.pipeline import progress; import sys; print(progress.resolve_mode('auto'), file=sys.stdout)\n"
+    script = ("from gndpo.pipeline.observe import progress; import sys; print(progress.resolve_mode('auto'), file=sys.stdout)\n"
               "with progress.task('demo', total=2, unit='steps') as t:\n    t.advance(1); t.advance(1, tokens=5)\n")
     leader, follower = pty.openpty()
     proc = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=follower, text=True, timeout=60)
@@ -323,7 +323,7 @@ def test_sql_formats_round_trip_and_every_view_has_round(run_dir, tmp_path):
     from typer.testing import CliRunner
 
     from gndpo.cli.app import app, _register
-    from gndpo.pipeline.sql import query
+    from gndpo.pipeline.observe.sql import query
 
     _register()
     runner = CliRunner()
@@ -366,7 +366,7 @@ def test_readme_sql_cookbook_runs(run_dir):
     import re
     from pathlib import Path
 
-    from gndpo.pipeline.sql import query
+    from gndpo.pipeline.observe.sql import query
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     cookbook = readme[readme.index("A cookbook:"):]

@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import EngineConfig
-from gndpo.stages import engine
+from gndpo.pipeline.config.schema import EngineConfig
+from gndpo.stages.models import vllm_engine as engine
 from tests.conftest import gndpo, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[1]

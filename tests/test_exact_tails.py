@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.pipeline.losses import LOGP_FLOOR, combined_token_losses, rest_logprob, topk_divergence
-from gndpo.stages.logprobs import make_batch, pair_token_stats
+from gndpo.pipeline.methods.losses import LOGP_FLOOR, combined_token_losses, rest_logprob, topk_divergence
+from gndpo.stages.models.logprobs import make_batch, pair_token_stats
 from gndpo.stages.score import rest_logprob_from_topk
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
@@ -234,10 +234,10 @@ def test_score_writes_the_rest_and_train_reads_it_or_recomputes_it(rolled_out, t
     there for every token, in full float32 (not bf16-rounded) and consistent with the top-k. A second
     fork scored as before this column existed (the schema without it) gives train rows without a stored
     rest, and both train."""
-    from gndpo.pipeline.rounds import run_stage
-    from gndpo.pipeline.runs import open_run
+    from gndpo.pipeline.exec.rounds import run_stage
+    from gndpo.pipeline.run.run import open_run
     from gndpo.stages import score as score_stage
-    from gndpo.stages.train_batch import load_share
+    from gndpo.stages.training.batch import load_share
     from gndpo.storage import shards
     from tests.conftest import committed_rows, gndpo
 

@@ -7,7 +7,7 @@ import signal
 import pytest
 import yaml
 
-from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.run.run import open_run
 from tests.conftest import committed_rows, gndpo, gndpo_killed
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import ModelConfig, config_from_dict
-from gndpo.stages.logprobs import logits_chunk, make_batch, pair_token_stats
+from gndpo.pipeline.config.schema import ModelConfig, config_from_dict
+from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
 
 
 def fake_model(vocab: int):
@@ -51,7 +51,7 @@ def test_budget_is_a_checked_setting():
 def earlier_stats(teacher, student, batch, chunk, temperature, topk):
     """pair_token_stats as it was before the memory rework: out-of-place log-softmax, whole-chunk
     entropies and KL (the reference for bit-identity)."""
-    from gndpo.stages.logprobs import chunks, response_hidden
+    from gndpo.stages.models.logprobs import chunks, response_hidden
 
     def head(model, h, temp=1.0):
         logits = model.get_output_embeddings()(h).float()
@@ -147,8 +147,8 @@ def test_mean_of_teachers_keeps_two_buffers_and_the_mixture(toy):
 PROBE = r"""
 import json, os, sys, threading, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from gndpo.pipeline.config import ModelConfig
-from gndpo.stages.logprobs import logits_chunk, make_batch, pair_token_stats
+from gndpo.pipeline.config.schema import ModelConfig
+from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
 torch.set_num_threads(2)
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():

@@ -1,4 +1,4 @@
-"""Memory-bounded log-probs (gndpo.stages.logprobs) against a direct full-vocabulary computation.
+"""Memory-bounded log-probs (gndpo.stages.models.logprobs) against a direct full-vocabulary computation.
 
 The reference here is written out in the test: one ordinary forward of the whole padded sequence,
 full logits, log-softmax, and the stored quantities picked out position by position. The chunked code
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.pipeline.realistic import ShapeSpec, build_realistic_pair, new_model
-from gndpo.stages.logprobs import make_batch, pair_token_stats, policy_token_logprobs, token_budget_batches
+from tests.realistic import ShapeSpec, build_realistic_pair, new_model
+from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs, token_budget_batches
 
 SMALL = ShapeSpec(vocab_size=3001, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, tokenizer_vocab=300, max_position_embeddings=512)
 
@@ -116,9 +116,9 @@ def test_token_budget_batches_bound_padded_tokens():
 # -- real shapes: vocabulary 151,936, hidden 512, a 4,096-token response --------------------------------
 PROBE = r"""
 import json, resource, sys, torch
-from gndpo.stages.logprobs import make_batch, pair_token_stats, policy_token_logprobs
-from gndpo.stages.modeling import load_causal_lm
-from gndpo.pipeline.losses import aggregate, combined_token_losses
+from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
+from gndpo.stages.models.loading import load_causal_lm
+from gndpo.pipeline.methods.losses import aggregate, combined_token_losses
 folder, length, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(2)
 student, teacher = load_causal_lm(folder + "/student"), load_causal_lm(folder + "/teacher").eval()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import MethodConfig, OutcomeConfig
-from gndpo.pipeline.losses import token_losses, topk_divergence
+from gndpo.pipeline.config.schema import MethodConfig, OutcomeConfig
+from gndpo.pipeline.methods.losses import token_losses, topk_divergence
 from gndpo.pipeline.methods import (
     METHODS,
     Response,
@@ -409,7 +409,7 @@ def test_outcome_advantage_mixed_into_distillation():
     ],
 )
 def test_bad_method_knobs_are_one_line_errors(cfg_kwargs, fragment):
-    from gndpo.pipeline.config import config_from_dict
+    from gndpo.pipeline.config.schema import config_from_dict
 
     cfg = config_from_dict({"method": cfg_kwargs}).method
     with pytest.raises(GndpoError, match=fragment):
@@ -418,7 +418,7 @@ def test_bad_method_knobs_are_one_line_errors(cfg_kwargs, fragment):
 
 def test_eopd_loss_is_ppo_opd_plus_gated_forward_kl():
     """Section 7 at the loss level: L_t = L_OPD_t + [H^T_t > 0.8] forward_kl_topk_t, global token mean."""
-    from gndpo.pipeline.losses import aggregate, combined_token_losses
+    from gndpo.pipeline.methods.losses import aggregate, combined_token_losses
 
     rng = np.random.default_rng(16)
     B, T, V, k = 2, 3, 7, 3

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.run.run import open_run
 from gndpo.stages.normalize import round_stats
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files

@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline import rounds
-from gndpo.pipeline.rounds import StageProcess, run_stage_processes, stage_processes, worker_log_dir
+from gndpo.pipeline.exec import rounds
+from gndpo.pipeline.exec.rounds import StageProcess, run_stage_processes, stage_processes, worker_log_dir
 from gndpo.storage.records import STAGES
 
 PY = sys.executable
@@ -126,7 +126,7 @@ class FakeRun:
     """A run whose stage r/stage is committed when the file ``<dir>/r-stage`` exists."""
 
     def __init__(self, folder: Path, num_processes=0, tp=1):
-        from gndpo.pipeline.config import Config
+        from gndpo.pipeline.config.schema import Config
 
         self.folder = folder
         self.cfg = Config()
@@ -169,11 +169,14 @@ def test_run_rounds_with_gpus_starts_workers_and_commits(tmp_path, monkeypatch, 
     assert all((tmp_path / f"0-{s}").exists() for s in STAGES)
 
 
-def test_run_rounds_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
+def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
     """Without GPUs (or with one) and one train rank, every stage runs in this process on one kept set
     of engines; with tensor parallelism or several train ranks, processes are started as before."""
+    from gndpo.pipeline.apps import loop
+
     monkeypatch.setattr(rounds, "open_run", lambda url: FakeRun(tmp_path))
-    monkeypatch.setattr("gndpo.stages.device.visible_gpus", lambda: 0)
+    monkeypatch.setattr(loop, "open_run", lambda url: FakeRun(tmp_path))
+    monkeypatch.setattr(loop, "visible_gpus", lambda: 0)
     seen = []
 
     def run_stage(url, stage, r, log=print, live=None):
@@ -183,10 +186,10 @@ def test_run_rounds_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch
 
     monkeypatch.setattr(rounds, "run_stage", run_stage)
     monkeypatch.setattr(rounds, "run_stage_processes", lambda *a: pytest.fail("no process expected"))
-    rounds.run_rounds(str(tmp_path / "run"), 1, log=lambda *_: None)
+    loop.run_loop(str(tmp_path / "run"), 1, log=lambda *_: None)
     assert [stage for stage, _ in seen] == list(STAGES)
     assert len({id(live) for _, live in seen}) == 1 and seen[0][1].keep
-    from gndpo.pipeline.config import Config
+    from gndpo.pipeline.config.schema import Config
 
     cfg = Config(student="s", teacher="t")
     assert rounds.keeps_models(cfg, 0) and rounds.keeps_models(cfg, 1) and not rounds.keeps_models(cfg, 2)
@@ -197,8 +200,7 @@ def test_run_rounds_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch
 def test_run_rounds_without_gpus_runs_today_s_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(rounds, "open_run", lambda url: FakeRun(tmp_path))
     monkeypatch.setattr(rounds, "stage_command", fake_stage_command(tmp_path, False))
-    monkeypatch.setattr("gndpo.stages.device.visible_gpus", lambda: 0)
-    rounds.run_rounds(str(tmp_path / "run"), 1, log=lambda *_: None, keep_alive=False)
+    rounds.run_rounds(str(tmp_path / "run"), 1, log=lambda *_: None, gpus=0)
     calls = sorted((tmp_path / "calls.txt").read_text().splitlines())
     # train.num_processes 0 on CPU is one plain process (stage_command's default is 1 rank)
     assert calls == sorted(f"{s} main - 1" for s in STAGES)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.pipeline.toy import cache_root
+from gndpo.pipeline.toys.arithmetic import cache_root
 from tests.conftest import committed_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
@@ -49,7 +49,7 @@ def own_distributed_environment():
 
 def real_model(name: str):
     from gndpo.errors import GndpoError
-    from gndpo.pipeline.real_models import PACKAGED, ensure_real_model
+    from gndpo.pipeline.toys.real_models import PACKAGED, ensure_real_model
 
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec(PACKAGED[name]) is None:
         pytest.skip(f"{name}: the real-models packages are not installed (make real-models)")
@@ -97,7 +97,7 @@ def greedy_batch(model, prompts: list[list[int]], pad_id: int, new_tokens: int =
 def test_converted_folder_loads_without_gguf_and_generates_what_the_gguf_does(name, monkeypatch, request):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gndpo.pipeline.real_models import load_gguf, packaged_gguf
+    from gndpo.pipeline.toys.real_models import load_gguf, packaged_gguf
 
     folder = request.getfixturevalue("smollm2" if name.startswith("smollm2") else "gemma3")
     with monkeypatch.context() as m:
@@ -129,7 +129,7 @@ def perturbed_copy(folder, out, seed: int = 0, scale: float = 0.02):
     the probe train writes beside an export."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gndpo.stages.probe import probe_logprobs, write_probe
+    from gndpo.stages.models.probe import probe_logprobs, write_probe
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -145,7 +145,7 @@ def perturbed_copy(folder, out, seed: int = 0, scale: float = 0.02):
 
 def engine_vs_transformers(llm, model, tok) -> float:
     """Mean |vLLM prompt log-prob - transformers log-prob| over a real sentence."""
-    from gndpo.stages.engine import response_logprobs
+    from gndpo.stages.models.vllm_engine import response_logprobs
 
     ids = prompt_ids(tok, "Tell me about the Eiffel Tower and the river that runs past it.")
     engine = response_logprobs(llm, [ids[:1]], [ids[1:]], 0)["logprobs"]
@@ -160,8 +160,8 @@ def test_kept_engine_samples_from_the_reloaded_weights(name, request, tmp_path, 
     """Tied embeddings: after loading a new round's weights into a running engine, its log-probs equal
     transformers' on those weights as closely as a fresh engine's (vLLM's own reload kept the old
     output layer: 1.9e-3 mean gap on SmolLM2); the probe metric says so, and no restart was needed."""
-    from gndpo.pipeline.config import EngineConfig
-    from gndpo.stages.live import LiveModels
+    from gndpo.pipeline.config.schema import EngineConfig
+    from gndpo.stages.models.live import LiveModels
 
     folder = request.getfixturevalue("smollm2" if name.startswith("smollm2") else "gemma3")
     new = tmp_path / "round1"
@@ -181,8 +181,8 @@ def test_kept_engine_samples_from_the_reloaded_weights(name, request, tmp_path, 
 def test_a_stale_kept_engine_is_replaced_by_a_fresh_one(smollm2, tmp_path, monkeypatch, caplog):
     """The fallback: a reload that leaves the engine on the old weights (here, no reload at all) fails
     the probe check; rollout gets a fresh engine, with a warning, and the metric records the restart."""
-    from gndpo.pipeline.config import EngineConfig
-    from gndpo.stages.live import LiveModels
+    from gndpo.pipeline.config.schema import EngineConfig
+    from gndpo.stages.models.live import LiveModels
 
     new = tmp_path / "round1"
     model, tok = perturbed_copy(smollm2, new)
@@ -204,7 +204,7 @@ def test_a_stale_kept_engine_is_replaced_by_a_fresh_one(smollm2, tmp_path, monke
 def smollm2_config(folder, student, **sections) -> dict:
     """A few short chat questions (the self-distillation demo's), SmolLM2 reading the demonstrations as
     its own teacher, ZeRO-2."""
-    from gndpo.pipeline.self_distill_task import context_messages, questions
+    from gndpo.pipeline.toys.self_distill import context_messages, questions
 
     rows = questions()
     for name, part in (("train", rows[:16:2]), ("heldout", rows[1:8:2])):
@@ -228,10 +228,10 @@ def smollm2_config(folder, student, **sections) -> dict:
 def smollm2_round(smollm2, tmp_path_factory):
     """One GNDPO round of SmolLM2 self-distillation under ZeRO-2 in one process (`gndpo run`'s kept
     models), then round 1's rollout on the kept engine with the exported weights loaded into it."""
-    from gndpo.pipeline.config import config_from_dict
-    from gndpo.pipeline.rounds import run_rounds, run_stage
-    from gndpo.pipeline.runs import init_run
-    from gndpo.stages.live import LiveModels
+    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.exec.rounds import run_rounds, run_stage
+    from gndpo.pipeline.apps.init import init_run
+    from gndpo.stages.models.live import LiveModels
 
     folder = tmp_path_factory.mktemp("smollm2-run")
     url = str(folder / "run")
@@ -246,8 +246,8 @@ def smollm2_round(smollm2, tmp_path_factory):
 
 
 def test_a_gndpo_self_distillation_round_on_smollm2(smollm2_round):
-    from gndpo.pipeline.metrics import collect_metrics
-    from gndpo.pipeline.runs import open_run
+    from gndpo.pipeline.observe.metrics import collect_metrics
+    from gndpo.pipeline.run.run import open_run
 
     run = open_run(str(smollm2_round / "run"))
     metrics = {(m["round"], m["stage"]): m for m in collect_metrics(run)}
@@ -268,9 +268,9 @@ def test_a_gndpo_self_distillation_round_on_smollm2(smollm2_round):
 def test_an_ema_top_k_self_distillation_round_on_smollm2(smollm2_round, tmp_path):
     """A fork of the same round: forward KL on the teacher's top-8 with point-wise clipping, an EMA
     self-teacher; train exports the average beside the model."""
-    from gndpo.pipeline.fork import fork_run
-    from gndpo.pipeline.rounds import run_stage
-    from gndpo.pipeline.runs import open_run
+    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.pipeline.exec.rounds import run_stage
+    from gndpo.pipeline.run.run import open_run
 
     url = str(tmp_path / "fork")
     fork_run(str(smollm2_round / "run"), url, 0, ["method.name=forward_kl", "method.pointwise_clip=1.0", "self_teacher.weights=ema"])
@@ -285,8 +285,8 @@ def test_an_ema_top_k_self_distillation_round_on_smollm2(smollm2_round, tmp_path
 def test_gemma_scores_smollm2_responses_across_tokenizers(smollm2_round, gemma3, tmp_path):
     """Gemma 3 (another tokenizer, no chat template: it reads the plain question after <bos>) as the
     teacher of SmolLM2's rollouts: most student tokens align and get Gemma's log-probs."""
-    from gndpo.pipeline.fork import fork_run
-    from gndpo.pipeline.rounds import run_stage
+    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.pipeline.exec.rounds import run_stage
 
     url = str(tmp_path / "cross")
     fork_run(str(smollm2_round / "run"), url, 0, [f"teacher={gemma3}", "score.cross_tokenizer=true", "teacher_context.messages=[]"])

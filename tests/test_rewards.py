@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from gndpo.cli.app import _register, app
 from gndpo.errors import GndpoError
-from gndpo.pipeline.rewards import REWARDS, final_answer, get_reward, math_answer, math_format, to_number
+from gndpo.pipeline.tasks.rewards import REWARDS, final_answer, get_reward, math_answer, math_format, to_number
 from tests.conftest import tiny_config_dict
 
 # (response, reference answer, expected reward). Written by hand: each case says what a person grading
@@ -134,7 +134,7 @@ def test_unbiased_pass_at_k_against_enumeration():
     over every k-subset."""
     from itertools import combinations
 
-    from gndpo.stages.eval import unbiased_pass_at_k
+    from gndpo.stages.text.heldout_eval import unbiased_pass_at_k
 
     for n in range(1, 7):
         for c in range(n + 1):

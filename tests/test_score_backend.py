@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import config_from_dict
-from gndpo.pipeline.runs import open_run
-from gndpo.stages.engine import shutdown_llm
+from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.run.run import open_run
+from gndpo.stages.models.vllm_engine import shutdown_llm
 from gndpo.stages.score import ScoreJob, check_backend
 from gndpo.storage.shards import read_shard
 from tests.conftest import committed_rows, gndpo

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import SelfTeacherConfig, config_from_dict
+from gndpo.pipeline.config.schema import SelfTeacherConfig, config_from_dict
 from gndpo.pipeline.methods import METHODS
-from gndpo.stages.ema import EmaWeights
-from gndpo.stages.teacher_context import TeacherPrompts, other_problem_partners
+from gndpo.stages.training.ema import EmaWeights
+from gndpo.stages.text.teacher_context import TeacherPrompts, other_problem_partners
 from tests.conftest import committed_rows, gndpo
 
 # The toy tokenizer knows digits, "+" and "=": the teacher reads the answer, then the question.
@@ -38,7 +38,7 @@ def test_other_problem_partners_are_a_seeded_cycle_without_fixed_points():
 
 
 def test_other_problem_context_takes_every_column_but_the_prompt_from_the_partner():
-    from gndpo.pipeline.config import DataConfig, TeacherContextConfig
+    from gndpo.pipeline.config.schema import DataConfig, TeacherContextConfig
 
     rows = [{"prompt_id": f"p{i}", "prompt": f"q{i}", "answer": f"a{i}", "solution": f"s{i}"} for i in range(7)]
     context = TeacherContextConfig(messages=[{"role": "user", "content": "{prompt} | {solution} | {answer}"}], other_problem=True, seed=1)
@@ -103,7 +103,7 @@ def test_ema_follows_the_hand_computation_and_exports_it(tmp_path):
 @pytest.mark.parametrize("form", ["bucket", "renormalized"])
 def test_pointwise_clip_clamps_each_bucket_before_the_sum(kind, form):
     """OPSD's point-wise clipping, re-derived in float64 over the k ids and the rest bucket."""
-    from gndpo.pipeline.losses import topk_divergence
+    from gndpo.pipeline.methods.losses import topk_divergence
 
     torch.manual_seed(1)
     vocab, k, beta, clip = 50, 6, 0.3, 0.05
@@ -170,7 +170,7 @@ def ema_run(rolled_out, tmp_path_factory):
 
 @pytest.mark.slow
 def test_teacher_log_probs_are_the_student_reading_the_context(ema_run, rolled_out, tiny_assets):
-    from gndpo.pipeline.runs import open_run
+    from gndpo.pipeline.run.run import open_run
 
     rows = {r["rollout_id"]: r for r in committed_rows(rolled_out, "rollout")}
     scores = committed_rows(ema_run, "score")
@@ -188,7 +188,7 @@ def test_teacher_log_probs_are_the_student_reading_the_context(ema_run, rolled_o
 def test_frozen_live_and_ema_weights_are_what_they_claim(ema_run, tiny_assets):
     from safetensors.numpy import load_file
 
-    from gndpo.pipeline.runs import open_run
+    from gndpo.pipeline.run.run import open_run
 
     run = open_run(str(ema_run))
     theta0 = load_file(str(tiny_assets / "student" / "model.safetensors"))
@@ -206,7 +206,7 @@ def test_frozen_live_and_ema_weights_are_what_they_claim(ema_run, tiny_assets):
 
 @pytest.mark.slow
 def test_other_problem_scores_with_another_prompts_answer(rolled_out, tmp_path, tiny_assets):
-    from gndpo.pipeline.runs import open_run
+    from gndpo.pipeline.run.run import open_run
 
     run = fork(rolled_out, tmp_path, CONTEXT_SET, "teacher_context.other_problem=true", "teacher_context.seed=7")
     gndpo("score", run, "--round", "0")
@@ -237,11 +237,11 @@ def test_init_refuses_a_context_column_the_prompts_lack_and_a_context_that_does_
 def test_every_method_computes_its_targets_on_a_self_distillation_round(rolled_out, tmp_path):
     """score -> normalize in process for each method (the teacher module kept across them), then the
     same join train makes (targets for every response, finite)."""
-    from gndpo.pipeline.fork import fork_run
-    from gndpo.pipeline.rounds import run_stage
-    from gndpo.pipeline.runs import open_run
-    from gndpo.stages.live import LiveModels
-    from gndpo.stages.train_batch import load_share
+    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.pipeline.exec.rounds import run_stage
+    from gndpo.pipeline.run.run import open_run
+    from gndpo.stages.models.live import LiveModels
+    from gndpo.stages.training.batch import load_share
 
     live = LiveModels(keep=True, log=lambda *_: None)
     for name in sorted(METHODS):

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.units import Worker
+from gndpo.pipeline.exec.units import Worker
 from gndpo.storage.records import StageRecords
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.shards import read_shard, write_shard

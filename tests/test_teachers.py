@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import config_from_dict
-from gndpo.pipeline.runs import open_run
+from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.run.run import open_run
 from tests.conftest import committed_rows, gndpo
 
 pytestmark = pytest.mark.slow

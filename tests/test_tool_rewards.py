@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gndpo.pipeline.rewards import REWARDS, score_response, tool_correctness, tool_format
+from gndpo.pipeline.tasks.rewards import REWARDS, score_response, tool_correctness, tool_format
 
 
 def call(name: str, **arguments) -> str:

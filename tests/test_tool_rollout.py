@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.pipeline.rewards import math_answer, tool_correctness, tool_format
-from gndpo.pipeline.runs import open_run
-from gndpo.pipeline.toy import ModelSpec
+from gndpo.pipeline.tasks.rewards import math_answer, tool_correctness, tool_format
+from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.toys.arithmetic import ModelSpec
 from tests.conftest import committed_rows, gndpo, gndpo_killed, write_config
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ ROUND = ("--round", "0")
 @pytest.fixture(scope="module")
 def tool_assets(cache_dir):
     """The tool-use toy, small: a student that calls the calculator on about half of its samples."""
-    from gndpo.pipeline.toy_tools import ToolToySpec, ensure_tool_toy_assets
+    from gndpo.pipeline.toys.tool_task import ToolToySpec, ensure_tool_toy_assets
 
     spec = ToolToySpec(
         n_train_prompts=64, n_heldout=12, student_tool_share=0.5, student_steps=60, teacher_target=0.5,
@@ -61,7 +61,7 @@ def reference(tmp_path_factory, tool_assets):
 
 @pytest.fixture(scope="module")
 def tok(tool_assets):
-    from gndpo.stages.modeling import load_tokenizer
+    from gndpo.stages.models.loading import load_tokenizer
 
     return load_tokenizer(str(tool_assets / "student"))
 
@@ -154,9 +154,9 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
     there: the last hidden state of a position feeds only that position's logits."""
     from transformers import AutoModelForCausalLM
 
-    from gndpo.stages import logprobs
+    from gndpo.stages.models import logprobs
     from gndpo.stages.train import TrainJob
-    from gndpo.stages.train_batch import load_share
+    from gndpo.stages.training.batch import load_share
     from gndpo.pipeline.methods import policy_settings
 
     run = open_run(str(reference))

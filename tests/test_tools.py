@@ -6,7 +6,7 @@ import time
 import pytest
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.tools import TOOLS, ToolCall, calculator, get_tool, parse_tool_call, run_tool_call
+from gndpo.pipeline.tasks.tools import TOOLS, ToolCall, calculator, get_tool, parse_tool_call, run_tool_call
 
 ROW = {"prompt_id": "p1", "lookup": '{"capital_of_france": "Paris", "answer": 42}'}
 
@@ -89,14 +89,14 @@ def test_bad_tool_names_are_one_line_errors():
 @pytest.fixture(scope="module")
 def chatml_tokenizer():
     """A small byte-level BPE with a ChatML template (im_start / im_end turns), as Qwen-style models have."""
-    from gndpo.pipeline.realistic import ShapeSpec, build_tokenizer
+    from tests.realistic import ShapeSpec, build_tokenizer
 
     return build_tokenizer(ShapeSpec(tokenizer_vocab=600, corpus_lines=500, corpus_words=200))
 
 
 def test_tool_turn_closes_the_call_and_reopens_the_assistant(chatml_tokenizer):
-    from gndpo.pipeline.config import DataConfig
-    from gndpo.stages.chat import tool_turn_ids
+    from gndpo.pipeline.config.schema import DataConfig
+    from gndpo.stages.text.chat import tool_turn_ids
 
     ids = tool_turn_ids(chatml_tokenizer, {"prompt": "What is 37 * 41?"}, DataConfig(), "1517")
     text = chatml_tokenizer.decode(ids)
@@ -106,8 +106,8 @@ def test_tool_turn_closes_the_call_and_reopens_the_assistant(chatml_tokenizer):
 
 
 def test_a_template_without_tool_turns_is_refused(chatml_tokenizer):
-    from gndpo.pipeline.config import DataConfig
-    from gndpo.stages.chat import tool_turn_ids
+    from gndpo.pipeline.config.schema import DataConfig
+    from gndpo.stages.text.chat import tool_turn_ids
 
     tok = chatml_tokenizer
     original = tok.chat_template

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config import MethodConfig, config_from_dict
-from gndpo.pipeline.losses import combined_token_losses, topk_divergence
+from gndpo.pipeline.config.schema import MethodConfig, config_from_dict
+from gndpo.pipeline.methods.losses import combined_token_losses, topk_divergence
 from gndpo.pipeline.methods import validate
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")

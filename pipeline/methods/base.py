@@ -10,7 +10,7 @@ A method (docs/methods.md) is three things, declared together in one module of t
   applies to, the weight of a divergence term per token, the tokens in the loss denominator, and a
   response weight.
 
-Train turns targets into one loss (:mod:`gndpo.pipeline.losses`):
+Train turns targets into one loss (:mod:`gndpo.pipeline.methods.losses`):
 ``L_t = pg_mask_t * L_pg(A_t) + div_t * D_t``, times the response weight, aggregated over ``mask``.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 
-# The names the loss functions (:mod:`gndpo.pipeline.losses`) understand; here so that modules that
+# The names the loss functions (:mod:`gndpo.pipeline.methods.losses`) understand; here so that modules that
 # only validate or plan (config, normalize) do not import torch.
 POLICY_LOSSES = ("gspo", "ppo", "reinforce", "is")
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean")  # what method.loss_agg may name

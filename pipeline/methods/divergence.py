@@ -1,7 +1,7 @@
 """Divergence losses on the teacher's top-k, reward-weighted distillation, PACED (docs/methods.md).
 
 The loss term itself, D_t over the stored teacher top-k and the student's full softmax, is
-:func:`gndpo.pipeline.losses.topk_divergence`; here is what each method asks of it. ``method.topk_form``
+:func:`gndpo.pipeline.methods.losses.topk_divergence`; here is what each method asks of it. ``method.topk_form``
 picks how the k ids become distributions:
 
 * ``bucket`` (default): each model gets k+1 buckets, its probabilities at the teacher's k ids plus one

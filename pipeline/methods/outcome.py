@@ -1,5 +1,5 @@
 """Outcome-reward methods (docs/methods.md: grpo and gdpo): GRPO, GDPO, and mixing an outcome advantage into
-distillation. Rewards are the named functions of :mod:`gndpo.pipeline.rewards`; rollout stores every
+distillation. Rewards are the named functions of :mod:`gndpo.pipeline.tasks.rewards`; rollout stores every
 registered reward per response, ``method.outcome.rewards`` picks the ones used and ``weights`` their
 weights. Normalize computes the per-prompt group statistics (scope = prompt_id) and GDPO's batch
 statistics of A_pre with DuckDB window functions.
@@ -20,7 +20,7 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.base import Method, Modifier, Response, Stats, Targets
-from gndpo.pipeline.rewards import get_reward
+from gndpo.pipeline.tasks.rewards import get_reward
 
 GRPO_EPS = 1e-6
 GDPO_EPS = 1e-4

@@ -1,0 +1,1 @@
+"""Built on the stages: init, fork, the demo, compare and evaluation."""

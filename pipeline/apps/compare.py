@@ -1,0 +1,92 @@
+"""`gndpo compare`: several methods on the toy task, same rounds, one table.
+
+Each method runs the demo's experiment (pipeline/apps/demo.yaml, the same toy assets, seeds and budget)
+with ``method.name`` and its own overrides, in its own folder ``<out>/<label>/``. Methods after the first
+are forks of the first method's run at round 0 (:mod:`gndpo.pipeline.apps.fork`): they score and train on
+its round-0 rollouts, not merely on rollouts sampled with the same seeds (a method whose overrides change
+the rollout settings samples its own). The table reports, per
+method, the held-out exact match of every policy version (start, after each round) and stability
+figures over all optimizer steps of all rounds: the maximum and the standard deviation of the
+pre-clip gradient norm, and the range of the policy-gradient advantages (none for pure divergence
+losses). Everything is read back from the runs' committed manifests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.apps.demo import run_demo
+from gndpo.pipeline.methods import get_method
+from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.observe.logs import info
+
+
+def parse_entry(entry: str) -> tuple[str, str, list[str]]:
+    """``gdpo+method.outcome.rewards=[exact_match,answer_length]`` -> (label, method, overrides)."""
+    name, *overrides = entry.split("+")
+    get_method(name)
+    for o in overrides:
+        if "=" not in o:
+            raise GndpoError(f"compare: {o!r} in {entry!r} is not a key=value override")
+    return entry if overrides else name, name, [f"method.name={name}", *overrides]
+
+
+def method_row(label: str, run_url: str, final_accuracy: float) -> dict:
+    """One table row from a finished run's manifests."""
+    run = open_run(run_url)
+    row: dict = {"method": label}
+    norms, adv_lo, adv_hi = [], [], []
+    r = 0
+    while (m := run.records(r, "rollout").manifest()) is not None:
+        row[f"acc_r{r}"] = m["metrics"].get("heldout_accuracy")
+        train = run.records(r, "train")
+        if train.manifest() is not None:
+            commit = train.done("update")
+            norms += [s["grad_norm"] for s in commit["steps"]]
+            if commit.get("adv_min") is not None:
+                adv_lo.append(commit["adv_min"])
+                adv_hi.append(commit["adv_max"])
+        r += 1
+    row[f"acc_r{r}"] = final_accuracy
+    norms = np.asarray(norms, dtype=np.float64)
+    row["grad_norm_max"] = float(norms.max()) if norms.size else None
+    row["grad_norm_std"] = float(norms.std()) if norms.size else None
+    row["adv_min"] = min(adv_lo) if adv_lo else None
+    row["adv_max"] = max(adv_hi) if adv_hi else None
+    return row
+
+
+def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] = (), assets: str | None = None, log=info) -> list[dict]:
+    """Run every method (resuming any that already ran) and return the comparison table."""
+    parsed = [parse_entry(e) for e in entries]  # every name checked before anything runs
+    if not parsed:
+        raise GndpoError("compare: name at least one method")
+    labels = [p[0] for p in parsed]
+    if len(set(labels)) != len(labels):
+        raise GndpoError("compare: a method is listed twice")
+    out_dir = Path(out).resolve()
+    rows = []
+    for i, (label, _, method_overrides) in enumerate(parsed):
+        log(f"compare: {label} ({i + 1}/{len(parsed)})")
+        folder = out_dir / f"{i:02d}-{label.split('+')[0]}"
+        # Methods after the first replay its round-0 rollouts where their settings allow (`gndpo fork`),
+        # so every method starts from identical samples.
+        first = str(out_dir / f"00-{labels[0].split('+')[0]}" / "run") if i else None
+        demo_rows = run_demo(str(folder), rounds, [*overrides, *method_overrides], assets=assets, log=log, fork_from=first)
+        rows.append(method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "compare.json").write_text(json.dumps({"rounds": rounds, "overrides": list(overrides), "rows": rows}, indent=1))
+    (out_dir / "compare.md").write_text(markdown_table(rows))
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    cols = list(rows[0])
+    fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

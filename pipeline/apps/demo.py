@@ -1,0 +1,126 @@
+"""`gndpo demo`: the whole pipeline on the embedded default, end to end, with a before/after table."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from gndpo.errors import GndpoError
+
+from gndpo.pipeline.config.schema import SELF_TEACHER, load_config
+from gndpo.pipeline.apps.fork import fork_run
+from gndpo.pipeline.observe.metrics import collect_metrics
+from gndpo.pipeline.apps.loop import run_loop
+from gndpo.pipeline.apps.init import init_run
+from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.toys.self_distill import context_messages, ensure_self_distill_assets
+from gndpo.pipeline.toys.arithmetic import ensure_cross_tokenizer_assets, ensure_toy_assets
+from gndpo.pipeline.toys.tool_task import ensure_tool_toy_assets
+from gndpo.stages.models.live import LiveModels
+from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.apps.evaluation import evaluate
+
+DEFAULT_CONFIG = Path(__file__).with_name("demo.yaml")
+
+
+def toy_models(assets: Path) -> dict:
+    """A toy assets folder's models: its own student and teacher."""
+    return {"student": str(assets / "student"), "teacher": str(assets / "teacher")}
+
+
+def self_distill_models(assets: Path) -> dict:
+    """SmolLM2 (converted from its package, named by the task's info.json) as student and, reading
+    the demonstrations, as its own frozen teacher."""
+    return {"student": json.loads((assets / "info.json").read_text())["student"], "teacher": SELF_TEACHER,
+            "teacher_context": {"messages": context_messages()}}
+
+
+# task -> (its experiment config, the function that builds or finds its assets, config overrides,
+# the models and settings the assets give the config)
+TASKS = {
+    "addition": (DEFAULT_CONFIG, ensure_toy_assets, [], toy_models),
+    "tools": (Path(__file__).with_name("demo_tools.yaml"), ensure_tool_toy_assets, [], toy_models),
+    # The addition task with a teacher whose tokenizer merges doubled digits.
+    "cross-tokenizer": (DEFAULT_CONFIG, ensure_cross_tokenizer_assets, ["score.cross_tokenizer=true"], toy_models),
+    # SmolLM2-135M-Instruct distils demonstrations it reads as a teacher into its bare behaviour.
+    "self-distill": (Path(__file__).with_name("demo_self_distill.yaml"), ensure_self_distill_assets, [], self_distill_models),
+}
+
+
+def write_demo_config(folder: Path, assets: Path, config: Path = DEFAULT_CONFIG, models=toy_models) -> Path:
+    data = yaml.safe_load(config.read_text())
+    data.update(models(assets))
+    data["data"] = {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")}
+    path = folder / "config.yaml"
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def demo_table(metrics: list[dict], final_accuracy: float, teacher_accuracy: float) -> list[dict]:
+    """One row per policy version: held-out accuracy, and what the round that produced it measured."""
+    by = {(m["round"], m["stage"]): m for m in metrics}
+    rows = [{"model": "teacher", "heldout_acc": teacher_accuracy}]
+    r = 0
+    while (r, "rollout") in by:
+        acc = by[(r, "rollout")].get("heldout_accuracy")
+        label = "student (start)" if r == 0 else f"student after round {r}"
+        rows.append({"model": label, "heldout_acc": acc})
+        r += 1
+    if (r - 1, "train") in by:
+        rows.append({"model": f"student after round {r}", "heldout_acc": final_accuracy})
+    for row, r in zip(rows[1:], range(r + 1)):
+        if (r, "normalize") in by:
+            row["reward_mean"] = by[(r, "normalize")]["reward_mean"]
+            row["kl_est"] = by[(r, "normalize")]["reverse_kl_estimate"]
+        if (r, "train") in by:
+            row["grad_norm_max"] = by[(r, "train")]["grad_norm_max"]
+        rollout = by.get((r, "rollout"), {})
+        if rollout.get("tool_calls/per_response"):  # the tool task: how the student used the tool
+            row["tool_calls"] = rollout["tool_calls/per_response"]
+            row["turns"] = rollout["num_turns/mean"]
+            row["tool_token_share"] = rollout["tool_mask/tool_ratio"]
+    return rows
+
+
+def run_demo(
+    folder: str, rounds: int = 3, overrides: list[str] = (), assets: str | None = None, log=info, task: str = "addition",
+    fork_from: str | None = None,
+) -> list[dict]:
+    """Build or reuse the ``task``'s toy assets (or use ``assets``: a folder laid out like them), run
+    ``rounds`` rounds, evaluate the final student, and return the before/after table. ``fork_from``: a
+    run whose round-0 rollouts this one reuses (`gndpo fork`) where its settings allow."""
+    if task not in TASKS:
+        raise GndpoError(f"unknown demo task {task!r} (tasks: {', '.join(TASKS)})")
+    config, ensure_assets, task_overrides, models = TASKS[task]
+    t0 = time.time()
+    out = Path(folder).resolve()
+    assets = Path(assets).resolve() if assets else ensure_assets(log=log)
+    if not (assets / "info.json").exists():
+        raise GndpoError(f"{assets} is not a toy assets folder (no info.json)")
+    info = json.loads((assets / "info.json").read_text())
+    log(f"toy assets: {assets} (teacher {info['teacher_heldout_accuracy']:.3f}, student {info['student_heldout_accuracy']:.3f} held-out exact match)")
+    cfg = load_config(str(write_demo_config(out, assets, config, models)), [*task_overrides, *overrides])
+    run_url = str(out / "run")
+    try:
+        if not fork_from:
+            raise GndpoError("no run to fork")
+        fork_run(fork_from, run_url, 0, cfg=cfg)
+        log(f"round 0 rollouts: reused from {fork_from}")
+    except GndpoError as why:
+        if fork_from:
+            log(f"round 0 rollouts: sampled anew ({why})")
+        init_run(run_url, cfg)
+    # One vLLM engine, teacher and DeepSpeed engine serve every round and the final evaluation.
+    live = LiveModels(keep=True, log=log)
+    try:
+        run_loop(run_url, rounds, log=log, live=live)
+        final = evaluate(run_url, None, str(out / "eval"), live=live)
+    finally:
+        live.close()
+    rows = demo_table(collect_metrics(open_run(run_url)), final["pass@1"], info["teacher_heldout_accuracy"])
+    log(f"demo finished in {time.time() - t0:.0f}s; run folder {run_url}")
+    return rows

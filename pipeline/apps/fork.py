@@ -1,0 +1,77 @@
+"""`gndpo fork`: a new run that replays a committed round of another run with other settings.
+
+``fork_run(RUN, NEW, K, overrides)`` creates NEW from RUN's config plus ``overrides``. NEW's rounds
+before K and round K's rollouts are RUN's committed records, read in RUN's folder (never copied: every
+file record NEW reads carries RUN's URL and its sha256 is checked as always), so NEW's first stage to
+compute is round K's score: the same responses scored again with another teacher, method or
+normalization. The lineage (RUN's URL, K, RUN's config fingerprint) is recorded in NEW's run.yaml.
+
+What round K's rollouts were sampled with cannot change (the student, data, rollout and engine
+sections), and every reward NEW uses must be one RUN recorded per response; both are refused in one
+line. The rest is validated as ``gndpo init`` validates it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import yaml
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import Config, apply_overrides, config_from_dict
+from gndpo.pipeline.methods import validate as validate_method
+from gndpo.pipeline.tasks.rewards import run_rewards
+from gndpo.pipeline.apps.init import check_models, check_precision, check_routes, check_teacher_prompts
+from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
+from gndpo.storage.runfs import RunFS
+from gndpo.stages.score import check_backend
+
+# What a round's rollouts depend on besides the seeds: a fork keeps them as they were.
+ROLLOUT_SECTIONS = ("student", "data", "rollout", "engine")
+
+
+def _absolute(url: str) -> str:
+    return url if "://" in url else os.path.abspath(url)
+
+
+def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = (), cfg: Config | None = None) -> Run:
+    """Create (or, with the same settings, reopen) the fork ``url`` of ``parent_url`` at ``from_round``,
+    with the parent's config plus ``overrides``, or with ``cfg`` as a whole."""
+    parent = open_run(parent_url)
+    if from_round < 0 or parent.records(from_round, "rollout").manifest() is None:
+        raise GndpoError(f"cannot fork {parent_url} at round {from_round}: its rollout of round {from_round} is not committed")
+    if cfg is None:
+        cfg = config_from_dict(apply_overrides(parent.cfg.to_dict(), list(overrides)))
+    for section in ROLLOUT_SECTIONS:
+        if getattr(cfg, section) != getattr(parent.cfg, section):
+            raise GndpoError(
+                f"fork: {section} cannot change: round {from_round}'s rollouts were sampled with {parent_url}'s {section}"
+            )
+    recorded = set(run_rewards(parent.cfg))
+    missing = [name for name in (cfg.reward, *cfg.method.outcome.rewards) if name not in recorded]
+    if missing:
+        raise GndpoError(f"fork: {parent_url}'s rollouts did not record the reward(s) {', '.join(missing)}")
+    validate_method(cfg.method)
+
+    check_backend(cfg)
+    check_precision(cfg)
+    check_models(cfg)
+    check_routes(cfg, parent.prompts("train"))
+    check_teacher_prompts(cfg, parent.prompts("train"))
+    lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}
+    body = yaml.safe_dump({**cfg.to_dict(), "lineage": lineage}, sort_keys=False).encode()
+    fs = RunFS(url)
+    if fs.exists("run.yaml"):
+        return _reopen(url, body)
+    for split in PROMPT_SPLITS:  # the parent's imported prompts, so prompt ids and rows are the same
+        fs.write_new(f"prompts/{split}.parquet", parent.fs.read_bytes(f"prompts/{split}.parquet"))
+    if not fs.create("run.yaml", body):
+        return _reopen(url, body)
+    return open_run(url)
+
+
+def _reopen(url: str, body: bytes) -> Run:
+    fs = RunFS(url)
+    if fs.read_bytes("run.yaml") != body:
+        raise GndpoError(f"run folder {url} already exists with other settings; use a new folder")
+    return open_run(url)

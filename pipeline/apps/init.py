@@ -1,0 +1,192 @@
+"""Creating a run: ``init_run`` validates everything before writing anything (config, model paths,
+tokenizers, precision and attention names, prompt files, and that the longest prompt plus
+``rollout.max_tokens`` fits the engine's context), then writes the prompts and, last, ``run.yaml`` with
+exclusive create. A run folder therefore either has a complete ``run.yaml`` or is not a run;
+re-initialising it with the same config is a no-op and with another config is an error.
+
+The checks that need a model (its tokenizer, chat template, context length) live here, above the stages
+whose loaders they use; the checks of the settings alone are :mod:`gndpo.pipeline.config`'s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import SELF_TEACHER, Config, config_to_yaml
+from gndpo.pipeline.methods import validate as validate_method
+from gndpo.pipeline.run.prompts import load_prompts
+from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
+from gndpo.pipeline.tasks.rewards import check_rewards
+from gndpo.stages.models.device import ATTN_IMPLEMENTATIONS, attn_implementation, resolve_dtype, visible_gpus
+from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer
+from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
+from gndpo.stages.score import check_backend
+from gndpo.stages.text.agent import ToolUse
+from gndpo.stages.text.chat import render_prompt, tool_turn_ids
+from gndpo.stages.text.teacher_context import TeacherPrompts
+from gndpo.storage.runfs import RunFS
+from gndpo.storage.tables import write_prompt_table
+
+
+def check_models(cfg: Config) -> None:
+    """Both models exist and share one tokenizer (fail fast: distillation over different vocabularies
+    would compare log-probs of different tokens)."""
+
+    teachers = {} if cfg.teacher == SELF_TEACHER else {f"teachers.{n}": p for n, p in cfg.teachers.items()} or {"teacher": cfg.teacher}
+    roles = {"student": cfg.student, **teachers}
+    for role, path in roles.items():
+        if not path:
+            raise GndpoError(f"config has no {role} model path")
+        if not Path(path).exists():
+            raise GndpoError(f"{role} model path does not exist: {path}")
+    if cfg.score.cross_tokenizer:  # log-probs are mapped by character offsets (gndpo.stages.text.align)
+        return
+    for path in teachers.values():
+        check_same_tokenizer(cfg.student, path)
+
+
+def check_precision(cfg: Config) -> None:
+    """``model.dtype``, ``engine.dtype`` and ``model.attn_implementation`` name things that exist.
+
+    Names are checked everywhere; whether flash_attention_2 can run (flash-attn installed, a CUDA GPU)
+    only where this machine has a GPU, since a run is often created on a machine without one."""
+
+    for key, name in (("model.dtype", cfg.model.dtype), ("engine.dtype", cfg.engine.dtype)):
+        try:
+            resolve_dtype(name, torch.device("cpu"))
+        except GndpoError as exc:
+            raise GndpoError(f"{key}: {exc}") from None
+    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS or visible_gpus() > 0:
+        attn_implementation(cfg.model.attn_implementation)
+
+
+def longest_prompt_tokens(model_path: str, rows: list[dict], data) -> int:
+    """The most tokens any prompt has, rendered as rollout renders it (:func:`render_prompt`: the
+    student's chat template and tokenizer); a prompt the template cannot render is a GndpoError here."""
+
+    tok = load_tokenizer(model_path)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "longer than model_max_length" warnings: check_context says it
+    try:
+        return max(len(render_prompt(tok, row, data).token_ids) for row in rows)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def check_context(cfg: Config, splits: dict) -> None:
+    """Every prompt plus ``rollout.max_tokens`` fits vLLM's ``max_model_len`` (rollout samples the train
+    prompts and, with ``rollout.eval_heldout``, decodes the held-out ones with the same budget), and
+    ``engine.max_model_len`` is not beyond the student's own context length (vLLM would refuse it)."""
+
+    if cfg.rollout.max_tokens < 1:
+        raise GndpoError(f"rollout.max_tokens must be >= 1, got {cfg.rollout.max_tokens}")
+    own = model_context_length(cfg.student)
+    max_len = resolve_max_model_len(cfg.student, cfg.engine)
+    if max_len > own:
+        raise GndpoError(
+            f"engine.max_model_len {max_len} exceeds the student's context length {own} (max_position_embeddings); "
+            f"set engine.max_model_len <= {own}, or 0 for the model's own"
+        )
+    names = [s for s in PROMPT_SPLITS if s == "train" or cfg.rollout.eval_heldout]
+    longest, where = max((longest_prompt_tokens(cfg.student, splits[s].to_dicts(), cfg.data), s) for s in names)
+    total = longest + cfg.rollout.response_tokens
+    if total > max_len:
+        budget = "rollout.max_tool_response_tokens" if cfg.rollout.tools else "rollout.max_tokens"
+        source = "engine.max_model_len" if cfg.engine.max_model_len else "engine.max_model_len 0 = the student's own"
+        knobs = [f"raise engine.max_model_len (at most {own}, the student's context length)"] if max_len < own else []
+        knobs += [f"lower {budget}", "shorten the prompts"]
+        raise GndpoError(
+            f"the longest data.{where} prompt has {longest} tokens; plus {budget} {cfg.rollout.response_tokens} "
+            f"that is {total}, more than max_model_len {max_len} ({source}): {', or '.join(knobs)}"
+        )
+
+
+def check_teacher_prompts(cfg: Config, train: list[dict]) -> None:
+    """Each teacher can read every training prompt as score will give it: through its chat template
+    (a cross-tokenizer teacher renders prompts itself) and with the teacher context, and the longest
+    such prompt plus the response budget fits the teacher's context length. Errors name the teacher."""
+    if not (cfg.teacher_context.messages or cfg.score.cross_tokenizer):
+        return
+
+    paths = {"teacher (self)": cfg.student} if cfg.teacher == SELF_TEACHER else {f"teacher {p}": p for p in cfg.teacher_models().values()}
+    for name, path in paths.items():
+        try:
+            prompts = TeacherPrompts(load_tokenizer(path), cfg.data, cfg.teacher_context, train)
+            longest = max(len(prompts.token_ids(row)) for row in train)
+        except GndpoError as exc:
+            raise GndpoError(f"{name}: {exc}") from None
+        limit = resolve_max_model_len(path, cfg.score.engine) if cfg.score.backend == "vllm" else model_context_length(path)
+        if longest + cfg.rollout.response_tokens > limit:
+            raise GndpoError(
+                f"{name}: its longest prompt ({longest} tokens with the teacher context) plus {cfg.rollout.response_tokens} "
+                f"response tokens exceeds its context length {limit}: shorten teacher_context.messages or the responses"
+            )
+
+
+def check_routes(cfg: Config, train: list[dict]) -> None:
+    """With several teachers routed by prompt, every training prompt (a prompt-table row) names one."""
+    if not cfg.teachers or cfg.score.teacher_mix != "route":
+        return
+    key = cfg.data.teacher_key
+    if train and "teacher" not in train[0]:
+        raise GndpoError(f"score.teacher_mix route needs a {key!r} column in data.train naming each prompt's teacher")
+    unknown = sorted({r["teacher"] for r in train if r["teacher"] not in cfg.teachers}, key=str)
+    if unknown:
+        raise GndpoError(f"data.train routes prompts to teachers not in teachers: {', '.join(map(str, unknown[:5]))} "
+                         f"(teachers: {', '.join(cfg.teachers)})")
+
+
+def check_tools(cfg: Config, row: dict) -> None:
+    """Every tool the config names imports, and the student's chat template renders a tool turn (on
+    ``row``), so tool use is refused at init rather than in the middle of a rollout."""
+    if not cfg.rollout.tools:
+        return
+
+    ToolUse.from_config(cfg.rollout)
+    tool_turn_ids(load_tokenizer(cfg.student), row, cfg.data, "gndpo-probe-result")
+
+
+def check_metrics_backends(cfg: Config) -> None:
+    """Each of ``logging.backends`` must be importable here (a missing one would only warn later)."""
+
+    for backend, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if backend in cfg.logging.backends and importlib.util.find_spec(module) is None:
+            raise GndpoError(f"logging.backends names {backend}, which is not installed (pip install 'gndpo[metrics]')")
+
+
+def init_run(url: str, cfg: Config) -> Run:
+    fs = RunFS(url)
+    if fs.exists("run.yaml"):
+        existing = open_run(url)
+        if existing.cfg.fingerprint() != cfg.fingerprint():
+            raise GndpoError(f"run folder {url} was created from another config; use a new folder")
+        return existing
+    validate_method(cfg.method)
+    check_metrics_backends(cfg)
+
+    check_backend(cfg)
+    check_precision(cfg)
+    check_models(cfg)
+    splits = {}
+    for split in PROMPT_SPLITS:
+        source = getattr(cfg.data, split)
+        if not source:
+            raise GndpoError(f"config has no data.{split} prompts file")
+        splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key, cfg.data.teacher_key,
+                                     keep=cfg.teacher_context.columns() if split == "train" else ())
+    check_context(cfg, splits)
+    check_rewards(cfg, splits["train"].row(0, named=True))
+    check_tools(cfg, splits["train"].row(0, named=True))
+    check_routes(cfg, splits["train"].to_dicts())
+    check_teacher_prompts(cfg, splits["train"].to_dicts())
+    for split, table in splits.items():
+        write_prompt_table(fs, f"prompts/{split}.parquet", table)
+    if not fs.create("run.yaml", config_to_yaml(cfg).encode()):
+        # A concurrent init won; accept it only if it is the same experiment.
+        return init_run(url, cfg)
+    return Run(fs=fs, cfg=cfg)

@@ -1,0 +1,280 @@
+"""``gndpo report``: one self-contained HTML page (plus its PNGs) on how a run, or a comparison, went.
+
+The page holds per-round curves (held-out accuracy, reward, the teacher KL estimate, grad norm, clip
+fraction, response length, entropies, stage times), a token-level view of a few rollouts of the newest
+scored round coloured by the teacher-student log-ratio lpT - lpS (red where the teacher finds the
+student's token unlikely: where the student goes wrong), and the config. Every figure is embedded in the
+HTML (base64), so the one file can be mailed or attached; the same PNGs are written beside it.
+
+It reads a run folder, a demo folder (``gndpo demo DIR``: DIR/run, and DIR/eval for the final student's
+accuracy) or a comparison folder (``gndpo compare --out DIR``: one line per method in every plot).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
+from gndpo.pipeline.run.run import open_run
+from gndpo.storage.records import manifest_files, rollout_shards
+from gndpo.storage.duck import connect, parquet_source
+from gndpo.storage.tables import write_file
+from gndpo.stages.models.loading import load_tokenizer
+
+# (file name, title, y label, [(stage, metric, legend suffix)]): one figure each.
+CURVES = [
+    ("accuracy", "Held-out accuracy (greedy) per policy version", "exact match", [("rollout", "heldout_accuracy", "")]),
+    ("reward", "Sampled reward", "mean reward", [("normalize", "reward_mean", "")]),
+    ("teacher_kl", "Teacher KL estimate, KL(student || teacher) per token", "nats", [("normalize", "reverse_kl_estimate", "")]),
+    ("grad_norm", "Gradient norm (pre-clip)", "norm", [("train", "grad_norm_mean", " mean"), ("train", "grad_norm_max", " max")]),
+    ("clip_fraction", "Clip fraction", "fraction of loss tokens", [("train", "clip_fraction", "")]),
+    ("response_length", "Response length", "tokens", [("normalize", "response_length_mean", " mean"), ("normalize", "response_length_max", " max")]),
+    ("engine_probe", "Rollout engine vs the exported student (probe batch log-probs)", "|log-prob gap|",
+     [("rollout", "engine_probe_gap_max", " max"), ("rollout", "engine_probe_gap_mean", " mean")]),
+    ("entropy", "Entropy of sampled tokens", "nats", [("score", "student_entropy_mean", " student"), ("score", "teacher_entropy_mean", " teacher")]),
+]
+STAGE_ORDER = ("rollout", "score", "normalize", "train")
+TOKEN_VIEW_ROWS = 4
+RATIO_SCALE = 3.0  # |lpT - lpS| at which a token's colour is fully saturated
+
+
+@dataclass
+class Series:
+    """One run's metrics, as the report draws them."""
+
+    label: str
+    url: str
+    rows: list[dict]
+    final_accuracy: float | None = None
+    by: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.by = {(m["round"], m["stage"]): m for m in self.rows}
+
+    def values(self, stage: str, metric: str) -> tuple[list[int], list[float]]:
+        points = [(r, m[metric]) for (r, s), m in sorted(self.by.items()) if s == stage and isinstance(m.get(metric), (int, float))]
+        if stage == "rollout" and metric == "heldout_accuracy" and self.final_accuracy is not None and points:
+            points.append((max(r for r, s in self.by if s == "train") + 1, self.final_accuracy))
+        return [p[0] for p in points], [float(p[1]) for p in points]
+
+
+def find_runs(folder: str) -> list[Series]:
+    """The runs a folder holds: itself, a demo folder's run, or each method of a comparison."""
+    root = Path(folder)
+    if (root / "compare.json").exists():
+        series = []
+        for sub in sorted(p for p in root.iterdir() if (p / "run" / "run.yaml").exists()):
+            series.append(_demo_series(sub, label=sub.name.split("-", 1)[-1]))
+        labels = [r["method"] for r in json.loads((root / "compare.json").read_text())["rows"]]
+        for s, label in zip(series, labels):
+            s.label = label
+        if not series:
+            raise GndpoError(f"{folder}: a comparison folder without method runs")
+        return series
+    if (root / "run" / "run.yaml").exists():
+        return [_demo_series(root, label=root.name)]
+    run = open_run(folder)
+    return [Series(label=Path(run.fs.url).name or run.fs.url, url=run.fs.url, rows=collect_metrics(run))]
+
+
+def _demo_series(folder: Path, label: str) -> Series:
+    run = open_run(str(folder / "run"))
+    summary = folder / "eval" / "summary.json"
+    final = json.loads(summary.read_text()).get("pass@1") if summary.exists() else None
+    return Series(label=label, url=run.fs.url, rows=collect_metrics(run), final_accuracy=final)
+
+
+def curve_figure(series: list[Series], title: str, ylabel: str, lines: list[tuple]) -> bytes | None:
+    """A PNG of ``lines`` per series over rounds; None when no series has any of them."""
+    fig, ax = _figure()
+    drawn = 0
+    for s in series:
+        for stage, metric, suffix in lines:
+            x, y = s.values(stage, metric)
+            if x:
+                ax.plot(x, y, marker="o", label=(s.label if len(series) > 1 else "") + suffix or metric)
+                drawn += 1
+    if not drawn:
+        return None
+    ax.set_title(title)
+    ax.set_xlabel("round (policy version for accuracy)")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    if drawn > 1:
+        ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def stage_time_figure(series: list[Series]) -> bytes | None:
+    """Stacked bars of each stage's worker-seconds per round (the first series: one run's timeline)."""
+    s = series[0]
+    rounds = sorted({r for r, _ in s.by})
+    if not rounds:
+        return None
+    fig, ax = _figure()
+    bottom = np.zeros(len(rounds))
+    for stage in STAGE_ORDER:
+        secs = np.array([float(s.by.get((r, stage), {}).get("seconds") or 0.0) for r in rounds])
+        ax.bar(rounds, secs, bottom=bottom, label=stage)
+        bottom += secs
+    ax.set_title("Stage time per round" + (f" ({s.label})" if len(series) > 1 else ""))
+    ax.set_xlabel("round")
+    ax.set_ylabel("seconds (summed over workers)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def _figure():
+    """A figure and its axes, made without pyplot: no GUI backend, nothing a notebook would notice."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.6), dpi=100)
+    return fig, fig.add_subplot()
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
+    """HTML of a few rollouts of the newest scored round, each token coloured by lpT - lpS: the
+    responses with the lowest summed log-ratio (where the student strays most from the teacher), and the
+    one with the highest. Tokens outside the loss mask (tool turns, template) are grey. DuckDB ranks the
+    round's responses over the shards; only the chosen ones are read into Python."""
+    run = open_run(url)
+    r = max((k for k in range(committed_rounds(run)) if run.records(k, "score").manifest() is not None), default=None)
+    if r is None:
+        return "<p>No scored round yet.</p>"
+    con = connect(run.fs)
+    rollouts = parquet_source(run.fs, rollout_shards(run.records(r, "rollout").require_manifest()))
+    scores = parquet_source(run.fs, manifest_files(run.records(r, "score").require_manifest()))
+    con.sql(f"""CREATE VIEW ranked AS
+        SELECT r.rollout_id, list_sum(list_transform(list_zip(s.teacher_logprobs, s.student_logprobs, r.loss_mask),
+                                                     lambda x: (x[1] - x[2]) * x[3])) AS total
+        FROM {rollouts} r JOIN {scores} s USING (rollout_id)""")
+    chosen = con.sql(f"""(SELECT rollout_id, total FROM ranked ORDER BY total, rollout_id LIMIT {rows - 1})
+                         UNION ALL (SELECT rollout_id, total FROM ranked ORDER BY total DESC, rollout_id LIMIT 1)""").fetchall()
+    if not chosen:
+        return "<p>No scored rollouts.</p>"
+    ids = list(dict.fromkeys(rid for rid, _ in chosen))
+    picked = con.execute(
+        f"""SELECT r.rollout_id, r.reward, r.finish_reason, r.prompt, r.response_token_ids, r.loss_mask,
+                   s.teacher_logprobs, s.student_logprobs
+            FROM {rollouts} r JOIN {scores} s USING (rollout_id) WHERE r.rollout_id IN (SELECT unnest(?))""", [ids]
+    ).fetchall()
+    by_id = {row[0]: row for row in picked}
+    tok = load_tokenizer(run.cfg.student)  # the student's tokenizer (every policy version keeps it)
+    parts = [f"<p>Round {r} (policy version {r}); lpT - lpS per token: "
+             '<span class="tok" style="background:rgba(220,40,40,0.8)">teacher finds it unlikely</span> '
+             '<span class="tok" style="background:rgba(40,160,60,0.8)">teacher prefers it</span> '
+             '<span class="tok masked">not trained on</span>. Hover a token for its numbers.</p>']
+    for rid in ids:
+        _, reward, finish, prompt, token_ids, mask, lp_t, lp_s = by_id[rid]
+        ratio = np.asarray(lp_t, np.float64) - np.asarray(lp_s, np.float64)
+        mask = np.asarray(mask, np.float64)
+        spans = []
+        for t, (token_id, d, m) in enumerate(zip(token_ids, ratio, mask)):
+            text = html.escape(tok.decode([token_id])) or "&#8203;"
+            tip = f"t={t} id={token_id} lpT-lpS={d:+.3f}"
+            if m == 0:
+                spans.append(f'<span class="tok masked" title="{tip} (mask 0)">{text}</span>')
+                continue
+            alpha = min(abs(d) / RATIO_SCALE, 1.0)
+            rgb = "220,40,40" if d < 0 else "40,160,60"
+            spans.append(f'<span class="tok" style="background:rgba({rgb},{alpha:.2f})" title="{tip}">{text}</span>')
+        parts.append(
+            f'<div class="rollout"><div class="meta">{html.escape(rid)}: reward {reward:.3f}, '
+            f'sum of lpT - lpS {float((ratio * mask).sum()):+.2f} over {int(mask.sum())} tokens, {html.escape(str(finish))}</div>'
+            f'<pre class="prompt">{html.escape(prompt)}</pre><div class="response">{"".join(spans)}</div></div>'
+        )
+    return "\n".join(parts)
+
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>gndpo report: {title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; color: #222; }}
+.grid {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(540px, 1fr)); gap: 1em; }}
+img {{ width: 100%; border: 1px solid #ddd; }}
+table {{ border-collapse: collapse; font-size: 0.9em; }} td, th {{ border: 1px solid #ccc; padding: 2px 6px; text-align: right; }}
+.rollout {{ border: 1px solid #ddd; margin: 0.8em 0; padding: 0.5em; }}
+.meta {{ font-size: 0.85em; color: #555; }} .prompt {{ color: #666; margin: 0.3em 0; white-space: pre-wrap; }}
+.response {{ font-family: monospace; white-space: pre-wrap; line-height: 1.7; }}
+.tok {{ border-radius: 2px; }} .masked {{ color: #999; background: #eee; }}
+pre.config {{ background: #f6f6f6; padding: 1em; font-size: 0.85em; }}
+</style></head><body>
+<h1>gndpo report: {title}</h1>
+<p>{subtitle}</p>
+<h2>Per round</h2>
+<div class="grid">{figures}</div>
+<h2>Round table</h2>
+{table}
+<h2>Where the student goes wrong</h2>
+{tokens}
+<h2>Config</h2>
+{configs}
+<script>
+// A figure that did not decode is a console error, so a headless browser check catches it.
+window.addEventListener("load", () => {{
+  for (const img of document.images) {{ if (!img.naturalWidth) console.error("figure failed to load: " + img.alt); }}
+}});
+</script>
+</body></html>
+"""
+
+
+def round_table(series: list[Series]) -> str:
+    """The main metrics as an HTML table, one row per (series, round)."""
+    cols = [("rollout", "heldout_accuracy"), ("normalize", "reward_mean"), ("normalize", "reverse_kl_estimate"),
+            ("train", "grad_norm_mean"), ("train", "clip_fraction"), ("normalize", "response_length_mean"), ("train", "seconds")]
+    head = "<tr><th>run</th><th>round</th>" + "".join(f"<th>{html.escape(m)}</th>" for _, m in cols) + "</tr>"
+    body = []
+    for s in series:
+        for r in sorted({r for r, _ in s.by}):
+            cells = "".join(
+                f"<td>{v:.4g}</td>" if isinstance(v := s.by.get((r, stage), {}).get(m), (int, float)) else "<td>-</td>" for stage, m in cols
+            )
+            body.append(f"<tr><td>{html.escape(s.label)}</td><td>{r}</td>{cells}</tr>")
+    return f"<table>{head}{''.join(body)}</table>"
+
+
+def build_report(folder: str, out: str) -> dict:
+    """Write ``out/report.html`` and ``out/<figure>.png`` (any fsspec URL); returns their paths. The HTML
+    is written last, so a finished report.html means its figures are there."""
+    series = find_runs(folder)
+    if not any(s.rows for s in series):
+        raise GndpoError(f"{folder}: no committed stage yet, nothing to report")
+    out = out.rstrip("/")
+    figures, written = [], []
+    pngs = [(name, curve_figure(series, title, ylabel, lines)) for name, title, ylabel, lines in CURVES]
+    pngs.append(("stage_seconds", stage_time_figure(series)))
+    for name, png in pngs:
+        if png is None:
+            continue
+        write_file(f"{out}/{name}.png", png)
+        written.append(f"{out}/{name}.png")
+        figures.append(f'<img alt="{name}" src="data:image/png;base64,{base64.b64encode(png).decode()}">')
+    configs = "".join(
+        f"<h3>{html.escape(s.label)}</h3><pre class=\"config\">{html.escape(open_run(s.url).fs.read_bytes('run.yaml').decode())}</pre>"
+        for s in series
+    )
+    subtitle = ", ".join(f"{html.escape(s.label)}: {html.escape(s.url)}" for s in series)
+    page = PAGE.format(
+        title=html.escape(Path(folder).name or folder), subtitle=subtitle, figures="\n".join(figures),
+        table=round_table(series), tokens=token_view(series[0].url), configs=configs,
+    )
+    write_file(f"{out}/report.html", page.encode())
+    return {"html": f"{out}/report.html", "figures": written}

@@ -1,0 +1,549 @@
+"""Experiment configuration: one YAML file per experiment, ``key=value`` overrides, frozen per run.
+
+The schema is a tree of dataclasses, so every knob has a type, a default and a docstring-able home, and an
+unknown or mistyped key is a one-line error instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import string
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+
+from gndpo.errors import GndpoError
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bounds a numeric config value must respect (``ge``/``le`` inclusive, ``gt``/``lt`` exclusive),
+    checked when the config is read, so a bad value is refused by ``gndpo init`` rather than hours later
+    inside a stage."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def violation(self, value) -> str | None:
+        ok = (
+            (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt)
+        )
+        return None if ok else f"must be {self.describe()}"
+
+    def describe(self) -> str:
+        parts = [f"{w} {b:g}" for b, w in ((self.ge, ">="), (self.gt, ">"), (self.le, "<="), (self.lt, "<")) if b is not None]
+        return " and ".join(parts)
+
+
+Count = Annotated[int, Range(ge=1)]  # how many of something, at least one
+NonNegativeInt = Annotated[int, Range(ge=0)]
+Positive = Annotated[float, Range(gt=0)]
+NonNegative = Annotated[float, Range(ge=0)]
+Fraction = Annotated[float, Range(ge=0, le=1)]  # a share or a probability, 0 and 1 included
+
+
+CHAT_TEMPLATE_MODES = ("auto", "none")
+TRUNCATED_MODES = ("keep", "mask", "drop")
+SCORE_DTYPES = ("float32", "bfloat16")
+SCORE_BACKENDS = ("hf", "vllm")
+TEACHER_MIXES = ("route", "mean")
+STATS_SCOPES = ("global", "teacher")
+
+
+@dataclass
+class DataConfig:
+    """Prompt files and how a prompt becomes the text the student sees (gndpo.stages.text.chat)."""
+
+    train: str = ""  # prompts for rollouts: jsonl / parquet / csv, any fsspec URL
+    heldout: str = ""  # evaluation prompts with answers
+    prompt_key: str = "prompt"  # a plain prompt, wrapped as one user turn
+    messages_key: str = "messages"  # or a list of {role, content} turns (system turn included)
+    answer_key: str = "answer"
+    # auto: the student's chat template (with add_generation_prompt) where it has one, else the plain
+    # prompt text; none: always the plain prompt text.
+    chat_template: str = "auto"
+    system_prompt: str = ""  # a system turn put first where a prompt has none
+    template_kwargs: dict = field(default_factory=dict)  # passed to the template, e.g. {enable_thinking: false}
+    # With several teachers (``teachers``) and score.teacher_mix route: the prompt-file column naming
+    # each prompt's teacher.
+    teacher_key: str = "teacher"
+
+
+@dataclass
+class TipConfig:
+    """Section 4: keep the most informative tokens (student entropy OR teacher-student KL)."""
+
+    enabled: bool = False
+    keep_ratio: Annotated[float, Range(gt=0, le=1)] = 0.5
+    entropy_quantile: Fraction = 0.98  # h is capped at this batch quantile before min-max scaling
+
+
+@dataclass
+class PacedConfig:
+    """Section 5: weight each prompt by p^a (1-p)^b of its pass rate p this round."""
+
+    enabled: bool = False
+    a: NonNegative = 1.0
+    b: NonNegative = 1.0
+
+
+@dataclass
+class TropdConfig:
+    """Section 6 (interp): trust region on the speculative-decoding acceptance P = min(pi_T/pi_S, 1)."""
+
+    base: str = "gndpo"  # PG term on trusted tokens: opd | gndpo
+    tau: Fraction = 1.0  # trusted when P >= tau
+    tau_quantile: Annotated[float, Range(ge=-1, le=1)] = -1.0  # >= 0: tau is this quantile of P over the batch instead
+    outlier: str = "fkl"  # mask | clip | fkl
+    clip_value: float = -1.0  # clip mode: r_t <- max(r_t, clip_value)
+    fkl_coef: NonNegative = 1.0  # fkl mode: weight (lambda) of forward_kl_topk on outlier tokens
+
+
+@dataclass
+class EopdConfig:
+    """Section 7: OPD plus forward KL on tokens where the teacher is uncertain."""
+
+    entropy_threshold: NonNegative = 0.8  # nats
+    fkl_coef: NonNegative = 1.0
+
+
+@dataclass
+class ReopoldConfig:
+    """Section 8: floored log-ratio reward, phase 1 masks below the floor, phase 2 keeps high entropy."""
+
+    lam: Annotated[float, Range(gt=0, lt=1)] = 0.1  # floor = log(lam) / (1 - lam)
+    switch_round: NonNegativeInt = 1  # rounds < switch_round are phase 1
+    beta: Annotated[float, Range(gt=0, le=1)] = 0.2  # phase 2 keeps tokens with student entropy >= quantile_{1-beta}
+
+
+@dataclass
+class OutcomeConfig:
+    """Section 9: outcome rewards for GRPO / GDPO, and mixing an outcome advantage into distillation."""
+
+    rewards: list = field(default_factory=lambda: ["exact_match"])  # names in gndpo.pipeline.tasks.rewards
+    weights: list = field(default_factory=list)  # one per reward; empty = all 1
+    gdpo_batch_norm: str = "sequence"  # sequence (TRL) | token (verl)
+    coef: float = 0.0  # distillation methods: A_t = A_dist_t + coef * A_GRPO_i (GRPO's advantage); 0 = off
+
+
+@dataclass
+class MethodConfig:
+    """Which method trains the student, and its knobs (formulas: docs/methods.md).
+
+    ``policy_loss`` and ``loss_agg`` left empty take the method's own default (``gndpo methods``)."""
+
+    name: str = "gndpo"  # see gndpo.pipeline.methods.METHODS
+    clamp: Positive = 5.0  # c_t = clamp(lpT - lpS, -clamp, clamp)
+    policy_loss: str = ""  # gspo | ppo | reinforce | is ("" = the method's default)
+    loss_agg: str = ""  # seq-mean-token-mean | token-mean ("" = the method's default)
+    clip_low: NonNegative = 0.2
+    clip_high: NonNegative = 0.2
+    std_eps: Positive = 1e-8
+    # With several routed teachers: GNDPO's mean and std of c over the whole round (global) or over
+    # each teacher's tokens (teacher), so a teacher whose scores run higher does not dominate.
+    stats_scope: str = "global"
+    jsd_beta: float = 0.5
+    schedule: str = ""  # divergence methods, e.g. "fkl:2,rkl:4": forward KL rounds 0-1, then reverse KL
+    reward_beta: NonNegative = 0.0  # > 0: reward-weighted responses, w_i = B softmax(r_i / reward_beta)
+    minillm_gamma: Fraction = 0.95
+    # Top-k divergences: "bucket" compares the k teacher ids plus one "rest" bucket per model (1 - its
+    # top-k mass), so student mass outside the teacher's top-k is paid for; "renormalized" compares both
+    # models renormalized over the k ids (the student's tail is then free).
+    topk_form: str = "bucket"
+    # OPSD's point-wise clipping of top-k divergences: each bucket's contribution to the per-token
+    # divergence (a teacher top-k id, or the rest) is clamped from above at this value before the sum,
+    # so a few tokens (style words) cannot dominate the loss; 0 = off. Sampled-token methods have
+    # method.clamp, the same idea on lpT - lpS.
+    pointwise_clip: NonNegative = 0.0
+    tip: TipConfig = field(default_factory=TipConfig)
+    paced: PacedConfig = field(default_factory=PacedConfig)
+    tropd: TropdConfig = field(default_factory=TropdConfig)
+    eopd: EopdConfig = field(default_factory=EopdConfig)
+    reopold: ReopoldConfig = field(default_factory=ReopoldConfig)
+    outcome: OutcomeConfig = field(default_factory=OutcomeConfig)
+
+
+SELF_TEACHER_WEIGHTS = ("frozen", "live", "ema")
+SELF_TEACHER = "self"  # ``teacher: self``: the student model is its own teacher
+
+
+@dataclass
+class SelfTeacherConfig:
+    """``teacher: self`` (on-policy self-distillation): which weights of the student score its rollouts."""
+
+    # frozen: the run's initial student (OPSD's default); live: the round's rollout policy; ema: an
+    # exponential moving average of the student, updated by train after every optimizer step
+    # (theta_ema <- ema_decay theta_ema + (1 - ema_decay) theta, starting from the initial student)
+    # and exported beside each round's model.
+    weights: str = "frozen"
+    ema_decay: Annotated[float, Range(gt=0, lt=1)] = 0.999
+
+
+@dataclass
+class TeacherContextConfig:
+    """A privileged context only the teacher sees: the teacher's prompt is ``messages`` rendered through
+    the teacher's chat template (each turn's content a Python format string over the prompt row's
+    columns, e.g. "{prompt}\\n\\nA verified solution: {solution}"), and the student's response ids follow
+    it unchanged. Empty: the teacher sees the student's prompt."""
+
+    messages: list = field(default_factory=list)  # [{role, content}], content with {column} placeholders
+    # OP2SD's ablation: every placeholder but {prompt} filled from another, seeded prompt of the set
+    # (never the prompt itself), so the context is real but about a different problem.
+    other_problem: bool = False
+    seed: NonNegativeInt = 0
+
+    def columns(self) -> tuple[str, ...]:
+        """The prompt-row columns the turns name, in order of first use ({prompt} included)."""
+        names = [field for turn in self.messages for _, field, _, _ in string.Formatter().parse(turn["content"]) if field is not None]
+        return tuple(dict.fromkeys(names))
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_round: Count = 256
+    n: Count = 4  # samples per prompt
+    prompts_per_unit: Count = 64  # work-unit size; fixed by the plan, independent of worker count
+    temperature: Positive = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Range(ge=-1)] = -1  # -1 = off
+    max_tokens: Count = 8
+    seed: NonNegativeInt = 0
+    eval_heldout: bool = True  # also log the policy's greedy held-out accuracy with the same engine
+    # Off-policy guidance (TrOPD, section 6): for this fraction of prompts the teacher writes the first
+    # guide_prefix_tokens tokens and the student continues; prefix tokens are not trained by policy
+    # gradient (loss_mask 0) but by forward KL on the teacher's top-k.
+    guided_fraction: Fraction = 0.0
+    guide_prefix_tokens: Count = 2
+    # Generation stops at the tokenizer's EOS, the chat template's end-of-turn token and these strings.
+    stop: list = field(default_factory=list)
+    # Responses cut at max_tokens (finish_reason "length"): keep (trained like any other, the usual
+    # choice for distillation), mask (no loss, still in the statistics) or drop (neither).
+    truncated: str = "keep"
+    # Multi-turn tool use: the tools the student may call (built-in names, module:function, or
+    # name=module:function to have the student call it name; empty = one turn per response). A call ends the student's turn, its result comes back as a tool turn
+    # rendered by the chat template, and the student continues, for at most max_turns student turns
+    # and max_tool_response_tokens tokens of interleaved response (student, tool and template tokens;
+    # each student turn is also capped by max_tokens). A tool that fails or runs past tool_timeout_s
+    # answers with an error message instead.
+    tools: list = field(default_factory=list)
+    max_turns: Count = 4
+    max_tool_response_tokens: Count = 512
+    tool_timeout_s: Positive = 10.0
+
+    @property
+    def response_tokens(self) -> int:
+        """The most tokens one response can hold: the whole interleaved conversation with tools."""
+        return self.max_tool_response_tokens if self.tools else self.max_tokens
+
+
+@dataclass
+class ModelConfig:
+    """How score and train place and run the student and teacher (resolved in gndpo.stages.models.device)."""
+
+    dtype: str = "auto"  # auto (bf16 on a GPU that supports it, else fp32) | float32 | bfloat16 | float16
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2 (where installed)
+    # Full-vocabulary logits exist for at most this many response positions at a time (lm_head and
+    # log-softmax run chunk by chunk after one backbone pass; train recomputes a chunk in backward).
+    # Still the cap on the chunk, now sized by logits_budget_mib below; at a small vocabulary (the toy's)
+    # the budget allows more, so this alone decides, as before.
+    token_chunk: Count = 1024
+    # MiB one fp32 [positions, vocabulary] buffer may take: a chunk holds budget // (V x 4 B) positions
+    # (at least 1, at most token_chunk), so memory follows the vocabulary instead of a token count.
+    # Score keeps at most two such buffers per model (train's backward a few more for the student).
+    # 256 MiB: 256 positions at Gemma's 262,144-token vocabulary, 441 at Qwen's 151,936, and token_chunk
+    # (1,024) decides up to 65,536. A chunk of 256 rows is already a large matmul (per-chunk overhead is
+    # negligible: scoring a 2,048-token response at 262,144 was no slower than with 1,024 positions),
+    # and one buffer stays small next to any model with such a vocabulary (its bf16 embedding alone is
+    # 0.5 GiB at hidden 1,024).
+    logits_budget_mib: Count = 256
+
+
+@dataclass
+class ScoreConfig:
+    # A forward pass holds at most max_tokens_per_batch (padded prompt + response) tokens and at most
+    # rows_per_chunk responses; responses are grouped by length so padding stays small.
+    max_tokens_per_batch: Count = 32768
+    rows_per_chunk: Count = 128
+    teacher_topk: Count = 16  # k of the teacher top-k (ids, log-probs) stored for divergence methods
+    # Precision of the stored per-token values. bfloat16 rounds them to bf16 (kept in float32 columns,
+    # so every reader sees plain floats) and shards shrink about 2.5x; the importance ratio at a round's
+    # first step is then 1 only to bf16 precision (~0.4% of a log-prob) instead of float32's.
+    dtype: str = "float32"
+    # Where the teacher's log-probs come from: hf (the teacher module on the score worker's device,
+    # every column) or vllm (a vLLM engine scoring the stored token ids as prompt log-probs: the
+    # sampled token's and the top-k; engine settings below, tensor_parallel_size for a teacher larger
+    # than one GPU). The student's log-probs are always recomputed by the training forward.
+    backend: str = "hf"
+    # Several teachers (``teachers``): route (each prompt to the teacher its prompt-file column names)
+    # or mean (every token scored by all of them: log of the mean probability, over the vocabulary).
+    teacher_mix: str = "route"
+    # A teacher whose tokenizer differs from the student's (refused unless this is true): the response
+    # is re-tokenized by the teacher after its own rendering of the prompt, and teacher log-probs are
+    # mapped onto the student's tokens by character offsets (gndpo.stages.text.align); student tokens that
+    # do not align get no signal. Sampled-token methods only (top-k needs one vocabulary).
+    cross_tokenizer: bool = False
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig())
+
+
+@dataclass
+class TrainConfig:
+    lr: Positive = 1e-6
+    weight_decay: NonNegative = 0.0
+    optimizer_steps: Count = 1  # mini-batches per round (1 = one step per rollout batch, as the paper)
+    # A micro-batch (one forward/backward on one rank) holds at most max_tokens_per_batch padded tokens
+    # and at most micro_batch_size responses.
+    max_tokens_per_batch: Count = 16384
+    micro_batch_size: Count = 64
+    grad_clip: NonNegative = 1.0  # 0 = no clipping
+    zero_stage: Annotated[int, Range(ge=0, le=3)] = 0  # 0-3; with 3 the model is built partitioned and the export gathers it
+    gradient_checkpointing: bool = False
+    carry_optimizer_state: bool = True  # keep AdamW moments across rounds
+    checkpoint_every: NonNegativeInt = 8  # optimizer steps between in-round checkpoints a retry resumes from (0 = none)
+    num_processes: NonNegativeInt = 0  # train ranks on this node; 0 = one per visible GPU (1 on CPU)
+    seed: NonNegativeInt = 0
+
+
+@dataclass
+class EngineConfig:
+    """vLLM engine settings shared by rollout and eval."""
+
+    dtype: str = "auto"  # auto = model.dtype's resolution (bf16 on a capable GPU, fp32 on CPU)
+    max_model_len: NonNegativeInt = 0  # 0 = the model's own context length (max_position_embeddings)
+    cuda_graphs: bool = True  # False = vLLM's enforce_eager; the CPU build always runs eager
+    kv_cache_gib: Count = 1  # VLLM_CPU_KVCACHE_SPACE on CPU machines
+    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.85
+    max_num_seqs: Count = 256
+    tensor_parallel_size: Count = 1
+
+
+METRICS_BACKENDS = ("tensorboard", "wandb")
+WANDB_MODES = ("online", "offline")
+
+
+@dataclass
+class LoggingConfig:
+    """Where the round metrics go besides ``metrics.jsonl``. Not part of the run's fingerprint: where a
+    run reports does not change what it computes."""
+
+    backends: list = field(default_factory=list)  # any of: tensorboard (RUN/tensorboard/), wandb
+    wandb_project: str = "gndpo"
+    wandb_entity: str = ""  # empty: the default entity of the logged-in account
+    wandb_mode: str = "online"  # offline: write RUN/logs/wandb/ only (upload later with `wandb sync`)
+    # score's entropy metrics: one more full-vocabulary pass per scored chunk and model; off saves it
+    entropy_metrics: bool = True
+
+
+@dataclass
+class Config:
+    student: str = ""
+    teacher: str = ""
+    teachers: dict = field(default_factory=dict)  # several teachers: {name: model path}, instead of teacher
+    self_teacher: SelfTeacherConfig = field(default_factory=SelfTeacherConfig)  # with teacher: self
+    teacher_context: TeacherContextConfig = field(default_factory=TeacherContextConfig)
+    reward: str = "exact_match"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    score: ScoreConfig = field(default_factory=ScoreConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def teacher_models(self) -> dict[str, str]:
+        """{name: model path} of the run's teachers: ``teachers``, or the one ``teacher`` named by its path
+        (the name score records per row)."""
+        return dict(self.teachers) if self.teachers else {self.teacher: self.teacher}
+
+    def fingerprint(self) -> str:
+        """The run's identity: every setting that changes what is computed (``logging`` is left out)."""
+        settings = {k: v for k, v in self.to_dict().items() if k != "logging"}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _build(cls, data: dict, where: str):
+    if not isinstance(data, dict):
+        raise GndpoError(f"config section {where or '<root>'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise GndpoError(f"unknown config key {where}{key}")
+        typ, checks = hints[key], ()
+        if typing.get_origin(typ) is Annotated:
+            typ, *checks = typing.get_args(typ)
+        if dataclasses.is_dataclass(typ):
+            kwargs[key] = _build(typ, value or {}, f"{where}{key}.")
+            continue
+        kwargs[key] = _coerce(value, typ, f"{where}{key}")
+        for check in checks:
+            problem = check.violation(kwargs[key])
+            if problem:
+                raise GndpoError(f"config key {where}{key} {problem}, got {value!r}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, typ: type, name: str):
+    if typ is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise GndpoError(f"config key {name} must be {typ.__name__}, got {value!r}")
+    return value
+
+
+def config_from_dict(data: dict) -> Config:
+    """A Config from nested mappings: unknown keys, wrong types, values out of range and settings that
+    contradict each other are one-line GndpoErrors naming the key."""
+    cfg = _build(Config, data, "")
+    _check_combinations(cfg)
+    return cfg
+
+
+def _check_combinations(cfg: Config) -> None:
+    rc = cfg.rollout
+    for key, value, choices in (
+        ("data.chat_template", cfg.data.chat_template, CHAT_TEMPLATE_MODES),
+        ("rollout.truncated", rc.truncated, TRUNCATED_MODES),
+        ("score.dtype", cfg.score.dtype, SCORE_DTYPES),
+        ("score.backend", cfg.score.backend, SCORE_BACKENDS),
+        ("score.teacher_mix", cfg.score.teacher_mix, TEACHER_MIXES),
+        ("method.stats_scope", cfg.method.stats_scope, STATS_SCOPES),
+        ("self_teacher.weights", cfg.self_teacher.weights, SELF_TEACHER_WEIGHTS),
+        ("logging.wandb_mode", cfg.logging.wandb_mode, WANDB_MODES),
+    ):
+        if value not in choices:
+            raise GndpoError(f"config key {key} must be one of {', '.join(choices)}, got {value!r}")
+    if not all(isinstance(s, str) and s for s in rc.stop):
+        raise GndpoError(f"config key rollout.stop must be a list of non-empty strings, got {rc.stop!r}")
+    if cfg.teachers:
+        if cfg.teacher:
+            raise GndpoError("config names both teacher and teachers; name one teacher, or several under teachers")
+        if len(cfg.teachers) < 2 or not all(isinstance(k, str) and k and isinstance(v, str) and v for k, v in cfg.teachers.items()):
+            raise GndpoError(f"config key teachers must map two or more names to model paths, got {cfg.teachers!r}")
+        if cfg.score.backend == "vllm":
+            raise GndpoError("several teachers are scored with score.backend hf only (one teacher per vLLM engine is not built yet)")
+    _check_self_distillation(cfg)
+    if cfg.score.cross_tokenizer:
+        for other, clash in (("teachers", bool(cfg.teachers)), ("score.backend vllm", cfg.score.backend == "vllm"),
+                             ("rollout.tools", bool(rc.tools)), ("rollout.guided_fraction", rc.guided_fraction > 0)):
+            if clash:
+                raise GndpoError(f"score.cross_tokenizer cannot be combined with {other} yet")
+    if cfg.method.stats_scope == "teacher" and not (cfg.teachers and cfg.score.teacher_mix == "route"):
+        raise GndpoError("method.stats_scope teacher needs several teachers routed by prompt (teachers, score.teacher_mix route)")
+    if not all(isinstance(t, str) and t for t in rc.tools):
+        raise GndpoError(f"config key rollout.tools must be a list of tool names (built-in or module:function), got {rc.tools!r}")
+    if rc.tools and rc.guided_fraction > 0:
+        raise GndpoError("config keys rollout.tools and rollout.guided_fraction cannot be combined: guidance writes one turn's prefix")
+    unknown = [b for b in cfg.logging.backends if b not in METRICS_BACKENDS]
+    if unknown:
+        raise GndpoError(f"config key logging.backends: unknown backend {unknown[0]!r} (use {', '.join(METRICS_BACKENDS)})")
+    if rc.top_k == 0:
+        raise GndpoError("config key rollout.top_k must be -1 (off) or >= 1, got 0")
+    if rc.guided_fraction > 0 and rc.guide_prefix_tokens >= rc.max_tokens:
+        raise GndpoError(
+            f"config key rollout.guide_prefix_tokens ({rc.guide_prefix_tokens}) must be below rollout.max_tokens "
+            f"({rc.max_tokens}) when rollout.guided_fraction > 0: the student must write part of each response"
+        )
+
+
+def _check_self_distillation(cfg: Config) -> None:
+    """``teacher: self`` and ``teacher_context``: combinations that cannot work, and turns that are not
+    {role, content} format strings."""
+    if cfg.teacher == SELF_TEACHER:
+        for other, clash in (("teachers", bool(cfg.teachers)), ("score.cross_tokenizer", cfg.score.cross_tokenizer),
+                             ("rollout.guided_fraction", cfg.rollout.guided_fraction > 0)):
+            if clash:
+                raise GndpoError(f"teacher: self (self-distillation) cannot be combined with {other}")
+        if cfg.self_teacher.weights == "ema" and cfg.train.zero_stage == 3:
+            raise GndpoError("self_teacher.weights ema keeps the average on each rank: use train.zero_stage 0-2")
+    for i, turn in enumerate(cfg.teacher_context.messages):
+        if not (isinstance(turn, dict) and set(turn) == {"role", "content"} and all(isinstance(v, str) for v in turn.values())):
+            raise GndpoError(f"config key teacher_context.messages: turn {i} must be {{role: ..., content: ...}} strings, got {turn!r}")
+    try:
+        names = cfg.teacher_context.columns()
+    except ValueError as exc:  # an unmatched brace
+        raise GndpoError(f"config key teacher_context.messages: {exc}") from None
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise GndpoError(f"config key teacher_context.messages: {{{bad[0]}}} is not a column name (write {{{{ and }}}} for literal braces)")
+    if cfg.teacher_context.other_problem and not cfg.teacher_context.messages:
+        raise GndpoError("teacher_context.other_problem needs teacher_context.messages (the context to take from another prompt)")
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b=value`` overrides (values parsed as YAML scalars) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise GndpoError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise GndpoError(f"override {key}: {part} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+    return data
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config, apply overrides, and resolve model and data paths relative to the file."""
+    data: dict = {}
+    base = Path.cwd()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise GndpoError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise GndpoError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        base = p.resolve().parent
+    data = apply_overrides(data, list(overrides))
+    cfg = config_from_dict(data)
+    cfg.student = _resolve(cfg.student, base)
+    cfg.teacher = cfg.teacher if cfg.teacher == SELF_TEACHER else _resolve(cfg.teacher, base)
+    cfg.teachers = {name: _resolve(path, base) for name, path in cfg.teachers.items()}
+    cfg.data.train = _resolve(cfg.data.train, base)
+    cfg.data.heldout = _resolve(cfg.data.heldout, base)
+    return cfg
+
+
+def _resolve(value: str, base: Path) -> str:
+    """Local relative paths become absolute; URLs (s3://...) and hub ids are left alone."""
+    if not value or "://" in value:
+        return value
+    p = Path(value).expanduser()
+    if not p.is_absolute():
+        candidate = (base / p).resolve()
+        # A hub id like "Qwen/Qwen3-0.6B" stays as it is unless it names an existing local path.
+        if candidate.exists() or value.startswith((".", "~")) or not _looks_like_hub_id(value):
+            return str(candidate)
+        return value
+    return str(p)
+
+
+def _looks_like_hub_id(value: str) -> bool:
+    return value.count("/") == 1 and not value.endswith((".jsonl", ".json", ".parquet", ".csv"))
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

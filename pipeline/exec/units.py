@@ -1,0 +1,243 @@
+"""Work units and leases: the executor that makes every stage a resumable, shareable batch job.
+
+A stage (a :class:`StageJob`) only says how to split its input into units and how to compute one unit
+into files under a given folder. This module owns everything else, so that each stage is resumable and
+several workers on several machines can share it:
+
+1. The plan (the unit list) is written once with exclusive create; its units do not depend on how many
+   workers run, so any worker computes the same plan.
+2. A worker claims a unit by exclusively creating ``claims/<unit>/aNNN.json`` for the next attempt number
+   and heartbeats while it computes. A claim whose heartbeat is older than its ttl, or whose process is
+   known dead (same host, pid gone), is stale: another worker takes the unit by claiming attempt N+1.
+3. Output goes to the attempt's own folder; the unit becomes visible only when its commit record is
+   created exclusively. The loser of a commit race deletes its attempt folder.
+4. When every unit is committed, the manifest (written last) lists the commit records. It is the only
+   thing later stages and SQL read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Protocol
+
+from gndpo.errors import GndpoError
+from gndpo.faults import crash_point
+from gndpo.storage.records import StageRecords
+from gndpo.pipeline.observe import progress
+from gndpo.pipeline.observe.logs import FILE_ONLY, info, unit_context
+
+
+_units_log = logging.getLogger(__name__)
+# Counts of a unit's commit summary that progress sums and shows with their rate.
+PROGRESS_COUNTS = ("prompts", "responses", "tokens")
+
+
+class StageJob(Protocol):
+    stage: str
+
+    def plan(self) -> tuple[list[dict], dict]:
+        """(units, inputs): each unit is a dict with a stable "unit" id; inputs name what was read."""
+
+    def setup(self) -> None:
+        """Load models or engines; called once, and only if this worker gets a unit to compute."""
+
+    def run_unit(self, unit: dict, out_dir: str) -> tuple[list[dict], dict]:
+        """Compute one unit into files under ``out_dir``; return (file records, summary for the commit)."""
+
+    def summarize(self, commits: list[dict]) -> dict:
+        """Metrics for the manifest, from all commit records of the stage."""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lease_state(records: StageRecords, unit: str, now: float | None = None) -> str | None:
+    """State of the newest lease on ``unit``: None (never claimed), "claimed" (its holder is alive),
+    or "stale": no heartbeat within the lease's own ttl, or its process is known dead (same host)."""
+    attempts = records.attempts(unit)
+    if not attempts:
+        return None
+    claim = records.read_claim(unit, attempts[-1])
+    if claim.get("host") == socket.gethostname() and not pid_alive(int(claim.get("pid", -1))):
+        return "stale"
+    last = records.last_heartbeat(unit, attempts[-1]) or float(claim.get("claimed_at", 0))
+    return "stale" if (now or time.time()) - last > float(claim["ttl"]) else "claimed"
+
+
+class Worker:
+    """Claims, computes and commits units of one stage until none is left to claim."""
+
+    def __init__(
+        self, records: StageRecords, job: StageJob, ttl: float = 120.0, poll: float = 2.0, log=info, set_up: bool = False,
+        on_manifest=None,
+    ):
+        self.records = records
+        self.job = job
+        self.ttl = ttl
+        self.poll = poll
+        self.log = log
+        self.host = socket.gethostname()
+        self.worker_id = f"{self.host}:{os.getpid()}:{int(time.time() * 1000) % 10**9}"
+        self._is_set_up = set_up  # True when the caller already ran job.setup()
+        # Called with the manifest by the one worker whose write of it succeeded (metrics publishing).
+        self.on_manifest = on_manifest
+
+    # -- leases -----------------------------------------------------------------------------------
+    def try_claim(self, unit: str) -> int | None:
+        """Claim ``unit`` (a fresh one, or a stale lease's next attempt); None if someone holds it."""
+        if lease_state(self.records, unit) == "claimed":
+            return None
+        attempts = self.records.attempts(unit)
+        attempt = attempts[-1] + 1 if attempts else 1
+        body = {
+            "worker": self.worker_id,
+            "host": self.host,
+            "pid": os.getpid(),
+            "ttl": self.ttl,
+            "claimed_at": time.time(),
+        }
+        if not self.records.create_claim(unit, attempt, body):
+            return None  # another worker claimed this attempt first
+        self.records.heartbeat(unit, attempt)
+        return attempt
+
+    def _heartbeat_loop(self, unit: str, attempt: int, stop: threading.Event) -> None:
+        while not stop.wait(self.ttl / 4):
+            try:
+                self.records.heartbeat(unit, attempt)
+            except Exception:  # a missed beat only risks a takeover, which the commit protocol handles
+                pass
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def ensure_plan(self) -> dict:
+        plan = self.records.plan()
+        if plan is None:
+            units, inputs = self.job.plan()
+            if not units:
+                raise GndpoError(f"stage {self.records.stage} of round {self.records.round} has no work units")
+            plan = self.records.create_plan(units, inputs)
+        return plan
+
+    def run(self, wait_for_others: bool = True) -> dict | None:
+        """Work until every unit is committed; then write (or read) the manifest and return it.
+
+        With ``wait_for_others`` False the worker returns None once nothing is left for it to claim
+        while other workers still hold live leases.
+        """
+        manifest = self.records.manifest()
+        if manifest is not None:
+            return manifest
+        plan = self.ensure_plan()
+        units = {u["unit"]: u for u in plan["units"]}
+        done = self.records.done_units()
+        with progress.task(f"{self.records.stage} r{self.records.round}", total=len(units), unit="units") as bar:
+            bar.advance(len(done & set(units)))
+            while True:
+                pending = [u for u in units if u not in done]
+                if not pending:
+                    break
+                claimed = next(((u, a) for u in pending if (a := self.try_claim(u)) is not None), None)
+                if claimed is None:
+                    if not wait_for_others:
+                        return None
+                    time.sleep(self.poll)
+                    summary = None
+                else:
+                    summary = self.compute(units[claimed[0]], claimed[1]) or {}
+                # One listing per pass, not one per unit (a listing is a request on object stores).
+                now_done = self.records.done_units()
+                bar.advance(len((now_done - done) & set(units)), **{k: summary[k] for k in PROGRESS_COUNTS if k in (summary or {})})
+                done = now_done
+        return self.finish(plan)
+
+    def compute(self, unit: dict, attempt: int) -> dict | None:
+        """Compute and commit one claimed unit; returns its commit summary, or None if another attempt
+        committed first. Everything logged meanwhile names the unit."""
+        with unit_context(unit["unit"]):
+            return self._compute(unit, attempt)
+
+    def _compute(self, unit: dict, attempt: int) -> dict | None:
+        uid = unit["unit"]
+        if not self._is_set_up:
+            self.job.setup()
+            self._is_set_up = True
+        out_dir = self.records.attempt_dir(uid, attempt)
+        stop = threading.Event()
+        beat = threading.Thread(target=self._heartbeat_loop, args=(uid, attempt, stop), daemon=True)
+        beat.start()
+        t0 = time.time()
+        try:
+            files, summary = self.job.run_unit(unit, out_dir)
+        finally:
+            stop.set()
+            beat.join()
+        summary = {**summary, "seconds": round(time.time() - t0, 3), "worker": self.worker_id}
+        crash_point("units.before_commit")
+        if self.records.commit(uid, attempt, files, summary):
+            # Per unit: for the worker's log file; the terminal shows the stage's progress instead.
+            _units_log.info("%s r%d %s: committed attempt %d", self.records.stage, self.records.round, uid, attempt, extra=FILE_ONLY)
+            return summary
+        # Another attempt committed first; ours was never visible, so removing it is safe.
+        self.records.run.rm(out_dir)
+        self.log(f"{self.records.stage} r{self.records.round} {uid}: attempt {attempt} lost the commit race")
+        return None
+
+    def finish(self, plan: dict) -> dict:
+        manifest = self.records.manifest()
+        if manifest is not None:
+            return manifest
+        commits = [self.records.done(u["unit"]) for u in plan["units"]]
+        body = {
+            "inputs": plan["inputs"],
+            "units": commits,
+            "rows": sum(c["rows"] for c in commits),
+            "bytes": sum(c["bytes"] for c in commits),
+            "metrics": self.job.summarize(commits),
+            "finished_at": time.time(),
+        }
+        manifest, created = self.records.create_manifest(body)
+        if created and self.on_manifest is not None:
+            self.on_manifest(manifest)
+        return manifest
+
+
+def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=info, on_manifest=None) -> dict:
+    """Run a one-unit stage that every rank of a torch.distributed group computes together (train
+    under torchrun/deepspeed): rank 0 alone plans, holds the lease and commits; the others follow its
+    decision, broadcast to them, and compute the same unit in lockstep."""
+    import torch.distributed as dist
+
+    job.setup()  # joins the process group
+    rank = dist.get_rank()
+    worker = Worker(records, job, ttl=ttl, log=log, set_up=True, on_manifest=on_manifest)
+    decision: list = [None]
+    if rank == 0 and records.manifest() is None:
+        plan = worker.ensure_plan()
+        (unit,) = plan["units"]
+        if records.done(unit["unit"]) is None:
+            attempt = worker.try_claim(unit["unit"])
+            decision = [{"unit": unit, "attempt": attempt}]
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] is not None:
+        unit, attempt = decision[0]["unit"], decision[0]["attempt"]
+        if attempt is None:
+            raise GndpoError(f"{records.stage} of round {records.round} is held by another live worker")
+        if rank == 0:
+            worker.compute(unit, attempt)
+        else:
+            job.run_unit(unit, records.attempt_dir(unit["unit"], attempt))
+    if rank == 0 and records.manifest() is None:
+        worker.finish(records.plan())
+    dist.barrier()
+    return records.manifest()

@@ -1,0 +1,1 @@
+"""Watching a run: logging, progress, metrics, SQL over the shards, the report."""

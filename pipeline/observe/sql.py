@@ -1,0 +1,74 @@
+"""Read-only SQL over a run: DuckDB views rollouts, scores, tokens, stats, metrics built from manifests.
+
+Only committed files are visible (the views list manifest entries, never globbed folders). Every view has
+a ``round`` column (score shards do not store one: the view adds it from the manifest the shard came
+from). The connection accepts SELECT-like statements only and its configuration is locked afterwards,
+so a query cannot write files (COPY, EXPORT), attach databases or change settings.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
+from gndpo.storage.duck import connect, create_view, parquet_source
+from gndpo.storage.records import manifest_files, rollout_shards
+from gndpo.storage.shards import ROLLOUTS, SCORES, STATS
+
+READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+
+
+# One row per response token: what the student sampled and both models' log-probs of it. Tool and
+# template tokens are here too, with loss_mask 0.
+TOKENS_VIEW = """
+    SELECT r.round, r.rollout_id, r.prompt_id, unnest(range(len(r.response_token_ids))) AS t,
+           unnest(r.response_token_ids) AS token_id, unnest(r.loss_mask) AS loss_mask,
+           unnest(r.sampler_logprobs) AS sampler_logprob, unnest(s.teacher_logprobs) AS teacher_logprob,
+           unnest(s.student_logprobs) AS student_logprob
+    FROM rollouts r JOIN scores s USING (round, rollout_id)
+"""
+
+
+def run_connection(run) -> duckdb.DuckDBPyConnection:
+    con = connect(run.fs)
+    files = {"rollout": [], "score": [], "normalize": []}
+    score_rounds = []
+    for r in range(committed_rounds(run)):
+        for stage in files:
+            m = run.records(r, stage).manifest()
+            if m is not None:
+                files[stage] += rollout_shards(m) if stage == "rollout" else manifest_files(m)
+                if stage == "score":
+                    score_rounds.append(f"SELECT *, {r}::INTEGER AS round FROM {parquet_source(run.fs, manifest_files(m))}")
+    for view, stage, schema in (("rollouts", "rollout", ROLLOUTS), ("stats", "normalize", STATS)):
+        con.register(f"empty_{view}", schema.empty_table())
+        create_view(con, run.fs, view, files[stage], f"SELECT * FROM empty_{view}")
+    con.register("empty_scores", SCORES.append(pa.field("round", pa.int32())).empty_table())
+    con.execute("CREATE VIEW scores AS " + (" UNION ALL BY NAME ".join(score_rounds) or "SELECT * FROM empty_scores"))
+    con.execute(f"CREATE VIEW tokens AS {TOKENS_VIEW}")
+    rows = collect_metrics(run)
+    metrics = pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame(schema={"round": pl.Int64, "stage": pl.Utf8})
+    con.register("metrics_table", metrics.to_arrow())
+    con.execute("CREATE VIEW metrics AS SELECT * FROM metrics_table")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def query(run, sql: str):
+    """Run one read-only statement; returns a polars DataFrame."""
+    con = run_connection(run)
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise GndpoError(f"SQL error: {str(exc).splitlines()[0]}") from None
+    if len(statements) != 1:
+        raise GndpoError("give exactly one SQL statement")
+    if statements[0].type not in READ_ONLY:
+        raise GndpoError(f"only read-only queries are allowed (got {statements[0].type.name})")
+    try:
+        return con.sql(sql).pl()
+    except duckdb.Error as exc:
+        raise GndpoError(f"SQL error: {str(exc).splitlines()[0]}") from None

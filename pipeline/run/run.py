@@ -1,0 +1,100 @@
+"""A run as the stages see it: the frozen config, each stage's records, and where each round's policy and
+teachers are. Creating a run (and every check it makes first) is :mod:`gndpo.pipeline.apps.init`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import SELF_TEACHER, Config, config_from_dict
+from gndpo.storage.records import InheritedRecords, StageRecords
+from gndpo.storage.runfs import RunFS
+from gndpo.storage.tables import read_prompt_table
+
+PROMPT_SPLITS = ("train", "heldout")
+
+
+@dataclass
+class Run:
+    fs: RunFS
+    cfg: Config
+    # A forked run (`gndpo fork`): {"parent": URL, "from_round": K}. Its rounds before K, and round K's
+    # rollouts, are the parent's committed records, read where they are.
+    lineage: dict | None = None
+
+    def records(self, round_idx: int, stage: str) -> StageRecords:
+        if self.lineage and self.inherits(round_idx, stage):
+            return InheritedRecords(RunFS(self.lineage["parent"], self.fs.storage_options), round_idx, stage)
+        return StageRecords(self.fs, round_idx, stage)
+
+    def inherits(self, round_idx: int, stage: str) -> bool:
+        """Whether this (forked) run takes ``stage`` of ``round_idx`` from its parent."""
+        k = self.lineage["from_round"] if self.lineage else -1
+        return round_idx < k or (round_idx == k and stage == "rollout")
+
+    def prompts(self, split: str) -> list[dict]:
+        return read_prompt_table(self.fs, f"prompts/{split}.parquet")
+
+    def policy_path(self, round_idx: int) -> str:
+        """A local folder with the student that rolls out ``round_idx``: the config's student for round
+        0, else the model exported by the previous round's train stage (downloaded if remote)."""
+        if round_idx == 0:
+            return self.cfg.student
+        holder = self.records(round_idx - 1, "train").run  # a forked run's early rounds live in its parent
+        return holder.local_dir(self.policy_dir(round_idx), model_cache_dir())
+
+    def policy_dir(self, round_idx: int) -> str | None:
+        """The run-relative folder of the model exported by round ``round_idx - 1`` (None for round 0)."""
+        if round_idx == 0:
+            return None
+        return self.records(round_idx - 1, "train").require_manifest()["metrics"]["model_dir"]
+
+    def teacher_models(self, round_idx: int) -> dict[str, str]:
+        """{name recorded per score row: local model folder} of the teachers that score ``round_idx``:
+        the config's, or with ``teacher: self`` the student's weights ``self_teacher.weights`` names
+        (frozen: the initial student; live: the round's policy; ema: the average train exported with
+        the previous round's model, the initial student in round 0)."""
+        if self.cfg.teacher != SELF_TEACHER:
+            return self.cfg.teacher_models()
+        weights = self.cfg.self_teacher.weights
+        if weights == "frozen" or round_idx == 0:
+            path = self.policy_path(0)
+        elif weights == "live":
+            path = self.policy_path(round_idx)
+        else:
+            records = self.records(round_idx - 1, "train")
+            path = records.run.local_dir(records.require_manifest()["metrics"]["ema_dir"], model_cache_dir())
+        return {f"self/{weights}": path}
+
+    def teacher_changes(self) -> bool:
+        """Whether the teacher's weights differ from round to round (a self-teacher that follows the student)."""
+        return self.cfg.teacher == SELF_TEACHER and self.cfg.self_teacher.weights != "frozen"
+
+    def latest_policy(self) -> tuple[int, str]:
+        """(policy version, local path) of the newest committed student."""
+        version = 0
+        while self.records(version, "train").manifest() is not None:
+            version += 1
+        return version, self.policy_path(version)
+
+
+def model_cache_dir() -> str:
+    root = Path(os.environ.get("GNDPO_CACHE", Path.home() / ".cache" / "gndpo")) / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    return str(root)
+
+
+def open_run(url: str) -> Run:
+    fs = RunFS(url)
+    if not fs.exists("run.yaml"):
+        raise GndpoError(f"not a gndpo run (no run.yaml): {url}; create it with `gndpo init`")
+    try:
+        data = yaml.safe_load(fs.read_bytes("run.yaml"))
+    except yaml.YAMLError:
+        raise GndpoError(f"corrupt run.yaml in {url}") from None
+    lineage = data.pop("lineage", None) if isinstance(data, dict) else None
+    return Run(fs=fs, cfg=config_from_dict(data), lineage=lineage)

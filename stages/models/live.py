@@ -1,0 +1,220 @@
+"""The engines and models a stage runs on, and keeping them alive between stages and rounds.
+
+Every stage asks a :class:`LiveModels` for what it computes with: rollout for the student's vLLM engine,
+score for the student and teacher modules, train for the DeepSpeed engine. A one-stage process (``gndpo
+score ...``, a ``--worker``) gets a ``LiveModels(keep=False)``, which simply builds each one. ``gndpo run``
+on one machine runs the whole loop in one process with ``keep=True``, and then a round's start-up cost is
+paid once per run instead of once per stage and round:
+
+* the vLLM engine stays up; each round loads the new student's weights into it from the exported folder
+  (``reload_weights``) instead of starting an engine (20 s on CPU, a minute or more with CUDA graphs);
+* the teacher module stays loaded (it never changes); the student module is refilled from the exported
+  weights;
+* the DeepSpeed engine that finished round k trains round k+1 as it is, skipping the rebuild, the
+  weight load and the optimizer-state download, but only when round k's committed student is the one
+  this engine exported (see :meth:`LiveModels.train_engine`). Anything else, a lost commit race, an
+  in-round checkpoint to resume or a failed update, falls back to the rebuild from storage.
+
+Nothing about the storage protocol changes: every stage still writes, commits and reads through the
+run folder, so a run killed anywhere resumes the same way, and ``--worker`` processes can still join.
+On a GPU the engine is started with vLLM's sleep mode and put to sleep (weights offloaded, KV cache
+freed) while score and train hold the device, and the kept teacher waits in CPU memory during train.
+This GPU path has not run on a GPU yet (none was available to this project's tests).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gndpo.stages.models.vllm_engine import cuda_available, engine_dtype, make_llm, shutdown_llm
+from gndpo.stages.models.probe import TOLERANCE, probe_gap
+from gndpo.stages.models.loading import load_causal_lm
+from gndpo.stages.training.deepspeed_engine import build_engine
+
+
+@dataclass
+class _Engine:
+    llm: object
+    key: tuple  # what the engine was built with, apart from the weights
+    weights: str  # the folder whose weights it holds now
+    asleep: bool = False
+
+
+@dataclass
+class _Trainer:
+    engine: object
+    key: tuple
+    exported_to: str | None = None  # the model folder (run-relative) of the update this engine finished
+
+
+@dataclass
+class LiveModels:
+    """Builds (``keep=False``) or builds once and then reuses (``keep=True``) the stages' engines and
+    models. Only one process and one rank use a kept object; multi-rank train never keeps one."""
+
+    keep: bool = False
+    log: object = print
+    _engine: _Engine | None = None
+    _modules: dict = field(default_factory=dict)  # (path, dtype, device) -> module, teacher only
+    _trainer: _Trainer | None = None
+    _teacher_engine: _Engine | None = None  # score.backend vllm
+    probe: dict | None = None  # the latest student engine's gap to its exported model (stages.probe)
+
+    # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
+    def student_engine(self, policy: str, cfg, seed: int):
+        """A vLLM engine holding ``policy``'s weights. Kept: the running engine when it was built with
+        the same settings, after loading ``policy``'s weights into it if it holds another folder's.
+        ``seed`` is the engine's default seed, used by requests without their own; gndpo's requests all
+        carry one (or are greedy), so a kept engine is reused whatever seed it was started with.
+
+        Where train recorded a probe beside ``policy`` (:mod:`gndpo.stages.models.probe`), the engine's gap to
+        it is measured (``self.probe``) and a reloaded engine beyond the tolerance is replaced by a
+        fresh one, with a warning."""
+        if not self.keep:
+            llm = make_llm(policy, cfg, seed=seed)
+            self.probe = self._measure_probe(llm, policy, reloaded=False)
+            return llm
+        key = (repr(cfg), _architecture(policy))
+        live = self._engine
+        if live is not None and live.key != key:
+            self.close_engine()
+            live = None
+        if live is not None and live.asleep:
+            live.llm.wake_up()
+            live.asleep = False
+        restarted = 0
+        if live is not None and live.weights != policy:
+            live.llm.collective_rpc("reload_policy", kwargs={"weights_path": policy})
+            # Cached KV blocks were computed by the previous weights.
+            live.llm.reset_prefix_cache()
+            live.weights = policy
+            self.probe = self._measure_probe(live.llm, policy, reloaded=True)
+            tolerance = TOLERANCE[engine_dtype(cfg)]
+            if self.probe is not None and self.probe["engine_probe_gap_mean"] > tolerance:
+                logging.getLogger("gndpo").warning(
+                    f"engine: after loading {policy} the kept engine's log-probs are {self.probe['engine_probe_gap_mean']:.2g} "
+                    f"from the exported model's on the probe batch (tolerance {tolerance:g}); starting a fresh engine"
+                )
+                self.close_engine()
+                live, restarted = None, 1
+            else:
+                self.log(f"engine: loaded the weights of {policy}")
+        if live is None:
+            sleep_mode = cuda_available()
+            self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode), key, policy)
+            self.probe = self._measure_probe(self._engine.llm, policy, reloaded=False, restarted=restarted)
+        return self._engine.llm
+
+    @staticmethod
+    def _measure_probe(llm, policy: str, reloaded: bool, restarted: int = 0) -> dict | None:
+        """Rollout's engine metrics: the probe gap, whether the weights were reloaded into a running
+        engine, and whether a reload failed the check and a fresh engine replaced it."""
+        gap = probe_gap(llm, policy)
+        if gap is None:
+            return None
+        return {"engine_probe_gap_max": gap["max"], "engine_probe_gap_mean": gap["mean"],
+                "engine_reloaded": int(reloaded), "engine_restarted": restarted}
+
+    def release_engine(self) -> None:
+        """Let the other stages have the device: on a GPU the kept engines (the student's, and the
+        teacher's of ``score.backend: vllm``) sleep (weights to CPU memory, KV cache freed); on CPU there
+        is nothing to release. A one-stage process shuts its engines down when it exits."""
+        for live in (self._engine, self._teacher_engine):
+            if live is not None and not live.asleep and cuda_available():
+                live.llm.sleep(level=1)
+                live.asleep = True
+
+    def close_engine(self) -> None:
+        if self._engine is not None:
+            shutdown_llm(self._engine.llm)
+            self._engine = None
+
+    # -- score with score.backend vllm: the teacher's engine -------------------------------------------
+    def teacher_engine(self, path: str, cfg, max_logprobs: int = 0):
+        """A vLLM engine holding the teacher. Kept, it is started once per run (the teacher never
+        changes) and sleeps on a GPU while other stages run; the student's engine sleeps while it scores."""
+        if not self.keep:
+            return make_llm(path, cfg, max_logprobs=max_logprobs)
+        key = (path, repr(cfg), max_logprobs)
+        live = self._teacher_engine
+        if live is not None and live.key != key:
+            shutdown_llm(live.llm)
+            live = self._teacher_engine = None
+        if live is None:
+            self._teacher_engine = live = _Engine(make_llm(path, cfg, sleep_mode=cuda_available(), max_logprobs=max_logprobs), key, path)
+        if live.asleep:
+            live.llm.wake_up()
+            live.asleep = False
+        return live.llm
+
+    # -- score: HF modules -----------------------------------------------------------------------------
+    def causal_lm(self, path: str, model_cfg, device, fixed: bool):
+        """An eval-mode causal LM with ``path``'s weights on ``device``. ``fixed`` marks a model that never
+        changes during a run (the teacher); kept, it is loaded once. The student is loaded each round
+        (cheap next to its forward passes, and always the exported weights)."""
+        if not (self.keep and fixed):
+            return load_causal_lm(path, model_cfg, device).eval()
+        key = (path, repr(model_cfg), str(device))
+        if key not in self._modules:
+            self._modules[key] = load_causal_lm(path, model_cfg, device).eval()
+        module = self._modules[key]
+        if module.device != device:  # parked in CPU memory by release_modules()
+            module.to(device)
+        return module
+
+    def release_modules(self) -> None:
+        """On a GPU, park the kept modules (the teacher) in CPU memory while train holds the device."""
+        if not cuda_available():
+            return
+        import torch
+
+        for module in self._modules.values():
+            module.to("cpu")
+        torch.cuda.empty_cache()
+
+    # -- train: the DeepSpeed engine -----------------------------------------------------------------
+    def train_engine(self, cfg, policy: str, policy_dir: str | None, world: int):
+        """(DeepSpeed engine on ``policy``, whether it continues from the previous round as it is).
+
+        ``policy_dir`` is the run-relative folder of the committed model ``policy`` was downloaded from
+        (None in round 0). The kept engine is reused only if it is the one that exported exactly that
+        folder, i.e. its weights and optimizer state are the committed end of the previous round."""
+        key = (repr(cfg.train), repr(cfg.model), world)
+        live = self._trainer
+        self._trainer = None  # an update that fails half-way must not leave a half-updated engine here
+        if self.keep and world == 1 and live is not None and live.key == key and policy_dir is not None and live.exported_to == policy_dir:
+            return live.engine, True
+        engine, _ = build_engine(cfg, policy, world)
+        return engine, False
+
+    def trained(self, engine, cfg, world: int, model_dir: str) -> None:
+        """Record that ``engine`` finished an update and exported it to ``model_dir``; kept for the next
+        round if this process keeps models (one rank only)."""
+        if self.keep and world == 1:
+            self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir)
+
+    def close(self) -> None:
+        self.close_engine()
+        if self._teacher_engine is not None:
+            shutdown_llm(self._teacher_engine.llm)
+            self._teacher_engine = None
+        self._modules.clear()
+        self._trainer = None
+
+
+# Config entries that fix the shapes of a model's weights: equal ones load into a running engine.
+SHAPE_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "max_position_embeddings")
+
+
+def _architecture(path: str) -> str:
+    """What must match for ``path``'s weights to load into an engine built on another folder."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return os.path.abspath(path)
+    data = json.loads(config.read_text())
+    return json.dumps({k: data.get(k) for k in SHAPE_KEYS}, sort_keys=True)

@@ -1,0 +1,300 @@
+"""Memory-bounded per-token log-probs of sampled responses, for score (no grad) and train (with grad).
+
+At a real vocabulary the output layer dominates memory: one position's fp32 logits at V = 151,936 take
+0.6 MB, so logits for a 16k-token response are ~10 GB per copy. Nothing here ever builds them for the
+whole sequence. The backbone runs once over prompt + response; the hidden states of the RESPONSE
+positions (the ones whose logits predict a response token) are gathered into one flat [N, H] tensor;
+then lm_head, log-softmax and whatever the caller keeps (the sampled token's log-prob, top-k, entropy,
+KL) run over a chunk of positions at a time. In train each chunk is wrapped in activation
+checkpointing, so backward recomputes the chunk's logits instead of keeping every chunk's [chunk, V]
+log-softmax alive (the idea of torchtune's chunked output loss and Liger's fused linear cross-entropy).
+
+The chunk is sized in bytes, not positions (:func:`logits_chunk`): ``model.logits_budget_mib`` is what
+one fp32 [chunk, V] buffer may take, so a 262,144-token vocabulary gets a quarter of the positions a
+65,536-token one does; ``model.token_chunk`` caps the count. Score keeps at most two such buffers per
+model alive (:func:`pair_token_stats`).
+
+Batches are formed by :func:`token_budget_batches`: responses grouped by length, each batch holding at
+most ``max_tokens`` padded tokens, so a batch of short answers is large and one long answer is alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from gndpo.pipeline.methods.losses import LOGP_FLOOR
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded prompt + response ids on the model's device, and where the responses are.
+
+    ``rows``/``cols`` index, for each response token in order (response 0's tokens, then response 1's,
+    ...), the position whose logits predict it (start + t - 1); ``targets`` are those tokens."""
+
+    ids: torch.Tensor  # [B, W] long
+    attention_mask: torch.Tensor  # [B, W]
+    lengths: torch.Tensor  # [B] response lengths (on the CPU)
+    rows: torch.Tensor  # [N]
+    cols: torch.Tensor  # [N]
+    offsets: torch.Tensor  # [N] index of each token within its response
+    targets: torch.Tensor  # [N]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.targets.shape[0])
+
+    def padded(self, flat: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """A flat per-response-token tensor [N, ...] laid out as [B, max response length, ...]."""
+        width = int(self.lengths.max()) if len(self.lengths) else 0
+        out = flat.new_full((len(self.lengths), width, *flat.shape[1:]), fill)
+        out[self.rows, self.offsets] = flat
+        return out
+
+    def mask(self) -> torch.Tensor:
+        """[B, max response length] float mask of real response tokens."""
+        return self.padded(torch.ones(self.n_tokens, device=self.ids.device))
+
+
+def make_batch(prompts: list, responses: list, pad_id: int, device: torch.device) -> TokenBatch:
+    """Pad a group of (prompt ids, response ids) on ``device``; sequences may be lists or numpy arrays."""
+    seqs = [np.concatenate([np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64)]) for p, r in zip(prompts, responses)]
+    width = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    attn = np.zeros((len(seqs), width), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        attn[i, : len(s)] = 1
+    starts = np.array([len(p) for p in prompts], dtype=np.int64)
+    lengths = np.array([len(r) for r in responses], dtype=np.int64)
+    rows = np.repeat(np.arange(len(seqs)), lengths)
+    # Offsets of each token within its response: 0..len-1 for every response, concatenated.
+    offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    cols = np.repeat(starts, lengths) + offsets - 1
+    ids_t = torch.from_numpy(ids).to(device)
+    rows_t, cols_t = torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device)
+    return TokenBatch(
+        ids=ids_t, attention_mask=torch.from_numpy(attn).to(device), lengths=torch.from_numpy(lengths),
+        rows=rows_t, cols=cols_t, offsets=torch.from_numpy(offsets).to(device), targets=ids_t[rows_t, cols_t + 1],
+    )
+
+
+def token_budget_batches(lengths: np.ndarray, max_tokens: int, max_rows: int) -> list[np.ndarray]:
+    """Group sequence indices by length into batches of at most ``max_tokens`` padded tokens (rows x the
+    longest sequence) and ``max_rows`` rows. A sequence longer than the budget gets a batch of its own.
+    The grouping depends only on the lengths, so every worker forms the same batches."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    batches, current, width = [], [], 0
+    for i in order:
+        w = max(width, int(lengths[i]))
+        if current and (w * (len(current) + 1) > max_tokens or len(current) >= max_rows):
+            batches.append(np.array(current))
+            current, w = [], int(lengths[i])
+        current.append(int(i))
+        width = w
+    if current:
+        batches.append(np.array(current))
+    return batches
+
+
+def response_hidden(model, batch: TokenBatch) -> torch.Tensor:
+    """The backbone's last hidden state at every response-predicting position, as [N, H]."""
+    decoder = model.get_decoder()
+    out = decoder(input_ids=batch.ids, attention_mask=batch.attention_mask, use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return hidden[batch.rows, batch.cols]
+
+
+def output_width(model) -> int:
+    """V, the width of the model's logits (the output layer's, which may exceed the tokenizer's)."""
+    head = model.get_output_embeddings()
+    width = getattr(head, "out_features", None)  # set on nn.Linear even when ZeRO-3 partitions the weight
+    if width:
+        return int(width)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.vocab_size)
+
+
+def logits_chunk(model, model_cfg) -> int:
+    """How many response positions get full-vocabulary logits at once: as many as fit one fp32 [n, V]
+    buffer in ``model_cfg.logits_budget_mib``, at least 1 and at most ``model_cfg.token_chunk``.
+    ``model`` may be a list of models (teachers, student): the widest vocabulary decides, since every
+    model runs over the same chunk."""
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    vocab = max(output_width(m) for m in models)
+    budget = int(model_cfg.logits_budget_mib) * 2**20
+    return max(1, min(int(model_cfg.token_chunk), budget // (vocab * 4)))
+
+
+def head_logprobs(model, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(lm_head(hidden) / temperature) in fp32, [n, V]. The lm_head MODULE is called (not its
+    weight), so ZeRO-3's gather hooks run; Gemma-style final logit soft-capping is applied.
+
+    Without autograd (score) the logits buffer is turned into the log-probs in place, so one [n, V]
+    fp32 buffer exists (plus the model-dtype logits while they are cast); the values are the same as
+    the out-of-place ops give, bit for bit."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if not logits.requires_grad:
+        if cap:
+            logits.div_(cap).tanh_().mul_(cap)
+        if temperature != 1.0:
+            logits.div_(temperature)
+        return torch.log_softmax(logits, dim=-1, out=logits)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
+def mixture(logps: list[torch.Tensor]) -> torch.Tensor:
+    """log((1/n) sum_i exp(logp_i)): the log-probs of the equal-weight mixture of n distributions."""
+    if len(logps) == 1:
+        return logps[0]
+    return torch.logsumexp(torch.stack(logps), dim=0) - math.log(len(logps))
+
+
+def chunks(n: int, size: int):
+    for start in range(0, n, max(size, 1)):
+        yield slice(start, min(start + size, n))
+
+
+def entropy(logp_all: torch.Tensor) -> torch.Tensor:
+    """H(p) in nats over the last axis."""
+    return -(logp_all.exp() * logp_all).sum(-1)
+
+
+# The per-position reductions over the vocabulary (entropies, KL, the teacher's rest) run over row
+# blocks of a chunk, writing into two scratch buffers of at most this many bytes each that every block
+# reuses, so they never add another [chunk, V] buffer. (Fresh temporaries per block were not reused by
+# the allocator when another thread was running: resident memory grew by ~30 MiB per block.) At a toy
+# vocabulary a block is the whole chunk, and the ops are the earlier ones, so the numbers are bit for bit
+# the same.
+REDUCE_BLOCK_BYTES = 16 * 2**20
+
+
+def mean_teacher_logprobs(teachers: list, hiddens: list[torch.Tensor], sl: slice) -> torch.Tensor:
+    """The teachers' mean distribution over ``sl``'s positions as log-probs [n, V] (the only teacher's
+    own for one), accumulated in place: at most two [n, V] buffers exist, the sum so far and the next
+    teacher's. Equals :func:`mixture` up to float rounding."""
+    acc = head_logprobs(teachers[0], hiddens[0][sl])
+    for t, h in zip(teachers[1:], hiddens[1:]):
+        nxt = head_logprobs(t, h[sl])
+        torch.logaddexp(acc, nxt, out=acc)
+        del nxt
+    if len(teachers) > 1:
+        acc.sub_(math.log(len(teachers)))
+    return acc
+
+
+@torch.no_grad()
+def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, student_temperature: float,
+                     topk: int = 0, entropies: tuple[bool, bool] = (False, False), kl: bool = False,
+                     teacher_batch: TokenBatch | None = None) -> dict:
+    """Score's per-token numbers for one batch, flat over response tokens ([N] or [N, k], on the CPU).
+
+    Always: ``student_logprobs`` (the sampling temperature) and, unless ``teacher`` is None (its numbers
+    come from elsewhere), ``teacher_logprobs`` (temperature 1). On request: the teacher's top-``topk``
+    ids and log-probs with ``teacher_rest_logprob``, the log of the teacher's mass outside those ids (a
+    logsumexp over the other ids' log-probs, floored at LOGP_FLOOR when k is the vocabulary; never
+    1 - sum(p), which is rounding noise below ~1e-7), the teacher's / student's entropy and the
+    full-vocabulary KL(p_S || p_T). ``teacher`` may be a list of models: the teacher is then their
+    mean, p_T = (1/n) sum_i p_i over the whole vocabulary, so every column above is the mixture's.
+
+    ``teacher_batch``: the teachers read it instead of ``batch`` (a prompt of their own followed by the
+    same response tokens in the same order, e.g. a privileged context for self-distillation); the
+    outputs stay aligned with ``batch``'s response tokens.
+
+    Memory: ``token_chunk`` positions at a time (:func:`logits_chunk`), with at most two [chunk, V] fp32
+    buffers alive per model (the student's log-probs; the teacher mean so far and the next teacher's);
+    the entropies, KL and rest run over row blocks into two scratch buffers of REDUCE_BLOCK_BYTES."""
+    teachers = [] if teacher is None else list(teacher) if isinstance(teacher, (list, tuple)) else [teacher]
+    t_batch = batch if teacher_batch is None else teacher_batch
+    if t_batch is not batch and (t_batch.n_tokens != batch.n_tokens or not torch.equal(t_batch.targets, batch.targets)):
+        raise ValueError("teacher_batch must hold the student batch's response tokens, in the same order")
+    h_teachers = [response_hidden(t, t_batch) for t in teachers]
+    h_student = response_hidden(student, batch)
+    want_teacher_entropy, want_student_entropy = entropies
+    parts: dict[str, list] = {}
+    scratch = None
+    for sl in chunks(batch.n_tokens, token_chunk):
+        s_all = head_logprobs(student, h_student[sl], student_temperature)
+        targets = batch.targets[sl].unsqueeze(-1)
+        out = {"student_logprobs": s_all.gather(-1, targets).squeeze(-1)}
+        t_all = ids = None
+        if teachers:
+            t_all = mean_teacher_logprobs(teachers, h_teachers, sl)
+            out["teacher_logprobs"] = t_all.gather(-1, targets).squeeze(-1)
+            if topk:
+                values, ids = t_all.topk(min(topk, t_all.shape[-1]), dim=-1)
+                out["teacher_topk_logprobs"], out["teacher_topk_ids"] = values, ids.int()
+        rows: dict[str, list] = {}
+        block = max(1, REDUCE_BLOCK_BYTES // (s_all.shape[-1] * 4))
+        if scratch is None:  # two [block, V] buffers the reductions write into, reused for every block
+            scratch = s_all.new_empty((2, min(block, s_all.shape[0]), s_all.shape[-1]))
+        for bl in chunks(s_all.shape[0], block):
+            s, t = s_all[bl], (t_all[bl] if t_all is not None else None)
+            a, b = scratch[0, : s.shape[0]], scratch[1, : s.shape[0]]
+            if want_teacher_entropy and t is not None:  # -(exp(t) * t).sum(-1), as entropy() computes it
+                rows.setdefault("teacher_entropy", []).append(-torch.mul(torch.exp(t, out=a), t, out=a).sum(-1))
+            if want_student_entropy or (kl and t is not None):
+                s_prob = torch.exp(s, out=a)  # one exp shared by the entropy and the KL
+                if want_student_entropy:
+                    rows.setdefault("student_entropy", []).append(-torch.mul(s_prob, s, out=b).sum(-1))
+                if kl and t is not None:  # sum p_S (s - t), the product in the other order (exact either way)
+                    rows.setdefault("token_kl", []).append(torch.sub(s, t, out=b).mul_(s_prob).sum(-1))
+            if ids is not None:  # last use of these teacher rows: mask the top-k ids in place
+                t.scatter_(-1, ids[bl], -math.inf)
+                top = t.amax(-1, keepdim=True)
+                top = torch.where(torch.isfinite(top), top, 0.0)  # k = vocabulary: nothing left (log 0)
+                rest = torch.sub(t, top, out=a).exp_().sum(-1).log_() + top.squeeze(-1)
+                rows.setdefault("teacher_rest_logprob", []).append(rest.clamp(min=LOGP_FLOOR))
+            del s, t, a, b  # views: they would keep buffers alive into the next chunk
+        out.update({name: torch.cat(values) for name, values in rows.items()})
+        for name, value in out.items():
+            parts.setdefault(name, []).append(value.cpu())
+        del t_all, s_all
+    return {name: torch.cat(values) for name, values in parts.items()}
+
+
+def policy_token_logprobs(model, batch: TokenBatch, token_chunk: int, temperature: float,
+                          topk_ids: torch.Tensor | None = None, min_chunks: int = 0):
+    """Train's differentiable log-probs, flat over response tokens: (the sampled token's [N]; with
+    ``topk_ids`` [N, k], the student's full-softmax log-probs at those ids [N, k], else None; a zero
+    scalar to add to the loss).
+
+    Each chunk's lm_head + log-softmax is checkpointed: its [chunk, V] activations are freed after the
+    forward and recomputed during backward, so peak memory holds one chunk's logits, not N positions'.
+    With ``min_chunks`` more than the batch needs, the output layer also runs on that many one-position
+    zero chunks, whose outputs enter the loss times zero (the returned scalar): ranks of one ZeRO-3
+    group must call every module equally often, since each call gathers its partitioned weights."""
+    hidden = response_hidden(model, batch)
+
+    def chunk_fn(h, targets, ids):
+        logp_all = head_logprobs(model, h, temperature)
+        sampled = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return sampled, (logp_all.gather(-1, ids) if ids is not None else sampled.new_zeros(0))
+
+    def run(h, targets, ids):
+        if torch.is_grad_enabled():
+            return checkpoint(chunk_fn, h, targets, ids, use_reentrant=False)
+        return chunk_fn(h, targets, ids)
+
+    sampled, at_ids = [], []
+    for sl in chunks(batch.n_tokens, token_chunk):
+        s, k = run(hidden[sl], batch.targets[sl], topk_ids[sl] if topk_ids is not None else None)
+        sampled.append(s)
+        at_ids.append(k)
+    pad_term = hidden.new_zeros((), dtype=torch.float32)
+    for _ in range(max(0, min_chunks - len(sampled))):
+        zeros = hidden.new_zeros((1, hidden.shape[-1]))
+        s, _ = run(zeros, batch.targets.new_zeros(1), None)
+        pad_term = pad_term + s.sum() * 0.0
+    return torch.cat(sampled), (torch.cat(at_ids) if topk_ids is not None else None), pad_term

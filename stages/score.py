@@ -42,29 +42,6 @@ from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import flat_values, list_column, read_shard, round_to_bfloat16, scores_schema, write_shard
 from gndpo.pipeline.observe.logs import info
 
-ENGINE_CANNOT = {TEACHER_ENTROPY: "the teacher's entropy", TOKEN_KL: "the full-vocabulary KL"}
-
-
-def check_backend(cfg) -> None:
-    """A GndpoError (one line) when the scoring set-up cannot give what the run's method needs:
-    ``score.backend: vllm`` returns the teacher's sampled-token and top-k log-probs, not its whole
-    distribution; ``score.cross_tokenizer`` maps sampled-token log-probs only (no shared vocabulary)."""
-    over_vocabulary = sorted(score_needs(cfg.method) & {TOPK, TEACHER_ENTROPY, TOKEN_KL})
-    if cfg.score.cross_tokenizer and over_vocabulary:
-        raise GndpoError(
-            f"score.cross_tokenizer maps the teacher's sampled-token log-probs only; method {cfg.method.name} needs "
-            f"{', '.join(over_vocabulary)} over one vocabulary: use a teacher with the student's tokenizer"
-        )
-    if cfg.score.backend != "vllm":
-        return
-    missing = [what for need, what in ENGINE_CANNOT.items() if need in score_needs(cfg.method)]
-    if missing:
-        raise GndpoError(
-            f"score.backend vllm gives the teacher's sampled-token and top-k log-probs only; method {cfg.method.name} "
-            f"also needs {' and '.join(missing)}: use score.backend hf"
-        )
-
-
 class ScoreJob:
     stage = "score"
 
@@ -90,7 +67,6 @@ class ScoreJob:
         if not self.cfg.score.cross_tokenizer:
             for path in models.values():
                 check_same_tokenizer(policy, path)
-        check_backend(self.cfg)
         self.pad_id = load_tokenizer(policy).pad_token_id or 0
         self.device = local_device()
         self.live.release_engine()

@@ -12,7 +12,7 @@ import torch
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
-from gndpo.stages.score import check_backend
+from gndpo.pipeline.config.checks import check_backend
 from tests.conftest import committed_rows, gndpo
 
 pytestmark = pytest.mark.slow

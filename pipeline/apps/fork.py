@@ -24,7 +24,7 @@ from gndpo.pipeline.tasks.rewards import run_rewards
 from gndpo.pipeline.apps.init import check_models, check_precision, check_routes, check_teacher_prompts
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.storage.runfs import RunFS
-from gndpo.stages.score import check_backend
+from gndpo.pipeline.config.checks import check_backend
 
 # What a round's rollouts depend on besides the seeds: a fork keeps them as they were.
 ROLLOUT_SECTIONS = ("student", "data", "rollout", "engine")

@@ -25,7 +25,7 @@ from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import ATTN_IMPLEMENTATIONS, attn_implementation, resolve_dtype, visible_gpus
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
-from gndpo.stages.score import check_backend
+from gndpo.pipeline.config.checks import check_backend
 from gndpo.stages.text.agent import ToolUse
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids
 from gndpo.stages.text.teacher_context import TeacherPrompts

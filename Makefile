@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 DEMO_DIR ?= demo-run
 
-.PHONY: setup demo test test-real bench clean browser real-models
+.PHONY: setup demo test test-fast test-real bench clean browser real-models
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ demo: setup
 # reason where it cannot be installed).
 test: setup browser real-models
 	$(PY) -m pytest -q
+
+# The tier to run after every change (under 3 minutes): unit tests and in-process checks, no vLLM
+# engine and no DeepSpeed launch (tests marked slow or real are left out).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not real"
 
 # The real-model tier alone (tests/test_real_models.py): SmolLM2-135M-Instruct and Gemma 3 270M.
 test-real: setup real-models

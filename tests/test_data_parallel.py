@@ -19,32 +19,17 @@ import yaml
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import gndpo, tiny_config_dict
+from tests.conftest import gndpo
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def rollout_dir(tmp_path_factory, tiny_assets):
-    folder = tmp_path_factory.mktemp("dp-rollout")
-    config = folder / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
-    gndpo("init", folder / "run", "--config", config)
-    gndpo("rollout", folder / "run", "--round", 0)
-    return folder / "run" / "rounds" / "r0000" / "rollout"
-
-
 @pytest.fixture(scope="module", params=["gndpo", "jsd"])
-def normalized_run(request, tmp_path_factory, tiny_assets, rollout_dir):
+def normalized_run(request, tmp_path_factory, rolled_out):
     """GNDPO (policy gradient, seq-mean-token-mean) and JSD on the teacher top-k (divergence, global
-    token mean), each scored and normalized from the same rollouts."""
-    folder = tmp_path_factory.mktemp(f"dp-{request.param}")
-    config = folder / "config.yaml"
-    train = {"optimizer_steps": 2, "micro_batch_size": 4}
-    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets, method={"name": request.param}, train=train)))
-    run = folder / "run"
-    gndpo("init", run, "--config", config)
-    shutil.copytree(rollout_dir, run / "rounds" / "r0000" / "rollout")
+    token mean), each a fork of the shared rolled-out round, scored and normalized."""
+    run = tmp_path_factory.mktemp(f"dp-{request.param}") / "run"
+    gndpo("fork", rolled_out, run, "--from-round", "0", f"method.name={request.param}", "train.optimizer_steps=2", "train.micro_batch_size=4")
     for stage in ("score", "normalize"):
         gndpo(stage, run, "--round", 0)
     return run

@@ -218,9 +218,15 @@ def test_run_rounds_reports_the_failed_worker(tmp_path, monkeypatch):
         rounds.run_rounds(str(tmp_path / "run"), 1, log=lambda *_: None, gpus=2)
 
 
-def test_cli_run_has_a_gpus_option():
+def test_cli_run_passes_gpus_and_keep_alive_to_the_loop(monkeypatch):
+    """`gndpo run RUN --gpus 2 --no-keep-alive` reaches the loop as gpus=2, keep_alive=False; without
+    the options the loop decides (every visible GPU, engines kept where it can)."""
+    from gndpo.cli import run as run_command
     from gndpo.cli.app import _register, app
 
     _register()
-    result = CliRunner().invoke(app, ["run", "--help"])
-    assert result.exit_code == 0 and "--gpus" in result.output
+    calls = []
+    monkeypatch.setattr(run_command, "run_loop", lambda url, rounds, **kw: calls.append((url, rounds, kw)))
+    assert CliRunner().invoke(app, ["run", "R", "--rounds", "2", "--gpus", "2", "--no-keep-alive"]).exit_code == 0
+    assert CliRunner().invoke(app, ["run", "R"]).exit_code == 0
+    assert calls == [("R", 2, {"gpus": 2, "keep_alive": False}), ("R", 3, {"gpus": None, "keep_alive": True})]

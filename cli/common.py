@@ -1,9 +1,12 @@
-"""What every command shares: user errors as one line and a non-zero exit, never a traceback."""
+"""What every command shares: user errors as one line and a non-zero exit, a traceback only when asked
+for (``--log-level debug``)."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import sys
+import traceback
 
 import typer
 
@@ -12,13 +15,17 @@ from gndpo.storage.tables import encode_frame
 
 
 def user_errors(fn):
-    """Print a GndpoError as ``error: ...`` on stderr and exit 1."""
+    """Print a GndpoError as ``error: ...`` on stderr and exit 1. At ``--log-level debug`` its traceback
+    comes first, with the exception it was raised from (``raise GndpoError(...) from exc``): the
+    out-of-memory or library failure behind a one-line "cannot load a model" stays findable."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except GndpoError as exc:
+            if logging.getLogger("gndpo").isEnabledFor(logging.DEBUG):
+                traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
             print(f"error: {exc}", file=sys.stderr)
             raise typer.Exit(1) from None
 

@@ -41,6 +41,10 @@ class RunFS:
         self.is_local = "file" in _protocols(fs)
         if self.is_local:
             self.root = os.path.abspath(self.root)
+        # The parent runs' folders :meth:`holding` has opened, by URL. Per instance, not per process: a
+        # parent is opened with this run's storage options, so a run opened with other options (other
+        # credentials, another endpoint) never reuses a filesystem opened with these.
+        self._others: dict[str, RunFS] = {}
 
     # -- addressing -------------------------------------------------------------------------------
     def path(self, rel: str) -> str:
@@ -61,9 +65,9 @@ class RunFS:
         url = record.get("run")
         if not url or url == self.url:
             return self
-        if url not in _OTHER_RUNS:
-            _OTHER_RUNS[url] = RunFS(url, self.storage_options)
-        return _OTHER_RUNS[url]
+        if url not in self._others:
+            self._others[url] = RunFS(url, self.storage_options)
+        return self._others[url]
 
     # -- reading ----------------------------------------------------------------------------------
     def _fresh(self, path: str) -> str:
@@ -181,9 +185,6 @@ class RunFS:
             self.fs.rm(self.path(rel), recursive=recursive)
         except FileNotFoundError:
             pass
-
-
-_OTHER_RUNS: dict[str, RunFS] = {}
 
 
 def _protocols(fs) -> tuple[str, ...]:

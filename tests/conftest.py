@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-# Keep tests off the user's cache, and keep each engine small on a 2-core, 24 GiB machine.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 TINY = dict(digits=2, n_train_prompts=96, n_heldout=24)
 
@@ -128,6 +126,30 @@ def gndpo_killed(*args, env: dict, log: Path, timeout=600) -> int:
     except ProcessLookupError:
         pass
     return code
+
+
+def invoke(*args):
+    """Run a gndpo command in this process through Typer's runner (no interpreter start, no vLLM or
+    DeepSpeed import unless the command needs them): the way to test refusals and other quick paths.
+    The real entry point in a fresh process is :func:`gndpo`."""
+    from typer.testing import CliRunner
+
+    from gndpo.cli.app import _register, app
+
+    _register()
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *fragments) -> str:
+    """``result`` (of :func:`invoke`) failed with exactly one ``error:`` line on stderr, no traceback,
+    holding every fragment; returns the line."""
+    assert result.exit_code != 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
 
 
 def gndpo(*args, check=True, env=None, timeout=600) -> subprocess.CompletedProcess:

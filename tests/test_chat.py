@@ -22,7 +22,7 @@ from gndpo.stages.text.chat import render_prompt
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards
-from tests.conftest import gndpo, tiny_config_dict, write_config
+from tests.conftest import assert_one_line_error, gndpo, invoke, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
@@ -157,10 +157,8 @@ def test_init_refuses_bad_messages(tmp_path, chat_assets, rows, fragment):
 
 def assert_init_refused(folder, fragment, *overrides):
     run = folder / "run"
-    proc = gndpo("init", run, "--config", folder / "config.yaml", *overrides, check=False)
-    lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert proc.returncode != 0 and lines and lines[-1].startswith("error: ") and fragment in lines[-1], proc.stderr
-    assert "Traceback" not in proc.stderr and not run.exists()
+    assert_one_line_error(invoke("init", run, "--config", folder / "config.yaml", *overrides), fragment)
+    assert not run.exists()
 
 
 def test_init_refuses_what_the_template_cannot_render_and_too_long_prompts(tmp_path, chat_assets):

@@ -1,10 +1,13 @@
-"""vLLM engine settings (precision, CUDA graphs, context, chunked prefill) and what `gndpo init` refuses.
+"""vLLM engine settings (precision, CUDA graphs, context, chunked prefill, KV cache) and what `gndpo
+init` refuses.
 
-No engine is started: make_llm's arguments are checked against a stand-in ``vllm`` module, and the GPU
-branch is taken by monkeypatching CUDA's availability. The init checks run through the real CLI.
+make_llm's arguments are checked against a stand-in ``vllm`` module, and the GPU branch is taken by
+monkeypatching CUDA's availability; one slow test starts a real engine to see its KV cache. The init
+checks run through the real CLI.
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -88,7 +91,55 @@ def test_make_llm_passes_the_settings_to_vllm(tiny_assets, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert isinstance(engine.make_llm(str(tiny_assets / "student"), EngineConfig(max_model_len=32, kv_cache_gib=3), seed=5), FakeLLM)
     assert seen["max_model_len"] == 32 and seen["seed"] == 5 and seen["enable_chunked_prefill"] is False
-    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert seen["kv_cache_memory_bytes"] == 3 * 2**30 and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+
+
+def test_each_engine_gets_its_own_kv_cache_size(tiny_assets, monkeypatch, caplog):
+    """engine.kv_cache_gib reaches each engine as its own argument: a teacher engine started after a
+    student engine in the same process gets the teacher's size, and the legacy VLLM_CPU_KVCACHE_SPACE
+    (which vLLM would let override every engine's) is out of the environment while an engine starts,
+    with a warning, and back after."""
+    student, teacher = str(tiny_assets / "student"), str(tiny_assets / "teacher")
+    monkeypatch.setattr(engine, "cuda_available", lambda: False)
+    started = []
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            started.append((kw["model"], kw["kv_cache_memory_bytes"], os.environ.get("VLLM_CPU_KVCACHE_SPACE")))
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = FakeLLM
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    with caplog.at_level(logging.WARNING, logger="gndpo"):
+        engine.make_llm(student, EngineConfig(max_model_len=32, kv_cache_gib=1))
+        engine.make_llm(teacher, EngineConfig(max_model_len=32, kv_cache_gib=3), max_logprobs=64)
+    assert started == [(student, 2**30, None), (teacher, 3 * 2**30, None)]
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "7"
+    assert "VLLM_CPU_KVCACHE_SPACE=7 is ignored: engine.kv_cache_gib (3)" in caplog.text
+    # On a GPU the share of its memory decides (gpu_memory_utilization), not a size.
+    fake_gpu(monkeypatch)
+    assert "kv_cache_memory_bytes" not in engine.engine_kwargs(student, EngineConfig(kv_cache_gib=3))
+
+
+@pytest.mark.slow
+def test_a_real_engine_has_the_configured_kv_cache(tiny_assets, monkeypatch):
+    """One real CPU engine, started while VLLM_CPU_KVCACHE_SPACE says 2 GiB (as an earlier engine's or
+    the user's environment would): it has the 1 GiB its config asks for, as many blocks as 1 GiB holds."""
+    if torch.cuda.is_available():
+        pytest.skip("the KV cache size is a CPU engine's setting")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    llm = engine.make_llm(str(tiny_assets / "student"), EngineConfig(max_model_len=32, kv_cache_gib=1))
+    try:
+        config = llm.llm_engine.vllm_config
+        cache, model = config.cache_config, config.model_config
+        assert cache.kv_cache_memory_bytes == 2**30
+        per_token = 2 * model.get_num_kv_heads(config.parallel_config) * model.get_head_size() * torch.finfo(model.dtype).bits // 8
+        per_block = cache.block_size * per_token * model.get_num_layers(config.parallel_config)
+        assert cache.num_gpu_blocks == 2**30 // per_block
+    finally:
+        engine.shutdown_llm(llm)
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
 
 
 # -- gndpo init ---------------------------------------------------------------------------------------
@@ -138,9 +189,9 @@ def test_init_refuses_max_model_len_beyond_the_model(tmp_path, tiny_assets):
 @pytest.mark.parametrize(
     "override, fragment",
     [
-        ("model.dtype=fp8", "model.dtype: unknown dtype 'fp8'"),
-        ("engine.dtype=half", "engine.dtype: unknown dtype 'half'"),
-        ("model.attn_implementation=flash", "unknown model.attn_implementation 'flash'"),
+        ("model.dtype=fp8", "config key model.dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"),
+        ("engine.dtype=half", "config key engine.dtype must be one of auto, float32, bfloat16, float16, got 'half'"),
+        ("model.attn_implementation=flash", "config key model.attn_implementation must be one of sdpa, eager, flash_attention_2, got 'flash'"),
     ],
 )
 def test_init_refuses_unknown_precision_and_attention(tmp_path, tiny_assets, override, fragment):

@@ -19,7 +19,7 @@ from gndpo.pipeline.config.schema import SelfTeacherConfig, config_from_dict
 from gndpo.pipeline.methods import METHODS
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.stages.text.teacher_context import TeacherPrompts, other_problem_partners
-from tests.conftest import committed_rows, gndpo
+from tests.conftest import assert_one_line_error, committed_rows, gndpo, invoke
 
 # The toy tokenizer knows digits, "+" and "=": the teacher reads the answer, then the question.
 CONTEXT = [{"role": "user", "content": "{answer}={prompt}"}]
@@ -59,7 +59,7 @@ def test_other_problem_context_takes_every_column_but_the_prompt_from_the_partne
     ({"teacher": "self", "self_teacher": {"weights": "ema"}, "train": {"zero_stage": 3}}, "use train.zero_stage 0-2"),
     ({"self_teacher": {"weights": "average"}}, "self_teacher.weights must be one of frozen, live, ema"),
     ({"self_teacher": {"ema_decay": 1.0}}, "self_teacher.ema_decay must be > 0 and < 1"),
-    ({"teacher_context": {"messages": [{"role": "user"}]}}, "turn 0 must be {role: ..., content: ...}"),
+    ({"teacher_context": {"messages": [{"role": "user"}]}}, "teacher_context.messages must be a list of {role: str, content: str}"),
     ({"teacher_context": {"messages": [{"role": "user", "content": "{0}"}]}}, "{0} is not a column name"),
     ({"teacher_context": {"messages": [{"role": "user", "content": "{a b}"}]}}, "is not a column name"),
     ({"teacher_context": {"messages": [{"role": "user", "content": "x {y"}]}}, "teacher_context.messages"),
@@ -223,14 +223,14 @@ def test_other_problem_scores_with_another_prompts_answer(rolled_out, tmp_path, 
 
 @pytest.mark.slow
 def test_init_refuses_a_context_column_the_prompts_lack_and_a_context_that_does_not_fit(rolled_out, tmp_path):
-    missing = gndpo("fork", rolled_out, tmp_path / "a", "--from-round", "0", "teacher=self",
-                    "teacher_context.messages=[{role: user, content: '{solution}'}]", check=False)
-    assert missing.returncode == 1 and "teacher (self)" in missing.stderr and "solution" in missing.stderr
-    assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "a").exists()
+    missing = invoke("fork", rolled_out, tmp_path / "a", "--from-round", "0", "teacher=self",
+                     "teacher_context.messages=[{role: user, content: '{solution}'}]")
+    assert_one_line_error(missing, "teacher (self)", "solution")
     long = "{answer}" * 40
-    too_long = gndpo("fork", rolled_out, tmp_path / "b", "--from-round", "0", "teacher=self",
-                     f"teacher_context.messages=[{{role: user, content: '{long}'}}]", check=False)
-    assert too_long.returncode == 1 and "exceeds its context length" in too_long.stderr, too_long.stderr
+    too_long = invoke("fork", rolled_out, tmp_path / "b", "--from-round", "0", "teacher=self",
+                      f"teacher_context.messages=[{{role: user, content: '{long}'}}]")
+    assert_one_line_error(too_long, "exceeds its context length")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 @pytest.mark.slow

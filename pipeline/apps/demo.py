@@ -10,8 +10,9 @@ import yaml
 
 from gndpo.errors import GndpoError
 
-from gndpo.pipeline.config.schema import SELF_TEACHER, load_config
-from gndpo.pipeline.apps.fork import fork_run
+from gndpo.pipeline.config.load import load_config
+from gndpo.pipeline.config.schema import SELF_TEACHER
+from gndpo.pipeline.apps.fork import fork_refusal, fork_run
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.apps.loop import run_loop
 from gndpo.pipeline.apps.init import init_run
@@ -105,15 +106,14 @@ def run_demo(
     log(f"toy assets: {assets} (teacher {info['teacher_heldout_accuracy']:.3f}, student {info['student_heldout_accuracy']:.3f} held-out exact match)")
     cfg = load_config(str(write_demo_config(out, assets, config, models)), [*task_overrides, *overrides])
     run_url = str(out / "run")
-    try:
-        if not fork_from:
-            raise GndpoError("no run to fork")
+    if not fork_from:
+        init_run(run_url, cfg)
+    elif (refusal := fork_refusal(fork_from, 0, cfg)) is not None:
+        log(f"round 0 rollouts: sampled anew ({refusal})")
+        init_run(run_url, cfg)
+    else:
         fork_run(fork_from, run_url, 0, cfg=cfg)
         log(f"round 0 rollouts: reused from {fork_from}")
-    except GndpoError as why:
-        if fork_from:
-            log(f"round 0 rollouts: sampled anew ({why})")
-        init_run(run_url, cfg)
     # One vLLM engine, teacher and DeepSpeed engine serve every round and the final evaluation.
     live = LiveModels(keep=True, log=log)
     try:

@@ -83,7 +83,10 @@ def write_tensorboard(run, rows: list[dict]) -> None:
         run.fs.write_new(f"tensorboard/{TENSORBOARD_FILE}", written.read_bytes())
 
 
-_WANDB: dict[str, object] = {}
+# This process's open W&B runs, keyed by everything wandb.init is given that picks or places the run
+# (its id, from the run's URL and config fingerprint; project, entity, mode, folder): a second run in the
+# same process, or the same folder re-initialised with another config, gets a W&B run of its own.
+_WANDB: dict[tuple, object] = {}
 
 
 def log_wandb(run, row: dict, log_dir: str) -> None:
@@ -95,15 +98,16 @@ def log_wandb(run, row: dict, log_dir: str) -> None:
     os.environ.setdefault("WANDB_SILENT", "true")  # no banners or integration hints on the terminal
     import wandb
 
-    key = run.fs.url
+    lc = run.cfg.logging
+    run_id = f"gndpo-{hashlib.sha256(f'{run.fs.url} {run.cfg.fingerprint()}'.encode()).hexdigest()[:12]}"
+    key = (run_id, lc.wandb_project, lc.wandb_entity, lc.wandb_mode, os.path.abspath(log_dir))
     if key not in _WANDB:
-        lc = run.cfg.logging
         os.makedirs(log_dir, exist_ok=True)
         wb = wandb.init(
             project=lc.wandb_project, entity=lc.wandb_entity or None, mode=lc.wandb_mode, dir=log_dir,
-            id=f"gndpo-{hashlib.sha256(f'{run.fs.url} {run.cfg.fingerprint()}'.encode()).hexdigest()[:12]}", resume="allow",
-            name="/".join(run.fs.url.rstrip("/").rsplit("/", 2)[-2:]), config=run.cfg.to_dict(),
-            settings=wandb.Settings(silent=True, console="off"),
+            id=run_id, resume="allow", name="/".join(run.fs.url.rstrip("/").rsplit("/", 2)[-2:]), config=run.cfg.to_dict(),
+            # create_new: wandb's default outside notebooks hands back the process's first run instead
+            reinit="create_new", settings=wandb.Settings(silent=True, console="off"),
         )
         wb.define_metric("round")
         wb.define_metric("*", step_metric="round")

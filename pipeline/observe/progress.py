@@ -27,14 +27,34 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 MODES = ("auto", "bar", "lines", "none")
 _log = logging.getLogger("gndpo.progress")
-_state = {"mode": None, "interval": 10.0, "bar": None, "console": None, "open": set()}
+
+
+class _Terminal:
+    """This process's stderr, as progress draws on it. One per process, and only that: there is one
+    stderr, and rich draws one live display per console, so every open task's bar shares ``bar``.
+
+    * ``mode``, ``interval``: how tasks are drawn, set by :func:`configure` (None until then: the first
+      task configures from ``GNDPO_PROGRESS``);
+    * ``console``: the rich console on stderr that bars and log lines share (made on first use);
+    * ``bar``, ``open``: the live display and the ids of its tasks still open; the last task to close
+      stops it."""
+
+    def __init__(self):
+        self.mode: str | None = None
+        self.interval = 10.0
+        self.console: Console | None = None
+        self.bar: Progress | None = None
+        self.open: set = set()
+
+
+_terminal = _Terminal()
 
 
 def console() -> Console:
     """The rich console on stderr that bars and log lines share."""
-    if _state["console"] is None:
-        _state["console"] = Console(stderr=True)
-    return _state["console"]
+    if _terminal.console is None:
+        _terminal.console = Console(stderr=True)
+    return _terminal.console
 
 
 def resolve_mode(mode: str | None = None) -> str:
@@ -51,15 +71,15 @@ def resolve_mode(mode: str | None = None) -> str:
 
 def configure(mode: str | None = None, interval: float | None = None) -> str:
     """Choose how tasks are drawn in this process; returns the resolved mode."""
-    _state["mode"] = resolve_mode(mode)
-    _state["interval"] = float(interval if interval is not None else os.environ.get("GNDPO_PROGRESS_INTERVAL", 10.0))
-    return _state["mode"]
+    _terminal.mode = resolve_mode(mode)
+    _terminal.interval = float(interval if interval is not None else os.environ.get("GNDPO_PROGRESS_INTERVAL", 10.0))
+    return _terminal.mode
 
 
 def mode() -> str:
-    if _state["mode"] is None:
+    if _terminal.mode is None:
         configure()
-    return _state["mode"]
+    return _terminal.mode
 
 
 def _format_number(value) -> str:
@@ -77,15 +97,15 @@ class Task:
         self.started = self._last_line = time.monotonic()
         self._bar_id = None
         if mode() == "bar" and bar:
-            if _state["bar"] is None:
-                _state["bar"] = Progress(
+            if _terminal.bar is None:
+                _terminal.bar = Progress(
                     TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
                     TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[details]}"),
                     console=console(), transient=False,
                 )
-                _state["bar"].start()
-            self._bar_id = _state["bar"].add_task(description, total=total, unit=unit, details="")
-            _state["open"].add(self._bar_id)
+                _terminal.bar.start()
+            self._bar_id = _terminal.bar.add_task(description, total=total, unit=unit, details="")
+            _terminal.open.add(self._bar_id)
 
     def advance(self, n: int = 1, **counts) -> None:
         """``n`` more done; ``counts`` (tokens, responses, ...) are added to the task's sums."""
@@ -120,22 +140,22 @@ class Task:
 
     def _draw(self, final: bool = False) -> None:
         if self._bar_id is not None:
-            _state["bar"].update(self._bar_id, completed=self.done, details=self.details())
+            _terminal.bar.update(self._bar_id, completed=self.done, details=self.details())
         elif mode() != "none":
             now = time.monotonic()
-            if final or now - self._last_line >= _state["interval"]:
+            if final or now - self._last_line >= _terminal.interval:
                 self._last_line = now
                 _log.info(self.line())
 
     def close(self) -> None:
         if self._bar_id is not None:
-            bar = _state["bar"]
+            bar = _terminal.bar
             bar.update(self._bar_id, completed=self.done, details=self.details())
             bar.stop_task(self._bar_id)
-            _state["open"].discard(self._bar_id)
-            if not _state["open"]:  # the last open task: leave the finished bars on screen, stop redrawing
+            _terminal.open.discard(self._bar_id)
+            if not _terminal.open:  # the last open task: leave the finished bars on screen, stop redrawing
                 bar.stop()
-                _state["bar"] = None
+                _terminal.bar = None
         else:
             self._draw(final=True)
 

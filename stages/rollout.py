@@ -20,7 +20,8 @@ import pyarrow as pa
 from gndpo.faults import crash_point
 from gndpo.pipeline.tasks.rewards import run_rewards, score_response
 from gndpo.pipeline.run.run import Run
-from gndpo.stages.text.agent import Conversation, ToolUse, derived_seed, conversation_counts, conversation_metrics, run_conversations
+from gndpo.pipeline.run.seeds import derived_seed
+from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, conversation_metrics, run_conversations
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.models.device import local_device
 from gndpo.stages.models.live import LiveModels

@@ -20,13 +20,13 @@ its seed whatever else shares the batch or the unit.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Callable
 
 from gndpo.faults import crash_point
 from gndpo.pipeline.config.schema import DataConfig, RolloutConfig
+from gndpo.pipeline.run.seeds import derived_seed
 from gndpo.pipeline.tasks.tools import Tool, ToolResult, get_tool, parse_tool_call, run_tool_calls
 from gndpo.stages.text.chat import tool_turn_ids
 from gndpo.stages.models.vllm_engine import generate
@@ -99,12 +99,6 @@ class Conversation:
         """What rewards read: the student's turns (a guided prefix included), joined by newlines; the
         tool turns are not part of it, so a tool's result never counts as the student's answer."""
         return "\n".join(self.turn_texts(tok))
-
-
-def derived_seed(*parts) -> int:
-    """A 32-bit sampling seed determined by ``parts`` alone (never by a worker or a batch), so a retried
-    request samples what the first try did."""
-    return int.from_bytes(hashlib.sha256(":".join(map(str, parts)).encode()).digest()[:4], "little")
 
 
 def turn_seed(seed: int, turn: int) -> int:

@@ -17,7 +17,8 @@ from gndpo.pipeline.observe import progress
 from gndpo.pipeline.config.schema import DataConfig, EngineConfig
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.errors import GndpoError
-from gndpo.stages.text.agent import Conversation, ToolUse, derived_seed, run_conversations
+from gndpo.pipeline.run.seeds import derived_seed
+from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
 from gndpo.stages.models.vllm_engine import resolve_max_model_len, shutdown_llm
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from gndpo.pipeline.config.schema import load_config
+from gndpo.pipeline.config.load import load_config
 from gndpo.pipeline.apps.init import init_run
 from gndpo.pipeline.toys.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
 from gndpo.pipeline.exec.units import Worker

@@ -4,7 +4,7 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
-from gndpo.pipeline.config.schema import load_config
+from gndpo.pipeline.config.load import load_config
 from gndpo.pipeline.apps.init import init_run
 
 

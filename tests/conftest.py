@@ -1,5 +1,6 @@
 """Shared fixtures: tiny toy assets (built once per session, offline) and configs that use them."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,9 +14,32 @@ import yaml
 TINY = dict(digits=2, n_train_prompts=96, n_heldout=24)
 
 
+def shared_folder(tmp_path_factory, name: str) -> Path:
+    """``name`` in the folder every pytest-xdist worker of this test run shares (the session's own
+    temporary folder without xdist), so what one worker builds the others reuse."""
+    root = tmp_path_factory.getbasetemp()
+    return (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / name
+
+
+@contextlib.contextmanager
+def built_once(path: Path):
+    """Build ``path`` once per test run: yields True where this process must build it (then marks it
+    done), False where another worker already has; workers wait for each other on a file lock."""
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = path.with_name(path.name + ".done")
+    with FileLock(str(path) + ".lock"):
+        must = not done.exists()
+        yield must
+        if must:
+            done.touch()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gndpo-cache")
+    path = shared_folder(tmp_path_factory, "gndpo-cache")
+    path.mkdir(parents=True, exist_ok=True)
     old = os.environ.get("GNDPO_CACHE")
     os.environ["GNDPO_CACHE"] = str(path)
     yield path
@@ -35,7 +59,8 @@ def tiny_assets(cache_dir) -> Path:
         model=ModelSpec(layers=1, hidden=64, heads=2, max_steps=20, lr=3e-3, batch=32),
         student_max_steps=5,
     )
-    return ensure_toy_assets(spec, log=lambda *_: None)
+    with built_once(cache_dir / "tiny-assets"):
+        return ensure_toy_assets(spec, log=lambda *_: None)
 
 
 @pytest.fixture(scope="session")
@@ -84,10 +109,20 @@ def tiny_config(tmp_path, tiny_assets) -> Path:
 def rolled_out(tmp_path_factory, tiny_assets) -> Path:
     """A run with only round 0's rollouts committed, from prompts that each name a teacher (a or b) in a
     ``teacher`` column: the parent that fork, several-teacher and score-backend tests re-score (`gndpo
-    fork`), so those tests start no rollout engine of their own."""
+    fork`), so those tests start no rollout engine of their own; built once per test run, shared by the
+    xdist workers."""
+    folder = shared_folder(tmp_path_factory, "rolled-out")
+    with built_once(folder) as build:
+        if build:
+            roll_out_round_0(folder, tiny_assets)
+    return folder / "run"
+
+
+def roll_out_round_0(folder: Path, tiny_assets: Path) -> None:
+    """``folder/run``: the toy config (held-out eval off) with a ``teacher`` column, round 0 rolled out."""
     import json
 
-    folder = tmp_path_factory.mktemp("rolled-out")
+    folder.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(line) for line in (tiny_assets / "train.jsonl").read_text().splitlines()]
     train = folder / "train.jsonl"
     train.write_text("".join(json.dumps({**r, "teacher": "ab"[i % 2]}) + "\n" for i, r in enumerate(rows)))
@@ -95,7 +130,6 @@ def rolled_out(tmp_path_factory, tiny_assets) -> Path:
     cfg["data"]["train"] = str(train)
     gndpo("init", folder / "run", "--config", write_config(folder, cfg))
     gndpo("rollout", folder / "run", "--round", 0)
-    return folder / "run"
 
 
 def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) -> list[dict]:

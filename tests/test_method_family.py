@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import MethodConfig, OutcomeConfig
+from gndpo.pipeline.config.schema import MethodConfig, OutcomeConfig, PacedConfig, ReopoldConfig, TipConfig, TropdConfig
 from gndpo.pipeline.methods.losses import token_losses, topk_divergence
 from gndpo.pipeline.methods import (
     METHODS,
@@ -204,8 +204,7 @@ def test_reward_weighted_distillation():
 # -- section 4: TIP -------------------------------------------------------------------------------
 def test_tip_selection_matches_reference():
     batch = make_batch(seed=7, lengths=(3, 12))
-    cfg = MethodConfig(name="reverse_kl")
-    cfg.tip.enabled, cfg.tip.keep_ratio, cfg.tip.entropy_quantile = True, 0.5, 0.9
+    cfg = MethodConfig(name="reverse_kl", tip=TipConfig(enabled=True, keep_ratio=0.5, entropy_quantile=0.9))
     assert score_needs(cfg) == {"teacher_topk", "student_entropy", "token_kl"}
     stats, ts = targets(batch, cfg)
     cap = quantile(valid_values(batch, "student_entropy"), 0.9)
@@ -236,8 +235,7 @@ def test_tip_ties_keep_the_earlier_token():
 # -- section 5: PACED ------------------------------------------------------------------------------
 def test_paced_weights_and_schedule():
     batch = make_batch(seed=8)
-    cfg = MethodConfig(name="paced")
-    cfg.paced.a, cfg.paced.b = 1.0, 2.0
+    cfg = MethodConfig(name="paced", paced=PacedConfig(a=1.0, b=2.0))
     stats, ts = targets(batch, cfg)
     for r, t in zip(batch, ts):
         group = [x.reward for x in batch if x.prompt_id == r.prompt_id]
@@ -257,8 +255,7 @@ def test_paced_weights_and_schedule():
 @pytest.mark.parametrize("outlier", ["mask", "clip", "fkl"])
 def test_tropd_trust_region_and_guidance(outlier):
     batch = make_batch(seed=9, with_prefix=True)
-    cfg = MethodConfig(name="tropd")
-    cfg.tropd.outlier, cfg.tropd.tau_quantile, cfg.tropd.clip_value, cfg.tropd.fkl_coef = outlier, 0.4, -1.0, 0.7
+    cfg = MethodConfig(name="tropd", tropd=TropdConfig(outlier=outlier, tau_quantile=0.4, clip_value=-1.0, fkl_coef=0.7))
     stats, ts = targets(batch, cfg)
     accept = [min(math.exp(a - b), 1.0) for r in batch for a, b, m in zip(r.teacher_lp, r.student_lp, r.mask) if m == 1]
     tau = quantile(accept, 0.4)
@@ -297,8 +294,7 @@ def test_eopd_targets():
 @pytest.mark.parametrize("round_idx", [0, 1])
 def test_reopold_phases(round_idx):
     batch = make_batch(seed=11)
-    cfg = MethodConfig(name="reopold")
-    cfg.reopold.switch_round, cfg.reopold.lam, cfg.reopold.beta = 1, 0.1, 0.2
+    cfg = MethodConfig(name="reopold", reopold=ReopoldConfig(switch_round=1, lam=0.1, beta=0.2))
     stats, ts = targets(batch, cfg, round_idx)
     floor = math.log(0.1) / 0.9
     cut = quantile(valid_values(batch, "student_entropy"), 0.8) if round_idx else None
@@ -327,8 +323,7 @@ def group_mean_std(batch, prompt_id, name):
 
 def test_grpo_advantages():
     batch = make_batch(seed=12)
-    cfg = MethodConfig(name="grpo")
-    cfg.outcome.rewards = ["integer_format"]
+    cfg = MethodConfig(name="grpo", outcome=OutcomeConfig(rewards=["integer_format"]))
     _, ts = targets(batch, cfg)
     for r, t in zip(batch, ts):
         m, s = group_mean_std(batch, r.prompt_id, "integer_format")
@@ -341,8 +336,7 @@ def test_grpo_advantages():
 def test_grpo_sums_the_weighted_rewards_before_the_group_normalization():
     """Several rewards: r_i = sum_k w_k R_k,i first, then (r_i - mean_g) / (std_g + 1e-6) (TRL)."""
     batch = make_batch(seed=15, prompts=5)
-    cfg = MethodConfig(name="grpo")
-    cfg.outcome.rewards, cfg.outcome.weights = ["exact_match", "integer_format"], [1.0, 0.25]
+    cfg = MethodConfig(name="grpo", outcome=OutcomeConfig(rewards=["exact_match", "integer_format"], weights=[1.0, 0.25]))
     _, ts = targets(batch, cfg)
     summed = {id(r): r.rewards["exact_match"] + 0.25 * r.rewards["integer_format"] for r in batch}
     spread = 0
@@ -358,8 +352,7 @@ def test_grpo_sums_the_weighted_rewards_before_the_group_normalization():
 @pytest.mark.parametrize("mode", ["sequence", "token"])
 def test_gdpo_advantages(mode):
     batch = make_batch(seed=13, prompts=5)
-    cfg = MethodConfig(name="gdpo")
-    cfg.outcome.rewards, cfg.outcome.weights, cfg.outcome.gdpo_batch_norm = ["exact_match", "integer_format"], [1.0, 0.5], mode
+    cfg = MethodConfig(name="gdpo", outcome=OutcomeConfig(rewards=["exact_match", "integer_format"], weights=[1.0, 0.5], gdpo_batch_norm=mode))
     _, ts = targets(batch, cfg)
     pre = []
     for r in batch:
@@ -382,8 +375,7 @@ def test_gdpo_advantages(mode):
 
 def test_outcome_advantage_mixed_into_distillation():
     batch = make_batch(seed=14)
-    cfg = MethodConfig(name="gndpo")
-    cfg.outcome.coef, cfg.outcome.rewards = 0.3, ["exact_match"]
+    cfg = MethodConfig(name="gndpo", outcome=OutcomeConfig(coef=0.3, rewards=["exact_match"]))
     stats, ts = targets(batch, cfg)
     for r, t in zip(batch, ts):
         m, s = group_mean_std(batch, r.prompt_id, "exact_match")
@@ -399,21 +391,44 @@ def test_outcome_advantage_mixed_into_distillation():
 @pytest.mark.parametrize(
     "cfg_kwargs, fragment",
     [
-        ({"name": "gdpo", "outcome": {"rewards": ["nope"]}}, "unknown reward"),
-        ({"name": "gdpo", "outcome": {"rewards": ["exact_match"], "weights": [1, 2]}}, "weights"),
-        ({"name": "gdpo", "outcome": {"gdpo_batch_norm": "batch"}}, "gdpo_batch_norm"),
-        ({"name": "tropd", "tropd": {"outlier": "drop"}}, "outlier"),
-        ({"name": "jsd", "jsd_beta": 1.0}, "jsd_beta"),
-        ({"name": "reverse_kl", "schedule": "fkl:two"}, "schedule"),
-        ({"name": "gndpo", "policy_loss": "dpo"}, "policy_loss"),
+        ({"name": "gdpo", "outcome": {"rewards": ["nope"]}}, "unknown reward 'nope'"),
+        ({"name": "gdpo", "outcome": {"rewards": []}}, "method.outcome.rewards is empty"),
+        ({"name": "gdpo", "outcome": {"rewards": ["exact_match"], "weights": [1, 2]}}, "method.outcome.weights must be 1 numbers"),
+        ({"name": "reverse_kl", "schedule": "fkl:two"}, "method.schedule: bad entry 'fkl:two'"),
+        ({"name": "dpo"}, "config key method.name must be one of opd, gndpo,"),
     ],
 )
-def test_bad_method_knobs_are_one_line_errors(cfg_kwargs, fragment):
+def test_method_settings_the_schema_cannot_declare_are_refused_by_validate(cfg_kwargs, fragment):
+    """What is left to methods.validate (run by gndpo init and fork, never by a stage): the method's name,
+    the schedule's entries and the outcome rewards. Choices and ranges are the schema's
+    (tests/test_config.py); a bad setting never reaches normalize."""
     from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.methods import validate
 
     cfg = config_from_dict({"method": cfg_kwargs}).method
-    with pytest.raises(GndpoError, match=fragment):
-        stats_for(make_batch(seed=15), cfg)
+    with pytest.raises(GndpoError, match=fragment) as err:
+        validate(cfg)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "cfg_kwargs, fragment",
+    [
+        ({"name": "gdpo", "outcome": {"gdpo_batch_norm": "batch"}}, "method.outcome.gdpo_batch_norm must be one of sequence, token, got 'batch'"),
+        ({"name": "tropd", "tropd": {"outlier": "drop"}}, "method.tropd.outlier must be one of mask, clip, fkl, got 'drop'"),
+        ({"name": "tropd", "tropd": {"base": "x"}}, "method.tropd.base must be one of opd, gndpo, got 'x'"),
+        ({"name": "minillm", "minillm_gamma": 0}, "method.minillm_gamma must be > 0 and <= 1, got 0"),
+        ({"name": "jsd", "jsd_beta": 1.0}, "method.jsd_beta must be > 0 and < 1"),
+        ({"name": "gndpo", "policy_loss": "dpo"}, "method.policy_loss must be one of"),
+    ],
+)
+def test_bad_method_knobs_are_refused_when_the_config_is_read(cfg_kwargs, fragment):
+    """Formerly accepted by init and refused at normalize; now the schema's choices and ranges."""
+    from gndpo.pipeline.config.schema import config_from_dict
+
+    with pytest.raises(GndpoError, match=None) as err:
+        config_from_dict({"method": cfg_kwargs})
+    assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
 def test_eopd_loss_is_ppo_opd_plus_gated_forward_kl():

@@ -5,6 +5,7 @@ stage commands (short Python one-liners), so no model runs: a failing worker's e
 a stage no worker committed is finished by one more process.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -126,12 +127,10 @@ class FakeRun:
     """A run whose stage r/stage is committed when the file ``<dir>/r-stage`` exists."""
 
     def __init__(self, folder: Path, num_processes=0, tp=1):
-        from gndpo.pipeline.config.schema import Config
+        from gndpo.pipeline.config.schema import Config, EngineConfig, TrainConfig
 
         self.folder = folder
-        self.cfg = Config()
-        self.cfg.train.num_processes = num_processes
-        self.cfg.engine.tensor_parallel_size = tp
+        self.cfg = Config(train=TrainConfig(num_processes=num_processes), engine=EngineConfig(tensor_parallel_size=tp))
 
     def records(self, r, stage):
         return FakeRecords(self.folder / f"{r}-{stage}")
@@ -193,7 +192,7 @@ def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
 
     cfg = Config(student="s", teacher="t")
     assert rounds.keeps_models(cfg, 0) and rounds.keeps_models(cfg, 1) and not rounds.keeps_models(cfg, 2)
-    cfg.train.num_processes = 2
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_processes=2))
     assert not rounds.keeps_models(cfg, 1)
 
 

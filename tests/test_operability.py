@@ -4,7 +4,7 @@ import logging
 from types import SimpleNamespace
 
 from gndpo.pipeline.observe import logs, metrics, progress
-from gndpo.pipeline.config.schema import Config
+from gndpo.pipeline.config.schema import Config, LoggingConfig
 
 
 def test_lines_mode_writes_a_plain_line_per_interval_and_at_the_end(caplog, monkeypatch):
@@ -31,8 +31,7 @@ def test_non_zero_train_ranks_draw_nothing(monkeypatch):
 
 
 def test_a_failing_backend_is_a_warning_not_a_failure(monkeypatch, caplog):
-    cfg = Config()
-    cfg.logging.backends = ["wandb"]
+    cfg = Config(logging=LoggingConfig(backends=["wandb"]))
     run = SimpleNamespace(cfg=cfg, fs=SimpleNamespace(url="/nowhere"))
 
     def broken(*args, **kwargs):

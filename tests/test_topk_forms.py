@@ -225,19 +225,12 @@ def test_combined_token_losses_passes_topk_form(form):
             assert float(losses[b, t]) == pytest.approx(want, rel=1e-9, abs=1e-12)
 
 
-def test_unknown_form_is_refused_by_the_loss():
-    _, _, s_topk, t_topk = topk_case(11, V=5, k=2)
-    with pytest.raises(ValueError, match="form"):
-        topk_divergence("reverse_kl", s_topk, t_topk, form="foo")
-
-
 # (f) ---------------------------------------------------------------------------------------------
-def test_validate_refuses_an_unknown_topk_form():
+def test_the_config_refuses_an_unknown_topk_form():
+    """An unknown form is refused when the config is read (gndpo init), so the loss never sees one."""
     assert MethodConfig().topk_form == "bucket"
     for form in ("bucket", "renormalized"):
-        validate(MethodConfig(name="reverse_kl", topk_form=form))
-    with pytest.raises(GndpoError, match="topk_form") as err:
-        validate(MethodConfig(name="reverse_kl", topk_form="foo"))
+        validate(config_from_dict({"method": {"name": "reverse_kl", "topk_form": form}}).method)
+    with pytest.raises(GndpoError, match="method.topk_form must be one of bucket, renormalized, got 'foo'") as err:
+        config_from_dict({"method": {"name": "jsd", "topk_form": "foo"}})
     assert "\n" not in str(err.value)
-    with pytest.raises(GndpoError, match="topk_form"):
-        validate(config_from_dict({"method": {"name": "jsd", "topk_form": "foo"}}).method)

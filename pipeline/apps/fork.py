@@ -18,7 +18,8 @@ import os
 import yaml
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import Config, apply_overrides, config_from_dict
+from gndpo.pipeline.config.load import apply_overrides
+from gndpo.pipeline.config.schema import Config, config_from_dict
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.tasks.rewards import run_rewards
 from gndpo.pipeline.apps.init import check_models, check_precision, check_routes, check_teacher_prompts
@@ -32,6 +33,25 @@ ROLLOUT_SECTIONS = ("student", "data", "rollout", "engine")
 
 def _absolute(url: str) -> str:
     return url if "://" in url else os.path.abspath(url)
+
+
+def fork_refusal(parent_url: str, from_round: int, cfg: Config) -> str | None:
+    """Why a run with ``cfg`` cannot fork ``parent_url`` at ``from_round`` (its rollouts of that round are
+    not committed, a setting they were sampled with differs, a reward ``cfg`` uses was not recorded), as
+    the one-line message :func:`fork_run` refuses with; None when it can. For a caller that forks where
+    the settings allow and otherwise starts afresh (``gndpo compare``'s methods after the first). A
+    parent that is not a run folder is not a reason: it raises, as it would from :func:`fork_run`."""
+    parent = open_run(parent_url)
+    if from_round < 0 or parent.records(from_round, "rollout").manifest() is None:
+        return f"cannot fork {parent_url} at round {from_round}: its rollout of round {from_round} is not committed"
+    for section in ROLLOUT_SECTIONS:
+        if getattr(cfg, section) != getattr(parent.cfg, section):
+            return f"fork: {section} cannot change: round {from_round}'s rollouts were sampled with {parent_url}'s {section}"
+    recorded = set(run_rewards(parent.cfg))
+    missing = [name for name in (cfg.reward, *cfg.method.outcome.rewards) if name not in recorded]
+    if missing:
+        return f"fork: {parent_url}'s rollouts did not record the reward(s) {', '.join(missing)}"
+    return None
 
 
 def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = (), cfg: Config | None = None) -> Run:

@@ -23,13 +23,10 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 
-# The names the loss functions (:mod:`gndpo.pipeline.methods.losses`) understand; here so that modules that
-# only validate or plan (config, normalize) do not import torch.
-POLICY_LOSSES = ("gspo", "ppo", "reinforce", "is")
-AGGREGATIONS = ("seq-mean-token-mean", "token-mean")  # what method.loss_agg may name
+# The policy losses, aggregations and top-k forms the loss functions (:mod:`gndpo.pipeline.methods.losses`)
+# understand are the choices of method.policy_loss, method.loss_agg and method.topk_form in the schema.
 # Reward-weighted distillation's own aggregation, whatever loss_agg says (chosen by policy_settings).
 WEIGHTED_SEQ_MEAN = "weighted-seq-mean"
-TOPK_FORMS = ("bucket", "renormalized")  # method.topk_form
 
 # Optional score columns (per token, one list per response).
 TOPK = "teacher_topk"  # teacher_topk_ids + teacher_topk_logprobs

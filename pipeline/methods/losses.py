@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from gndpo.pipeline.methods.base import AGGREGATIONS, POLICY_LOSSES, TOPK_FORMS, WEIGHTED_SEQ_MEAN
+from gndpo.pipeline.methods.base import WEIGHTED_SEQ_MEAN
 
 
 def gspo_token_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -37,18 +37,14 @@ def token_losses(
     """Per-token loss L_t and a 0/1 tensor marking tokens where the clipped branch was taken.
 
     gspo / ppo: clipped surrogate with the GSPO-token or the per-token ratio; reinforce: -A log pi;
-    is: -A exp(logp - old_logp), an unclipped importance ratio (Tinker, against the sampler).
+    is: -A exp(logp - old_logp), an unclipped importance ratio (Tinker, against the sampler). ``kind``
+    is one of these (``method.policy_loss``'s choices, checked when the config is read).
     """
     if kind == "reinforce":
         return -adv * logp, torch.zeros_like(logp)
     if kind == "is":
         return -adv * torch.exp(logp - old_logp), torch.zeros_like(logp)
-    if kind == "gspo":
-        ratio = gspo_token_ratio(logp, old_logp, mask)
-    elif kind == "ppo":
-        ratio = torch.exp(logp - old_logp)
-    else:
-        raise ValueError(f"unknown policy loss {kind!r}; choose one of {POLICY_LOSSES}")
+    ratio = gspo_token_ratio(logp, old_logp, mask) if kind == "gspo" else torch.exp(logp - old_logp)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
@@ -64,13 +60,11 @@ def aggregate(losses: torch.Tensor, mask: torch.Tensor, mode: str, n_seqs: int, 
                          step), i.e. sum_i w_i L_i / sum_i w_i with L_i response i's token mean
     Summing the shares of all micro-batches (and ranks) gives the loss of the whole step.
     """
-    if mode in ("seq-mean-token-mean", WEIGHTED_SEQ_MEAN):
-        per_seq = (losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        # A step whose weights are all 0 (e.g. PACED with every pass rate 0 or 1) contributes 0.
-        return per_seq.sum() / (max(n_seqs, 1) if mode == "seq-mean-token-mean" else weight_sum or 1.0)
     if mode == "token-mean":
         return (losses * mask).sum() / max(n_tokens, 1)
-    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {AGGREGATIONS}")
+    per_seq = (losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    # A step whose weights are all 0 (e.g. PACED with every pass rate 0 or 1) contributes 0.
+    return per_seq.sum() / (max(n_seqs, 1) if mode == "seq-mean-token-mean" else weight_sum or 1.0)
 
 
 # Smallest "rest" bucket mass: keeps log(rest) finite (and 0 * log 0 out) when the k ids hold all of a
@@ -183,8 +177,6 @@ def topk_divergence(
             return (terms.clamp(max=clip) if clip > 0 else terms).sum(-1)
         log_ps = student_topk_logp - torch.logsumexp(student_topk_logp, dim=-1, keepdim=True)
         return _divergence(kind, log_ps, log_pt, beta, clip)
-    if form != "bucket":
-        raise ValueError(f"unknown top-k divergence form {form!r}; choose one of {TOPK_FORMS}")
     dtype = torch.promote_types(torch.promote_types(student_topk_logp.dtype, teacher_topk_logp.dtype), torch.float32)
     log_ps = _with_rest_bucket(student_topk_logp.to(dtype).clamp(min=LOGP_FLOOR))
     log_pt = _with_rest_bucket(teacher_topk_logp.to(dtype).clamp(min=LOGP_FLOOR), teacher_rest_logp)

@@ -24,21 +24,24 @@ from gndpo.pipeline.tasks.rewards import get_reward
 
 GRPO_EPS = 1e-6
 GDPO_EPS = 1e-4
-GDPO_BATCH_NORMS = ("sequence", "token")
+
+
+def check_outcome_rewards(cfg) -> None:
+    """``method.outcome`` where a method uses it (by :func:`gndpo.pipeline.methods.validate`): at least one
+    reward, each one that exists, and one weight per reward (or none); one-line user errors."""
+    oc = cfg.outcome
+    if not oc.rewards:
+        raise GndpoError("method.outcome.rewards is empty")
+    for name in oc.rewards:
+        get_reward(name)  # a one-line error for an unknown name or a custom reward that does not import
+    if oc.weights and len(oc.weights) != len(oc.rewards):
+        raise GndpoError(f"method.outcome.weights must be {len(oc.rewards)} numbers, one per reward, got {oc.weights!r}")
 
 
 def outcome_rewards(cfg) -> list[tuple[str, float]]:
-    """[(reward name, weight)] from ``method.outcome``; a user error if unknown or mismatched."""
+    """[(reward name, weight)] from ``method.outcome`` (checked by :func:`check_outcome_rewards`)."""
     oc = cfg.outcome
-    names = list(oc.rewards)
-    if not names:
-        raise GndpoError("method.outcome.rewards is empty")
-    for name in names:
-        get_reward(name)  # a one-line error for an unknown name or a custom reward that does not import
-    weights = list(oc.weights) or [1.0] * len(names)
-    if len(weights) != len(names) or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
-        raise GndpoError(f"method.outcome.weights must be {len(names)} numbers, one per reward, got {oc.weights!r}")
-    return list(zip(names, map(float, weights)))
+    return list(zip(oc.rewards, map(float, oc.weights or [1.0] * len(oc.rewards))))
 
 
 def _col(name: str) -> str:
@@ -90,8 +93,6 @@ def _grpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
 def _gdpo_statistics(q, cfg, round_idx):
     weighted = outcome_rewards(cfg)
     mode = cfg.outcome.gdpo_batch_norm
-    if mode not in GDPO_BATCH_NORMS:
-        raise GndpoError(f"method.outcome.gdpo_batch_norm must be sequence or token, got {mode!r}")
     groups = group_statistics(q, {n: _col(n) for n, _ in weighted})
     terms = " + ".join(
         f"{w} * coalesce((({_col(n)}) - avg({_col(n)}) OVER g) / (stddev_samp({_col(n)}) OVER g + {GDPO_EPS}), 0)"

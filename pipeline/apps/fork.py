@@ -58,21 +58,12 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     """Create (or, with the same settings, reopen) the fork ``url`` of ``parent_url`` at ``from_round``,
     with the parent's config plus ``overrides``, or with ``cfg`` as a whole."""
     parent = open_run(parent_url)
-    if from_round < 0 or parent.records(from_round, "rollout").manifest() is None:
-        raise GndpoError(f"cannot fork {parent_url} at round {from_round}: its rollout of round {from_round} is not committed")
     if cfg is None:
         cfg = config_from_dict(apply_overrides(parent.cfg.to_dict(), list(overrides)))
-    for section in ROLLOUT_SECTIONS:
-        if getattr(cfg, section) != getattr(parent.cfg, section):
-            raise GndpoError(
-                f"fork: {section} cannot change: round {from_round}'s rollouts were sampled with {parent_url}'s {section}"
-            )
-    recorded = set(run_rewards(parent.cfg))
-    missing = [name for name in (cfg.reward, *cfg.method.outcome.rewards) if name not in recorded]
-    if missing:
-        raise GndpoError(f"fork: {parent_url}'s rollouts did not record the reward(s) {', '.join(missing)}")
+    refusal = fork_refusal(parent_url, from_round, cfg)
+    if refusal:
+        raise GndpoError(refusal)
     validate_method(cfg.method)
-
     check_backend(cfg)
     check_precision(cfg)
     check_models(cfg)

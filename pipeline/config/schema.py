@@ -325,7 +325,7 @@ class EngineConfig:
     dtype: Precision = "auto"  # auto = model.dtype's resolution (bf16 on a capable GPU, fp32 on CPU)
     max_model_len: NonNegativeInt = 0  # 0 = the model's own context length (max_position_embeddings)
     cuda_graphs: bool = True  # False = vLLM's enforce_eager; the CPU build always runs eager
-    kv_cache_gib: Count = 1  # VLLM_CPU_KVCACHE_SPACE on CPU machines
+    kv_cache_gib: Count = 1  # each CPU engine's own KV cache (vLLM's kv_cache_memory_bytes); GPUs use gpu_memory_utilization
     gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.85
     max_num_seqs: Count = 256
     tensor_parallel_size: Count = 1

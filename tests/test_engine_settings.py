@@ -21,7 +21,7 @@ import yaml
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
 from gndpo.stages.models import vllm_engine as engine
-from tests.conftest import gndpo, tiny_config_dict
+from tests.conftest import assert_one_line_error, gndpo, invoke, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY_CONTEXT = 64  # max_position_embeddings of the toy models
@@ -146,16 +146,13 @@ def test_a_real_engine_has_the_configured_kv_cache(tiny_assets, monkeypatch):
 
 
 def init_fails(tmp_path, cfg: dict, *overrides) -> str:
-    """Run `gndpo init` in a fresh process; it must fail with one `error:` line and write nothing."""
+    """Run `gndpo init` (in process); it must fail with one `error:` line and write nothing."""
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run = tmp_path / "run"
-    proc = gndpo("init", run, "--config", path, *overrides, check=False)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 1, proc.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    line = assert_one_line_error(invoke("init", run, "--config", path, *overrides))
     assert not run.exists()
-    return lines[0]
+    return line
 
 
 def test_init_refuses_prompt_plus_max_tokens_beyond_the_models_context(tmp_path, tiny_assets):
@@ -199,6 +196,7 @@ def test_init_refuses_unknown_precision_and_attention(tmp_path, tiny_assets, ove
 
 
 def test_init_accepts_a_fitting_config(tmp_path, tiny_assets):
+    """Through the real entry point, in a fresh process (the refusals above run in process)."""
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
     gndpo("init", tmp_path / "run", "--config", path, "engine.max_model_len=0", "rollout.max_tokens=57")  # 7 + 57 = 64

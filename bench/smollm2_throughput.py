@@ -18,11 +18,11 @@ Then, in this process (2 CPU threads, as the stages use), on the same sequences 
 * **train, plain**: on a copy of the student, the forward over every position, ``log_softmax``, and
   the reverse KL of the teacher's top-16 buckets plus the rest of the vocabulary against the stored
   teacher columns, then backward, gradient clipping and an AdamW step per optimizer step;
-* **train, gndpo's kernel**: on another copy, train's own loss (``TrainJob.micro_batch_loss``: the
+* **train, gndpo's kernel**: on another copy, train's own loss (``Objective.micro_batch_loss``: the
   output layer on response positions only, chunked and recomputed in backward) with the same backward,
   clipping and AdamW, outside DeepSpeed.
 
-Both train sides run train's own mini-batches and micro-batches (``TrainJob.plan_steps``), and their
+Both train sides run train's own mini-batches and micro-batches (``schedule_steps``), and their
 step losses must equal the stage's. Plain and kernel take turns batch by batch (micro-batch by
 micro-batch in train), so a machine shared with other jobs slows both alike; the stage's figures come
 from another time and share no such protection. CPU seconds (this process) are reported beside wall
@@ -141,42 +141,36 @@ def plain_micro_loss(student, micro, pad_id: int, n_tokens: float) -> torch.Tens
     return (per_token * mask).sum() / max(n_tokens, 1.0)
 
 
-def train_job(run, student, pad_id: int):
-    """train's own loss on a plain module, outside DeepSpeed: a TrainJob with what ``run_unit`` sets."""
-    from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
-    from gndpo.pipeline.methods.base import TOPK
-    from gndpo.stages.models.logprobs import logits_chunk
-    from gndpo.stages.train import TrainJob
+def train_objective(run, pad_id: int):
+    """train's own loss on a plain module, outside DeepSpeed: the Objective ``prepare_round`` builds."""
+    from gndpo.stages.train import Objective
 
-    job = TrainJob(run, 0)
-    job.device, job.world, job.pad_id = torch.device("cpu"), 1, pad_id
-    job.policy_loss, job.loss_agg = policy_settings(run.cfg.method)
-    job.divergence = divergence_of(run.cfg.method, 0) if TOPK in score_needs(run.cfg.method) else None
-    job.chunk = logits_chunk(student, run.cfg.model)
-    return job
+    return Objective.of(run.cfg, 0, pad_id, torch.device("cpu"))
 
 
 def compare_train(plain_student, gndpo_student, run, pad_id: int) -> dict:
     """Train's optimizer steps twice, on two copies of the student, micro-batch by micro-batch in turn:
-    the plain loss (full logits) and train's own (``TrainJob.micro_batch_loss``: chunked output layer
+    the plain loss (full logits) and train's own (``Objective.micro_batch_loss``: chunked output layer
     on response positions, recomputed in backward), each with backward, clipping and AdamW."""
+    from gndpo.stages.models.logprobs import logits_chunk
+    from gndpo.stages.train import schedule_steps
     from gndpo.stages.training.batch import load_share
 
     tc = run.cfg.train
-    job = train_job(run, gndpo_student, pad_id)
-    steps = job.plan_steps(load_share(run, 0, 0, 1))
+    objective = train_objective(run, pad_id)
+    steps = schedule_steps(load_share(run, 0, 0, 1), tc, logits_chunk(gndpo_student, run.cfg.model))
     sides = {"plain": (plain_student, Clock(), []), "gndpo_kernel": (gndpo_student, Clock(), [])}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=tc.lr, weight_decay=tc.weight_decay) for name, (m, _, _) in sides.items()}
     tokens = 0
     for step in steps:
         totals = dict.fromkeys(sides, 0.0)
-        for j, micro in enumerate(step["micros"]):
+        for j, micro in enumerate(step.micros):
             for name, (model, clock, _) in sides.items():
                 with clock:
                     if name == "plain":
-                        loss = plain_micro_loss(model, micro, pad_id, step["n_tokens"])
+                        loss = plain_micro_loss(model, micro, pad_id, step.n_tokens)
                     else:
-                        loss, _ = job.micro_batch_loss(model, micro, step["chunks"][j], step["n_seqs"], step["n_tokens"], step["weight_sum"])
+                        loss, _ = objective.micro_batch_loss(model, micro, step.chunks[j], step.n_seqs, step.n_tokens, step.weight_sum)
                     loss.backward()
                 totals[name] += float(loss.detach())
         for name, (model, clock, losses) in sides.items():
@@ -186,7 +180,7 @@ def compare_train(plain_student, gndpo_student, run, pad_id: int) -> dict:
                 opts[name].step()
                 opts[name].zero_grad(set_to_none=True)
             losses.append(totals[name])
-        tokens += step["n_tokens"]
+        tokens += step.n_tokens
     return {"tokens": tokens, **{name: {**clock.report(tokens), "step_losses": losses} for name, (_, clock, losses) in sides.items()}}
 
 

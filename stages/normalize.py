@@ -6,19 +6,20 @@ partial sums written by score, so that cost grows with responses, not tokens; pl
 KL figures for the logs. Then whatever the run's method asks for (gndpo.pipeline.methods): quantiles,
 min/max, group statistics per prompt, ... as DuckDB queries over two views, ``responses`` (rollouts
 joined with scores) and ``tokens`` (one row per valid token). The result is a small long-format table
-(round, scope, name, value): scope "global", or a prompt_id for group statistics.
+(round, scope, name, value): scope "global", or a prompt_id for group statistics; train reads it back
+with :func:`gndpo.pipeline.run.stats.round_stats`.
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-from gndpo.pipeline.methods import Stats, StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
+from gndpo.pipeline.methods import StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
 from gndpo.pipeline.methods.base import TEACHER_SCOPE
 from gndpo.pipeline.run.run import Run
 from gndpo.storage.duck import connect, parquet_source
 from gndpo.storage.records import manifest_files, rollout_shards
-from gndpo.storage.shards import STATS, read_shards, verify_shards, write_shard
+from gndpo.storage.shards import STATS, verify_shards, write_shard
 from gndpo.pipeline.observe.logs import info
 
 
@@ -105,13 +106,3 @@ class NormalizeJob:
     def summarize(self, commits):
         seconds = commits[0]["seconds"]
         return {**commits[0]["stats"], "seconds": seconds, "tokens_per_s": (commits[0]["stats"]["token_count"] or 0) / max(seconds, 1e-9)}
-
-
-def round_stats(run: Run, round_idx: int) -> Stats:
-    """The committed statistics of a round (global and per prompt), read from its stats shard."""
-    table = read_shards(run.fs, manifest_files(run.records(round_idx, "normalize").require_manifest()))
-    stats = Stats()
-    for r in table.to_pylist():
-        target = stats.glob if r["scope"] == "global" else stats.groups.setdefault(r["scope"], {})
-        target[r["name"]] = r["value"]
-    return stats

@@ -8,8 +8,30 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist (`make test` runs two workers), each worker and everything it starts (gndpo
+    processes, their vLLM engines and DeepSpeed ranks) computes on a core of its own: two workers that
+    each spread their threads over both cores of a 2-core machine are slower than one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if not worker:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if len(cores) < 2 or workers < 2:
+        return
+    mine = [c for i, c in enumerate(cores) if i % workers == int(worker[2:]) % workers]
+    os.sched_setaffinity(0, mine)
+    threads = str(len(mine))
+    os.environ.update({"GNDPO_THREADS": threads, "OMP_NUM_THREADS": threads,
+                       "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine))})
+    torch.set_num_threads(len(mine))
+
+
+_one_core_per_worker()
 
 TINY = dict(digits=2, n_train_prompts=96, n_heldout=24)
 

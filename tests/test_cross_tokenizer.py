@@ -87,7 +87,7 @@ def test_teacher_values_are_its_own_log_probs_where_a_student_token_is_covered(c
 
 
 def test_statistics_and_loss_leave_unaligned_tokens_out(crossed, rolled_out):
-    from gndpo.stages.normalize import round_stats
+    from gndpo.pipeline.run.stats import round_stats
     from gndpo.stages.training.batch import load_share
 
     rollouts = {r["rollout_id"]: r for r in committed_rows(rolled_out)}

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gndpo.pipeline.run.run import open_run
-from gndpo.stages.normalize import round_stats
+from gndpo.pipeline.run.stats import round_stats
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards

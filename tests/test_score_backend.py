@@ -37,7 +37,7 @@ def scored(tmp_path_factory, rolled_out):
     for unit in units:
         files, _ = job.run_unit(unit, f"vllm-backend/{unit['unit']}")
         rows += pa.concat_tables([read_shard(run.fs, f) for f in files]).to_pylist()
-    shutdown_llm(job.teacher_engine)  # before pytest closes the streams its exit handler logs to
+    shutdown_llm(job.teacher.engine)  # before pytest closes the streams its exit handler logs to
     hf = {r["rollout_id"]: r for r in committed_rows(run_dir, "score")}
     return hf, {r["rollout_id"]: r for r in rows}
 

@@ -62,7 +62,7 @@ def test_routing_scores_each_prompt_with_its_teacher(parent, tiny_assets, tmp_pa
         r = rollouts[s["rollout_id"]]
         want = teacher_logprobs(paths[s["teacher"]], r["prompt_token_ids"], r["response_token_ids"])
         np.testing.assert_allclose(s["teacher_logprobs"], want, atol=1e-5)
-    from gndpo.stages.normalize import round_stats
+    from gndpo.pipeline.run.stats import round_stats
 
     got = round_stats(open_run(str(new)), 0)
     everything = np.concatenate(per_teacher["a"] + per_teacher["b"])
@@ -91,7 +91,7 @@ def test_mean_mix_scores_every_token_with_the_mixture(parent, tiny_assets, tmp_p
         np.clip(np.subtract(s["teacher_logprobs"], s["student_logprobs"]), -CLAMP, CLAMP)[np.asarray(rollouts[s["rollout_id"]]["loss_mask"]) == 1]
         for s in scores
     ])
-    from gndpo.stages.normalize import round_stats
+    from gndpo.pipeline.run.stats import round_stats
 
     got = round_stats(open_run(str(new)), 0)
     assert got["c_mean"] == pytest.approx(c.mean(), abs=1e-9)

@@ -155,7 +155,7 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
     from transformers import AutoModelForCausalLM
 
     from gndpo.stages.models import logprobs
-    from gndpo.stages.train import TrainJob
+    from gndpo.stages.train import Objective
     from gndpo.stages.training.batch import load_share
     from gndpo.pipeline.methods import policy_settings
 
@@ -163,9 +163,8 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
     share = load_share(run, 0, 0, 1)
     micro = [row for step in share.steps for row in step]
     assert any((row.mask == 0).any() for row in micro)
-    job = TrainJob(run, 0)
-    job.device, job.pad_id, job.divergence = torch.device("cpu"), 0, None
-    job.policy_loss, job.loss_agg = policy_settings(run.cfg.method)
+    policy_loss, loss_agg = policy_settings(run.cfg.method)
+    objective = Objective(run.cfg, policy_loss, loss_agg, divergence=None, pad_id=0, device=torch.device("cpu"))
     model = AutoModelForCausalLM.from_pretrained(str(tool_assets / "student"))
 
     captured = {}
@@ -179,7 +178,7 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
 
     monkeypatch.setattr(logprobs, "response_hidden", response_hidden)
     n_tokens = int(sum(row.mask.sum() for row in micro))
-    loss, _ = job.micro_batch_loss(model, micro, 0, len(micro), n_tokens, float(len(micro)))
+    loss, _ = objective.micro_batch_loss(model, micro, 0, len(micro), n_tokens, float(len(micro)))
     loss.backward()
     grad = captured["full"].grad.abs().sum(-1)  # [B, T]
     trained = torch.zeros_like(grad, dtype=torch.bool)

@@ -32,6 +32,7 @@ from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info, worker_file
 from gndpo.pipeline.observe.metrics import publish_metrics, write_metrics_jsonl
 from gndpo.pipeline.run.run import model_cache_dir, open_run
+from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.storage.records import STAGES
 from gndpo.storage.runfs import RunFS
@@ -73,11 +74,12 @@ def run_stage(
         def committed(manifest: dict) -> None:  # by the one worker whose manifest write succeeded
             publish_metrics(run, manifest, worker_log_dir(url))
 
-        if stage == "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist = Dist.from_env()
+        if stage == "train" and dist.world > 1:
             manifest = run_collective(records, job, ttl=lease_ttl, log=log, on_manifest=committed)
         else:
             manifest = Worker(records, job, ttl=lease_ttl, log=log, on_manifest=committed).run(wait_for_others=not worker)
-        if manifest is not None and os.environ.get("RANK", "0") == "0":
+        if manifest is not None and dist.main:
             write_metrics_jsonl(run)
     return manifest
 

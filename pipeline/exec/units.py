@@ -9,6 +9,8 @@ several workers on several machines can share it:
 2. A worker claims a unit by exclusively creating ``claims/<unit>/aNNN.json`` for the next attempt number
    and heartbeats while it computes. A claim whose heartbeat is older than its ttl, or whose process is
    known dead (same host, pid gone), is stale: another worker takes the unit by claiming attempt N+1.
+   A worker that could not renew its own lease for longer than the ttl (its storage failing) abandons
+   the unit without committing: from then on another worker may hold it, and only that one commits.
 3. Output goes to the attempt's own folder; the unit becomes visible only when its commit record is
    created exclusively. The loser of a commit race deletes its attempt folder.
 4. When every unit is committed, the manifest (written last) lists the commit records. It is the only
@@ -75,6 +77,27 @@ def lease_state(records: StageRecords, unit: str, now: float | None = None) -> s
     return "stale" if (now or time.time()) - last > float(claim["ttl"]) else "claimed"
 
 
+class Lease:
+    """A worker's hold on one claimed attempt while it computes: renewed by heartbeats, lost once it went
+    unrenewed for longer than its ttl (other workers then see it stale and may claim the unit). Lost is
+    for good: a later heartbeat that gets through does not undo a takeover that may have happened."""
+
+    def __init__(self, unit: str, attempt: int, ttl: float, renewed_at: float | None = None):
+        self.unit, self.attempt, self.ttl = unit, attempt, ttl
+        self.renewed_at = time.time() if renewed_at is None else renewed_at
+        self._lost = False
+
+    def renewed(self, at: float) -> None:
+        """A heartbeat sent at ``at`` was written."""
+        if not self.lost(at):
+            self.renewed_at = at
+
+    def lost(self, now: float | None = None) -> bool:
+        if not self._lost and (time.time() if now is None else now) - self.renewed_at > self.ttl:
+            self._lost = True
+        return self._lost
+
+
 class Worker:
     """Claims, computes and commits units of one stage until none is left to claim."""
 
@@ -112,12 +135,25 @@ class Worker:
         self.records.heartbeat(unit, attempt)
         return attempt
 
-    def _heartbeat_loop(self, unit: str, attempt: int, stop: threading.Event) -> None:
+    def _heartbeat_loop(self, lease: Lease, stop: threading.Event) -> None:
+        """Renew ``lease`` every ttl/4 until ``stop``; each failed renewal is a warning, and once the lease
+        went unrenewed past its ttl the loop ends: the unit is no longer this worker's to commit."""
+        where = f"{self.records.stage} r{self.records.round} {lease.unit}"
         while not stop.wait(self.ttl / 4):
+            sent = time.time()
             try:
-                self.records.heartbeat(unit, attempt)
-            except Exception:  # a missed beat only risks a takeover, which the commit protocol handles
-                pass
+                self.records.heartbeat(lease.unit, lease.attempt)
+            except Exception as exc:  # noqa: BLE001 - any storage failure: the lease decides what it costs
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                _units_log.warning("%s: heartbeat of attempt %d failed: %s", where, lease.attempt, reason)
+            else:
+                lease.renewed(sent)
+            if lease.lost():
+                _units_log.warning(
+                    "%s: attempt %d's lease was not renewed for over its ttl (%gs); abandoning the unit to the "
+                    "worker that takes it over", where, lease.attempt, lease.ttl,
+                )
+                return
 
     # -- the loop ---------------------------------------------------------------------------------
     def ensure_plan(self) -> dict:
@@ -163,26 +199,33 @@ class Worker:
 
     def compute(self, unit: dict, attempt: int) -> dict | None:
         """Compute and commit one claimed unit; returns its commit summary, or None if another attempt
-        committed first. Everything logged meanwhile names the unit."""
+        committed first or the lease expired (the unit is abandoned). Everything logged meanwhile names
+        the unit."""
         with unit_context(unit["unit"]):
             return self._compute(unit, attempt)
 
     def _compute(self, unit: dict, attempt: int) -> dict | None:
         uid = unit["unit"]
-        if not self._is_set_up:
-            self.job.setup()
-            self._is_set_up = True
         out_dir = self.records.attempt_dir(uid, attempt)
+        lease = Lease(uid, attempt, self.ttl)
         stop = threading.Event()
-        beat = threading.Thread(target=self._heartbeat_loop, args=(uid, attempt, stop), daemon=True)
+        beat = threading.Thread(target=self._heartbeat_loop, args=(lease, stop), daemon=True)
         beat.start()
-        t0 = time.time()
         try:
+            if not self._is_set_up:  # under the lease: starting engines can take longer than the ttl
+                self.job.setup()
+                self._is_set_up = True
+            t0 = time.time()
             files, summary = self.job.run_unit(unit, out_dir)
         finally:
             stop.set()
             beat.join()
         summary = {**summary, "seconds": round(time.time() - t0, 3), "worker": self.worker_id}
+        if lease.lost():
+            # Another worker may hold the unit now; ours was never visible, so removing it is safe.
+            self.records.run.rm(out_dir)
+            self.log(f"{self.records.stage} r{self.records.round} {uid}: attempt {attempt} abandoned, its lease expired")
+            return None
         crash_point("units.before_commit")
         if self.records.commit(uid, attempt, files, summary):
             # Per unit: for the worker's log file; the terminal shows the stage's progress instead.

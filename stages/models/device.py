@@ -1,7 +1,8 @@
 """Where models run and in what precision: decided here, once, for score, train and vLLM.
 
-A process uses the CUDA device of its local rank (``LOCAL_RANK``, set by torchrun and by ``gndpo run``'s
-per-GPU workers, which pin one GPU each with CUDA_VISIBLE_DEVICES) when CUDA is present, else the CPU.
+A process uses the CUDA device of its local rank (:class:`gndpo.pipeline.exec.dist.Dist`: LOCAL_RANK, set by
+torchrun and by ``gndpo run``'s per-GPU workers, which pin one GPU each with CUDA_VISIBLE_DEVICES) when
+CUDA is present, else the CPU.
 ``model.dtype: auto`` means bf16 on a GPU that supports it and fp32 everywhere else: CPU matmuls in bf16
 are slower than fp32 on most CPUs, and fp32 keeps the CPU toy's numbers exact.
 """
@@ -14,16 +15,18 @@ from functools import lru_cache
 import torch
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import ATTN_IMPLEMENTATIONS
+from gndpo.pipeline.exec.dist import Dist
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 
 
 @lru_cache(maxsize=None)
 def local_device() -> torch.device:
-    """This process's device: cuda:LOCAL_RANK (modulo the visible GPUs) when CUDA is present, else cpu."""
+    """This process's device, chosen once: cuda:<its local rank> (:class:`Dist`, modulo the visible GPUs)
+    when CUDA is present, else cpu."""
     if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        index = Dist.from_env().local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")

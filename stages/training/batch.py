@@ -22,7 +22,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.methods import Response, get_method, response_targets, score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.run.run import Run
-from gndpo.stages.normalize import round_stats
+from gndpo.pipeline.run.stats import round_stats
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import flat_values, read_shards
 

@@ -1,34 +1,28 @@
-"""Train's DeepSpeed engine: building it, its checkpoints (within a round and across rounds), the export.
+"""Train's DeepSpeed engine: joining the process group, and building the engine on the round's policy.
 
+* The process group: the one a launcher (torchrun) set up, or a one-rank group of a plain ``gndpo
+  train``'s own (:func:`init_distributed`).
 * Build: the DeepSpeed config carries a bf16 (or fp16) block when ``model.dtype`` resolves to it, with
   fp32 master weights in the optimizer. Under ZeRO-3 the model is constructed partitioned (transformers'
   DeepSpeed integration wraps ``from_pretrained`` in ``zero.Init``), so no rank ever holds a full copy.
-* Checkpoints: DeepSpeed's own ``save_checkpoint`` (every ZeRO stage: each rank writes its partition),
-  copied into the run's storage as immutable files whose sha256 goes into a record. Loading one needs
-  ``torch.load(weights_only=False)`` inside DeepSpeed, i.e. unpickling; it is only done after every file
-  was read back through the run's storage and matched the sha256 its record holds, so only files this
-  run wrote itself are ever unpickled. A record is written last and exclusively; it is what makes a
-  checkpoint visible (the in-round one to a retried attempt, the end-of-round one to the next round).
-* Export: the updated student in Hugging Face format, in the model's training dtype (bf16 on GPUs).
-  Under ZeRO-3 the partitions are gathered layer by layer onto rank 0 first.
+
+The engine's checkpoints are in :mod:`gndpo.stages.training.checkpoint`, its export in
+:mod:`gndpo.stages.training.export`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.exec.dist import Dist
 from gndpo.stages.models.device import local_device, resolve_dtype
-from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
-from gndpo.storage.shards import verified_bytes
-
-CHECKPOINT_TAG = "state"
+from gndpo.stages.models.loading import load_causal_lm
 
 
 def isolate_extension_builds() -> None:
@@ -40,6 +34,30 @@ def isolate_extension_builds() -> None:
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
         tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.expanduser("~/.cache/torch_extensions"), f"gndpo-{tag}")
+
+
+def init_distributed(dist: Dist) -> None:
+    """Join this process's DeepSpeed process group: the one the launcher set up (its env:// rendezvous),
+    or, for a plain ``gndpo train``, a one-rank group on a free local port.
+
+    DeepSpeed reads the local rank from the environment and from nowhere else (DeepSpeedEngine refuses
+    to start without LOCAL_RANK; ZeRO-3 puts each partition on that device), so a process without a
+    launcher gets LOCAL_RANK written here, the one variable gndpo sets for it. Its rendezvous is passed
+    as arguments instead, so no RANK, WORLD_SIZE or MASTER_PORT is left behind for child processes to
+    inherit (a later torchrun would try to bind that port)."""
+    import deepspeed
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if dist.launched:
+        deepspeed.init_distributed(dist_backend=backend)
+        return
+    os.environ.setdefault("LOCAL_RANK", str(dist.local_rank))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}", rank=dist.rank, world_size=dist.world
+    )
 
 
 def deepspeed_config(cfg, world: int, dtype: torch.dtype) -> dict:
@@ -96,51 +114,3 @@ def build_engine(cfg, policy: str, world: int):
     )
     engine.hf_zero3_config = zero3  # transformers consults it (weakly referenced) while the engine lives
     return engine, config
-
-
-# -- checkpoints --------------------------------------------------------------------------------------
-def save_state(engine, fs, rel: str, rank: int, world: int) -> list[dict] | None:
-    """Write the engine's full state (module, optimizer, its partitions) under ``rel``; collective.
-    Returns, on rank 0, the file records of all ranks (None elsewhere)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
-        folder = Path(tmp) / CHECKPOINT_TAG
-        # Each rank's local folder holds exactly the files that rank wrote (its partitions; rank 0 also
-        # the module file below ZeRO-3), and names carry the rank, so uploads never collide.
-        records = [fs.write_new(f"{rel}/{p.name}", p.read_bytes()) for p in sorted(folder.iterdir()) if p.is_file()]
-    if world > 1:
-        import torch.distributed as dist
-
-        gathered = [None] * world
-        dist.all_gather_object(gathered, records)
-        records = [r for part in gathered for r in part]
-    return records if rank == 0 else None
-
-
-def load_state(engine, fs, state: dict, world: int) -> bool:
-    """Load a state written by :func:`save_state` after checking every file against its sha256. A state
-    written by another number of ranks is skipped (False): ZeRO partitions are per rank. Every rank
-    fetches all files, as DeepSpeed's ZeRO-1/2 loader reads every rank's optimizer partition."""
-    if state.get("world", 1) != world:
-        return False
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / CHECKPOINT_TAG
-        folder.mkdir()
-        for record in state["files"]:
-            (folder / Path(record["path"]).name).write_bytes(verified_bytes(fs, record))
-        engine.load_checkpoint(tmp, tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
-    return True
-
-
-# -- export -------------------------------------------------------------------------------------------
-def export_model(engine, policy: str, folder: str, zero_stage: int, rank: int) -> None:
-    """Write the trained student to ``folder`` (on rank 0) in Hugging Face format; collective under
-    ZeRO-3, where rank 0 receives the gathered 16-bit weights."""
-    if zero_stage == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank must call it
-    else:
-        state = engine.module.state_dict() if rank == 0 else None
-    if rank == 0:
-        state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-        engine.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
-        load_tokenizer(policy).save_pretrained(folder)

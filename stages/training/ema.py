@@ -17,8 +17,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, load_file, save
 
-EMA_FILE = "ema.safetensors"  # the average inside an in-round checkpoint
-
 
 class EmaWeights:
     """fp32 averages of a module's parameters, by parameter name."""

@@ -1,0 +1,37 @@
+"""This process's place in a data-parallel job: its rank, the world size and its local rank.
+
+A launcher puts them in the environment: torchrun (train with several ranks) sets RANK, WORLD_SIZE and
+LOCAL_RANK, and ``gndpo run``'s per-GPU rollout and score workers get LOCAL_RANK=0 beside the one GPU
+CUDA_VISIBLE_DEVICES leaves them. Any other process is rank 0 of 1. They are read here and nowhere
+else, and passed on as a :class:`Dist`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0  # the GPU index on this node (modulo the visible GPUs)
+    launched: bool = False  # a launcher set RANK, and with it the rendezvous (MASTER_ADDR, MASTER_PORT)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Dist:
+        """The values a launcher put in ``env`` (default: this process's environment); rank 0 of 1 without one."""
+        env = os.environ if env is None else env
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            world=int(env.get("WORLD_SIZE", "1")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            launched="RANK" in env,
+        )
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one rank that writes what the ranks computed together (records, exports, metrics)."""
+        return self.rank == 0

@@ -1,0 +1,126 @@
+"""A score unit's rows, and the student's forward over them (with a teacher module beside it, if any).
+
+Rows are grouped by length into batches of at most ``score.max_tokens_per_batch`` padded tokens; each
+batch runs the backbones once and then the output layers over a chunk of response positions at a time
+(:func:`gndpo.stages.models.logprobs.pair_token_stats`), so full-vocabulary logits exist for one chunk
+only and never for prompt positions. Every column comes back flat over the unit's response tokens, in
+the rollout shard's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL
+from gndpo.stages.models.logprobs import make_batch, pair_token_stats, token_budget_batches
+from gndpo.storage.shards import flat_values, read_shard
+
+
+@dataclass
+class UnitRows:
+    """A score unit's rollouts, their token ids flat: row i's prompt is
+    ``prompts[prompt_offsets[i]:prompt_offsets[i + 1]]``, its response ``responses[offsets[i]:offsets[i + 1]]``."""
+
+    table: pa.Table
+    prompts: np.ndarray
+    prompt_offsets: np.ndarray
+    responses: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def read(cls, fs, files: list[dict]) -> UnitRows:
+        table = pa.concat_tables([read_shard(fs, f) for f in files])
+        prompts, prompt_offsets = flat_values(table.column("prompt_token_ids"))
+        responses, offsets = flat_values(table.column("response_token_ids"))
+        return cls(table, prompts, prompt_offsets, responses, offsets)
+
+    @property
+    def n(self) -> int:
+        return self.table.num_rows
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Response tokens per row."""
+        return np.diff(self.offsets)
+
+    @property
+    def spans(self) -> np.ndarray:
+        """Prompt + response tokens per row: what a row costs in a padded batch."""
+        return np.diff(self.prompt_offsets) + self.lengths
+
+    @cached_property
+    def prompt_ids(self) -> list[str]:
+        return self.table.column("prompt_id").to_pylist()
+
+    @cached_property
+    def temperature(self) -> float:
+        """The unit's sampling temperature (one per run)."""
+        temps = self.table.column("temperature").to_pylist()
+        return temps[0] if temps else 1.0
+
+    def prompt(self, i: int) -> np.ndarray:
+        return self.prompts[self.prompt_offsets[i] : self.prompt_offsets[i + 1]]
+
+    def response(self, i: int) -> np.ndarray:
+        return self.responses[self.offsets[i] : self.offsets[i + 1]]
+
+    def token_positions(self, rows) -> np.ndarray:
+        """Where the response tokens of ``rows``, in that order, are in the unit's flat token order."""
+        return np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in rows] + [np.zeros(0, np.int64)])
+
+
+@dataclass
+class StudentForward:
+    """The student's forward over a unit's rows in token-budgeted batches. A teacher given as a module
+    (or a list of modules: their mean) reads the same batches beside it, so both backbones run once per
+    batch and the teacher's columns come out of the same pass; without one only the student's do."""
+
+    student: object
+    chunk: int  # positions per output-layer chunk, planned over the student and every teacher module
+    pad_id: int
+    device: torch.device
+    max_tokens: int  # score.max_tokens_per_batch
+    max_rows: int  # score.rows_per_chunk
+    needs: frozenset  # the per-token columns the run's method stores
+    entropy_metrics: bool  # logging.entropy_metrics
+
+    def columns(self, rows: UnitRows, groups, topk: int, teacher_prompts: list | None = None) -> dict[str, np.ndarray]:
+        """{column: values flat over the unit's response tokens}. ``groups``: (teacher module(s) or None,
+        the rows it scores) covering every row once; ``teacher_prompts``: per row, the prompt the teacher
+        reads instead of the student's (a teacher context), or None."""
+        per_token: dict[str, np.ndarray] = {}
+        for teacher, members in groups:
+            members = np.asarray(members)
+            for batch_rows in token_budget_batches(rows.spans[members], self.max_tokens, self.max_rows):
+                batch = members[batch_rows]
+                stats = self.batch_columns(rows, batch, teacher, topk, teacher_prompts)
+                place(per_token, stats, rows.token_positions(batch), len(rows.responses))
+        return per_token
+
+    def batch_columns(self, rows: UnitRows, batch_rows, teacher, topk: int, teacher_prompts: list | None) -> dict[str, torch.Tensor]:
+        """One batch's columns ([N] or [N, k] over its response tokens, on the CPU)."""
+        responses = [rows.response(i) for i in batch_rows]
+        batch = make_batch([rows.prompt(i) for i in batch_rows], responses, self.pad_id, self.device)
+        teacher_batch = None
+        if teacher_prompts is not None and teacher is not None:
+            teacher_batch = make_batch([teacher_prompts[i] for i in batch_rows], responses, self.pad_id, self.device)
+        # The round's entropy metrics need both entropies even where the method stores no entropy
+        # column (logging.entropy_metrics: one more pass over each chunk's log-probs).
+        metric = self.entropy_metrics
+        entropies = ((metric and teacher is not None) or TEACHER_ENTROPY in self.needs, metric or STUDENT_ENTROPY in self.needs)
+        return pair_token_stats(teacher, self.student, batch, self.chunk, rows.temperature, topk, entropies, TOKEN_KL in self.needs,
+                                teacher_batch=teacher_batch)
+
+
+def place(per_token: dict[str, np.ndarray], stats: dict[str, torch.Tensor], where: np.ndarray, n_tokens: int) -> None:
+    """Put a batch's columns at its tokens' places (``where``) in the unit's flat token order."""
+    for name, values in stats.items():
+        values = values.float().numpy() if values.is_floating_point() else values.numpy()
+        if name not in per_token:
+            per_token[name] = np.zeros((n_tokens, *values.shape[1:]), dtype=values.dtype)
+        per_token[name][where] = values

@@ -1,0 +1,129 @@
+"""The teacher's columns of a score unit, from the backend the run's config names.
+
+Every backend runs the student's forward (:class:`~gndpo.stages.scoring.forward.StudentForward`, the same
+function train differentiates, so the importance ratio at a round's first step is 1 up to float error)
+and adds the teacher's columns its own way:
+
+* :class:`ModuleTeachers` (``score.backend: hf``): Hugging Face modules that read each batch beside the
+  student: sampled-token log-probs, top-k with the log of the mass outside it, entropies, the
+  full-vocabulary KL. Several teachers are routed (each prompt to the teacher its row names) or mixed
+  (the mean of their distributions), per ``score.teacher_mix``.
+* :class:`EngineTeacher` (``score.backend: vllm``): sampled-token and top-k log-probs from a vLLM engine,
+  as prompt log-probs over the stored ids (:func:`gndpo.stages.models.vllm_engine.response_logprobs`;
+  tensor parallel through ``score.engine``). Methods that need the teacher's whole distribution (its
+  entropy, the full KL) are refused with this backend, and the rest mass beside the top-k is
+  1 - sum(top-k p) (:func:`rest_logprob_from_topk`).
+* :class:`OtherTokenizerTeacher` (``score.cross_tokenizer``): a teacher with its own tokenizer scores its
+  own tokens of each response's text, mapped onto the student's tokens by character offsets
+  (:mod:`gndpo.stages.text.cross_tokenizer`); student tokens it does not cover exactly are unaligned.
+
+With a teacher context (``teacher_context.messages``) the teacher reads a prompt of its own before the
+same response ids (:class:`~gndpo.stages.text.teacher_context.TeacherPrompts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gndpo.pipeline.methods.losses import REST_MASS_FLOOR
+from gndpo.stages.models.vllm_engine import response_logprobs
+from gndpo.stages.scoring.forward import StudentForward, UnitRows
+from gndpo.stages.text.cross_tokenizer import CrossTokenizerTeacher
+from gndpo.stages.text.teacher_context import TeacherPrompts
+
+
+@dataclass
+class Scored:
+    """A unit's per-token columns, the student's and the teacher's, flat over its response tokens; the
+    teacher recorded per row; and, for a cross-tokenizer teacher, 1 where its tokens cover a student
+    token exactly (None: every token counts)."""
+
+    per_token: dict[str, np.ndarray]
+    labels: list[str]
+    aligned: np.ndarray | None = None
+
+
+def context_prompts(context: TeacherPrompts | None, rows: UnitRows) -> list[list[int]] | None:
+    """Per row, the prompt ids the teacher reads in place of the student's; None without a context."""
+    if context is None:
+        return None
+    return [context.token_ids(context.by_id[pid]) for pid in rows.prompt_ids]
+
+
+class ModuleTeachers:
+    """``score.backend: hf``: the teacher module(s) score each batch in the student's forward."""
+
+    def __init__(self, forward: StudentForward, modules: dict[str, object], routes: dict[str, str], context: TeacherPrompts | None):
+        """``modules``: {name recorded per row: module}; ``routes``: {prompt id: teacher name} for
+        ``score.teacher_mix: route`` (empty: every row to the one teacher, or to the mean of several)."""
+        self.forward, self.modules, self.routes, self.context = forward, modules, routes, context
+
+    def score(self, rows: UnitRows, topk: int) -> Scored:
+        groups = self.groups(rows.prompt_ids)
+        per_token = self.forward.columns(rows, groups.values(), topk, context_prompts(self.context, rows))
+        labels = [""] * rows.n
+        for label, (_, members) in groups.items():
+            for i in members:
+                labels[i] = label
+        return Scored(per_token, labels)
+
+    def groups(self, prompt_ids: list[str]) -> dict[str, tuple[object, list[int]]]:
+        """{label recorded per row: (the teacher module(s) that score those rows, the rows)}: each row's
+        routed teacher, or all rows to the one teacher (a list of modules for the mean mix)."""
+        if self.routes:
+            groups: dict[str, tuple[object, list[int]]] = {}
+            for i, pid in enumerate(prompt_ids):
+                name = self.routes[pid]
+                groups.setdefault(name, (self.modules[name], []))[1].append(i)
+            return groups
+        rows = list(range(len(prompt_ids)))
+        if len(self.modules) > 1:  # score.teacher_mix mean
+            return {f"mean({','.join(self.modules)})": (list(self.modules.values()), rows)}
+        name, module = next(iter(self.modules.items()))
+        return {name: (module, rows)}
+
+
+class EngineTeacher:
+    """``score.backend: vllm``: the teacher's columns from its vLLM engine, after the student's forward."""
+
+    def __init__(self, forward: StudentForward, engine, name: str, context: TeacherPrompts | None):
+        self.forward, self.engine, self.name, self.context = forward, engine, name, context
+
+    def score(self, rows: UnitRows, topk: int) -> Scored:
+        every = list(range(rows.n))
+        per_token = self.forward.columns(rows, [(None, every)], topk)
+        # In the unit's token order, like the student's columns.
+        prompts = context_prompts(self.context, rows) or [rows.prompt(i) for i in every]
+        by_engine = response_logprobs(self.engine, prompts, [rows.response(i) for i in every], topk)
+        per_token["teacher_logprobs"] = by_engine["logprobs"]
+        if topk:
+            per_token["teacher_topk_ids"], per_token["teacher_topk_logprobs"] = by_engine["topk_ids"], by_engine["topk_logprobs"]
+            per_token["teacher_rest_logprob"] = rest_logprob_from_topk(by_engine["topk_logprobs"])
+        return Scored(per_token, [self.name] * rows.n)
+
+
+class OtherTokenizerTeacher:
+    """``score.cross_tokenizer``: the student's forward runs alone; the teacher scores its own tokens."""
+
+    def __init__(self, forward: StudentForward, teacher: CrossTokenizerTeacher, name: str):
+        self.forward, self.teacher, self.name = forward, teacher, name
+
+    def score(self, rows: UnitRows, topk: int) -> Scored:
+        every = list(range(rows.n))
+        per_token = self.forward.columns(rows, [(None, every)], topk)
+        prompt_rows = [self.teacher.prompts.by_id[pid] for pid in rows.prompt_ids]
+        per_token["teacher_logprobs"], aligned = self.teacher.score(
+            prompt_rows, [rows.response(i) for i in every], per_token["student_logprobs"]
+        )
+        return Scored(per_token, [self.name] * rows.n, aligned)
+
+
+def rest_logprob_from_topk(topk_logprobs: np.ndarray) -> np.ndarray:
+    """[N, k] top-k log-probs -> [N] float32 log(1 - sum_k p), the teacher's rest mass where only its
+    top-k is known (score.backend vllm): computed in float64 as log(-expm1(logsumexp)), with the mass
+    floored at REST_MASS_FLOOR as train's own recomputation does. Exact only to the top-k's rounding:
+    a true rest below ~1e-7 comes out as noise (the HF backend stores the full softmax's instead)."""
+    lse = np.logaddexp.reduce(np.asarray(topk_logprobs, dtype=np.float64), axis=-1)
+    return np.log(np.maximum(-np.expm1(lse), REST_MASS_FLOOR)).astype(np.float32)

@@ -1,0 +1,146 @@
+"""Train's checkpoints: the engine's state within a round and across rounds, and where an update starts.
+
+* A state is DeepSpeed's own ``save_checkpoint`` (every ZeRO stage: each rank writes its partition),
+  copied into the run's storage as immutable files whose sha256 goes into a record. Loading one needs
+  ``torch.load(weights_only=False)`` inside DeepSpeed, i.e. unpickling; it is only done after every file
+  was read back through the run's storage and matched the sha256 its record holds, so only files this
+  run wrote itself are ever unpickled. ZeRO partitions are per rank: a state written by another number
+  of ranks is not loaded.
+* In-round checkpoints (every ``train.checkpoint_every`` steps): ``ckpt/step-NNNNN/`` in the attempt's
+  folder, with the EMA average beside the engine state (:data:`EMA_FILE`, sha256-checked like the rest
+  when read back), and the record ``ckpt/step-NNNNN.json`` (the step, the step history so far, the
+  world size, the files), written last and exclusively: it is what makes the checkpoint visible.
+* Where an update starts (:func:`start_update`): after the newest checkpoint any earlier attempt of the
+  round left, so a retried attempt repeats no optimizer step; else with the optimizer state the kept
+  engine holds, or the one the previous round carried (``train.carry_optimizer_state``:
+  :func:`carry_state` writes it as the round's ``optimizer/``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from gndpo.pipeline.exec.dist import Dist
+from gndpo.pipeline.run.run import Run
+from gndpo.stages.training.ema import EmaWeights
+from gndpo.storage.shards import verified_bytes
+
+CHECKPOINT_TAG = "state"
+EMA_FILE = "ema.safetensors"  # the EMA average inside an in-round checkpoint
+UNIT = "update"  # train's one work unit, whose attempts leave the checkpoints
+
+
+# -- an engine's state ------------------------------------------------------------------------------
+def save_state(engine, fs, rel: str, dist: Dist) -> list[dict] | None:
+    """Write the engine's full state (module, optimizer, its partitions) under ``rel``; collective.
+    Returns, on rank 0, the file records of all ranks (None elsewhere)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
+        folder = Path(tmp) / CHECKPOINT_TAG
+        # Each rank's local folder holds exactly the files that rank wrote (its partitions; rank 0 also
+        # the module file below ZeRO-3), and names carry the rank, so uploads never collide.
+        records = [fs.write_new(f"{rel}/{p.name}", p.read_bytes()) for p in sorted(folder.iterdir()) if p.is_file()]
+    if dist.world > 1:
+        import torch.distributed as torch_dist
+
+        gathered = [None] * dist.world
+        torch_dist.all_gather_object(gathered, records)
+        records = [r for part in gathered for r in part]
+    return records if dist.main else None
+
+
+def load_state(engine, fs, state: dict, world: int) -> bool:
+    """Load a state written by :func:`save_state` after checking every file against its sha256. A state
+    written by another number of ranks is skipped (False): ZeRO partitions are per rank. Every rank
+    fetches all files, as DeepSpeed's ZeRO-1/2 loader reads every rank's optimizer partition."""
+    if state.get("world", 1) != world:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / CHECKPOINT_TAG
+        folder.mkdir()
+        for record in state["files"]:
+            (folder / Path(record["path"]).name).write_bytes(verified_bytes(fs, record))
+        engine.load_checkpoint(tmp, tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+    return True
+
+
+# -- within a round ---------------------------------------------------------------------------------
+def save_checkpoint(engine, fs, out_dir: str, history: list[dict], dist: Dist, ema: EmaWeights | None) -> None:
+    """Full engine state (and the EMA average) after ``len(history)`` steps; collective. Rank 0's JSON
+    record, written last and exclusively, is what makes the checkpoint visible to a later attempt."""
+    step = len(history)
+    base = f"{out_dir}/ckpt/step-{step:05d}"
+    files = save_state(engine, fs, base, dist)
+    if dist.main:
+        record = {"step": step, "history": history, "world": dist.world, "files": files}
+        if ema is not None:
+            record["ema"] = fs.write_new(f"{base}/{EMA_FILE}", ema.to_bytes())
+        fs.create_json(f"{base}.json", record)
+
+
+def newest_checkpoint(run: Run, round_idx: int, dist: Dist) -> dict | None:
+    """The record of the newest checkpoint an earlier attempt of this round left (None: none). Rank 0
+    chooses it and tells the others, so every rank loads the same one."""
+    best = [None]
+    if dist.main:
+        records = run.records(round_idx, "train")
+        for attempt in records.attempts(UNIT):
+            ckpt = f"{records.attempt_dir(UNIT, attempt)}/ckpt"
+            for name in run.fs.listdir(ckpt):
+                if name.endswith(".json"):
+                    meta = run.fs.read_json(f"{ckpt}/{name}")
+                    if best[0] is None or meta["step"] > best[0]["step"]:
+                        best[0] = meta
+    if dist.world > 1:
+        import torch.distributed as torch_dist
+
+        torch_dist.broadcast_object_list(best, src=0)
+    return best[0]
+
+
+@dataclass
+class Start:
+    """Where a round's update starts."""
+
+    history: list[dict]  # the steps an earlier attempt took; the update goes on after them
+    after_step: int  # the checkpoint's step (0: from the round's start)
+    optimizer_state: bool  # AdamW's moments continue (a checkpoint's, the kept engine's, the previous round's)
+
+
+def start_update(engine, run: Run, round_idx: int, dist: Dist, ema: EmaWeights | None, continued: bool, log) -> Start:
+    """Load what the update continues from, on every rank alike: the newest in-round checkpoint (engine
+    state, EMA average) if an earlier attempt left one this world size can load; else, unless the kept
+    engine already ``continued`` from the previous round, the optimizer state that round carried."""
+    checkpoint = newest_checkpoint(run, round_idx, dist)
+    if checkpoint is not None and load_state(engine, run.fs, checkpoint, dist.world):
+        if ema is not None:
+            ema.load_bytes(verified_bytes(run.fs, checkpoint["ema"]))
+        log(f"train r{round_idx}: resuming after step {checkpoint['step']} from a checkpoint")
+        return Start(list(checkpoint["history"]), checkpoint["step"], True)
+    return Start([], 0, continued or continue_optimizer(engine, run, round_idx, dist.world, log))
+
+
+# -- across rounds ----------------------------------------------------------------------------------
+def continue_optimizer(engine, run: Run, round_idx: int, world: int, log) -> bool:
+    """Continue AdamW's moments (and, in bf16, the fp32 master weights) from the previous round: a
+    fresh Adam's first steps are sign-like (size lr in every coordinate), which on a small policy
+    undoes much of a round."""
+    if round_idx == 0 or not run.cfg.train.carry_optimizer_state:
+        return False
+    records = run.records(round_idx - 1, "train")  # the parent's, for a forked run's first round
+    state = records.require_manifest()["units"][0].get("optimizer_state")
+    if not state or "files" not in state:
+        return False
+    if not load_state(engine, records.run, state, world):
+        log(f"train r{round_idx}: optimizer state of round {round_idx - 1} was written by {state['world']} ranks; starting a fresh one")
+        return False
+    return True
+
+
+def carry_state(engine, fs, out_dir: str, dist: Dist) -> dict | None:
+    """The round's final engine state as ``optimizer/``, for the next round to continue; collective.
+    Returns its record ({world, files}) on rank 0, None elsewhere."""
+    files = save_state(engine, fs, f"{out_dir}/optimizer", dist)
+    return {"world": dist.world, "files": files} if dist.main else None

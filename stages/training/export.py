@@ -1,0 +1,61 @@
+"""Train's outputs for the next round: the updated student, and the EMA teacher beside it.
+
+The student is written in Hugging Face format in the model's training dtype (bf16 on GPUs); under
+ZeRO-3 the partitions are gathered layer by layer onto rank 0 first. Beside it goes the probe the next
+round's rollout engine must reproduce (:mod:`gndpo.stages.models.probe`). Rank 0 uploads; every rank
+takes part in what is collective (the ZeRO-3 gather, the probe's forward).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+from gndpo.pipeline.exec.dist import Dist
+from gndpo.stages.models.loading import load_tokenizer
+from gndpo.stages.models.probe import probe_logprobs, write_probe
+from gndpo.stages.training.ema import EmaWeights
+
+
+def export_student(engine, policy: str, fs, out_dir: str, zero_stage: int, dist: Dist, pad_id: int) -> list[dict]:
+    """``out_dir/model``: the trained student with its probe; collective. Returns the file records on
+    rank 0, [] elsewhere."""
+    files = []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_folder(engine, policy, tmp, zero_stage, dist.rank)
+        # Every rank runs the probe's forward, as ZeRO-3 gathers weights collectively.
+        probe = probe_student(engine.module, policy, pad_id)
+        if dist.main:
+            write_probe(tmp, probe)
+            files = fs.upload_dir(tmp, f"{out_dir}/model")
+    return files
+
+
+def save_hf_folder(engine, policy: str, folder: str, zero_stage: int, rank: int) -> None:
+    """Write the trained student to ``folder`` (on rank 0) in Hugging Face format; collective under
+    ZeRO-3, where rank 0 receives the gathered 16-bit weights."""
+    if zero_stage == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank must call it
+    else:
+        state = engine.module.state_dict() if rank == 0 else None
+    if rank == 0:
+        state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+        engine.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        load_tokenizer(policy).save_pretrained(folder)
+
+
+def probe_student(model, policy: str, pad_id: int) -> dict:
+    """The probe's log-probs under the trained weights, in eval mode (the module's mode is restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return probe_logprobs(model, min(len(load_tokenizer(policy)), model.config.vocab_size), pad_id)
+    finally:
+        model.train(was_training)
+
+
+def export_ema(ema: EmaWeights, module, policy: str, fs, out_dir: str) -> list[dict]:
+    """``out_dir/ema``: the average as a Hugging Face folder, the next round's EMA teacher (rank 0 only)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ema.export(module, tmp)
+        load_tokenizer(policy).save_pretrained(tmp)
+        return fs.upload_dir(tmp, f"{out_dir}/ema")

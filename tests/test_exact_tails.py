@@ -236,7 +236,7 @@ def test_score_writes_the_rest_and_train_reads_it_or_recomputes_it(rolled_out, t
     rest, and both train."""
     from gndpo.pipeline.exec.rounds import run_stage
     from gndpo.pipeline.run.run import open_run
-    from gndpo.stages import score as score_stage
+    from gndpo.stages.scoring import shard as score_shard
     from gndpo.stages.training.batch import load_share
     from gndpo.storage import shards
     from tests.conftest import committed_rows, gndpo
@@ -259,7 +259,7 @@ def test_score_writes_the_rest_and_train_reads_it_or_recomputes_it(rolled_out, t
         schema = shards.scores_schema(topk)
         return schema.remove(schema.get_field_index("teacher_rest_logprob"))
 
-    monkeypatch.setattr(score_stage, "scores_schema", schema_before)
+    monkeypatch.setattr(score_shard, "scores_schema", schema_before)  # where the score stage builds its table
     run_stage(str(old), "score", 0)
     monkeypatch.undo()
     assert "teacher_rest_logprob" not in committed_rows(old, "score")[0]

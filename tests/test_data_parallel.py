@@ -114,7 +114,7 @@ import json, sys
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=32, enforce_eager=True, enable_chunked_prefill=False)
+    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=32, enforce_eager=True, enable_chunked_prefill=False, kv_cache_memory_bytes=1 << 30)
     ids = json.loads(sys.argv[2])
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     print("LOGPROBS", json.dumps([float(step[tok].logprob) for step, tok in zip(out[0].prompt_logprobs[1:], ids[1:])]), flush=True)

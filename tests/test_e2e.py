@@ -155,7 +155,7 @@ def test_exported_student_loads_and_generates(run_dir, tmp_path):
     assert summary["pass@1"] == pytest.approx(np.mean([row["greedy_reward"] for row in table]))
     max_tokens = run.cfg.rollout.max_tokens
     for row in table[:6]:  # the toy has no chat template: the prompt is the text itself
-        ids = tok(row["prompt"], return_tensors="pt")["input_ids"]
+        ids = tok(row["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"]  # the prompt holds its <s>
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) == row["greedy_response"], row

@@ -9,15 +9,18 @@ tested on (accuracy is not the point here)."""
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.run.run import open_run
-from gndpo.pipeline.toys.arithmetic import END_OF_TURN, build_chat_variant
+from gndpo.pipeline.toys.arithmetic import CHAT_TEMPLATE, END_OF_TURN
 from gndpo.stages.text.chat import render_prompt
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
@@ -26,6 +29,38 @@ from tests.conftest import assert_one_line_error, gndpo, invoke, tiny_config_dic
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def build_chat_variant(assets: Path, out: Path, seed: int = 0) -> Path:
+    """The toy in chat format, written to ``out``: the toy tokenizer plus role-marker and end-of-turn
+    special tokens and a chat template, both models resized to it (new embedding rows initialised
+    from the old ones' mean), and ``train.jsonl`` / ``heldout.jsonl`` whose prompts are ``messages``
+    (some with a system turn) and whose answers are GSM8K ``#### n`` lines or ``\\boxed{n}``, for the
+    ``math`` reward. For tests of the chat path: no accuracy is claimed."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(assets / "student")
+    tok.add_special_tokens({"additional_special_tokens": [f"<|{r}|>" for r in CHAT_ROLES] + [END_OF_TURN]})
+    tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    for role in ("student", "teacher"):
+        model = AutoModelForCausalLM.from_pretrained(assets / role)
+        model.resize_token_embeddings(len(tok), mean_resizing=False)
+        with torch.no_grad():  # new rows: the mean of the old ones (deterministic, no sampling)
+            for matrix in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+                matrix[-(len(CHAT_ROLES) + 1):] = matrix[: -(len(CHAT_ROLES) + 1)].mean(0)
+        model.save_pretrained(out / role, safe_serialization=True)
+        tok.save_pretrained(out / role)
+    for split in ("train", "heldout"):
+        rows = [json.loads(line) for line in (assets / f"{split}.jsonl").read_text().splitlines()]
+        with open(out / f"{split}.jsonl", "w") as f:
+            for i, r in enumerate(rows):
+                turns = [{"role": "user", "content": r["prompt"]}]
+                if i % 3 == 0:
+                    turns.insert(0, {"role": "system", "content": "0="})  # toy characters only
+                answer = f"#### {r['answer']}" if i % 2 else f"\\boxed{{{r['answer']}}}"
+                f.write(json.dumps({"messages": turns, "answer": answer}) + "\n")
+    return out
 
 
 @pytest.fixture(scope="module")

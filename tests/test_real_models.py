@@ -33,9 +33,9 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def own_distributed_environment():
-    """The SmolLM2 rounds train in this process (kept models, as `gndpo run` does), which sets RANK,
-    MASTER_PORT, ... and opens a process group: both are undone when the module ends, so later tests'
-    `gndpo` processes do not inherit a port this process still holds."""
+    """The SmolLM2 rounds train in this process (kept models, as `gndpo run` does), which opens a process
+    group, and the libraries under train may set environment variables of their own: both are undone
+    when the module ends, so later tests' `gndpo` processes start from this module's environment."""
     saved = dict(os.environ)
     yield
     import torch.distributed as dist

@@ -52,10 +52,9 @@ NonNegative = Annotated[float, Range(ge=0)]
 Fraction = Annotated[float, Range(ge=0, le=1)]  # a share or a probability, 0 and 1 included
 
 
-# Choices several settings share, or that code elsewhere needs as a tuple (gndpo.stages.models.device).
+# Choices several settings share.
 Precision = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bf16 on a GPU that supports it, else fp32
 AttnImplementation = Literal["sdpa", "eager", "flash_attention_2"]
-ATTN_IMPLEMENTATIONS = typing.get_args(AttnImplementation)
 
 
 class Turn(TypedDict):

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from gndpo.pipeline.exec.dist import Dist
+
 MODES = ("auto", "bar", "lines", "none")
 _log = logging.getLogger("gndpo.progress")
 
@@ -62,7 +64,7 @@ def resolve_mode(mode: str | None = None) -> str:
     mode = mode or os.environ.get("GNDPO_PROGRESS", "auto")
     if mode not in MODES:
         raise ValueError(f"progress mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if os.environ.get("RANK", "0") != "0":  # one train rank draws for all of them
+    if not Dist.from_env().main:  # one train rank draws for all of them
         return "none"
     if mode == "auto":
         mode = "bar" if sys.stderr.isatty() else "lines"

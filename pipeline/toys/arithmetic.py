@@ -99,27 +99,27 @@ def toy_rows(pairs: list[tuple[int, int]], digits: int) -> list[dict]:
 # -- tokenizer and models ---------------------------------------------------------------------------
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer that prepends <s>; loads in vLLM and transformers."""
+def character_tokenizer(chars, model_max_length: int):
+    """A fast tokenizer with one token per character of ``chars`` after <pad>, <s> and </s>, that
+    prepends <s>; loads in vLLM and transformers. The toys' tokenizers are this plus their own tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {SPECIAL["pad"]: 0, SPECIAL["bos"]: 1, SPECIAL["eos"]: 2}
-    for ch in CHARS:
-        vocab[ch] = len(vocab)
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL["pad"]))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(""), "isolated")
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{SPECIAL['bos']} $A", special_tokens=[(SPECIAL["bos"], 1)]
+    tok.post_processor = processors.TemplateProcessing(single=f"{SPECIAL['bos']} $A", special_tokens=[(SPECIAL["bos"], 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"], pad_token=SPECIAL["pad"], model_max_length=model_max_length,
     )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=SPECIAL["bos"],
-        eos_token=SPECIAL["eos"],
-        pad_token=SPECIAL["pad"],
-        model_max_length=64,
-    )
+
+
+def build_tokenizer():
+    """The arithmetic toy's tokenizer: its twelve characters."""
+    fast = character_tokenizer(CHARS, model_max_length=64)
     # A template that renders a one-turn prompt as <s> + its text: exactly the ids the plain path gives,
     # so the toy runs through the chat path unchanged.
     fast.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -374,45 +374,10 @@ def build_cross_tokenizer_variant(spec: ToySpec, base: Path, out: Path, log=info
     return info
 
 
-# -- the chat-format variant ------------------------------------------------------------------------
-CHAT_ROLES = ("system", "user", "assistant")
+# -- chat format shared by the toys that speak it ----------------------------------------------------
 END_OF_TURN = "<|end|>"
 # Role markers and an end-of-turn token, as instruction models' templates have them.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}" + END_OF_TURN + "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-def build_chat_variant(assets: Path, out: Path, seed: int = 0) -> Path:
-    """The toy in chat format, written to ``out``: the toy tokenizer plus role-marker and end-of-turn
-    special tokens and a chat template, both models resized to it (new embedding rows initialised
-    from the old ones' mean), and ``train.jsonl`` / ``heldout.jsonl`` whose prompts are ``messages``
-    (some with a system turn) and whose answers are GSM8K ``#### n`` lines or ``\\boxed{n}``, for the
-    ``math`` reward. For tests of the chat path: no accuracy is claimed."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(assets / "student")
-    tok.add_special_tokens({"additional_special_tokens": [f"<|{r}|>" for r in CHAT_ROLES] + [END_OF_TURN]})
-    tok.chat_template = CHAT_TEMPLATE
-    torch.manual_seed(seed)
-    for role in ("student", "teacher"):
-        model = AutoModelForCausalLM.from_pretrained(assets / role)
-        model.resize_token_embeddings(len(tok), mean_resizing=False)
-        with torch.no_grad():  # new rows: the mean of the old ones (deterministic, no sampling)
-            for matrix in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
-                matrix[-(len(CHAT_ROLES) + 1):] = matrix[: -(len(CHAT_ROLES) + 1)].mean(0)
-        model.save_pretrained(out / role, safe_serialization=True)
-        tok.save_pretrained(out / role)
-    for split in ("train", "heldout"):
-        rows = [json.loads(line) for line in (assets / f"{split}.jsonl").read_text().splitlines()]
-        with open(out / f"{split}.jsonl", "w") as f:
-            for i, r in enumerate(rows):
-                turns = [{"role": "user", "content": r["prompt"]}]
-                if i % 3 == 0:
-                    turns.insert(0, {"role": "system", "content": "0="})  # toy characters only
-                answer = f"#### {r['answer']}" if i % 2 else f"\\boxed{{{r['answer']}}}"
-                f.write(json.dumps({"messages": turns, "answer": answer}) + "\n")
-    return out

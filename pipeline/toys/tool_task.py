@@ -28,13 +28,14 @@ import string
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gndpo.pipeline.toys.arithmetic import CHAT_TEMPLATE, SPECIAL, ModelSpec, cached_build, new_model, padded_batch, train_supervised
+from gndpo.pipeline.toys.arithmetic import (
+    CHAT_TEMPLATE, END_OF_TURN, ModelSpec, cached_build, character_tokenizer, new_model, padded_batch, train_supervised,
+)
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.config.schema import DataConfig
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids
 
 ROLES = ("system", "user", "assistant", "tool")
-END_OF_TURN = "<|end|>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_HEAD, CALL_TAIL = '{"name": "calculator", "arguments": {"expression": "', '"}}'
 
@@ -95,19 +96,9 @@ def call_text(expression: str) -> str:
 def build_tokenizer():
     """A character-level fast tokenizer over printable ASCII with role markers, an end-of-turn token and
     the call's fixed parts as single tokens; its template renders system, user, assistant and tool turns."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import AddedToken
 
-    vocab = {SPECIAL["pad"]: 0, SPECIAL["bos"]: 1, SPECIAL["eos"]: 2}
-    for ch in string.printable[:95]:  # digits, letters, punctuation, space
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL["pad"]))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(""), "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single=f"{SPECIAL['bos']} $A", special_tokens=[(SPECIAL["bos"], 1)])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"], pad_token=SPECIAL["pad"], model_max_length=256,
-    )
+    fast = character_tokenizer(string.printable[:95], model_max_length=256)  # digits, letters, punctuation, space
     fast.add_special_tokens({"additional_special_tokens": [f"<|{r}|>" for r in ROLES] + [END_OF_TURN]})
     # Not special: decoded text keeps them, so rewards and the tool parser see the call.
     fast.add_tokens([AddedToken(t, normalized=False, special=False) for t in (CALL_OPEN, CALL_CLOSE, CALL_HEAD, CALL_TAIL)])

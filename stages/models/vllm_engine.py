@@ -59,8 +59,6 @@ def model_context_length(path: str) -> int:
 
 def resolve_max_model_len(model_path: str, cfg: EngineConfig) -> int:
     """``engine.max_model_len``, or the model's own context length when it is 0."""
-    if cfg.max_model_len < 0:
-        raise GndpoError(f"engine.max_model_len must be >= 0 (0 = the model's own), got {cfg.max_model_len}")
     return cfg.max_model_len or model_context_length(model_path)
 
 

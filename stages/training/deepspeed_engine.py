@@ -19,7 +19,6 @@ import sys
 
 import torch
 
-from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.stages.models.device import local_device, resolve_dtype
 from gndpo.stages.models.loading import load_causal_lm
@@ -91,8 +90,6 @@ def build_engine(cfg, policy: str, world: int):
     """A DeepSpeed engine on the round's policy; returns (engine, config dict)."""
     import deepspeed
 
-    if not 0 <= cfg.train.zero_stage <= 3:
-        raise GndpoError(f"train.zero_stage must be 0, 1, 2 or 3, got {cfg.train.zero_stage}")
     device = local_device()
     dtype = resolve_dtype(cfg.model.dtype, device)
     config = deepspeed_config(cfg, world, dtype)

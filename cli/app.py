@@ -6,10 +6,44 @@ import os
 import sys
 
 import typer
+import typer.core
+# Typer 0.29 ships its own copy of click, whose exception classes only this module names.
+from typer._click import exceptions as click_errors
 
+from gndpo.pipeline.exec.signals import stop_on_signals
 from gndpo.pipeline.observe import logs
 
+class OneLineErrors(typer.core.TyperGroup):
+    """The ``gndpo`` group, whose usage mistakes (an unknown command or option, a missing argument, a
+    value that does not parse) are one ``error:`` line with click's "did you mean" and a pointer to
+    ``--help``, exit 2, instead of a framed usage block. Commands' own failures are
+    :func:`gndpo.cli.common.user_errors`'."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError as exc:
+            typer.echo(exc.ctx.get_help())
+            code = 2
+        except click_errors.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "gndpo"
+            message = " ".join(exc.format_message().split())
+            print(f"error: {message} (see {where} --help)", file=sys.stderr)
+            code = exc.exit_code
+        except click_errors.ClickException as exc:
+            print(f"error: {' '.join(exc.format_message().split())}", file=sys.stderr)
+            code = exc.exit_code
+        except typer.Abort:  # Ctrl-C before a command started
+            print("stopped by SIGINT", file=sys.stderr)
+            code = 130
+        code = code if isinstance(code, int) else 0  # a command's return value is not an exit code
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
 app = typer.Typer(
+    cls=OneLineErrors,
     name="gndpo",
     help="Offline, resumable, round-based on-policy distillation with cached teacher scores.",
     no_args_is_help=True,
@@ -31,15 +65,16 @@ def options(
     """Offline, resumable, round-based on-policy distillation with cached teacher scores."""
     if quiet:
         log_level, progress = log_level or "warning", progress or "none"
+    stop_on_signals()  # SIGTERM and SIGUSR1 unwind like Ctrl-C: leases released, one line (cli.common)
+    try:
+        logs.configure(log_level, progress)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(2) from None
     # Also for the stage processes `gndpo run` starts: they read the same settings from the environment.
     for name, value in (("GNDPO_LOG_LEVEL", log_level), ("GNDPO_PROGRESS", progress)):
         if value is not None:
             os.environ[name] = value
-    try:
-        logs.configure()
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise typer.Exit(2) from None
 
 
 def _register() -> None:

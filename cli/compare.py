@@ -3,7 +3,7 @@ from typing import List, Optional
 import typer
 
 from gndpo.cli.app import app
-from gndpo.cli.common import echo_table, user_errors
+from gndpo.cli.common import echo_table, stdout_kept_for_data, user_errors
 from gndpo.pipeline.apps.compare import run_compare
 
 
@@ -12,9 +12,11 @@ from gndpo.pipeline.apps.compare import run_compare
 def compare(
     methods: List[str] = typer.Argument(..., help="Methods to run, e.g. opd gndpo gdpo reverse_kl; per-method overrides with +key=value."),
     out: str = typer.Option("compare-run", "--out", help="Folder for the runs, compare.json and compare.md."),
-    rounds: int = typer.Option(3, "--rounds", "-n"),
+    rounds: int = typer.Option(3, "--rounds", "-n", min=1, help="Rounds to run."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="Config override for every method (repeatable)."),
     assets: Optional[str] = typer.Option(None, "--assets", help="Use this prebuilt toy assets folder instead of building."),
 ):
     """Run several methods on the toy task for the same rounds; print held-out accuracy and stability."""
-    echo_table(run_compare(methods, out, rounds, overrides or [], assets=assets))
+    with stdout_kept_for_data():
+        table = run_compare(methods, out, rounds, overrides or [], assets=assets)
+    echo_table(table)

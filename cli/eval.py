@@ -3,7 +3,7 @@ from typing import Optional
 import typer
 
 from gndpo.cli.app import app
-from gndpo.cli.common import user_errors
+from gndpo.cli.common import stdout_kept_for_data, user_errors
 from gndpo.pipeline.apps.evaluation import evaluate
 
 
@@ -23,7 +23,8 @@ def eval_command(
 ):
     """Verifiable-reward accuracy (pass@1 greedy, optional unbiased pass@k) on held-out prompts with vLLM."""
     tool_names = [t.strip() for t in tools.split(",") if t.strip()] if tools is not None else None
-    result = evaluate(target, prompts, out, k=k, n=n, reward=reward, max_tokens=max_tokens, tools=tool_names)
+    with stdout_kept_for_data():
+        result = evaluate(target, prompts, out, k=k, n=n, reward=reward, max_tokens=max_tokens, tools=tool_names)
     files = result.pop("files")
     typer.echo("  ".join(f"{key}={val:.4f}" if isinstance(val, float) else f"{key}={val}" for key, val in result.items()))
     typer.echo(f"per-prompt results: {files['per_prompt']}")

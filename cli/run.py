@@ -3,15 +3,15 @@ from typing import Optional
 import typer
 
 from gndpo.cli.app import app
-from gndpo.cli.common import user_errors
+from gndpo.cli.common import stdout_kept_for_data, user_errors
 from gndpo.pipeline.apps.loop import run_loop
 
 
 @app.command()
-@user_errors
+@user_errors(resumable=True)
 def run(
     run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),
-    rounds: int = typer.Option(3, "--rounds", "-n", help="Total number of rounds the run should have."),
+    rounds: int = typer.Option(3, "--rounds", "-n", min=1, help="Total number of rounds the run should have."),
     gpus: Optional[int] = typer.Option(
         None,
         "--gpus",
@@ -28,4 +28,5 @@ def run(
     ),
 ):
     """Run the round loop; stages already committed are skipped, so rerunning resumes."""
-    run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive)
+    with stdout_kept_for_data():
+        run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive)

@@ -3,7 +3,7 @@
 import typer
 
 from gndpo.cli.app import app
-from gndpo.cli.common import user_errors
+from gndpo.cli.common import stdout_kept_for_data, user_errors
 from gndpo.pipeline.exec.rounds import run_stage
 
 HELP = {
@@ -15,14 +15,15 @@ HELP = {
 
 
 def _stage_command(stage: str):
-    @user_errors
+    @user_errors(resumable=True)
     def command(
         run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),
         round: int = typer.Option(..., "--round", "-r", help="Round index, from 0."),
         worker: bool = typer.Option(False, "--worker", help="Join other workers: exit when nothing is left to claim."),
         lease_ttl: float = typer.Option(120.0, "--lease-ttl", help="Seconds without a heartbeat after which others may take a unit."),
     ):
-        manifest = run_stage(run, stage, round, worker=worker, lease_ttl=lease_ttl)
+        with stdout_kept_for_data():
+            manifest = run_stage(run, stage, round, worker=worker, lease_ttl=lease_ttl)
         if manifest is None:
             typer.echo(f"{stage} r{round}: no unit left to claim; other workers are finishing")
         else:

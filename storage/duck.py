@@ -15,10 +15,29 @@ def connect(run: RunFS) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def _sql_list(values: list[str]) -> str:
+    return "[" + ", ".join("'" + v.replace("'", "''") + "'" for v in values) + "]"
+
+
+def lock(con: duckdb.DuckDBPyConnection, readable: list[str] | None) -> None:
+    """Freeze the connection's settings (a query cannot change them, attach a database or install an
+    extension) and, unless ``readable`` is None, let queries open no file but those: the committed
+    shards the views read. ``read_csv('/etc/passwd')``, ``glob`` over the run folder or a read of an
+    uncommitted attempt's file are refused."""
+    if readable is not None:
+        con.execute(f"SET allowed_paths = {_sql_list(readable)}")
+        con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+def record_uris(run: RunFS, records: list[dict]) -> list[str]:
+    """The URLs DuckDB opens the given file records at (a forked run's inherited ones in its parent)."""
+    return [run.holding(r).uri(r["path"]) for r in records]
+
+
 def parquet_source(run: RunFS, records: list[dict]) -> str:
     """A ``read_parquet([...])`` expression over the given file records (union by column name)."""
-    uris = ", ".join("'" + run.holding(r).uri(r["path"]).replace("'", "''") + "'" for r in records)
-    return f"read_parquet([{uris}], union_by_name = true)"
+    return f"read_parquet({_sql_list(record_uris(run, records))}, union_by_name = true)"
 
 
 def create_view(con: duckdb.DuckDBPyConnection, run: RunFS, name: str, records: list[dict], empty_sql: str) -> None:

@@ -64,17 +64,22 @@ class StageRecords:
     def read_claim(self, unit: str, attempt: int) -> dict:
         return self.run.read_json(self.claim_path(unit, attempt))
 
-    def heartbeat(self, unit: str, attempt: int) -> None:
-        self.run.fs.pipe_file(
-            self.run.path(f"{self.prefix}/claims/{unit}/a{attempt:03d}.hb"),
-            json.dumps({"t": time.time()}).encode(),
-        )
+    def _beat_path(self, unit: str, attempt: int) -> str:
+        return f"{self.prefix}/claims/{unit}/a{attempt:03d}.hb"
 
-    def last_heartbeat(self, unit: str, attempt: int) -> float | None:
-        rel = f"{self.prefix}/claims/{unit}/a{attempt:03d}.hb"
+    def heartbeat(self, unit: str, attempt: int) -> None:
+        self.run.fs.pipe_file(self.run.path(self._beat_path(unit, attempt)), json.dumps({"t": time.time()}).encode())
+
+    def release(self, unit: str, attempt: int) -> None:
+        """Give the lease up: its last heartbeat says so, and other workers may take the unit at once."""
+        self.run.fs.pipe_file(self.run.path(self._beat_path(unit, attempt)), json.dumps({"t": time.time(), "released": True}).encode())
+
+    def last_beat(self, unit: str, attempt: int) -> dict | None:
+        """The attempt's newest heartbeat, ``{"t": seconds since the epoch, "released": bool}``, or None."""
         try:
-            return float(json.loads(self.run.read_bytes(rel))["t"])
-        except (GndpoError, ValueError, KeyError):
+            beat = json.loads(self.run.read_bytes(self._beat_path(unit, attempt)))
+            return {"t": float(beat["t"]), "released": bool(beat.get("released", False))}
+        except (GndpoError, ValueError, KeyError, TypeError):
             return None
 
     def attempt_dir(self, unit: str, attempt: int) -> str:
@@ -132,7 +137,7 @@ class InheritedRecords(StageRecords):
     def _refuse(self, *_args, **_kwargs):
         raise GndpoError(f"stage {self.stage} of round {self.round} is inherited from {self.run.url}; a fork never writes it")
 
-    create_plan = create_claim = commit = create_manifest = heartbeat = _refuse
+    create_plan = create_claim = commit = create_manifest = heartbeat = release = _refuse
 
 
 def _mark(obj, url: str):

@@ -33,6 +33,8 @@ class RunFS:
     """A run folder addressed by URL; paths given to methods are relative to its root."""
 
     def __init__(self, url: str, storage_options: dict | None = None):
+        if not url.strip():  # "" would be the current folder, turned into a run by init
+            raise GndpoError("the run folder path is empty")
         self.url = url.rstrip("/")
         self.storage_options = storage_options
         fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
@@ -111,7 +113,10 @@ class RunFS:
         target = self.path(rel)
         if self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+            tmp = os.path.join(os.path.dirname(target), f".tmp-{uuid.uuid4().hex}")
+            # 0o666 less the umask, like any file a tool creates (mkstemp's 0600 would hide the run's
+            # records from everyone else who may read it: colleagues, service accounts, other jobs' uids).
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)

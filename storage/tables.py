@@ -56,12 +56,21 @@ def write_file(url: str, data: bytes) -> None:
     """Write ``data`` to ``url`` (any fsspec URL) under a temporary name and move it into place, so a
     crash never leaves a half-written file under the final name."""
     fs, path = fsspec.core.url_to_fs(url)
+    if fs.isdir(path):
+        raise GndpoError(f"{url} is a folder; give a file path")
     parent = path.rsplit("/", 1)[0] if "/" in path else ""
     if parent:
         fs.makedirs(parent, exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    fs.pipe_file(tmp, data)
-    fs.mv(tmp, path)
+    try:
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+    except BaseException as exc:
+        if fs.exists(tmp):  # never leave the temporary file behind
+            fs.rm(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise OSError(exc.errno, exc.strerror, url) from exc  # the path the user gave, not the temporary one
+        raise
 
 
 def write_results(folder: str, table: pa.Table, summary: dict) -> dict:
@@ -83,9 +92,17 @@ def encode_frame(df: pl.DataFrame, fmt: str) -> bytes:
     """``df`` as the bytes of an aligned text table (every row and column, no shape line), a csv, a json
     (an array of row objects) or a parquet file."""
     if fmt == "table":
-        with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=60, tbl_hide_dataframe_shape=True):
+        # For reading: no dtype row, floats to 4 decimals (csv, json and parquet keep every digit).
+        with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=200, fmt_str_lengths=60, tbl_hide_dataframe_shape=True,
+                       tbl_hide_column_data_types=True, float_precision=4):
             return (str(df) + "\n").encode()
     if fmt == "csv":
+        nested = [name for name, dtype in df.schema.items() if dtype.is_nested()]
+        if nested:
+            raise GndpoError(
+                f"csv cannot hold the nested columns {', '.join(nested)}: select scalar columns (or unnest them), "
+                "or use --format json or parquet"
+            )
         return df.write_csv().encode()
     if fmt == "json":
         return df.write_json().encode()

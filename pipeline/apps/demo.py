@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ import yaml
 
 from gndpo.errors import GndpoError
 
-from gndpo.pipeline.config.load import load_config
+from gndpo.pipeline.config.load import build_config
 from gndpo.pipeline.config.schema import SELF_TEACHER
 from gndpo.pipeline.apps.fork import fork_refusal, fork_run
 from gndpo.pipeline.observe.metrics import collect_metrics
@@ -51,10 +52,17 @@ TASKS = {
 }
 
 
-def write_demo_config(folder: Path, assets: Path, config: Path = DEFAULT_CONFIG, models=toy_models) -> Path:
+def demo_config_data(assets: Path, config: Path = DEFAULT_CONFIG, models=toy_models) -> dict:
+    """The demo's experiment config on ``assets``: the task's YAML with the assets' models and prompts."""
     data = yaml.safe_load(config.read_text())
     data.update(models(assets))
     data["data"] = {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")}
+    return data
+
+
+def write_demo_config(folder: Path, assets: Path, config: Path = DEFAULT_CONFIG, models=toy_models, data: dict | None = None) -> Path:
+    """``folder/config.yaml``: ``data``, or :func:`demo_config_data`'s."""
+    data = demo_config_data(assets, config, models) if data is None else data
     path = folder / "config.yaml"
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -102,9 +110,12 @@ def run_demo(
     assets = Path(assets).resolve() if assets else ensure_assets(log=log)
     if not (assets / "info.json").exists():
         raise GndpoError(f"{assets} is not a toy assets folder (no info.json)")
+    data = demo_config_data(assets, config, models)
+    # Checked before anything is written: a bad --set leaves no folder behind.
+    cfg = build_config(copy.deepcopy(data), [*task_overrides, *overrides], out)
     info = json.loads((assets / "info.json").read_text())
     log(f"toy assets: {assets} (teacher {info['teacher_heldout_accuracy']:.3f}, student {info['student_heldout_accuracy']:.3f} held-out exact match)")
-    cfg = load_config(str(write_demo_config(out, assets, config, models)), [*task_overrides, *overrides])
+    write_demo_config(out, assets, data=data)
     run_url = str(out / "run")
     if not fork_from:
         init_run(run_url, cfg)

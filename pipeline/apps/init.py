@@ -23,7 +23,7 @@ from gndpo.pipeline.run.prompts import load_prompts
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import attn_implementation, visible_gpus
-from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer
+from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, load_tokenizer
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
 from gndpo.pipeline.config.checks import check_backend
 from gndpo.stages.text.agent import ToolUse
@@ -34,8 +34,8 @@ from gndpo.storage.tables import write_prompt_table
 
 
 def check_models(cfg: Config) -> None:
-    """Both models exist and share one tokenizer (fail fast: distillation over different vocabularies
-    would compare log-probs of different tokens)."""
+    """Every model exists and holds weights, and the teachers share the student's tokenizer (fail fast:
+    distillation over different vocabularies would compare log-probs of different tokens)."""
 
     teachers = {} if cfg.teacher == SELF_TEACHER else {f"teachers.{n}": p for n, p in cfg.teachers.items()} or {"teacher": cfg.teacher}
     roles = {"student": cfg.student, **teachers}
@@ -44,6 +44,10 @@ def check_models(cfg: Config) -> None:
             raise GndpoError(f"config has no {role} model path")
         if not Path(path).exists():
             raise GndpoError(f"{role} model path does not exist: {path}")
+        try:
+            check_model_files(path)
+        except GndpoError as exc:
+            raise GndpoError(f"{role}: {exc}") from None
     if cfg.score.cross_tokenizer:  # log-probs are mapped by character offsets (gndpo.stages.text.align)
         return
     for path in teachers.values():
@@ -70,6 +74,16 @@ def longest_prompt_tokens(model_path: str, rows: list[dict], data) -> int:
         return max(len(render_prompt(tok, row, data).token_ids) for row in rows)
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def check_prompt_count(cfg: Config, prompts: int) -> None:
+    """Each round samples ``rollout.prompts_per_round`` distinct prompts, so data.train needs at least as
+    many (with fewer, every round would quietly use fewer than the config says)."""
+    if prompts < cfg.rollout.prompts_per_round:
+        raise GndpoError(
+            f"data.train has {prompts} prompts, fewer than rollout.prompts_per_round {cfg.rollout.prompts_per_round}: "
+            f"set rollout.prompts_per_round to at most {prompts}, or add prompts"
+        )
 
 
 def check_context(cfg: Config, splits: dict) -> None:
@@ -171,6 +185,7 @@ def init_run(url: str, cfg: Config) -> Run:
             raise GndpoError(f"config has no data.{split} prompts file")
         splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key, cfg.data.teacher_key,
                                      keep=cfg.teacher_context.columns() if split == "train" else ())
+    check_prompt_count(cfg, len(splits["train"]))
     check_context(cfg, splits)
     check_rewards(cfg, splits["train"].row(0, named=True))
     check_tools(cfg, splits["train"].row(0, named=True))

@@ -40,8 +40,13 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         except yaml.YAMLError as exc:
             raise GndpoError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
         base = p.resolve().parent
-    data = apply_overrides(data, list(overrides))
-    cfg = config_from_dict(data)
+    return build_config(data, overrides, base)
+
+
+def build_config(data: dict, overrides: list[str], base: Path) -> Config:
+    """The checked config of ``data`` (a YAML file's content) with ``overrides`` applied, its relative
+    model and data paths resolved against ``base``."""
+    cfg = config_from_dict(apply_overrides(data, list(overrides)))
     return dataclasses.replace(
         cfg,
         student=_resolve(cfg.student, base),

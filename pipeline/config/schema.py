@@ -12,8 +12,10 @@ once built (``dataclasses.replace`` makes another). Reading YAML files and overr
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
+import math
 import string
 import typing
 from dataclasses import asdict, dataclass, field
@@ -134,7 +136,8 @@ class ReopoldConfig:
 class OutcomeConfig:
     """Section 9: outcome rewards for GRPO / GDPO, and mixing an outcome advantage into distillation."""
 
-    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # names in gndpo.pipeline.tasks.rewards
+    # Names in gndpo.pipeline.tasks.rewards; not given: the run's own ``reward`` (config_from_dict).
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
     weights: list[float] = field(default_factory=list)  # one per reward; empty = all 1
     gdpo_batch_norm: Literal["sequence", "token"] = "sequence"  # sequence (TRL) | token (verl)
     coef: float = 0.0  # distillation methods: A_t = A_dist_t + coef * A_GRPO_i (GRPO's advantage); 0 = off
@@ -381,12 +384,14 @@ def _build(cls, data: dict, where: str):
     kwargs = {}
     for key, value in data.items():
         if key not in hints:
-            raise GndpoError(f"unknown config key {where}{key}")
+            raise GndpoError(f"unknown config key {where}{key}{did_you_mean(str(key), hints, where)}")
         typ, checks = hints[key], ()
         if typing.get_origin(typ) is Annotated:
             typ, *checks = typing.get_args(typ)
         if dataclasses.is_dataclass(typ):
-            kwargs[key] = _build(typ, value or {}, f"{where}{key}.")
+            # An empty section (``rollout:`` with nothing under it) is its defaults; anything else that is
+            # not a mapping is a mistake (``rollout=0`` would otherwise reset every rollout setting).
+            kwargs[key] = _build(typ, {} if value is None else value, f"{where}{key}.")
             continue
         kwargs[key] = _coerce(value, typ, f"{where}{key}")
         for check in checks:
@@ -402,7 +407,8 @@ def _coerce(value: Any, typ: type, name: str):
     checked, never converted, so the config holds (and its fingerprint hashes) what the file says."""
     if typing.get_origin(typ) is Literal:
         if not _holds(value, typ):
-            raise GndpoError(f"config key {name} must be one of {_choices(typ)}, got {value!r}")
+            hint = did_you_mean(value, typing.get_args(typ)) if isinstance(value, str) else ""
+            raise GndpoError(f"config key {name} must be one of {_choices(typ)}, got {value!r}{hint}")
         return value
     if typing.get_origin(typ) in (list, dict):
         if not _holds(value, typ):
@@ -410,10 +416,12 @@ def _coerce(value: Any, typ: type, name: str):
         return value
     if typ is float and isinstance(value, str):
         try:  # YAML 1.1 reads "1e-4" (no dot) as a string
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
     if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # .inf and .nan are YAML floats; no setting means either
+            raise GndpoError(f"config key {name} must be a finite number, got {value!r}")
         return float(value)
     if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
@@ -441,6 +449,12 @@ def _holds(value: Any, typ) -> bool:
     return isinstance(value, typ) and not (typ is int and isinstance(value, bool))
 
 
+def did_you_mean(word: str, choices, where: str = "") -> str:
+    """", did you mean X?" for the choice closest to a misspelled ``word`` (difflib), or ""."""
+    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"; did you mean {where}{close[0]}?" if close else ""
+
+
 def _choices(typ) -> str:
     return ", ".join(repr(c) if c == "" else c for c in typing.get_args(typ))
 
@@ -462,9 +476,25 @@ def _describe(typ) -> str:
 def config_from_dict(data: dict) -> Config:
     """A Config from nested mappings: unknown keys, wrong types, values out of range and settings that
     contradict each other are one-line GndpoErrors naming the key."""
-    cfg = _build(Config, data, "")
+    cfg = _build(Config, _outcome_rewards_default(data), "")
     _check_combinations(cfg)
     return cfg
+
+
+def _outcome_rewards_default(data: dict) -> dict:
+    """``data`` with ``method.outcome.rewards``, when it is not given, set to the run's own ``reward``: a
+    run graded with ``reward: math`` trains GRPO on math, not on the schema's ``exact_match`` (which on
+    chat answers scores every response 0, and every advantage with it). Malformed sections are left
+    for :func:`_build` to refuse."""
+    if not isinstance(data, dict) or "reward" not in data:
+        return data
+    method = {} if data.get("method") is None else data["method"]
+    if not isinstance(method, dict):
+        return data
+    outcome = {} if method.get("outcome") is None else method["outcome"]
+    if not isinstance(outcome, dict) or "rewards" in outcome:
+        return data
+    return {**data, "method": {**method, "outcome": {**outcome, "rewards": [data["reward"]]}}}
 
 
 def _check_combinations(cfg: Config) -> None:

@@ -33,6 +33,7 @@ from gndpo.pipeline.observe.logs import info, worker_file
 from gndpo.pipeline.observe.metrics import publish_metrics, write_metrics_jsonl
 from gndpo.pipeline.run.run import model_cache_dir, open_run
 from gndpo.pipeline.exec.dist import Dist
+from gndpo.pipeline.exec.signals import STAGE_OF_RUN_ENV, die_with_parent
 from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.storage.records import STAGES
 from gndpo.storage.runfs import RunFS
@@ -177,15 +178,16 @@ def run_stage_processes(procs: list[StageProcess], stage: str, round_idx: int) -
     running = []
     try:
         for p in procs:
-            env = {**os.environ, **p.env}
+            # A stage of this run: on a signal it stops quietly, and this process says how to resume.
+            env = {**os.environ, **p.env, STAGE_OF_RUN_ENV: "1"}
             if p.log_path is None:
-                running.append((p, subprocess.Popen(p.argv, env=env)))
+                running.append((p, subprocess.Popen(p.argv, env=env, preexec_fn=die_with_parent)))
                 continue
             Path(p.log_path).parent.mkdir(parents=True, exist_ok=True)
             with open(p.log_path, "ab") as out:  # appended: a resumed stage keeps the earlier attempt's log
                 out.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(p.argv)} ({p.env})\n".encode())
                 out.flush()
-                running.append((p, subprocess.Popen(p.argv, env=env, stdout=out, stderr=subprocess.STDOUT)))
+                running.append((p, subprocess.Popen(p.argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)))
         codes = [(p, proc.wait()) for p, proc in running]
     finally:
         for _, proc in running:

@@ -1,5 +1,6 @@
-"""What `gndpo status` shows: per round and stage, units planned / claimed / done / stale, rows, tokens,
-time and throughput, read from plans, claims, commit records and manifests."""
+"""What `gndpo status` shows: per round and stage, its state (committed, running, stopped), units planned /
+claimed / done / stale, rows, tokens, time and throughput, read from plans, claims, commit records and
+manifests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ import time
 from gndpo.pipeline.observe.metrics import committed_rounds
 from gndpo.pipeline.exec.units import lease_state
 from gndpo.storage.records import STAGES
+
+
+def stage_state(committed: bool, leases: list[str | None]) -> str:
+    """committed; running (a live worker holds a unit); or stopped: planned, nobody working on it now
+    (stopped by a signal, crashed, or between workers), resumed by rerunning the stage."""
+    if committed:
+        return "committed"
+    return "running" if "claimed" in leases else "stopped"
 
 
 def stage_rows(run) -> list[dict]:
@@ -28,7 +37,7 @@ def stage_rows(run) -> list[dict]:
                 {
                     "round": r,
                     "stage": stage,
-                    "state": "committed" if rec.manifest() is not None else "running",
+                    "state": stage_state(rec.manifest() is not None, leases),
                     "planned": len(units),
                     "claimed": leases.count("claimed"),
                     "stale": leases.count("stale"),

@@ -66,14 +66,18 @@ def pid_alive(pid: int) -> bool:
 
 def lease_state(records: StageRecords, unit: str, now: float | None = None) -> str | None:
     """State of the newest lease on ``unit``: None (never claimed), "claimed" (its holder is alive),
-    or "stale": no heartbeat within the lease's own ttl, or its process is known dead (same host)."""
+    or "stale": released by its worker (stopped by a signal or an error), no heartbeat within the
+    lease's own ttl, or its process is known dead (same host)."""
     attempts = records.attempts(unit)
     if not attempts:
         return None
     claim = records.read_claim(unit, attempts[-1])
     if claim.get("host") == socket.gethostname() and not pid_alive(int(claim.get("pid", -1))):
         return "stale"
-    last = records.last_heartbeat(unit, attempts[-1]) or float(claim.get("claimed_at", 0))
+    beat = records.last_beat(unit, attempts[-1])
+    if beat is not None and beat["released"]:
+        return "stale"
+    last = beat["t"] if beat is not None else float(claim.get("claimed_at", 0))
     return "stale" if (now or time.time()) - last > float(claim["ttl"]) else "claimed"
 
 
@@ -217,6 +221,11 @@ class Worker:
                 self._is_set_up = True
             t0 = time.time()
             files, summary = self.job.run_unit(unit, out_dir)
+        except BaseException:  # an error, or a signal (KeyboardInterrupt, Stopped): the unit goes back
+            stop.set()
+            beat.join()
+            self._release(uid, attempt)
+            raise
         finally:
             stop.set()
             beat.join()
@@ -235,6 +244,17 @@ class Worker:
         self.records.run.rm(out_dir)
         self.log(f"{self.records.stage} r{self.records.round} {uid}: attempt {attempt} lost the commit race")
         return None
+
+    def _release(self, uid: str, attempt: int) -> None:
+        """Give back a unit this worker stops computing, so that a rerun or another worker takes it now
+        instead of after the ttl. The attempt's folder stays: it was never visible, and what it holds
+        may be resumed from (train's in-round checkpoints); ``gndpo gc`` removes the rest. Best effort:
+        the storage failing here must not hide why the worker stopped."""
+        try:
+            self.records.release(uid, attempt)
+        except Exception as exc:  # noqa: BLE001 - the ttl still frees the unit
+            _units_log.warning("%s r%d %s: could not release attempt %d (%s); it frees after its ttl",
+                               self.records.stage, self.records.round, uid, attempt, exc)
 
     def finish(self, plan: dict) -> dict:
         manifest = self.records.manifest()

@@ -16,6 +16,7 @@ functions below are what the stages call: :func:`score_needs` (score), :func:`me
 from __future__ import annotations
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import did_you_mean
 from gndpo.pipeline.methods import distill, divergence, outcome, tip, trust
 from gndpo.pipeline.methods.base import (
     WEIGHTED_SEQ_MEAN,
@@ -41,7 +42,7 @@ __all__ = [
 
 def get_method(name: str) -> Method:
     if name not in METHODS:
-        raise GndpoError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}")
+        raise GndpoError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}{did_you_mean(name, METHODS)}")
     return METHODS[name]
 
 
@@ -54,7 +55,7 @@ def validate(cfg) -> Method:
     is read): the method's name, ``method.schedule``'s entries, and the outcome rewards where they are
     used. One-line user errors; run by ``gndpo init`` and ``gndpo fork``, never by a stage."""
     if cfg.name not in METHODS:
-        raise GndpoError(f"config key method.name must be one of {', '.join(METHODS)}, got {cfg.name!r}")
+        raise GndpoError(f"config key method.name must be one of {', '.join(METHODS)}, got {cfg.name!r}{did_you_mean(cfg.name, METHODS)}")
     method = METHODS[cfg.name]
     if cfg.schedule:
         divergence.parse_schedule(cfg.schedule)

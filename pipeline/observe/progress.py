@@ -23,6 +23,7 @@ import time
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.table import Column
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from gndpo.pipeline.exec.dist import Dist
@@ -100,10 +101,16 @@ class Task:
         self._bar_id = None
         if mode() == "bar" and bar:
             if _terminal.bar is None:
+                # Every column keeps its natural width but the details, which take what is left and are
+                # cut short first: at 80 columns the names, counts and times stay readable.
+                fixed = Column(no_wrap=True)
                 _terminal.bar = Progress(
-                    TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[details]}"),
-                    console=console(), transient=False,
+                    TextColumn("[bold]{task.description}", table_column=fixed), BarColumn(bar_width=16),
+                    MofNCompleteColumn(table_column=Column(no_wrap=True)), TextColumn("{task.fields[unit]}", table_column=Column(no_wrap=True)),
+                    TimeElapsedColumn(table_column=Column(no_wrap=True)), TextColumn("ETA", table_column=Column(no_wrap=True)),
+                    TimeRemainingColumn(table_column=Column(no_wrap=True)),
+                    TextColumn("{task.fields[details]}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+                    console=console(), transient=False, expand=True,
                 )
                 _terminal.bar.start()
             self._bar_id = _terminal.bar.add_task(description, total=total, unit=unit, details="")
@@ -145,7 +152,9 @@ class Task:
             _terminal.bar.update(self._bar_id, completed=self.done, details=self.details())
         elif mode() != "none":
             now = time.monotonic()
-            if final or now - self._last_line >= _terminal.interval:
+            finished = self.total is not None and self.done >= self.total
+            # The finished state is written once, by close(): not also by the advance that reached it.
+            if final or (not finished and now - self._last_line >= _terminal.interval):
                 self._last_line = now
                 _log.info(self.line())
 

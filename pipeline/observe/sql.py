@@ -3,7 +3,8 @@
 Only committed files are visible (the views list manifest entries, never globbed folders). Every view has
 a ``round`` column (score shards do not store one: the view adds it from the manifest the shard came
 from). The connection accepts SELECT-like statements only and its configuration is locked afterwards,
-so a query cannot write files (COPY, EXPORT), attach databases or change settings.
+so a query cannot write files (COPY, EXPORT), attach databases or change settings; and it opens no file
+but the committed shards the views list unless the user passes ``--allow-files``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pyarrow as pa
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
-from gndpo.storage.duck import connect, create_view, parquet_source
+from gndpo.storage.duck import connect, create_view, lock, parquet_source, record_uris
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import ROLLOUTS, SCORES, STATS
 
@@ -32,7 +33,9 @@ TOKENS_VIEW = """
 """
 
 
-def run_connection(run) -> duckdb.DuckDBPyConnection:
+def run_connection(run, allow_files: bool = False) -> duckdb.DuckDBPyConnection:
+    """A connection with the run's views, its settings locked and, unless ``allow_files``, no file
+    readable but the committed shards the views list (:func:`gndpo.storage.duck.lock`)."""
     con = connect(run.fs)
     files = {"rollout": [], "score": [], "normalize": []}
     score_rounds = []
@@ -53,17 +56,27 @@ def run_connection(run) -> duckdb.DuckDBPyConnection:
     metrics = pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame(schema={"round": pl.Int64, "stage": pl.Utf8})
     con.register("metrics_table", metrics.to_arrow())
     con.execute("CREATE VIEW metrics AS SELECT * FROM metrics_table")
-    con.execute("SET lock_configuration = true")
+    lock(con, None if allow_files else [u for stage in files.values() for u in record_uris(run.fs, stage)])
     return con
 
 
-def query(run, sql: str):
+def sql_error(exc: duckdb.Error) -> GndpoError:
+    """DuckDB's message on one line, its "Did you mean ...?" hint kept, the query echo ("LINE 1: ...")
+    and its caret line left out. A refused file read says how to allow it."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    text = " ".join(line for line in lines if line and not line.startswith("LINE ") and set(line) != {"^"})
+    if "disabled by configuration" in text:
+        text += " (gndpo sql reads the run's committed shards only; --allow-files lets a query open other files)"
+    return GndpoError(f"SQL error: {text}")
+
+
+def query(run, sql: str, allow_files: bool = False):
     """Run one read-only statement; returns a polars DataFrame."""
-    con = run_connection(run)
+    con = run_connection(run, allow_files)
     try:
         statements = con.extract_statements(sql)
     except duckdb.Error as exc:
-        raise GndpoError(f"SQL error: {str(exc).splitlines()[0]}") from None
+        raise sql_error(exc) from None
     if len(statements) != 1:
         raise GndpoError("give exactly one SQL statement")
     if statements[0].type not in READ_ONLY:
@@ -71,4 +84,4 @@ def query(run, sql: str):
     try:
         return con.sql(sql).pl()
     except duckdb.Error as exc:
-        raise GndpoError(f"SQL error: {str(exc).splitlines()[0]}") from None
+        raise sql_error(exc) from None

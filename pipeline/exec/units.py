@@ -28,6 +28,7 @@ from typing import Protocol
 
 from gndpo.errors import GndpoError
 from gndpo.faults import crash_point
+from gndpo.pipeline.exec.signals import pid_alive
 from gndpo.storage.records import StageRecords
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import FILE_ONLY, info, unit_context
@@ -52,16 +53,6 @@ class StageJob(Protocol):
 
     def summarize(self, commits: list[dict]) -> dict:
         """Metrics for the manifest, from all commit records of the stage."""
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def lease_state(records: StageRecords, unit: str, now: float | None = None) -> str | None:

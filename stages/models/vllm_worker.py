@@ -13,47 +13,10 @@ new embedding again and rebuilds what it derives from it. gndpo's probe check
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
+from gndpo.pipeline.exec.signals import follow_owner
 
-from gndpo.pipeline.exec.signals import die_with_parent
-from gndpo.pipeline.exec.units import pid_alive
-
-# Set by :func:`gndpo.stages.models.vllm_engine.make_llm` while an engine starts: the pid of the gndpo
-# process the engine serves, which its processes inherit.
-ENGINE_OWNER_ENV = "GNDPO_ENGINE_OWNER"
-
-
-def follow_owner() -> None:
-    """Make this engine process die with the gndpo process that started the engine.
-
-    vLLM runs the engine core in a process of its own, which outlives a parent killed with SIGKILL (an
-    out-of-memory killer) and keeps its memory, on a GPU too, for minutes. With tensor_parallel_size 1
-    the worker lives in that process, a child of gndpo: the kernel signals it when gndpo dies
-    (PR_SET_PDEATHSIG). With several, the workers are the engine core's children (vLLM stops them when
-    it dies); each watches gndpo and takes the engine core down with it."""
-    owner = int(os.environ.get(ENGINE_OWNER_ENV, "0"))
-    if not owner or owner == os.getpid():  # not started by gndpo, or a worker in gndpo's own process
-        return
-    if os.getppid() == owner:
-        die_with_parent(signal.SIGKILL)
-        if os.getppid() != owner:  # gndpo died before the kernel was asked
-            os._exit(1)
-        return
-    threading.Thread(target=_exit_with, args=(owner,), name="gndpo-owner-watch", daemon=True).start()
-
-
-def _exit_with(owner: int) -> None:
-    while pid_alive(owner):
-        time.sleep(1.0)
-    os.kill(os.getppid(), signal.SIGKILL)  # the engine core
-    os._exit(1)
-
-
-# vLLM imports this module in each of an engine's processes while it builds their workers: the first
-# gndpo code that runs there.
+# vLLM imports this module in each of an engine's worker processes while it builds them: they die with
+# the gndpo process the engine serves.
 follow_owner()
 
 

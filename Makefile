@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 DEMO_DIR ?= demo-run
 
-.PHONY: setup demo test test-fast test-real bench clean browser real-models
+.PHONY: setup demo test test-fast test-real bench clean browser real-models slurm
 
 setup: $(VENV)/.installed
 
@@ -25,7 +25,7 @@ demo: setup
 # The report test opens gndpo report's HTML in headless Chromium (Debian's package; skipped with a
 # reason where it cannot be installed). Two pytest-xdist workers, a test file each at a time, each on a
 # core of its own (tests/conftest.py): engine starts and process start-ups overlap.
-test: setup browser real-models
+test: setup browser real-models slurm
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The tier to run after every change (under 3 minutes): unit tests and in-process checks, no vLLM
@@ -48,6 +48,13 @@ $(VENV)/.real-models: $(VENV)/.installed
 browser:
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
 		|| echo "warning: chromium could not be installed; the report's browser check will be skipped"
+
+# tests/test_slurm.py runs examples/slurm/ on a single-node Slurm it starts on loopback (Debian's slurm-wlm
+# and munge; skipped with the reason where they cannot be installed or started).
+slurm:
+	(command -v slurmctld && command -v slurmd && command -v munged) >/dev/null 2>&1 \
+		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) \
+		|| echo "warning: slurm-wlm and munge could not be installed; the Slurm test (tests/test_slurm.py) will be skipped"
 
 # Every performance figure of README (bench/run_all.py; about 35 minutes on 2 CPU cores).
 bench: setup real-models

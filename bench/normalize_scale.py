@@ -117,7 +117,7 @@ def make_run(folder: Path, tokens: int, length: int, shard_tokens: int) -> Path:
         "student": str(assets / "student"), "teacher": str(assets / "teacher"),
         "data": {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")},
         "method": {"name": "tropd", "tropd": {"tau_quantile": 0.25, "outlier": "mask"}},
-        "rollout": {"max_tokens": 8}, "engine": {"max_model_len": 32},
+        "rollout": {"max_tokens": 8, "prompts_per_round": 16}, "engine": {"max_model_len": 32},  # rollout never runs here
     }
     (folder / "config.yaml").write_text(json.dumps(config))
     run = init_run(str(folder / "run"), load_config(str(folder / "config.yaml")))

@@ -30,9 +30,26 @@ def run_dir(tmp_path_factory, tiny_assets):
     run = folder / "run"
     gndpo("init", run, "--config", config)
     for stage in STAGES:
-        (folder / f"{stage}.stderr").write_text(gndpo(stage, run, "--round", 0).stderr)
-    (folder / "run.stderr").write_text(gndpo("run", run, "--rounds", 2).stderr)
+        proc = gndpo(stage, run, "--round", 0)
+        (folder / f"{stage}.stderr").write_text(proc.stderr)
+        (folder / f"{stage}.stdout").write_text(proc.stdout)
+    proc = gndpo("run", run, "--rounds", 2)
+    (folder / "run.stderr").write_text(proc.stderr)
+    (folder / "run.stdout").write_text(proc.stdout)
     return run
+
+
+def test_stdout_carries_only_the_result(run_dir):
+    """vLLM's, DeepSpeed's ("[WARNING] real_accelerator", "... built successfully") and torch's lines go
+    to stderr or the log file: a stage command's stdout is its one result line, `gndpo run`'s is empty."""
+    folder = run_dir.parent
+    for stage in STAGES:
+        assert (folder / f"{stage}.stdout").read_text().splitlines() == [f"{stage} r0: committed, {_rows(run_dir, stage)} rows"]
+    assert (folder / "run.stdout").read_text() == ""
+
+
+def _rows(run_dir, stage: str) -> int:
+    return open_run(str(run_dir)).records(0, stage).manifest()["rows"]
 
 
 @pytest.fixture(scope="module")

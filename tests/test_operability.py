@@ -25,6 +25,50 @@ def test_lines_mode_writes_a_plain_line_per_interval_and_at_the_end(caplog, monk
     assert not [r for r in caplog.records if "quiet" in r.getMessage()]
 
 
+def test_the_finished_state_is_written_once(caplog, monkeypatch):
+    """With an interval that always passes, every advance writes a line, but the one that finishes the
+    task does not: close() writes the finished state, once ("train r0: 1/1 units" used to appear twice)."""
+    monkeypatch.setenv("GNDPO_PROGRESS", "lines")
+    progress.configure(interval=0)
+    with caplog.at_level(logging.INFO, logger="gndpo.progress"):
+        with progress.task("train r0", total=2, unit="units") as t:
+            t.advance(1)
+            t.advance(1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gndpo.progress"]
+    assert [line.split(",")[0] for line in lines] == ["train r0: 1/2 units", "train r0: 2/2 units"]
+
+
+def test_the_live_view_is_readable_at_80_columns(monkeypatch):
+    """Names, counts and times keep their width on an 80-column terminal; the details are cut first."""
+    import io
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    monkeypatch.setattr(progress._terminal, "console", Console(file=screen, width=80, force_terminal=True, color_system=None))
+    progress.configure("bar")
+    with progress.task("rounds", total=8, unit="stages") as rounds, progress.task("rollout r0", total=16, unit="units") as t:
+        t.advance(3, tokens=12345, responses=40)
+        rounds.advance(1)
+        progress._terminal.bar.refresh()
+    progress.configure(mode="none")
+    last = [line for line in screen.getvalue().replace("\r", "\n").splitlines() if "rollout r0" in line][-1]
+    for text in ("rollout r0", "3/16", "units", "ETA", "tokens"):
+        assert text in last, last
+    assert "…" not in last.split("tokens")[0]  # only the details may be shortened
+
+
+def test_sql_tables_show_no_dtypes_and_round_floats_while_csv_keeps_every_digit():
+    import polars as pl
+
+    from gndpo.storage.tables import encode_frame
+
+    frame = pl.DataFrame({"name": ["a"], "value": [0.123456789]})
+    table = encode_frame(frame, "table").decode()
+    assert "0.1235" in table and "0.123456789" not in table and "f64" not in table and "str" not in table
+    assert encode_frame(frame, "csv").decode() == "name,value\na,0.123456789\n"
+
+
 def test_non_zero_train_ranks_draw_nothing(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert progress.resolve_mode("bar") == "none"

@@ -73,7 +73,16 @@ def test_another_user_reads_the_run(rolled_out, world_readable_tmp):
     denied = as_nobody("sql", run, query, "--format", "csv", "--out", world_readable_tmp / "n.csv")  # writing is not theirs
     assert denied.returncode == 1, denied.stderr
     assert denied.stderr.strip() == f"error: permission denied: {world_readable_tmp / 'n.csv'} (ask its owner for access, or use a folder you can write)"
-    assert sorted(p.name for p in world_readable_tmp.iterdir()) == ["run"]
+    # A run folder they may not write: init checks everything, then fails in one line at its first write.
+    assets = world_readable_tmp / "assets"
+    shutil.copytree(Path(open_run(str(run)).cfg.student).parent, assets)  # the toy models and prompts
+    subprocess.run(["chmod", "-R", "a+rX", str(assets)], check=True)  # the cache builds in private temporary folders
+    config = world_readable_tmp / "cfg.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_dict(assets)))
+    refused = as_nobody("init", world_readable_tmp / "theirs", "-c", config)
+    assert refused.returncode == 1, refused.stderr
+    assert refused.stderr.strip().startswith("error: permission denied: ") and len(refused.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in world_readable_tmp.iterdir()) == ["assets", "cfg.yaml", "run"]
 
 
 def fresh_run(folder: Path, assets: Path) -> Path:
@@ -101,30 +110,42 @@ def wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_stopped_stage_says_how_to_resume_and_gives_its_unit_back(tmp_path, tiny_assets, signum):
-    """The stage is held at the start of a unit's generation (its engine running), then signalled: it
+def stop_and_check(run: Path, stage: str, pause_at: str, signum: int) -> None:
+    """``gndpo STAGE RUN --round 0`` held at ``pause_at`` in its first unit, then sent ``signum``: it
     exits 128 + the signal with one line naming the command that resumes, its lease is released (not
-    left for the ttl), status says the stage is stopped, and the rerun commits the round."""
-    run = fresh_run(tmp_path, tiny_assets)
-    proc = start("rollout", run, "--round", 0, env={"GNDPO_PAUSE_AT": "rollout.generate"})
-    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 300, "the rollout to reach its first generation")
+    left for the ttl), and status says the stage is stopped."""
+    proc = start(stage, run, "--round", 0, env={"GNDPO_PAUSE_AT": pause_at})
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 300, f"{stage} to reach {pause_at}")
     os.kill(proc.pid, signum)
     os.kill(proc.pid, signal.SIGCONT)
     _, stderr = proc.communicate(timeout=120)
 
     assert proc.returncode == 128 + signum, stderr
-    last = stderr.strip().splitlines()[-1]
     name = signal.Signals(signum).name
-    assert last == f"stopped by {name}: the run is resumable, committed work is kept; to resume, run: gndpo rollout {run} --round 0"
-    records = open_run(str(run)).records(0, "rollout")
+    assert stderr.strip().splitlines()[-1] == (
+        f"stopped by {name}: the run is resumable, committed work is kept; to resume, run: gndpo {stage} {run} --round 0"
+    )
+    records = open_run(str(run)).records(0, stage)
     (unit, attempt), = [(u, a) for u in (x["unit"] for x in records.plan()["units"]) for a in records.attempts(u)]
     assert records.last_beat(unit, attempt)["released"] and lease_state(records, unit) == "stale"
-    status = invoke("status", run)
-    assert "stopped" in status.stdout
-    if signum == signal.SIGINT:
-        gndpo("rollout", run, "--round", 0)
-        assert records.manifest() is not None
+    assert records.manifest() is None and "stopped" in invoke("status", run).stdout
+
+
+def test_ctrl_c_stops_a_rollout_and_the_rerun_resumes_it(tmp_path, tiny_assets):
+    """Ctrl-C while the rollout's engine runs (held at a unit's first generation); the rerun commits."""
+    run = fresh_run(tmp_path, tiny_assets)
+    stop_and_check(run, "rollout", "rollout.generate", signal.SIGINT)
+    gndpo("rollout", run, "--round", 0)
+    assert open_run(str(run)).records(0, "rollout").manifest() is not None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_schedulers_stop_signal_stops_a_stage_cleanly(rolled_out, tmp_path, signum):
+    """SIGTERM (kill, scancel, Slurm's pre-emption) and SIGUSR1 (sbatch --signal=USR1@...) on a score
+    stage (a fork of the shared rolled-out round, so no engine starts) held before its first commit."""
+    run = tmp_path / "run"
+    assert invoke("fork", rolled_out, run, "--from-round", 0).exit_code == 0
+    stop_and_check(run, "score", "units.before_commit", signum)
 
 
 def engine_descendants(pid: int) -> list[psutil.Process]:

@@ -14,7 +14,6 @@ handler, so the processes gndpo starts ask the kernel to signal them when it die
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -22,6 +21,8 @@ import threading
 import time
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Loaded here, not in die_with_parent: between fork and exec a child must not load libraries.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # Set in the environment of the stage processes ``gndpo run`` starts: stopped by a signal, they exit
 # without a word, and the ``gndpo run`` that started them says how to resume.
@@ -70,10 +71,8 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
     """Ask the kernel to send ``signum`` to this process when its parent dies (a ``preexec_fn`` for the
     processes gndpo starts: it runs in the child, before exec, and survives exec). SIGTERM, not SIGKILL:
     the child still releases its lease and stops its engines. A no-op where prctl does not exist."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
 
 
 def pid_alive(pid: int) -> bool:

@@ -111,6 +111,8 @@ def quiet_libraries() -> None:
         os.environ.setdefault(name, value)
     if "VLLM_LOGGING_CONFIG_PATH" not in os.environ:
         os.environ["VLLM_LOGGING_CONFIG_PATH"] = vllm_logging_config(None)
+    if "transformers" in sys.modules:  # imported before the variable was set: it read it already
+        sys.modules["transformers"].utils.logging.disable_progress_bar()  # "Writing model shards" bars
 
 
 def vllm_logging_config(log_file: str | None) -> str:

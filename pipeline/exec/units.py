@@ -194,10 +194,15 @@ class Worker:
 
     def compute(self, unit: dict, attempt: int) -> dict | None:
         """Compute and commit one claimed unit; returns its commit summary, or None if another attempt
-        committed first or the lease expired (the unit is abandoned). Everything logged meanwhile names
-        the unit."""
+        committed first or the lease expired (the unit is abandoned). Stopped by an error or a signal at
+        any point, the worker releases the lease on its way out. Everything logged meanwhile names the
+        unit."""
         with unit_context(unit["unit"]):
-            return self._compute(unit, attempt)
+            try:
+                return self._compute(unit, attempt)
+            except BaseException:  # an error, or a signal (KeyboardInterrupt, Stopped): the unit goes back
+                self._release(unit["unit"], attempt)
+                raise
 
     def _compute(self, unit: dict, attempt: int) -> dict | None:
         uid = unit["unit"]
@@ -212,11 +217,6 @@ class Worker:
                 self._is_set_up = True
             t0 = time.time()
             files, summary = self.job.run_unit(unit, out_dir)
-        except BaseException:  # an error, or a signal (KeyboardInterrupt, Stopped): the unit goes back
-            stop.set()
-            beat.join()
-            self._release(uid, attempt)
-            raise
         finally:
             stop.set()
             beat.join()

@@ -189,8 +189,9 @@ def gndpo_killed(*args, env: dict, log: Path, timeout=600) -> int:
 # worker idles, so they start first (longest-processing-time-first scheduling). Other files keep their order.
 LONGEST_FILES = (
     "test_real_models.py", "test_e2e.py", "test_tool_rollout.py", "test_resilience.py", "test_slurm.py",
-    "test_self_distill.py", "test_data_parallel.py", "test_operations.py", "test_method_stages.py",
-    "test_exact_tails.py", "test_fork.py", "test_s3.py", "test_logprobs.py", "test_chat.py",
+    "test_self_distill.py", "test_data_parallel.py", "test_teachers.py", "test_operations.py", "test_exact_tails.py",
+    "test_method_stages.py", "test_s3.py", "test_logprobs.py", "test_fork.py", "test_chat.py", "test_score_backend.py",
+    "test_logits_budget.py", "test_cross_tokenizer.py",
 )
 
 

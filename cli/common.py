@@ -84,7 +84,7 @@ OS_ERROR_ADVICE = {
 
 def describe_os_error(exc: OSError) -> str:
     """``exc`` in one line: what happened, to which path, and what to do."""
-    path = exc.filename if exc.filename is not None else None
+    path = exc.filename
     if path is not None and exc.errno in OS_ERROR_ADVICE:
         return OS_ERROR_ADVICE[exc.errno].format(path=path)
     text = (exc.strerror or str(exc) or type(exc).__name__).strip().splitlines()[0]

@@ -12,7 +12,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gndpo.errors import GndpoError
+from gndpo.errors import GndpoError, first_line
 from gndpo.storage.runfs import RunFS
 
 READERS = {
@@ -38,8 +38,7 @@ def read_table_url(url: str) -> pl.DataFrame:
     try:
         return READERS[suffix](io.BytesIO(data))
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise GndpoError(f"malformed prompts file {url}: {first}") from None
+        raise GndpoError(f"malformed prompts file {url}: {first_line(exc)}") from None
 
 
 def write_prompt_table(run: RunFS, rel: str, table: pl.DataFrame) -> None:

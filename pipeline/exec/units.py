@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Protocol
 
-from gndpo.errors import GndpoError
+from gndpo.errors import GndpoError, first_line
 from gndpo.faults import crash_point
 from gndpo.pipeline.exec.signals import pid_alive
 from gndpo.storage.records import StageRecords
@@ -139,8 +139,7 @@ class Worker:
             try:
                 self.records.heartbeat(lease.unit, lease.attempt)
             except Exception as exc:  # noqa: BLE001 - any storage failure: the lease decides what it costs
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                _units_log.warning("%s: heartbeat of attempt %d failed: %s", where, lease.attempt, reason)
+                _units_log.warning("%s: heartbeat of attempt %d failed: %s", where, lease.attempt, first_line(exc))
             else:
                 lease.renewed(sent)
             if lease.lost():

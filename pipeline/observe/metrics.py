@@ -11,6 +11,7 @@ import json
 import logging
 import os
 
+from gndpo.errors import first_line
 from gndpo.storage.records import STAGES
 
 
@@ -58,7 +59,7 @@ def publish_metrics(run, manifest: dict, log_dir: str) -> None:
             elif backend == "wandb":
                 log_wandb(run, {"round": manifest["round"], "stage": manifest["stage"], **manifest["metrics"]}, log_dir)
         except Exception as exc:  # noqa: BLE001 - reporting must never fail a committed stage
-            logging.getLogger(__name__).warning("metrics backend %s failed: %s", backend, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            logging.getLogger(__name__).warning("metrics backend %s failed: %s", backend, first_line(exc))
 
 
 # TensorBoard reads every file whose name holds "tfevents"; one fixed name makes a rebuild a replacement.

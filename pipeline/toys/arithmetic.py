@@ -59,7 +59,12 @@ class ToySpec:
     assets_version: int = 2  # bumped when the built files change for a given spec (2: BOS in the template)
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return spec_key(self)
+
+
+def spec_key(spec) -> str:
+    """The name of a toy's cache folder: a hash of every field of its spec (a dataclass)."""
+    return hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
 
 
 # -- the task ---------------------------------------------------------------------------------------

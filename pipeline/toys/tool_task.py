@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gndpo.pipeline.toys.arithmetic import (
-    CHAT_TEMPLATE, END_OF_TURN, ModelSpec, cached_build, character_tokenizer, new_model, padded_batch, train_supervised,
+    CHAT_TEMPLATE, END_OF_TURN, ModelSpec, cached_build, character_tokenizer, new_model, padded_batch, spec_key, train_supervised,
 )
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.config.schema import DataConfig
@@ -57,7 +57,7 @@ class ToolToySpec:
     assets_version: int = 1
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        return spec_key(self)
 
 
 # -- the task ---------------------------------------------------------------------------------------

@@ -110,18 +110,28 @@ def _engine_start_env():
     is configured, and when the variable is set it overwrites the engine's ``kv_cache_memory_bytes``: one
     value for every engine of the process, whatever each one's ``engine.kv_cache_gib`` says. The engine
     core process inherits the environment when it starts (inside ``LLM(...)``), so it is covered too."""
-    legacy = os.environ.pop(LEGACY_KV_CACHE_ENV, None)
-    owner = os.environ.get(ENGINE_OWNER_ENV)
-    os.environ[ENGINE_OWNER_ENV] = str(os.getpid())
-    try:
+    legacy = os.environ.get(LEGACY_KV_CACHE_ENV)
+    with _environ({LEGACY_KV_CACHE_ENV: None, ENGINE_OWNER_ENV: str(os.getpid())}):
         yield legacy
+
+
+@contextmanager
+def _environ(values: dict[str, str | None]):
+    """``os.environ`` with ``values`` set (None: removed) while the block runs, as it was after."""
+    saved = {name: os.environ.get(name) for name in values}
+
+    def apply(settings: dict[str, str | None]) -> None:
+        for name, value in settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    apply(values)
+    try:
+        yield
     finally:
-        if legacy is not None:
-            os.environ[LEGACY_KV_CACHE_ENV] = legacy
-        if owner is None:
-            os.environ.pop(ENGINE_OWNER_ENV, None)
-        else:
-            os.environ[ENGINE_OWNER_ENV] = owner
+        apply(saved)
 
 
 def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0):

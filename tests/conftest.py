@@ -7,15 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-import yaml
-
 
 def _one_core_per_worker() -> None:
     """Under pytest-xdist (`make test` runs two workers), each worker and everything it starts (gndpo
     processes, their vLLM engines and DeepSpeed ranks) computes on a core of its own: two workers that
-    each spread their threads over both cores of a 2-core machine are slower than one."""
+    each spread their threads over both cores of a 2-core machine are slower than one. Called before
+    torch is imported, so that its OpenMP runtime starts with the worker's one core and thread: torch
+    threads beyond the cores a process may use wait for each other (a toy build ran 15 times slower)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
     if not worker:
         return
@@ -28,10 +26,13 @@ def _one_core_per_worker() -> None:
     threads = str(len(mine))
     os.environ.update({"GNDPO_THREADS": threads, "OMP_NUM_THREADS": threads,
                        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine))})
-    torch.set_num_threads(len(mine))
 
 
 _one_core_per_worker()
+
+import pytest  # noqa: E402  (after the worker's core is set: see above)
+import torch  # noqa: E402
+import yaml  # noqa: E402
 
 TINY = dict(digits=2, n_train_prompts=96, n_heldout=24)
 

@@ -149,7 +149,7 @@ import json, os, sys, threading, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from gndpo.pipeline.config.schema import ModelConfig
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
-torch.set_num_threads(2)
+torch.set_num_threads(min(2, len(os.sched_getaffinity(0))))  # 2 threads on 1 core wait for each other
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as f:

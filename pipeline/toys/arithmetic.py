@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from gndpo.pipeline.exec.dist import usable_cpus
 from gndpo.pipeline.observe.logs import info
 
 SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
@@ -280,15 +281,22 @@ def cached_build(name: str, build, root: Path | None = None) -> Path:
     return dest
 
 
+def use_build_threads() -> None:
+    """Train toys on 2 torch threads where this process may use 2 CPUs (the demo's figures are from 2:
+    the thread count sets the order of float reductions), else on 1. Two threads on one core (a
+    pytest-xdist worker pinned to its core, ``taskset -c 0``) build the same toy about 15 times slower."""
+    import torch
+
+    torch.set_num_threads(min(2, usable_cpus()))
+
+
 def ensure_toy_assets(spec: ToySpec = ToySpec(), log=info) -> Path:
     """Return the folder with the built toy assets, building it first if it is not cached."""
     return cached_build(f"toy-{spec.key()}", lambda folder: build_toy_assets(spec, folder, log=log))
 
 
 def build_toy_assets(spec: ToySpec, out: Path, log=info) -> dict:
-    import torch
-
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    use_build_threads()
     tok = build_tokenizer()
     rng = random.Random(spec.seed)
     heldout = toy_rows(sample_pairs(rng, spec.n_heldout, spec.digits, spec.seed, heldout=True), spec.digits)
@@ -358,7 +366,7 @@ def ensure_cross_tokenizer_assets(spec: ToySpec = ToySpec(), log=info) -> Path:
 def build_cross_tokenizer_variant(spec: ToySpec, base: Path, out: Path, log=info) -> dict:
     import torch
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    use_build_threads()
     for item in ("student", "train.jsonl", "heldout.jsonl"):
         (shutil.copytree if (base / item).is_dir() else shutil.copyfile)(base / item, out / item)
     heldout = [json.loads(line) for line in (base / "heldout.jsonl").read_text().splitlines()]

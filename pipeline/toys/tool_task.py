@@ -30,6 +30,7 @@ from pathlib import Path
 
 from gndpo.pipeline.toys.arithmetic import (
     CHAT_TEMPLATE, END_OF_TURN, ModelSpec, cached_build, character_tokenizer, new_model, padded_batch, spec_key, train_supervised,
+    use_build_threads,
 )
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.config.schema import DataConfig
@@ -182,11 +183,9 @@ def ensure_tool_toy_assets(spec: ToolToySpec = ToolToySpec(), log=info) -> Path:
 
 
 def build_tool_toy(spec: ToolToySpec, out: Path, log=info) -> dict:
-    import os
-
     import torch
 
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    use_build_threads()
     tok = build_tokenizer()
     convs = Conversations(tok)
     rng = random.Random(spec.seed)

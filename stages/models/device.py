@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.exec.dist import Dist
+from gndpo.pipeline.exec.dist import Dist, usable_cpus
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,6 +64,7 @@ def visible_gpus() -> int:
 
 
 def set_cpu_threads() -> None:
-    """Use the cores we were given; torch's default may oversubscribe a small machine."""
-    n = int(os.environ.get("GNDPO_THREADS", "0")) or (os.cpu_count() or 1)
+    """Use the cores we were given (GNDPO_THREADS, else the CPUs this process may run on); torch's
+    default may oversubscribe a small machine."""
+    n = int(os.environ.get("GNDPO_THREADS", "0")) or usable_cpus()
     torch.set_num_threads(n)

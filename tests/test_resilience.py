@@ -3,8 +3,10 @@
 A reference run goes through round 0 uninterrupted. A second run with the same config is killed with
 SIGKILL at several points (during generation, half-way through a shard write, between the data write
 and the commit, during training) and rerun each time; it must end with exactly the reference's rows and
-the same trained weights. Copies of the reference's committed rollouts then serve the concurrency,
-stale-lease and corruption tests, so only two runs start vLLM.
+the same trained weights. The shard-write and commit crashes hit the score stage: every stage writes
+and commits through the same storage and executor code, and score restarts without a vLLM engine.
+Copies of the reference's committed rollouts then serve the concurrency, stale-lease and corruption
+tests, so the module starts vLLM three times (the reference, the crash during generation, the rerun).
 """
 
 import os
@@ -62,9 +64,9 @@ def crashed_run(tmp_path_factory, tiny_assets):
     run = folder / "run"
     gndpo("init", run, "--config", make_config(folder, tiny_assets))
     crashed(run, "rollout", "rollout.generate", after=1)  # u00000 committed, dies generating u00001
-    crashed(run, "rollout", "storage.write")  # dies with half of u00001's shard on disk
-    crashed(run, "rollout", "units.before_commit")  # u00001's files complete, no commit record
     gndpo("rollout", run, *ROUND)
+    crashed(run, "score", "storage.write")  # dies with half of u00000's score shard on disk
+    crashed(run, "score", "units.before_commit")  # u00000's files complete, no commit record
     gndpo("score", run, *ROUND)
     gndpo("normalize", run, *ROUND)
     crashed(run, "train", "train.step", after=1)  # two optimizer steps taken, one checkpointed
@@ -79,7 +81,8 @@ def test_crashed_rollout_has_exactly_the_reference_rows(reference, crashed_run):
     assert ids == [r["rollout_id"] for r in want]
     assert [r["response_token_ids"] for r in got] == [r["response_token_ids"] for r in want]
     run = open_run(str(crashed_run))
-    assert run.records(0, "rollout").done("u00001")["attempt"] == 4
+    assert run.records(0, "rollout").done("u00001")["attempt"] == 2
+    assert run.records(0, "score").done("u00000")["attempt"] == 3
     assert committed_rows(crashed_run, "score") == committed_rows(reference / "run", "score")
 
 
@@ -98,12 +101,15 @@ def test_crashed_train_resumes_without_repeating_steps(reference, crashed_run):
 def test_gc_removes_only_unreferenced_attempts(crashed_run):
     out = gndpo("gc", crashed_run).stdout
     run = open_run(str(crashed_run))
-    rec = run.records(0, "rollout")
-    for attempt in (1, 2, 3):
-        assert not (crashed_run / rec.attempt_dir("u00001", attempt)).exists()
-    assert (crashed_run / rec.attempt_dir("u00001", 4)).exists()
+    rollout, score = run.records(0, "rollout"), run.records(0, "score")
+    assert not (crashed_run / rollout.attempt_dir("u00001", 1)).exists()
+    assert (crashed_run / rollout.attempt_dir("u00001", 2)).exists()
+    for attempt in (1, 2):
+        assert not (crashed_run / score.attempt_dir("u00000", attempt)).exists()
+    assert (crashed_run / score.attempt_dir("u00000", 3)).exists()
     assert not (crashed_run / run.records(0, "train").attempt_dir("update", 1)).exists()
-    # u00001's attempt 1 died before writing anything, so there are three folders to remove
+    # rollout u00001's attempt 1 died before writing anything, so the folders to remove are score
+    # u00000's attempts 1 and 2 and train's attempt 1
     assert "3 attempt folder(s) removed" in out
     committed_rows(crashed_run)  # everything committed still reads
 

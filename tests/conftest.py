@@ -213,6 +213,17 @@ def invoke(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+def run_stages(run_dir, *stages: str, round_idx: int = 0, live=None) -> None:
+    """Run ``stages`` of a round in this process, through the code a stage command runs
+    (:func:`gndpo.pipeline.exec.rounds.run_stage`) without starting an interpreter and importing torch,
+    vLLM and DeepSpeed again: for tests of what a stage computes, not of its process. ``live``: kept
+    engines and models (:class:`gndpo.stages.models.live.LiveModels`), default none kept."""
+    from gndpo.pipeline.exec.rounds import run_stage
+
+    for stage in stages:
+        run_stage(str(run_dir), stage, round_idx, log=lambda *_: None, live=live)
+
+
 def assert_one_line_error(result, *fragments) -> str:
     """``result`` (of :func:`invoke`) failed with exactly one ``error:`` line on stderr, no traceback,
     holding every fragment; returns the line."""

@@ -1,6 +1,6 @@
 """Every method through the real stages: one vLLM rollout (with teacher-prefix guidance on half of the
 prompts) is shared by one run per method, each running score -> normalize (DuckDB) -> train
-(DeepSpeed). The statistics normalize commits are checked against numpy over the same shards."""
+(DeepSpeed) in the test's process. The statistics normalize commits are checked against numpy over the same shards."""
 
 import math
 import shutil
@@ -14,7 +14,7 @@ from gndpo.pipeline.run.stats import round_stats
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards
-from tests.conftest import gndpo, tiny_config_dict
+from tests.conftest import gndpo, invoke, run_stages, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +50,9 @@ def method_run(tmp_path_factory, tiny_assets, rollout_dir):
     def make(method: dict, score: dict | None = None):
         folder = tmp_path_factory.mktemp(method["name"])
         run = folder / "run"
-        gndpo("init", run, "--config", write_config(folder, tiny_assets, method, score))
+        assert invoke("init", run, "--config", write_config(folder, tiny_assets, method, score)).exit_code == 0
         shutil.copytree(rollout_dir, run / "rounds" / "r0000" / "rollout")
-        for stage in ("score", "normalize", "train"):
-            gndpo(stage, run, "--round", 0)
+        run_stages(run, "score", "normalize", "train")  # in this process: what they compute is tested here
         return open_run(str(run))
 
     return make

@@ -213,6 +213,13 @@ def invoke(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
+def invoke_ok(*args):
+    """:func:`invoke` of a command that must succeed (the failure shows its output)."""
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    return result
+
+
 def run_stages(run_dir, *stages: str, round_idx: int = 0, live=None) -> None:
     """Run ``stages`` of a round in this process, through the code a stage command runs
     (:func:`gndpo.pipeline.exec.rounds.run_stage`) without starting an interpreter and importing torch,

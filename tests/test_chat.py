@@ -25,7 +25,7 @@ from gndpo.stages.text.chat import render_prompt
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards
-from tests.conftest import assert_one_line_error, gndpo, invoke, tiny_config_dict, write_config
+from tests.conftest import assert_one_line_error, gndpo, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
@@ -93,10 +93,9 @@ def chat_round(request, tmp_path_factory, chat_assets, chat_rollout):
     """score, normalize and train of the same rollouts under one rollout.truncated mode."""
     folder = tmp_path_factory.mktemp(f"chat-{request.param}")
     run = folder / "run"
-    gndpo("init", run, "--config", chat_config(folder, chat_assets, rollout={"truncated": request.param}))
+    invoke_ok("init", run, "--config", chat_config(folder, chat_assets, rollout={"truncated": request.param}))
     shutil.copytree(chat_rollout / "rounds" / "r0000" / "rollout", run / "rounds" / "r0000" / "rollout")
-    for stage in ("score", "normalize", "train"):
-        gndpo(stage, run, "--round", 0)
+    run_stages(run, "score", "normalize", "train")
     return request.param, open_run(str(run))
 
 

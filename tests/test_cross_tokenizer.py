@@ -13,7 +13,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.config.checks import check_backend
-from tests.conftest import committed_rows, gndpo
+from tests.conftest import committed_rows, invoke_ok, run_stages
 
 pytestmark = pytest.mark.slow
 CLAMP = 5.0
@@ -36,9 +36,8 @@ def pair_teacher(tmp_path_factory):
 @pytest.fixture(scope="module")
 def crossed(rolled_out, pair_teacher, tmp_path_factory):
     new = tmp_path_factory.mktemp("cross") / "run"
-    gndpo("fork", rolled_out, new, "--from-round", "0", f"teacher={pair_teacher}", "score.cross_tokenizer=true")
-    for stage in ("score", "normalize", "train"):
-        gndpo(stage, new, "--round", "0")
+    invoke_ok("fork", rolled_out, new, "--from-round", "0", f"teacher={pair_teacher}", "score.cross_tokenizer=true")
+    run_stages(new, "score", "normalize", "train")
     return new
 
 

@@ -234,17 +234,16 @@ def test_score_writes_the_rest_and_train_reads_it_or_recomputes_it(rolled_out, t
     there for every token, in full float32 (not bf16-rounded) and consistent with the top-k. A second
     fork scored as before this column existed (the schema without it) gives train rows without a stored
     rest, and both train."""
-    from gndpo.pipeline.exec.rounds import run_stage
     from gndpo.pipeline.run.run import open_run
     from gndpo.stages.scoring import shard as score_shard
     from gndpo.stages.training.batch import load_share
     from gndpo.storage import shards
-    from tests.conftest import committed_rows, gndpo
+    from tests.conftest import committed_rows, invoke_ok, run_stages
 
     new, old = tmp_path / "new" / "run", tmp_path / "old" / "run"
     for run_dir in (new, old):
-        gndpo("fork", rolled_out, run_dir, "--from-round", "0", "method.name=reverse_kl", "score.teacher_topk=4", "score.dtype=bfloat16")
-    run_stage(str(new), "score", 0)
+        invoke_ok("fork", rolled_out, run_dir, "--from-round", "0", "method.name=reverse_kl", "score.teacher_topk=4", "score.dtype=bfloat16")
+    run_stages(new, "score")
     rests = []
     for row in committed_rows(new, "score"):
         rest = np.asarray(row["teacher_rest_logprob"], np.float32)
@@ -260,16 +259,16 @@ def test_score_writes_the_rest_and_train_reads_it_or_recomputes_it(rolled_out, t
         return schema.remove(schema.get_field_index("teacher_rest_logprob"))
 
     monkeypatch.setattr(score_shard, "scores_schema", schema_before)  # where the score stage builds its table
-    run_stage(str(old), "score", 0)
+    run_stages(old, "score")
     monkeypatch.undo()
     assert "teacher_rest_logprob" not in committed_rows(old, "score")[0]
 
     for run_dir, stored in ((new, True), (old, False)):
-        gndpo("normalize", run_dir, "--round", 0)
+        run_stages(run_dir, "normalize")
         rows = [r for step in load_share(open_run(str(run_dir)), 0, 0, 1).steps for r in step]
         assert rows and all((r.topk_rest is not None) == stored for r in rows)
         if stored:
             assert all(len(r.topk_rest) == len(r.response) for r in rows)
-        gndpo("train", run_dir, "--round", 0)
+        run_stages(run_dir, "train")
         metrics = open_run(str(run_dir)).records(0, "train").require_manifest()["metrics"]
         assert np.isfinite(metrics["loss_mean"]) and np.isfinite(metrics["grad_norm_mean"])

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import assert_one_line_error, committed_rows, gndpo, gndpo_killed, invoke
+from tests.conftest import assert_one_line_error, committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, run_stages
 
 pytestmark = pytest.mark.slow
 
@@ -42,22 +42,21 @@ def test_the_fork_recomputes_no_rollout_and_records_its_lineage(parent, forked):
     scored = committed_rows(forked, "score")
     assert [r["rollout_id"] for r in scored] == [r["rollout_id"] for r in committed_rows(parent)]
     # The SQL views read them there too.
-    out = gndpo("sql", forked, "SELECT count(*) AS n FROM rollouts JOIN scores USING (rollout_id)").stdout
+    out = invoke_ok("sql", forked, "SELECT count(*) AS n FROM rollouts JOIN scores USING (rollout_id)").stdout
     assert "32" in out
 
 
 def test_a_crashed_forked_round_resumes_to_the_same_rows(parent, forked, tmp_path):
     new = tmp_path / "run"
-    gndpo("fork", parent, new, "--from-round", "0", "method.name=opd", "train.lr=5e-4")
+    invoke_ok("fork", parent, new, "--from-round", "0", "method.name=opd", "train.lr=5e-4")
     code = gndpo_killed("score", new, "--round", "0", env={"GNDPO_CRASH_AT": "units.before_commit"}, log=tmp_path / "crash.log")
     assert code == -signal.SIGKILL, (tmp_path / "crash.log").read_text()[-2000:]
     assert open_run(str(new)).records(0, "score").manifest() is None
-    gndpo("score", new, "--round", "0")
+    run_stages(new, "score")
     assert committed_rows(new, "score") == committed_rows(forked, "score")
     # Forking again with the same settings is a no-op; with others, refused.
-    gndpo("fork", parent, new, "--from-round", "0", "method.name=opd", "train.lr=5e-4")
-    proc = gndpo("fork", parent, new, "--from-round", "0", "method.name=gndpo", check=False)
-    assert proc.returncode != 0 and "already exists with other settings" in proc.stderr
+    invoke_ok("fork", parent, new, "--from-round", "0", "method.name=opd", "train.lr=5e-4")
+    assert_one_line_error(invoke("fork", parent, new, "--from-round", "0", "method.name=gndpo"), "already exists with other settings")
 
 
 @pytest.mark.parametrize(

@@ -15,19 +15,19 @@ from gndpo.stages.models.vllm_engine import shutdown_llm
 from gndpo.pipeline.config.checks import check_backend
 from gndpo.stages.score import ScoreJob
 from gndpo.storage.shards import read_shard
-from tests.conftest import committed_rows, gndpo
+from tests.conftest import committed_rows, invoke_ok, run_stages
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory, rolled_out):
-    """Round 0's rollouts scored by the HF backend through the CLI, and the same rollouts scored again
+    """Round 0's rollouts scored by the HF backend through the stage, and the same rollouts scored again
     in this process by the vLLM backend; (HF rows, vLLM rows) by rollout id."""
     run_dir = tmp_path_factory.mktemp("backends") / "run"
     # forward_kl needs the teacher's top-k.
-    gndpo("fork", rolled_out, run_dir, "--from-round", "0", "method.name=forward_kl", "score.teacher_topk=4")
-    gndpo("score", run_dir, "--round", 0)
+    invoke_ok("fork", rolled_out, run_dir, "--from-round", "0", "method.name=forward_kl", "score.teacher_topk=4")
+    run_stages(run_dir, "score")
     run = open_run(str(run_dir))
     run.cfg = dataclasses.replace(run.cfg, score=dataclasses.replace(run.cfg.score, backend="vllm"))
     job = ScoreJob(run, 0)

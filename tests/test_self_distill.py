@@ -19,7 +19,7 @@ from gndpo.pipeline.config.schema import SelfTeacherConfig, config_from_dict
 from gndpo.pipeline.methods import METHODS
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.stages.text.teacher_context import TeacherPrompts, other_problem_partners
-from tests.conftest import assert_one_line_error, committed_rows, gndpo, invoke
+from tests.conftest import assert_one_line_error, committed_rows, gndpo, invoke, invoke_ok, run_stages
 
 # The toy tokenizer knows digits, "+" and "=": the teacher reads the answer, then the question.
 CONTEXT = [{"role": "user", "content": "{answer}={prompt}"}]
@@ -132,7 +132,7 @@ def test_pointwise_clip_clamps_each_bucket_before_the_sum(kind, form):
 # -- slow: through the stages ----------------------------------------------------------------------
 def fork(rolled_out, folder, *overrides):
     new = folder / "run"
-    gndpo("fork", rolled_out, new, "--from-round", "0", "teacher=self", *overrides)
+    invoke_ok("fork", rolled_out, new, "--from-round", "0", "teacher=self", *overrides)
     return new
 
 
@@ -163,8 +163,7 @@ def ema_run(rolled_out, tmp_path_factory):
     """A self-distillation fork (EMA teacher, decay 0.5, one optimizer step) trained through round 0."""
     run = fork(rolled_out, tmp_path_factory.mktemp("sd-ema"), CONTEXT_SET, "self_teacher.weights=ema", "self_teacher.ema_decay=0.5",
                "train.optimizer_steps=1")
-    for stage in ("score", "normalize", "train"):
-        gndpo(stage, run, "--round", "0")
+    run_stages(run, "score", "normalize", "train")
     return run
 
 
@@ -209,7 +208,7 @@ def test_other_problem_scores_with_another_prompts_answer(rolled_out, tmp_path, 
     from gndpo.pipeline.run.run import open_run
 
     run = fork(rolled_out, tmp_path, CONTEXT_SET, "teacher_context.other_problem=true", "teacher_context.seed=7")
-    gndpo("score", run, "--round", "0")
+    run_stages(run, "score")
     prompts = {p["prompt_id"]: p for p in open_run(str(run)).prompts("train")}
     partners = other_problem_partners(list(prompts), 7)
     rows = {r["rollout_id"]: r for r in committed_rows(rolled_out, "rollout")}

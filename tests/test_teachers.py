@@ -9,7 +9,7 @@ import torch
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import committed_rows, gndpo
+from tests.conftest import committed_rows, invoke_ok, run_stages
 
 pytestmark = pytest.mark.slow
 CLAMP = 5.0
@@ -22,9 +22,8 @@ def parent(rolled_out):
 
 def fork_and_score(parent, folder, *settings):
     new = folder / "run"
-    gndpo("fork", parent, new, "--from-round", "0", "teacher=", *settings)
-    gndpo("score", new, "--round", "0")
-    gndpo("normalize", new, "--round", "0")
+    invoke_ok("fork", parent, new, "--from-round", "0", "teacher=", *settings)
+    run_stages(new, "score", "normalize")
     return new
 
 
@@ -73,7 +72,7 @@ def test_routing_scores_each_prompt_with_its_teacher(parent, tiny_assets, tmp_pa
         assert got.of_teacher(name)["c_mean"] == pytest.approx(mean, abs=1e-9)
         assert got.of_teacher(name)["c_var"] == pytest.approx(var, rel=1e-9)
     # Train uses each response's teacher's statistics.
-    gndpo("train", new, "--round", "0")
+    run_stages(new, "train")
 
 
 def test_mean_mix_scores_every_token_with_the_mixture(parent, tiny_assets, tmp_path):

@@ -24,14 +24,14 @@ demo: setup
 
 # The report test opens gndpo report's HTML in headless Chromium (Debian's package; skipped with a
 # reason where it cannot be installed). Two pytest-xdist workers, a test file each at a time, each on a
-# core of its own (tests/conftest.py): engine starts and process start-ups overlap.
+# core of its own, the longest files first (tests/conftest.py): engine starts and process start-ups overlap.
 test: setup browser real-models slurm
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The tier to run after every change (under 3 minutes): unit tests and in-process checks, no vLLM
 # engine and no DeepSpeed launch (tests marked slow or real are left out).
 test-fast: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not real"
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not real"
 
 # The real-model tier alone (tests/test_real_models.py): SmolLM2-135M-Instruct and Gemma 3 270M.
 test-real: setup real-models

@@ -186,13 +186,15 @@ def gndpo_killed(*args, env: dict, log: Path, timeout=600) -> int:
 
 
 # The longest test files, longest first (measured with --durations on the full suite). Two xdist workers
-# take a file at a time in collection order; a long file that starts last runs alone while the other
-# worker idles, so they start first (longest-processing-time-first scheduling). Other files keep their order.
+# take a file at a time in collection order (`--no-loadscope-reorder` in the Makefile: pytest-xdist would
+# otherwise order files by their number of tests); a long file that starts last runs alone while the
+# other worker idles, so they start first (longest-processing-time-first scheduling). Other files keep
+# their order.
 LONGEST_FILES = (
-    "test_real_models.py", "test_e2e.py", "test_tool_rollout.py", "test_resilience.py", "test_slurm.py",
-    "test_self_distill.py", "test_data_parallel.py", "test_teachers.py", "test_operations.py", "test_exact_tails.py",
-    "test_method_stages.py", "test_s3.py", "test_logprobs.py", "test_fork.py", "test_chat.py", "test_score_backend.py",
-    "test_logits_budget.py", "test_cross_tokenizer.py",
+    "test_real_models.py", "test_e2e.py", "test_slurm.py", "test_resilience.py", "test_data_parallel.py",
+    "test_tool_rollout.py", "test_s3.py", "test_logprobs.py", "test_self_distill.py", "test_method_stages.py",
+    "test_operations.py", "test_chat.py", "test_logits_budget.py", "test_engine_settings.py", "test_exact_tails.py",
+    "test_score_backend.py", "test_cross_tokenizer.py", "test_fork.py",
 )
 
 

@@ -33,15 +33,13 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def own_distributed_environment():
-    """The SmolLM2 rounds train in this process (kept models, as `gndpo run` does), which opens a process
-    group, and the libraries under train may set environment variables of their own: both are undone
-    when the module ends, so later tests' `gndpo` processes start from this module's environment."""
+    """The SmolLM2 rounds train in this process (kept models, as `gndpo run` does), and the libraries
+    under train may set environment variables of their own: they are undone when the module ends, so
+    later tests' `gndpo` processes start from this module's environment. The one-rank process group train
+    opened stays, as in a `gndpo run` process: later trains in this process join it (DeepSpeed caches
+    its groups, so a destroyed one cannot be opened again in the same process)."""
     saved = dict(os.environ)
     yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
     for key in [k for k in os.environ if k not in saved and not k.startswith("GNDPO_")]:
         del os.environ[key]
     os.environ.update({k: v for k, v in saved.items() if not k.startswith("GNDPO_")})

@@ -148,8 +148,9 @@ PROBE = r"""
 import json, os, sys, threading, time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from gndpo.pipeline.config.schema import ModelConfig
+from gndpo.pipeline.exec.dist import usable_cpus
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
-torch.set_num_threads(min(2, len(os.sched_getaffinity(0))))  # 2 threads on 1 core wait for each other
+torch.set_num_threads(min(2, usable_cpus()))  # 2 threads on 1 core wait for each other
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as f:

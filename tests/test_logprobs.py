@@ -115,12 +115,13 @@ def test_token_budget_batches_bound_padded_tokens():
 
 # -- real shapes: vocabulary 151,936, hidden 512, a 4,096-token response --------------------------------
 PROBE = r"""
-import json, os, resource, sys, torch
+import json, resource, sys, torch
+from gndpo.pipeline.exec.dist import usable_cpus
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
 from gndpo.stages.models.loading import load_causal_lm
 from gndpo.pipeline.methods.losses import aggregate, combined_token_losses
 folder, length, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-torch.set_num_threads(min(2, len(os.sched_getaffinity(0))))  # 2 threads on 1 core wait for each other
+torch.set_num_threads(min(2, usable_cpus()))  # 2 threads on 1 core wait for each other
 student, teacher = load_causal_lm(folder + "/student"), load_causal_lm(folder + "/teacher").eval()
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 g = torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ from gndpo.pipeline.run.stats import round_stats
 from gndpo.storage.records import rollout_shards
 from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards
-from tests.conftest import gndpo, invoke, run_stages, tiny_config_dict
+from tests.conftest import gndpo, invoke_ok, run_stages, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def method_run(tmp_path_factory, tiny_assets, rollout_dir):
     def make(method: dict, score: dict | None = None):
         folder = tmp_path_factory.mktemp(method["name"])
         run = folder / "run"
-        assert invoke("init", run, "--config", write_config(folder, tiny_assets, method, score)).exit_code == 0
+        invoke_ok("init", run, "--config", write_config(folder, tiny_assets, method, score))
         shutil.copytree(rollout_dir, run / "rounds" / "r0000" / "rollout")
         run_stages(run, "score", "normalize", "train")  # in this process: what they compute is tested here
         return open_run(str(run))

@@ -23,7 +23,7 @@ import yaml
 
 from gndpo.pipeline.exec.units import lease_state
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import invoke, tiny_config_dict
+from tests.conftest import invoke, invoke_ok, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 NOBODY = 65534
@@ -89,7 +89,7 @@ def fresh_run(folder: Path, assets: Path) -> Path:
     """An initialized toy run (nothing rolled out), created in this process."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "cfg.yaml").write_text(yaml.safe_dump(tiny_config_dict(assets, rollout={"eval_heldout": False})))
-    assert invoke("init", folder / "run", "-c", folder / "cfg.yaml").exit_code == 0
+    invoke_ok("init", folder / "run", "-c", folder / "cfg.yaml")
     return folder / "run"
 
 
@@ -144,7 +144,7 @@ def test_a_schedulers_stop_signal_stops_a_stage_cleanly(rolled_out, tmp_path, si
     """SIGTERM (kill, scancel, Slurm's pre-emption) and SIGUSR1 (sbatch --signal=USR1@...) on a score
     stage (a fork of the shared rolled-out round, so no engine starts) held before its first commit."""
     run = tmp_path / "run"
-    assert invoke("fork", rolled_out, run, "--from-round", 0).exit_code == 0
+    invoke_ok("fork", rolled_out, run, "--from-round", 0)
     stop_and_check(run, "score", "units.before_commit", signum)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gndpo.pipeline.toys.arithmetic import cache_root
-from tests.conftest import committed_rows
+from tests.conftest import committed_rows, run_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
@@ -227,7 +227,7 @@ def smollm2_round(smollm2, tmp_path_factory):
     """One GNDPO round of SmolLM2 self-distillation under ZeRO-2 in one process (`gndpo run`'s kept
     models), then round 1's rollout on the kept engine with the exported weights loaded into it."""
     from gndpo.pipeline.config.schema import config_from_dict
-    from gndpo.pipeline.exec.rounds import run_rounds, run_stage
+    from gndpo.pipeline.exec.rounds import run_rounds
     from gndpo.pipeline.apps.init import init_run
     from gndpo.stages.models.live import LiveModels
 
@@ -237,7 +237,7 @@ def smollm2_round(smollm2, tmp_path_factory):
     live = LiveModels(keep=True, log=lambda *_: None)
     try:
         run_rounds(url, 1, log=lambda *_: None, live=live)
-        run_stage(url, "rollout", 1, log=lambda *_: None, live=live)
+        run_stages(url, "rollout", round_idx=1, live=live)
     finally:
         live.close()
     return folder
@@ -267,13 +267,11 @@ def test_an_ema_top_k_self_distillation_round_on_smollm2(smollm2_round, tmp_path
     """A fork of the same round: forward KL on the teacher's top-8 with point-wise clipping, an EMA
     self-teacher; train exports the average beside the model."""
     from gndpo.pipeline.apps.fork import fork_run
-    from gndpo.pipeline.exec.rounds import run_stage
     from gndpo.pipeline.run.run import open_run
 
     url = str(tmp_path / "fork")
     fork_run(str(smollm2_round / "run"), url, 0, ["method.name=forward_kl", "method.pointwise_clip=1.0", "self_teacher.weights=ema"])
-    for stage in ("score", "normalize", "train"):
-        run_stage(url, stage, 0, log=lambda *_: None)
+    run_stages(url, "score", "normalize", "train")
     run = open_run(url)
     assert run.records(0, "train").manifest()["metrics"]["ema_dir"].endswith("/ema")
     scores = committed_rows(tmp_path / "fork", "score", 0)
@@ -284,11 +282,10 @@ def test_gemma_scores_smollm2_responses_across_tokenizers(smollm2_round, gemma3,
     """Gemma 3 (another tokenizer, no chat template: it reads the plain question after <bos>) as the
     teacher of SmolLM2's rollouts: most student tokens align and get Gemma's log-probs."""
     from gndpo.pipeline.apps.fork import fork_run
-    from gndpo.pipeline.exec.rounds import run_stage
 
     url = str(tmp_path / "cross")
     fork_run(str(smollm2_round / "run"), url, 0, [f"teacher={gemma3}", "score.cross_tokenizer=true", "teacher_context.messages=[]"])
-    run_stage(url, "score", 0, log=lambda *_: None)
+    run_stages(url, "score")
     scores = committed_rows(tmp_path / "cross", "score", 0)
     aligned = np.concatenate([s["aligned"] for s in scores])
     assert aligned.mean() > 0.6, aligned.mean()

@@ -237,7 +237,6 @@ def test_every_method_computes_its_targets_on_a_self_distillation_round(rolled_o
     """score -> normalize in process for each method (the teacher module kept across them), then the
     same join train makes (targets for every response, finite)."""
     from gndpo.pipeline.apps.fork import fork_run
-    from gndpo.pipeline.exec.rounds import run_stage
     from gndpo.pipeline.run.run import open_run
     from gndpo.stages.models.live import LiveModels
     from gndpo.stages.training.batch import load_share
@@ -250,8 +249,7 @@ def test_every_method_computes_its_targets_on_a_self_distillation_round(rolled_o
         if name in ("grpo", "gdpo"):
             overrides.append("method.outcome.rewards=[exact_match, integer_format]")
         fork_run(str(rolled_out), url, 0, overrides)
-        for stage in ("score", "normalize"):
-            run_stage(url, stage, 0, log=lambda *_: None, live=live)
+        run_stages(url, "score", "normalize", live=live)
         share = load_share(open_run(url), 0, 0, 1)
         rows = [row for step in share.steps for row in step]
         assert len(rows) == sum(share.step_sizes) > 0, name

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
 from gndpo.pipeline.exec.dist import usable_cpus
 from gndpo.pipeline.observe.logs import info
 

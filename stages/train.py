@@ -179,6 +179,7 @@ class Objective:
             padded(micro, "div", width, device), student_topk, teacher_topk,
             cfg.method.clip_low, cfg.method.clip_high, cfg.method.jsd_beta, topk_form=cfg.method.topk_form,
             teacher_rest_logp=teacher_rest, pointwise_clip=cfg.method.pointwise_clip,
+            covers_vocabulary=topk_ids is not None and topk_ids.shape[-1] >= model.get_output_embeddings().out_features,
         )
         weights = torch.tensor([r.weight for r in micro], dtype=torch.float32, device=device).unsqueeze(-1)
         loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens, weight_sum)

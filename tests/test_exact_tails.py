@@ -188,6 +188,53 @@ def test_empty_stored_rest_stays_finite():
             assert float(out[i].detach()) == pytest.approx(divergence64(kind, pt[i], ps[i]), abs=1e-7)
 
 
+def test_bucket_divergence_is_the_full_one_when_k_is_the_vocabulary():
+    """k = V: nothing lies outside the top-k, so the bucket divergence must equal the full-vocabulary
+    one (float64, to rounding), and reverse KL must never exceed it. With a rest bucket kept, the
+    student's rest floored at 1e-12 against the teacher's stored LOGP_FLOOR added ~1e-8 per token."""
+    rng = np.random.default_rng(5)
+    V = 7
+    pt, ps = rng.dirichlet(np.ones(V), 3), rng.dirichlet(np.ones(V), 3)
+    empty = torch.full((3,), LOGP_FLOOR, dtype=torch.float64)
+    for kind in KINDS:
+        got = topk_divergence(kind, torch.tensor(np.log(ps)), torch.tensor(np.log(pt)), BETA, teacher_rest_logp=empty, covers_vocabulary=True)
+        for i in range(3):
+            want = divergence64(kind, pt[i], ps[i])
+            assert abs(float(got[i]) - want) < 1e-14, (kind, float(got[i]) - want)
+
+
+def test_train_drops_the_rest_bucket_exactly_when_k_is_the_vocabulary(tiny_assets, monkeypatch):
+    """Train's micro-batch loss tells the divergence that the teacher's top-k covers the vocabulary
+    when k = V (the student's output width), and only then."""
+    from transformers import AutoModelForCausalLM
+
+    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.stages import train
+    from gndpo.stages.training.batch import TrainRow
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_assets / "student").eval()
+    V = model.config.vocab_size
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["covers_vocabulary"])
+        return combined_token_losses(*args, **kwargs)
+
+    monkeypatch.setattr(train, "combined_token_losses", spy)
+    cfg = config_from_dict({"student": str(tiny_assets / "student"), "teacher": str(tiny_assets / "teacher"),
+                            "data": {"train": "x"}, "method": {"name": "reverse_kl"}})
+    objective = train.Objective.of(cfg, 0, 0, torch.device("cpu"))
+    for k, covers in ((V, True), (4, False)):
+        n = 3
+        logp = np.log(np.random.default_rng(k).dirichlet(np.ones(V), n)).astype(np.float32)
+        ids = np.argsort(-logp, axis=-1)[:, :k].astype(np.int32)
+        row = TrainRow("r", np.array([1, 4, 5]), np.array([6, 7, 2]), np.full(n, -1.0, np.float32), np.zeros(n, np.float32),
+                       np.zeros(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32), 1.0,
+                       ids, np.take_along_axis(logp, ids, -1), np.full(n, LOGP_FLOOR if k == V else -1.0, np.float32))
+        objective.micro_batch_loss(model, [row], 0, 1, n, 1.0)
+        assert seen[-1] is covers
+
+
 def test_combined_token_losses_passes_the_stored_rest():
     _, _, stored = confident_case(0, 1000, 16, 5.7e-11, 0.985)
     s, t, r = (stored[n].view(2, 2, *stored[n].shape[1:]) for n in ("s_topk", "t_topk", "t_rest"))

@@ -486,3 +486,32 @@ def test_no_method_trains_or_counts_masked_tokens(name):
         on = r.mask == 1
         for field in ("adv", "pg_mask", "div", "mask"):
             assert getattr(t2, field)[on] == pytest.approx(getattr(t, field)[on]), (name, field)
+
+
+def test_tip_exact_ties_at_the_top_score_keep_the_earlier_token():
+    """Tokens at or above the entropy cap and the batch's maximum-KL token all score exactly 1 under
+    the rule; which of them are kept must follow position, not float rounding of the soft OR."""
+    from fractions import Fraction
+
+    from gndpo.pipeline.methods.tip import tip_scores, tip_selection
+
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        L = int(rng.integers(4, 16))
+        entropy = rng.uniform(0.0, 3.0, L)
+        kl = rng.uniform(0.0, 2.0, L)
+        cap = float(np.quantile(entropy, 0.6))  # several tokens reach the cap: h^ = 1 exactly there
+        kl[rng.integers(L)] = 2.5  # the batch's maximum KL: d^ = 1 exactly
+        stats = {"tip_h_cap": cap, "tip_h_min": float(entropy.min()), "tip_h_max": cap, "tip_d_min": 0.0, "tip_d_max": 2.5}
+        keep_ratio = float(rng.choice([0.3, 0.5, 0.7]))
+        got = tip_selection(tip_scores(entropy, kl, stats), np.ones(L), keep_ratio)
+
+        def exact_score(i):  # the rule in exact rational arithmetic
+            h = (Fraction(min(entropy[i], cap)) - Fraction(stats["tip_h_min"])) / (Fraction(cap) - Fraction(stats["tip_h_min"]))
+            d = Fraction(kl[i]) / Fraction(2.5)
+            return h + d - h * d
+
+        keep = math.floor(keep_ratio * L)
+        chosen = sorted(range(L), key=lambda i: (-exact_score(i), i))[:keep]
+        want = [1.0 if i in chosen else 0.0 for i in range(L)]
+        np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")

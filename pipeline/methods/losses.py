@@ -134,6 +134,7 @@ def topk_divergence(
     form: str = "bucket",
     teacher_rest_logp: torch.Tensor | None = None,
     clip: float = 0.0,
+    covers_vocabulary: bool = False,
 ) -> torch.Tensor:
     """Per-token divergence on the teacher's top-k ids (section 3, offline form), [..., k] -> [...].
     ``clip`` > 0 clamps each bucket's (each id's) contribution from above before the sum (OPSD's
@@ -169,6 +170,11 @@ def topk_divergence(
     value and gradient from a rest of 1e-12 to a top-k mass of 1e-8 and below) and clamped at
     REST_MASS_FLOOR, so an empty rest bucket (k = vocabulary, or rounding past 1) contributes ~0 and
     finite (zero) gradients rather than 0 * log 0 = NaN.
+
+    ``covers_vocabulary``: the k ids are the whole vocabulary, so both rest buckets are empty and are
+    left out; the bucket divergence is then the full-vocabulary one exactly. (Kept in, a floored student
+    rest of 1e-12 against the teacher's stored empty rest, LOGP_FLOOR, adds 1e-12 x (1e4 - 27.6) = 1e-8
+    per token to the reverse KL.)
     """
     if form == "renormalized":
         log_pt = teacher_topk_logp - torch.logsumexp(teacher_topk_logp, dim=-1, keepdim=True)
@@ -178,8 +184,10 @@ def topk_divergence(
         log_ps = student_topk_logp - torch.logsumexp(student_topk_logp, dim=-1, keepdim=True)
         return _divergence(kind, log_ps, log_pt, beta, clip)
     dtype = torch.promote_types(torch.promote_types(student_topk_logp.dtype, teacher_topk_logp.dtype), torch.float32)
-    log_ps = _with_rest_bucket(student_topk_logp.to(dtype).clamp(min=LOGP_FLOOR))
-    log_pt = _with_rest_bucket(teacher_topk_logp.to(dtype).clamp(min=LOGP_FLOOR), teacher_rest_logp)
+    log_ps = student_topk_logp.to(dtype).clamp(min=LOGP_FLOOR)
+    log_pt = teacher_topk_logp.to(dtype).clamp(min=LOGP_FLOOR)
+    if not covers_vocabulary:
+        log_ps, log_pt = _with_rest_bucket(log_ps), _with_rest_bucket(log_pt, teacher_rest_logp)
     return _divergence(kind, log_ps, log_pt, beta, clip)
 
 
@@ -199,11 +207,12 @@ def combined_token_losses(
     topk_form: str = "bucket",
     teacher_rest_logp: torch.Tensor | None = None,
     pointwise_clip: float = 0.0,
+    covers_vocabulary: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A method's per-token loss: L_t = pg_mask_t L_pg_t + div_t D_t (policy_loss "none": no PG term,
     divergence None: no D term), and the 0/1 clipped-branch marker of the PG term. ``topk_form`` is
     :func:`topk_divergence`'s ``form`` ("bucket" | "renormalized"), ``teacher_rest_logp`` its stored
-    teacher rest (None: recomputed from the top-k)."""
+    teacher rest (None: recomputed from the top-k), ``covers_vocabulary`` whether k is the vocabulary."""
     losses = torch.zeros_like(logp)
     clipped = torch.zeros_like(logp)
     if policy_loss != "none":
@@ -212,6 +221,6 @@ def combined_token_losses(
     if divergence is not None:
         losses = losses + div_weight * topk_divergence(
             divergence, student_topk_logp, teacher_topk_logp, jsd_beta, form=topk_form, teacher_rest_logp=teacher_rest_logp,
-            clip=pointwise_clip,
+            clip=pointwise_clip, covers_vocabulary=covers_vocabulary,
         )
     return losses, clipped * pg_mask

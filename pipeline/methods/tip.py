@@ -3,7 +3,7 @@ disagrees with the teacher. Applies to any method (``method.tip.enabled``).
 
     h_t = H(p_S) (student entropy)   d_t = max(0, KL(p_S || p_T)) (full vocabulary, from score)
     h_t = min(h_t, quantile_q(h over the batch));  h^, d^ = min-max scaled over the batch
-    score_t = h^ + d^ - h^ d^  (soft OR);  keep the top floor(keep_ratio * L) tokens of each response
+    score_t = 1 - (1 - h^)(1 - d^)  (soft OR, = h^ + d^ - h^ d^);  keep the top floor(keep_ratio * L) tokens of each response
 
 The spec divides h by ln V first; a constant factor cancels in the min-max scaling, so it is omitted.
 Ties keep the earlier token. Normalize computes the quantile and the min/max with DuckDB.
@@ -36,7 +36,10 @@ def _minmax(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
 def tip_scores(student_entropy: np.ndarray, token_kl: np.ndarray, stats: Stats) -> np.ndarray:
     h = _minmax(np.minimum(student_entropy, stats["tip_h_cap"]), stats["tip_h_min"], stats["tip_h_max"])
     d = _minmax(np.maximum(token_kl, 0.0), stats["tip_d_min"], stats["tip_d_max"])
-    return h + d - h * d
+    # The product form is exactly 1 wherever h^ or d^ is 1 (the batch's maximum-KL token, tokens at or
+    # above the entropy cap); h + d - h*d rounds those to 1 or 1 - 1 ulp, and the tie rule below would
+    # then be decided by rounding noise instead of position.
+    return 1.0 - (1.0 - h) * (1.0 - d)
 
 
 def tip_selection(scores: np.ndarray, mask: np.ndarray, keep_ratio: float) -> np.ndarray:

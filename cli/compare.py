@@ -15,8 +15,9 @@ def compare(
     rounds: int = typer.Option(3, "--rounds", "-n", min=1, help="Rounds to run."),
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="Config override for every method (repeatable)."),
     assets: Optional[str] = typer.Option(None, "--assets", help="Use this prebuilt toy assets folder instead of building."),
+    seeds: int = typer.Option(1, "--seeds", min=1, help="Rollout seeds per method (rollout.seed 0..N-1); cells give mean and standard deviation."),
 ):
     """Run several methods on the toy task for the same rounds; print held-out accuracy and stability."""
     with stdout_kept_for_data():
-        table = run_compare(methods, out, rounds, overrides or [], assets=assets)
+        table = run_compare(methods, out, rounds, overrides or [], assets=assets, seeds=seeds)
     echo_table(table)

@@ -246,6 +246,49 @@ def test_compare_two_methods(tmp_path, tiny_assets):
     assert not (tmp_path / "bad").exists()
 
 
+def test_compare_with_seeds(tmp_path, tiny_assets):
+    """`gndpo compare --seeds 2`: each method runs once per rollout seed (the second method forking the
+    first one's run of the same seed), each cell is the mean over seeds with its sample standard
+    deviation, and the report draws the mean with the seeds' band."""
+    import json
+
+    from gndpo.pipeline.apps.report import find_runs
+
+    small = ["--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.micro_batch_size=8",
+             "--set", "train.optimizer_steps=2", "--set", "engine.max_model_len=32"]
+    cmp = tmp_path / "cmp"
+    out = gndpo("compare", "opd", "forward_kl", "--seeds", "2", "--rounds", "1", "--out", cmp, "--assets", tiny_assets, *small).stdout
+    assert "acc_r1_sd" in out
+    summary = json.loads((cmp / "compare.json").read_text())
+    runs, rows = summary["runs"], summary["rows"]
+    assert summary["seeds"] == 2 and [(r["method"], r["seed"]) for r in runs] == [("opd", 0), ("opd", 1), ("forward_kl", 0), ("forward_kl", 1)]
+    for seed in (0, 1):
+        run_dir = cmp / "00-opd" / f"seed-{seed}" / "run"
+        assert open_run(str(run_dir)).cfg.rollout.seed == seed
+        # forward_kl's round 0 is opd's of the same seed, and the two seeds sampled different responses
+        assert committed_rows(cmp / "01-forward_kl" / f"seed-{seed}" / "run") == committed_rows(run_dir)
+    seed0, seed1 = (sorted(tuple(r["response_token_ids"]) for r in committed_rows(cmp / "00-opd" / f"seed-{s}" / "run")) for s in (0, 1))
+    assert seed0 != seed1
+    for row in rows:
+        mine = [r for r in runs if r["method"] == row["method"]]
+        for col in ("acc_r0", "acc_r1", "grad_norm_max"):
+            a, b = mine[0][col], mine[1][col]
+            assert row[col] == pytest.approx((a + b) / 2) and row[f"{col}_sd"] == pytest.approx(abs(a - b) / 2**0.5)
+    assert " ± " in (cmp / "compare.md").read_text()
+    bad = gndpo("compare", "opd", "--seeds", "2", "--set", "rollout.seed=3", "--out", tmp_path / "bad", check=False)
+    assert bad.returncode == 1 and "rollout.seed" in bad.stderr and not (tmp_path / "bad").exists()
+    # The report: one series per method, the mean of its seeds with their band.
+    series = find_runs(str(cmp))
+    assert [s.label for s in series] == ["opd", "forward_kl"] and all(len(s.members) == 2 for s in series)
+    for s in series:
+        x, mean = s.values("train", "grad_norm_max")
+        _, lo, hi = s.spread("train", "grad_norm_max")
+        assert x == [0] and lo[0] <= mean[0] <= hi[0] and lo[0] < hi[0]
+        assert s.values("rollout", "heldout_accuracy")[0] == [0, 1]  # start and the final evaluation
+    gndpo("report", cmp)
+    assert (cmp / "report" / "accuracy.png").exists()
+
+
 # -- operability: metrics, TensorBoard, progress and logs, SQL formats, report ---------------------------
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.pipeline.toys.arithmetic import cache_root
+from gndpo.pipeline.toys.build import cache_root
 from tests.conftest import committed_rows, run_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]

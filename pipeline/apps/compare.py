@@ -60,33 +60,78 @@ def method_row(label: str, run_url: str, final_accuracy: float) -> dict:
     return row
 
 
-def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] = (), assets: str | None = None, log=info) -> list[dict]:
-    """Run every method (resuming any that already ran) and return the comparison table."""
+def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] = (), assets: str | None = None, log=info,
+                seeds: int = 1) -> list[dict]:
+    """Run every method (resuming any that already ran) with ``seeds`` rollout seeds (``rollout.seed``
+    0 .. seeds-1) and return the comparison table: one row per method, each cell the mean over seeds
+    with its sample standard deviation beside it (``<column>_sd``) when there is more than one."""
     parsed = [parse_entry(e) for e in entries]  # every name checked before anything runs
     if not parsed:
         raise GndpoError("compare: name at least one method")
     labels = [p[0] for p in parsed]
     if len(set(labels)) != len(labels):
         raise GndpoError("compare: a method is listed twice")
+    if seeds < 1:
+        raise GndpoError("compare: --seeds must be at least 1")
+    if seeds > 1 and any(o.split("=", 1)[0].strip() == "rollout.seed" for o in [*overrides, *(o for p in parsed for o in p[2])]):
+        raise GndpoError("compare: --seeds sets rollout.seed for each run; leave rollout.seed out of the overrides")
     out_dir = Path(out).resolve()
-    rows = []
+    per_seed = []
     for i, (label, _, method_overrides) in enumerate(parsed):
-        log(f"compare: {label} ({i + 1}/{len(parsed)})")
-        folder = out_dir / f"{i:02d}-{label.split('+')[0]}"
-        # Methods after the first replay its round-0 rollouts where their settings allow (`gndpo fork`),
-        # so every method starts from identical samples.
-        first = str(out_dir / f"00-{labels[0].split('+')[0]}" / "run") if i else None
-        demo_rows = run_demo(str(folder), rounds, [*overrides, *method_overrides], assets=assets, log=log, fork_from=first)
-        rows.append(method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"]))
+        for seed in range(seeds):
+            log(f"compare: {label} ({i + 1}/{len(parsed)})" + (f", seed {seed} ({seed + 1}/{seeds})" if seeds > 1 else ""))
+            folder = method_folder(out_dir, i, label, seed, seeds)
+            seeded = [f"rollout.seed={seed}"] if seeds > 1 else []
+            # Methods after the first replay its round-0 rollouts of the same seed where their settings
+            # allow (`gndpo fork`), so every method starts from identical samples.
+            first = str(method_folder(out_dir, 0, labels[0], seed, seeds) / "run") if i else None
+            demo_rows = run_demo(str(folder), rounds, [*overrides, *seeded, *method_overrides], assets=assets, log=log, fork_from=first)
+            per_seed.append({**method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"]), "seed": seed})
+    rows = [seed_mean([r for r in per_seed if r["method"] == label]) for label in labels] if seeds > 1 else per_seed
+    if seeds == 1:
+        for r in rows:
+            r.pop("seed")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "compare.json").write_text(json.dumps({"rounds": rounds, "overrides": list(overrides), "rows": rows}, indent=1))
+    summary = {"rounds": rounds, "overrides": list(overrides), "seeds": seeds, "rows": rows}
+    if seeds > 1:
+        summary["runs"] = per_seed
+    (out_dir / "compare.json").write_text(json.dumps(summary, indent=1))
     (out_dir / "compare.md").write_text(markdown_table(rows))
     return rows
 
 
+def method_folder(out_dir: Path, index: int, label: str, seed: int, seeds: int) -> Path:
+    """Where one method's demo runs: ``<out>/<index>-<method>/``, and with several seeds one
+    ``seed-<s>/`` folder per seed inside it."""
+    folder = out_dir / f"{index:02d}-{label.split('+')[0]}"
+    return folder / f"seed-{seed}" if seeds > 1 else folder
+
+
+def seed_mean(runs: list[dict]) -> dict:
+    """One method's row over its seeds: each numeric column's mean, and ``<column>_sd`` its sample
+    standard deviation (None where a column has no value in some seed)."""
+    row: dict = {"method": runs[0]["method"], "seeds": len(runs)}
+    for col in runs[0]:
+        if col in ("method", "seed"):
+            continue
+        values = [r.get(col) for r in runs]
+        if any(v is None for v in values):
+            row[col], row[f"{col}_sd"] = None, None
+            continue
+        arr = np.asarray(values, dtype=np.float64)
+        row[col], row[f"{col}_sd"] = float(arr.mean()), float(arr.std(ddof=1))
+    return row
+
+
 def markdown_table(rows: list[dict]) -> str:
-    cols = list(rows[0])
+    """The table in Markdown; a column with a ``_sd`` partner is shown as "mean ± sd"."""
+    cols = [c for c in rows[0] if not c.endswith("_sd")]
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
+
+    def cell(r: dict, c: str) -> str:
+        sd = r.get(f"{c}_sd")
+        return f"{fmt(r.get(c))} ± {sd:.3f}" if sd is not None else fmt(r.get(c))
+
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r, c) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"

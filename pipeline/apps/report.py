@@ -7,7 +7,8 @@ student's token unlikely: where the student goes wrong), and the config. Every f
 HTML (base64), so the one file can be mailed or attached; the same PNGs are written beside it.
 
 It reads a run folder, a demo folder (``gndpo demo DIR``: DIR/run, and DIR/eval for the final student's
-accuracy) or a comparison folder (``gndpo compare --out DIR``: one line per method in every plot).
+accuracy) or a comparison folder (``gndpo compare --out DIR``: one line per method in every plot; with
+``--seeds``, the mean over seeds with a band from the lowest to the highest seed).
 """
 
 from __future__ import annotations
@@ -48,22 +49,52 @@ RATIO_SCALE = 3.0  # |lpT - lpS| at which a token's colour is fully saturated
 
 @dataclass
 class Series:
-    """One run's metrics, as the report draws them."""
+    """One run's metrics, as the report draws them; or, with ``members`` (one method's runs over several
+    seeds), their mean per round and stage, the config and token view of the first seed."""
 
     label: str
     url: str
     rows: list[dict]
     final_accuracy: float | None = None
     by: dict = field(default_factory=dict)
+    members: list[Series] = field(default_factory=list)
 
     def __post_init__(self):
         self.by = {(m["round"], m["stage"]): m for m in self.rows}
 
     def values(self, stage: str, metric: str) -> tuple[list[int], list[float]]:
+        if self.members:
+            x, per_member = self._member_values(stage, metric)
+            return x, [float(np.mean(v)) for v in per_member]
         points = [(r, m[metric]) for (r, s), m in sorted(self.by.items()) if s == stage and isinstance(m.get(metric), (int, float))]
         if stage == "rollout" and metric == "heldout_accuracy" and self.final_accuracy is not None and points:
             points.append((max(r for r, s in self.by if s == "train") + 1, self.final_accuracy))
         return [p[0] for p in points], [float(p[1]) for p in points]
+
+    def spread(self, stage: str, metric: str) -> tuple[list[int], list[float], list[float]]:
+        """(rounds, lowest, highest) over the members; empty for a single run."""
+        x, per_member = self._member_values(stage, metric)
+        return x, [min(v) for v in per_member], [max(v) for v in per_member]
+
+    def _member_values(self, stage: str, metric: str) -> tuple[list[int], list[list[float]]]:
+        """The rounds every member has a value at, and the members' values there."""
+        curves = [dict(zip(*m.values(stage, metric))) for m in self.members]
+        x = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        return x, [[c[r] for c in curves] for r in x]
+
+
+def seed_group(label: str, members: list[Series]) -> Series:
+    """One method's runs over several seeds as one series: each metric's mean over the members at every
+    (round, stage) all of them committed."""
+    keys = set.intersection(*(set(m.by) for m in members))
+    rows = []
+    for r, stage in sorted(keys):
+        metrics = [m.by[(r, stage)] for m in members]
+        shared = [k for k, v in metrics[0].items() if isinstance(v, (int, float)) and all(isinstance(x.get(k), (int, float)) for x in metrics)]
+        rows.append({"round": r, "stage": stage, **{k: float(np.mean([x[k] for x in metrics])) for k in shared if k != "round"}})
+    finals = [m.final_accuracy for m in members]
+    final = float(np.mean(finals)) if all(f is not None for f in finals) else None
+    return Series(label=label, url=members[0].url, rows=rows, final_accuracy=final, members=members)
 
 
 def find_runs(folder: str) -> list[Series]:
@@ -71,8 +102,13 @@ def find_runs(folder: str) -> list[Series]:
     root = Path(folder)
     if (root / "compare.json").exists():
         series = []
-        for sub in sorted(p for p in root.iterdir() if (p / "run" / "run.yaml").exists()):
-            series.append(_demo_series(sub, label=sub.name.split("-", 1)[-1]))
+        for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+            label = sub.name.split("-", 1)[-1]
+            seeds = sorted((p for p in sub.glob("seed-*") if (p / "run" / "run.yaml").exists()), key=lambda p: int(p.name[5:]))
+            if (sub / "run" / "run.yaml").exists():
+                series.append(_demo_series(sub, label=label))
+            elif seeds:
+                series.append(seed_group(label, [_demo_series(p, label=f"{label} {p.name}") for p in seeds]))
         labels = [r["method"] for r in json.loads((root / "compare.json").read_text())["rows"]]
         for s, label in zip(series, labels):
             s.label = label
@@ -100,7 +136,10 @@ def curve_figure(series: list[Series], title: str, ylabel: str, lines: list[tupl
         for stage, metric, suffix in lines:
             x, y = s.values(stage, metric)
             if x:
-                ax.plot(x, y, marker="o", label=(s.label if len(series) > 1 else "") + suffix or metric)
+                line, = ax.plot(x, y, marker="o", label=(s.label if len(series) > 1 else "") + suffix or metric)
+                if s.members:  # the band from the lowest to the highest seed
+                    xs, lo, hi = s.spread(stage, metric)
+                    ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
                 drawn += 1
     if not drawn:
         return None

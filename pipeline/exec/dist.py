@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -45,3 +46,23 @@ def usable_cpus() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # no affinity call on this platform (macOS)
         return os.cpu_count() or 1
+
+
+@contextmanager
+def scoped_environ(values: dict[str, str | None]):
+    """``os.environ`` with ``values`` set (None: removed) while the block runs, as it was after: for
+    settings a child process must start with (it copies the environment when it starts)."""
+    saved = {name: os.environ.get(name) for name in values}
+
+    def apply(settings: dict[str, str | None]) -> None:
+        for name, value in settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    apply(values)
+    try:
+        yield
+    finally:
+        apply(saved)

@@ -1,7 +1,8 @@
 """The embedded default: a verifiable addition task, a character tokenizer, and a teacher/student pair.
 
-Nothing here touches a model hub. :func:`ensure_toy_assets` builds, deterministically from a seed, and
-caches under ``$GNDPO_CACHE`` (default ``~/.cache/gndpo``):
+Nothing here touches a model hub. :func:`ensure_toy_assets` builds, deterministically from a seed and
+with the same bytes on any x86-64 CPU (:func:`gndpo.pipeline.toys.build.pinned_build`), and caches under
+``$GNDPO_CACHE`` (default ``~/.cache/gndpo``):
 
 * ``tokenizer`` files (character-level WordLevel, saved with ``save_pretrained``) shared by both models,
 * ``teacher/`` and ``student/``: Llama models in Hugging Face format that vLLM and transformers both load,
@@ -18,15 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gndpo.pipeline.exec.dist import usable_cpus
 from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.toys.build import cached_build, pinned_build, use_build_threads
 
 SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
 CHARS = list("0123456789+=")
@@ -58,7 +57,8 @@ class ToySpec:
     student_target: float = 0.15
     teacher_target: float = 0.97
     student_max_steps: int | None = None  # save the student here at the latest (tests use tiny models)
-    assets_version: int = 2  # bumped when the built files change for a given spec (2: BOS in the template)
+    # bumped when the built files change for a given spec (2: BOS in the template; 3: pinned arithmetic)
+    assets_version: int = 3
 
     def key(self) -> str:
         return spec_key(self)
@@ -256,44 +256,9 @@ def greedy_accuracy(model, tok, rows: list[dict], max_new_tokens: int = 8) -> fl
 # -- building and caching ---------------------------------------------------------------------------
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("GNDPO_CACHE", Path.home() / ".cache" / "gndpo"))
-
-
-def cached_build(name: str, build, root: Path | None = None) -> Path:
-    """``root/name`` (default root: :func:`cache_root`), made by ``build(folder)`` first if it is not
-    there (``info.json`` marks a finished build). Builds go to a temporary folder that is renamed into
-    place, so a crashed build leaves nothing and two processes building at once both end with one
-    complete folder."""
-    dest = (root or cache_root()) / name
-    if (dest / "info.json").exists():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
-    try:
-        build(tmp)
-        try:
-            tmp.rename(dest)
-        except OSError:  # another process finished the same build first; theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
-
-
-def use_build_threads() -> None:
-    """Train toys on 2 torch threads where this process may use 2 CPUs (the demo's figures are from 2:
-    the thread count sets the order of float reductions), else on 1. Two threads on one core (a
-    pytest-xdist worker pinned to its core, ``taskset -c 0``) build the same toy about 15 times slower."""
-    import torch
-
-    torch.set_num_threads(min(2, usable_cpus()))
-
-
 def ensure_toy_assets(spec: ToySpec = ToySpec(), log=info) -> Path:
     """Return the folder with the built toy assets, building it first if it is not cached."""
-    return cached_build(f"toy-{spec.key()}", lambda folder: build_toy_assets(spec, folder, log=log))
+    return cached_build(f"toy-{spec.key()}", pinned_build(build_toy_assets, spec, log=log))
 
 
 def build_toy_assets(spec: ToySpec, out: Path, log=info) -> dict:
@@ -361,7 +326,7 @@ def ensure_cross_tokenizer_assets(spec: ToySpec = ToySpec(), log=info) -> Path:
     target again (from scratch, the merged digits make the carry much slower to learn: 0.14 after 2400
     steps where the toy's tokenizer passes 0.97 by step 800). The student and prompts are the toy's."""
     base = ensure_toy_assets(spec, log=log)
-    return cached_build(f"toy-cross-{spec.key()}", lambda folder: build_cross_tokenizer_variant(spec, base, folder, log=log))
+    return cached_build(f"toy-cross-{spec.key()}", pinned_build(build_cross_tokenizer_variant, spec, base, log=log))
 
 
 def build_cross_tokenizer_variant(spec: ToySpec, base: Path, out: Path, log=info) -> dict:

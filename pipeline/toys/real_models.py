@@ -16,7 +16,7 @@ folders, so :func:`convert_gguf` turns a GGUF file into one:
 
 The converted folder loads without the ``gguf`` package, in transformers and in vLLM.
 :func:`ensure_real_model` finds a packaged model by name and caches its folder under ``$GNDPO_CACHE``
-like the toys (:func:`gndpo.pipeline.toys.arithmetic.cached_build`).
+like the toys (:func:`gndpo.pipeline.toys.build.cached_build`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.toys.arithmetic import cache_root, cached_build
+from gndpo.pipeline.toys.build import cache_root, cached_build
 
 # The packaged models: name -> (the module that ships or assembles the GGUF file, how to get its path).
 PACKAGED = {
@@ -62,7 +62,7 @@ def packaged_gguf(name: str, root: Path | None = None) -> Path:
 
 def ensure_real_model(name: str, log=info, root: Path | None = None) -> Path:
     """The converted Hugging Face folder of packaged model ``name``, converting it first if it is not
-    cached (under ``root``, default :func:`gndpo.pipeline.toys.arithmetic.cache_root`)."""
+    cached (under ``root``, default :func:`gndpo.pipeline.toys.build.cache_root`)."""
     source = packaged_gguf(name, root)
     key = hashlib.sha256(f"{source.name}:{source.stat().st_size}:{CONVERTER_VERSION}".encode()).hexdigest()[:12]
     return cached_build(f"{name}-{key}", lambda folder: convert_gguf(source, folder, log=log), root)

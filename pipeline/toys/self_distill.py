@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.toys.real_models import ensure_real_model
-from gndpo.pipeline.toys.arithmetic import cached_build
+from gndpo.pipeline.toys.build import cached_build
 from gndpo.pipeline.tasks.rewards import answer_format
 
 STUDENT = "smollm2-135m-instruct"

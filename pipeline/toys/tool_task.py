@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gndpo.pipeline.toys.arithmetic import (
-    CHAT_TEMPLATE, END_OF_TURN, ModelSpec, cached_build, character_tokenizer, new_model, padded_batch, spec_key, train_supervised,
-    use_build_threads,
+    CHAT_TEMPLATE, END_OF_TURN, ModelSpec, character_tokenizer, new_model, padded_batch, spec_key, train_supervised,
 )
 from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.toys.build import cached_build, pinned_build, use_build_threads
 from gndpo.pipeline.config.schema import DataConfig
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids
 
@@ -55,7 +55,7 @@ class ToolToySpec:
     student_steps: int = 300
     teacher_target: float = 0.97
     context: int = 128
-    assets_version: int = 1
+    assets_version: int = 2  # bumped when the built files change for a given spec (2: pinned arithmetic)
 
     def key(self) -> str:
         return spec_key(self)
@@ -179,7 +179,7 @@ def _all_argmax_right(model, ids, mask):
 
 def ensure_tool_toy_assets(spec: ToolToySpec = ToolToySpec(), log=info) -> Path:
     """Return the folder with the built tool-use toy, building it first if it is not cached."""
-    return cached_build(f"toy-tools-{spec.key()}", lambda folder: build_tool_toy(spec, folder, log=log))
+    return cached_build(f"toy-tools-{spec.key()}", pinned_build(build_tool_toy, spec, log=log))
 
 
 def build_tool_toy(spec: ToolToySpec, out: Path, log=info) -> dict:

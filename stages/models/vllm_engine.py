@@ -29,6 +29,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
 from gndpo.stages.models.device import dtype_name, resolve_dtype
 from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
+from gndpo.pipeline.exec.dist import scoped_environ
 from gndpo.pipeline.exec.signals import ENGINE_OWNER_ENV
 
 GIB = 1 << 30
@@ -111,27 +112,8 @@ def _engine_start_env():
     value for every engine of the process, whatever each one's ``engine.kv_cache_gib`` says. The engine
     core process inherits the environment when it starts (inside ``LLM(...)``), so it is covered too."""
     legacy = os.environ.get(LEGACY_KV_CACHE_ENV)
-    with _environ({LEGACY_KV_CACHE_ENV: None, ENGINE_OWNER_ENV: str(os.getpid())}):
+    with scoped_environ({LEGACY_KV_CACHE_ENV: None, ENGINE_OWNER_ENV: str(os.getpid())}):
         yield legacy
-
-
-@contextmanager
-def _environ(values: dict[str, str | None]):
-    """``os.environ`` with ``values`` set (None: removed) while the block runs, as it was after."""
-    saved = {name: os.environ.get(name) for name in values}
-
-    def apply(settings: dict[str, str | None]) -> None:
-        for name, value in settings.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-    apply(values)
-    try:
-        yield
-    finally:
-        apply(saved)
 
 
 def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0):

@@ -1,0 +1,140 @@
+"""Which demo settings make GNDPO learn on every kernel path and rollout seed? A sweep, then a check.
+
+Every run is `gndpo demo DIR --task TASK --assets ASSETS --set ...` in its own process (3 rounds of
+GNDPO, the task's own config plus the settings under test), on the pinned toy assets, with the kernel
+path set in the process's environment: ``machine`` (what this CPU selects), ``ATEN=default`` (torch's
+portable kernels) and ``ATEN=avx512`` where the CPU has it. The held-out greedy exact match of every
+policy version (start, after each round) and the gradient norms are read back from the run.
+
+* ``sweep``: each candidate setting on the ``machine`` path, rollout seed 0;
+* ``check SETTING``: one setting on every path and rollout seeds 0, 1, 2, against the bar the demo
+  must clear: the final student at least 0.20 above the start in every run, and no round more than
+  0.03 below the one before it.
+
+Results accumulate in results/demo_sweep.json (a run already there is not repeated) and
+results/demo_sweep.md (the tables README quotes).
+
+    .venv/bin/python bench/demo_sweep.py sweep
+    .venv/bin/python bench/demo_sweep.py check lr2e-4
+    .venv/bin/python bench/demo_sweep.py check --task tools default
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, gndpo_cmd, run_timed, save_json  # noqa: E402
+from toy_determinism import capabilities  # noqa: E402
+
+from gndpo.pipeline.apps.compare import method_row  # noqa: E402
+from gndpo.pipeline.apps.demo import TASKS  # noqa: E402
+
+OUT = RESULTS / "demo_sweep.json"
+GAIN, DROP = 0.20, 0.03  # the bar: final - start >= GAIN; no round below the previous by more than DROP
+# name -> overrides of the task's config (the demo's own settings are "default")
+SETTINGS = {
+    "default": [],
+    "lr2e-4": ["train.lr=2e-4"],
+    "lr3e-4": ["train.lr=3e-4"],
+    "lr2e-4,64x128": ["train.lr=2e-4", "train.optimizer_steps=64", "train.micro_batch_size=128"],
+    "lr1e-4,64x128": ["train.lr=1e-4", "train.optimizer_steps=64", "train.micro_batch_size=128"],
+    "lr3e-4,64x128": ["train.lr=3e-4", "train.optimizer_steps=64", "train.micro_batch_size=128"],
+    "lr2e-4,2x samples": ["train.lr=2e-4", "rollout.prompts_per_round=2048", "train.optimizer_steps=64"],
+}
+
+
+def paths() -> dict[str, dict]:
+    """Kernel path name -> the environment of the demo process."""
+    out = {"machine": {}, "ATEN=default": {"ATEN_CPU_CAPABILITY": "default"}}
+    if "avx512" in capabilities():
+        out["ATEN=avx512"] = {"ATEN_CPU_CAPABILITY": "avx512"}
+    return out
+
+
+def run_one(task: str, setting: str, path: str, seed: int) -> dict:
+    """One demo run; its accuracies per policy version, gradient norms and wall time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "demo"
+        argv = gndpo_cmd("-q", "demo", str(folder), "--task", task)
+        for o in [*SETTINGS[setting], f"rollout.seed={seed}"]:
+            argv += ["--set", o]
+        env_before = dict(os.environ)
+        os.environ.update(paths()[path])
+        try:
+            seconds, _ = run_timed(argv, RESULTS / "logs" / f"demo_sweep-{task}-{setting}-{path}-{seed}.log".replace(" ", "_").replace(",", "_"))
+        finally:
+            os.environ.clear()
+            os.environ.update(env_before)
+        final = json.loads((folder / "eval" / "summary.json").read_text())["pass@1"]
+        row = method_row(setting, str(folder / "run"), final)
+    accs = [row[f"acc_r{r}"] for r in range(4)]
+    return {"task": task, "setting": setting, "path": path, "seed": seed, "accuracy": accs,
+            "gain": accs[-1] - accs[0], "worst_drop": max(0.0, *(a - b for a, b in zip(accs, accs[1:]))),
+            "grad_norm_max": row["grad_norm_max"], "seconds": round(seconds, 1)}
+
+
+def passes(run: dict) -> bool:
+    return run["gain"] >= GAIN and run["worst_drop"] <= DROP
+
+
+def load() -> list[dict]:
+    return json.loads(OUT.read_text())["runs"] if OUT.exists() else []
+
+
+def record(runs: list[dict]) -> None:
+    save_json(OUT, {"bar": {"gain": GAIN, "drop": DROP}, "runs": runs})
+    (RESULTS / "demo_sweep.md").write_text(markdown(runs))
+
+
+def markdown(runs: list[dict]) -> str:
+    lines = []
+    for task in dict.fromkeys(r["task"] for r in runs):
+        lines += [f"### {task}", "", "| setting | path | seed | start | round 1 | round 2 | round 3 | gain | worst drop | grad-norm max | passes | seconds |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in runs if r["task"] == task):
+            a = r["accuracy"]
+            lines.append(f"| {r['setting']} | {r['path']} | {r['seed']} | " + " | ".join(f"{x:.3f}" for x in a)
+                         + f" | {r['gain']:+.3f} | {r['worst_drop']:.3f} | {r['grad_norm_max']:.2f} | {'yes' if passes(r) else 'no'} | {r['seconds']:.0f} |")
+        lines.append("")
+        for setting in dict.fromkeys(r["setting"] for r in runs if r["task"] == task):
+            mine = [r for r in runs if r["task"] == task and r["setting"] == setting]
+            if len(mine) > 1:
+                finals = [r["accuracy"][-1] for r in mine]
+                lines.append(f"- {setting}: {len(mine)} runs, final {statistics.mean(finals):.3f} "
+                             f"(min {min(finals):.3f}, max {max(finals):.3f}), gain min {min(r['gain'] for r in mine):+.3f}, "
+                             f"worst drop {max(r['worst_drop'] for r in mine):.3f}, {sum(map(passes, mine))}/{len(mine)} pass")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("sweep", "check"))
+    parser.add_argument("settings", nargs="*", help="settings to run (default: all for sweep)")
+    parser.add_argument("--task", default="addition", choices=list(TASKS))
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args()
+    chosen = args.settings or (list(SETTINGS) if args.mode == "sweep" else ["default"])
+    plan = [(s, "machine", 0) for s in chosen] if args.mode == "sweep" else [
+        (s, p, seed) for s in chosen for p in paths() for seed in range(args.seeds)]
+    runs = load()
+    for setting, path, seed in plan:
+        if any((r["task"], r["setting"], r["path"], r["seed"]) == (args.task, setting, path, seed) for r in runs):
+            continue
+        t0 = time.time()
+        runs.append(run_one(args.task, setting, path, seed))
+        record(runs)
+        print(json.dumps(runs[-1]), f"({time.time() - t0:.0f}s)", flush=True)
+    print(markdown([r for r in runs if r["task"] == args.task]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Do the toy's built bytes depend on the CPU's kernel paths? Builds the demo's toy under each path this
+machine offers and compares the files' sha256.
+
+Torch's own kernels follow ``ATEN_CPU_CAPABILITY`` (default, avx2, avx512 where the CPU has it) and MKL's
+matrix products ``MKL_CBWR`` (its code-path branch; unset: MKL picks by processor). Each variant is a
+full build of the addition toy (``ensure_toy_assets``' spec) in its own process and cache:
+
+* ``machine``: no pins, the paths this CPU selects by itself (how toys were built before pinning);
+* one variant per other path, unpinned otherwise (what another CPU type would have selected);
+* ``pinned``: the build as gndpo runs it (``PINNED_ARITHMETIC``), from a caller whose environment
+  names each other path (the pins must win), on 2 threads and on 1 core.
+
+Writes results/toy_determinism.{json,md}: per variant, the sha256 of the student's and the teacher's
+weights, their held-out exact match and checkpoint steps, and the build's wall time.
+
+    .venv/bin/python bench/toy_determinism.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, save_json  # noqa: E402
+
+BUILD = """
+import json, sys
+from gndpo.pipeline.toys.arithmetic import ToySpec, build_toy_assets
+from gndpo.pipeline.toys.build import cached_build, pinned_build
+environment = json.loads(sys.argv[1])
+spec = ToySpec()
+folder = cached_build(f"toy-{spec.key()}", pinned_build(build_toy_assets, spec, log=lambda _: None, environment=environment))
+print(folder)
+"""
+
+
+def capabilities() -> list[str]:
+    """The ATen kernel paths this CPU can run (avx512 needs the AVX-512 F/BW/VL/DQ flags)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    paths = ["default"]
+    if "avx2" in flags:
+        paths.append("avx2")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        paths.append("avx512")
+    return paths
+
+
+def variants() -> list[dict]:
+    """(name, environment the build process gets, caller environment, one core?)"""
+    unset = {"ATEN_CPU_CAPABILITY": None, "MKL_CBWR": None}
+    out = [{"name": "machine", "build_env": unset, "caller_env": {}, "one_core": False}]
+    for cap in capabilities():
+        out.append({"name": f"ATEN={cap}", "build_env": {**unset, "ATEN_CPU_CAPABILITY": cap}, "caller_env": {}, "one_core": False})
+    for branch in ("COMPATIBLE", "AVX2"):
+        out.append({"name": f"MKL_CBWR={branch}", "build_env": {**unset, "MKL_CBWR": branch}, "caller_env": {}, "one_core": False})
+    out.append({"name": "pinned", "build_env": None, "caller_env": {}, "one_core": False})
+    out.append({"name": "pinned, 1 core", "build_env": None, "caller_env": {}, "one_core": True})
+    for cap in capabilities()[1:]:
+        caller = {"ATEN_CPU_CAPABILITY": cap, "MKL_CBWR": "AVX2"}
+        out.append({"name": f"pinned, caller ATEN={cap} MKL_CBWR=AVX2", "build_env": None, "caller_env": caller, "one_core": False})
+    return out
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build(variant: dict) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, **variant["caller_env"], "GNDPO_CACHE": cache}
+        core = sorted(os.sched_getaffinity(0))[0]
+        t0 = time.time()
+        proc = subprocess.run(
+            [sys.executable, "-c", BUILD, json.dumps(variant["build_env"])], env=env, capture_output=True, text=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if variant["one_core"] else None,
+        )
+        seconds = time.time() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"{variant['name']}: build failed\n{proc.stderr[-3000:]}")
+        folder = Path(proc.stdout.strip().splitlines()[-1])
+        info = json.loads((folder / "info.json").read_text())
+        return {
+            "variant": variant["name"],
+            "student_sha256": sha256(folder / "student" / "model.safetensors"),
+            "teacher_sha256": sha256(folder / "teacher" / "model.safetensors"),
+            "student_heldout": info["student_heldout_accuracy"], "student_steps": info["student_steps"],
+            "teacher_heldout": info["teacher_heldout_accuracy"], "teacher_steps": info["teacher_steps"],
+            "seconds": round(seconds, 1),
+        }
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| build | student sha256 | teacher sha256 | student (steps) | teacher (steps) | seconds |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | `{r['student_sha256'][:12]}` | `{r['teacher_sha256'][:12]}` | "
+            f"{r['student_heldout']:.3f} ({r['student_steps']}) | {r['teacher_heldout']:.3f} ({r['teacher_steps']}) | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    rows = []
+    for variant in variants():
+        rows.append(build(variant))
+        print(json.dumps(rows[-1]), flush=True)
+    pinned = {(r["student_sha256"], r["teacher_sha256"]) for r in rows if r["variant"].startswith("pinned")}
+    result = {"cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(), "rows": rows,
+              "pinned_identical": len(pinned) == 1,
+              "unpinned_distinct": len({(r["student_sha256"], r["teacher_sha256"]) for r in rows if not r["variant"].startswith("pinned")})}
+    save_json(RESULTS / "toy_determinism.json", result)
+    (RESULTS / "toy_determinism.md").write_text(f"CPU: {result['cpu_model']}\n\n" + markdown(rows))
+    print(markdown(rows))
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+if __name__ == "__main__":
+    main()

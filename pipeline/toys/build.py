@@ -1,0 +1,106 @@
+"""Building and caching the toys' assets: a cache folder per build, and pinned arithmetic for training.
+
+A toy trained from scratch is a long chain of float operations, and the CPU picks the kernels: torch's
+own kernels follow the instruction set (``ATEN_CPU_CAPABILITY``: default, avx2, avx512) and MKL's
+matrix products choose a code path by processor. Measured on one AMD EPYC (AVX2) over 100 toy steps,
+each of the two changes the weights' bits on its own, while 1 or 2 threads do not. So the same seed
+gave a different teacher and student on every CPU type, and the demo's table with them.
+:func:`pinned_build` runs a build in a fresh process whose arithmetic is fixed to the paths every x86-64
+machine has: torch's portable kernels and MKL's SSE2-compatible path (conditional numerical
+reproducibility). It costs about twice the build time (``bench/toy_determinism.py`` measures both).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import tempfile
+import traceback
+from pathlib import Path
+
+from gndpo.pipeline.exec.dist import scoped_environ, usable_cpus
+from gndpo.pipeline.observe.logs import info
+
+# Read by torch and MKL when they load, hence set for a fresh process. OMP/MKL thread counts follow
+# torch.set_num_threads in use_build_threads.
+PINNED_ARITHMETIC = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GNDPO_CACHE", Path.home() / ".cache" / "gndpo"))
+
+
+def cached_build(name: str, build, root: Path | None = None) -> Path:
+    """``root/name`` (default root: :func:`cache_root`), made by ``build(folder)`` first if it is not
+    there (``info.json`` marks a finished build). Builds go to a temporary folder that is renamed into
+    place, so a crashed build leaves nothing and two processes building at once both end with one
+    complete folder."""
+    dest = (root or cache_root()) / name
+    if (dest / "info.json").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process finished the same build first; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def use_build_threads() -> None:
+    """Train toys on 2 torch threads where this process may use 2 CPUs, else on 1 (the same bits either
+    way under the pinned arithmetic: bench/toy_determinism.py checks both). Two threads on one core (a
+    pytest-xdist worker pinned to its core, ``taskset -c 0``) build the same toy about 15 times slower."""
+    import torch
+
+    torch.set_num_threads(min(2, usable_cpus()))
+
+
+def pinned_build(build, *args, log=info, environment: dict | None = None):
+    """A ``folder -> result`` function for :func:`cached_build` that runs ``build(*args, folder)`` in a
+    fresh process with :data:`PINNED_ARITHMETIC` (or ``environment``, for the determinism bench; None removes a variable) and
+    passes the child's log lines to ``log``. ``build`` must be a module-level function; a failure in the
+    child is raised here with the child's traceback."""
+
+    def run(folder: Path):
+        ctx = multiprocessing.get_context("spawn")
+        receive, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_build_child, args=(send, build, folder, args), daemon=True)
+        with scoped_environ(PINNED_ARITHMETIC if environment is None else environment):
+            child.start()  # spawn copies os.environ now: torch and MKL load in the child under it
+        send.close()
+        try:
+            while True:
+                try:
+                    kind, payload = receive.recv()
+                except EOFError:
+                    raise RuntimeError(f"the toy build process died (exit code {child.exitcode})") from None
+                if kind == "log":
+                    log(payload)
+                elif kind == "error":
+                    raise RuntimeError(f"the toy build failed:\n{payload}")
+                else:
+                    return payload
+        finally:
+            if child.is_alive():
+                child.terminate()
+            child.join()
+
+    return run
+
+
+def _build_child(send, build, folder: Path, args: tuple) -> None:
+    """The build process: run ``build``, sending its log lines, then its result or the traceback."""
+    try:
+        result = build(*args, folder, log=lambda message: send.send(("log", message)))
+        send.send(("done", result))
+    except BaseException:
+        send.send(("error", traceback.format_exc()))
+    finally:
+        send.close()

@@ -48,6 +48,12 @@ SETTINGS = {
     "lr1e-4,64x128": ["train.lr=1e-4", "train.optimizer_steps=64", "train.micro_batch_size=128"],
     "lr3e-4,64x128": ["train.lr=3e-4", "train.optimizer_steps=64", "train.micro_batch_size=128"],
     "lr2e-4,2x samples": ["train.lr=2e-4", "rollout.prompts_per_round=2048", "train.optimizer_steps=64"],
+    # cosine: each round's lr falls from lr to lr/10 over its steps
+    "lr2e-4,cos": ["train.lr=2e-4", "train.lr_schedule=cosine"],
+    "lr3e-4,cos": ["train.lr=3e-4", "train.lr_schedule=cosine"],
+    "lr4e-4,cos": ["train.lr=4e-4", "train.lr_schedule=cosine"],
+    "lr3e-4,cos,64x128": ["train.lr=3e-4", "train.lr_schedule=cosine", "train.optimizer_steps=64", "train.micro_batch_size=128"],
+    "lr3e-4,cos,2x samples": ["train.lr=3e-4", "train.lr_schedule=cosine", "rollout.prompts_per_round=2048", "train.optimizer_steps=64"],
 }
 
 
@@ -69,7 +75,7 @@ def run_one(task: str, setting: str, path: str, seed: int) -> dict:
         env_before = dict(os.environ)
         os.environ.update(paths()[path])
         try:
-            seconds, _ = run_timed(argv, RESULTS / "logs" / f"demo_sweep-{task}-{setting}-{path}-{seed}.log".replace(" ", "_").replace(",", "_"))
+            seconds, _ = run_timed(argv, Path(tmp) / "demo.log")  # its tail is raised if the demo fails
         finally:
             os.environ.clear()
             os.environ.update(env_before)

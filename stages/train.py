@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -218,6 +219,23 @@ def optimizer_step(engine, objective: Objective, step: Step, world: int, zero_st
     }
 
 
+def round_lr(tc, step: int, n_steps: int) -> float:
+    """The learning rate of the round's optimizer step ``step`` (0-based) of ``n_steps``: ``tc.lr``, or with
+    ``tc.lr_schedule`` cosine, half a cosine from ``tc.lr`` at the first step to ``tc.lr * tc.lr_min_ratio``
+    at the last. A function of the step alone, so a resumed round continues on the same schedule."""
+    if tc.lr_schedule == "constant" or n_steps < 2:
+        return tc.lr
+    floor = tc.lr * tc.lr_min_ratio
+    return floor + (tc.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * step / (n_steps - 1)))
+
+
+def set_learning_rate(engine, lr: float) -> None:
+    """Every parameter group of the engine's optimizer steps at ``lr`` from now on (DeepSpeed's own
+    schedulers set ``param_groups`` the same way; its ZeRO optimizers pass them to the wrapped one)."""
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
 def advantage_range(share: RoundShare) -> dict:
     """Advantage min/max/mean/std over the tokens with a policy-gradient term, over all ranks (None
     for pure divergence methods); collective."""
@@ -307,8 +325,10 @@ class TrainJob:
         with progress.task(f"train r{self.round}", total=len(update.steps), unit="steps") as bar:
             bar.advance(len(history))
             for i in range(len(history), len(update.steps)):
+                lr = round_lr(self.cfg.train, i, len(update.steps))
+                set_learning_rate(update.engine, lr)
                 step = optimizer_step(update.engine, update.objective, update.steps[i], self.dist.world, self.cfg.train.zero_stage)
-                history.append(step)
+                history.append({**step, "lr": lr})
                 if update.ema is not None:
                     update.ema.update(update.engine.module)
                 logging.getLogger(__name__).debug(

@@ -210,3 +210,25 @@ def test_bfloat16_score_storage(method_run):
     # bf16 keeps 8 significant bits: a relative error of at most 2^-9, plus the sampler's own ~1e-4.
     assert np.all(np.abs(student - sampler) <= np.abs(sampler) * 2**-8 + 1e-3)
     assert_trained(run)
+
+
+def test_cosine_lr_schedule_over_the_round(tmp_path, tiny_assets, rollout_dir):
+    """train.lr_schedule cosine: step i of n trains at lr_min + (lr - lr_min)(1 + cos(pi i/(n-1)))/2, the
+    lr each step records, and the DeepSpeed engine's optimizer ends the round at lr * lr_min_ratio."""
+    from gndpo.stages.models.live import LiveModels
+
+    run = tmp_path / "run"
+    invoke_ok("init", run, "--config", write_config(tmp_path, tiny_assets, {"name": "gndpo"}),
+              "train.lr_schedule=cosine", "train.lr=1e-3", "train.lr_min_ratio=0.2", "train.optimizer_steps=4", "train.micro_batch_size=8")
+    shutil.copytree(rollout_dir, run / "rounds" / "r0000" / "rollout")
+    live = LiveModels(keep=True)
+    try:
+        run_stages(run, "score", "normalize", "train", live=live)
+        optimizer_lrs = {group["lr"] for group in live._trainer.engine.optimizer.param_groups}
+    finally:
+        live.close()
+    steps = open_run(str(run)).records(0, "train").done("update")["steps"]
+    want = [2e-4 + 8e-4 * (1 + math.cos(math.pi * i / 3)) / 2 for i in range(4)]
+    assert [s["lr"] for s in steps] == pytest.approx(want, rel=1e-12)
+    assert want[0] == pytest.approx(1e-3) and want[-1] == pytest.approx(2e-4)
+    assert len(optimizer_lrs) == 1 and optimizer_lrs.pop() == pytest.approx(2e-4, rel=1e-12)

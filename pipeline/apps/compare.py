@@ -86,11 +86,9 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
             # allow (`gndpo fork`), so every method starts from identical samples.
             first = str(method_folder(out_dir, 0, labels[0], seed, seeds) / "run") if i else None
             demo_rows = run_demo(str(folder), rounds, [*overrides, *seeded, *method_overrides], assets=assets, log=log, fork_from=first)
-            per_seed.append({**method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"]), "seed": seed})
+            row = method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"])
+            per_seed.append({**row, "seed": seed} if seeds > 1 else row)
     rows = [seed_mean([r for r in per_seed if r["method"] == label]) for label in labels] if seeds > 1 else per_seed
-    if seeds == 1:
-        for r in rows:
-            r.pop("seed")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"rounds": rounds, "overrides": list(overrides), "seeds": seeds, "rows": rows}
     if seeds > 1:

@@ -90,7 +90,7 @@ def run_one(task: str, setting: str, path: str, seed: int) -> dict:
         with scoped_environ(paths()[path]):
             seconds, _ = run_timed(argv, Path(tmp) / "demo.log")  # its tail is raised if the demo fails
         final = json.loads((folder / "eval" / "summary.json").read_text())["pass@1"]
-        row = method_row(setting, str(folder / "run"), final)
+        row, _ = method_row(setting, str(folder / "run"), final)
     accs = [row[f"acc_r{r}"] for r in range(4)]
     return {"task": task, "setting": setting, "path": path, "seed": seed, "accuracy": accs,
             # accuracies are counts over 500 prompts: rounded, so a drop of exactly 0.03 is not 0.030000000000000027

@@ -16,8 +16,10 @@ def compare(
     overrides: Optional[List[str]] = typer.Option(None, "--set", help="Config override for every method (repeatable)."),
     assets: Optional[str] = typer.Option(None, "--assets", help="Use this prebuilt toy assets folder instead of building."),
     seeds: int = typer.Option(1, "--seeds", min=1, help="Rollout seeds per method (rollout.seed 0..N-1); cells give mean and standard deviation."),
+    task: str = typer.Option("addition", "--task", help="The demo task every method runs (see gndpo demo --task): addition (the default), "
+        "tools, cross-tokenizer or self-distill."),
 ):
-    """Run several methods on the toy task for the same rounds; print held-out accuracy and stability."""
+    """Run several methods on a demo task for the same rounds; print held-out scores and stability."""
     with stdout_kept_for_data():
-        table = run_compare(methods, out, rounds, overrides or [], assets=assets, seeds=seeds)
+        table = run_compare(methods, out, rounds, overrides or [], assets=assets, seeds=seeds, task=task)
     echo_table(table)

@@ -187,6 +187,21 @@ def test_example_reward_is_a_reward(monkeypatch):
     assert reward("The capital is Paris.", {"answer": "paris"}) == 1.0 and reward("Lyon", {"answer": "paris"}) == 0.0
 
 
+def test_compare_stability_figures():
+    """The gradient-norm figures of some optimizer steps, against hand computation: the 99th percentile
+    interpolates between the two largest norms, a step counts as clipped when its norm exceeds the clip,
+    and without a clip there is no clipped share."""
+    from gndpo.pipeline.apps.compare import stability
+
+    got = stability([0.5, 2.0, 1.0, 3.0], grad_clip=1.0)
+    # sorted 0.5, 1, 2, 3: the 99th percentile sits at position 0.99 * 3 = 2.97, 97% of the way from 2 to 3
+    assert got["grad_norm_p99"] == pytest.approx(2.97) and got["grad_norm_max"] == 3.0
+    assert got["clipped_steps"] == 0.5  # 2.0 and 3.0 exceed 1.0; 1.0 itself does not
+    assert got["grad_norm_std"] == pytest.approx(((0.5 - 1.625) ** 2 + 0.375**2 + 0.625**2 + 1.375**2) ** 0.5 / 2)
+    assert stability([0.5, 2.0], grad_clip=0.0)["clipped_steps"] is None
+    assert set(stability([], grad_clip=1.0).values()) == {None}
+
+
 def test_compare_folders_and_table_with_and_without_seeds(tmp_path):
     """One seed keeps a method's demo in <index>-<method>/; several put each seed in seed-<s>/ inside
     it. The Markdown shows a column with a _sd partner as mean ± sd."""

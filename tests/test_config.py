@@ -188,3 +188,44 @@ def test_a_config_is_frozen_and_load_config_resolves_paths_without_changing_it(t
         cfg.method = cfg.method
     changed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=1.0))
     assert changed.train.lr == 1.0 and cfg.train.lr != 1.0
+
+
+def test_override_paths_resolve_against_the_current_folder_and_the_files_against_its_folder(tmp_path, monkeypatch):
+    """`student=./smol` on the command line means ./smol where the user stands; the file's own relative
+    paths stay relative to the file (a user's report: the override resolved to cfg/smol)."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "here").mkdir()
+    path = write_config(tmp_path / "cfg", {"student": "./s", "teachers": {"small": "./t"}, "data": {"train": "train.jsonl"}})
+    monkeypatch.chdir(tmp_path / "here")
+    cfg = load_config(str(path), ["student=./smol", "data.heldout=held.jsonl", "teachers.big=../big"])
+    assert cfg.student == str(tmp_path / "here" / "smol") and cfg.data.heldout == str(tmp_path / "here" / "held.jsonl")
+    assert cfg.data.train == str(tmp_path / "cfg" / "train.jsonl")
+    assert cfg.teachers == {"small": str(tmp_path / "cfg" / "t"), "big": str(tmp_path / "big")}
+
+
+REWARD_MODULE = "def mentions_answer(response, row):\n    return float(str(row['answer']) in response)\n"
+
+
+@pytest.mark.parametrize("where", ["config folder", "current folder"])
+def test_a_custom_reward_beside_the_config_or_in_the_current_folder_imports(tmp_path, tiny_assets, monkeypatch, where):
+    """A user's `reward: <module>:<function>` imports from the config file's folder and from the folder
+    init runs in, without PYTHONPATH (which used to be the only way); init records both folders in the
+    run, and a process that opens the run later (a stage, another worker) imports the reward from there."""
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))  # what init adds does not leak into other tests
+    module = f"user_reward_{where.split()[0]}"  # a module name no other test imports
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "work").mkdir()
+    ((tmp_path / "cfg") if where == "config folder" else (tmp_path / "work")).joinpath(f"{module}.py").write_text(REWARD_MODULE)
+    path = write_config(tmp_path / "cfg", tiny_config_dict(tiny_assets, reward=f"{module}:mentions_answer"))
+    monkeypatch.chdir(tmp_path / "work")
+    result = runner.invoke(app, ["init", str(tmp_path / "run"), "--config", str(path)])
+    assert result.exit_code == 0, result.output
+    recorded = yaml.safe_load((tmp_path / "run" / "run.yaml").read_text())["plugin_dirs"]
+    assert recorded == [str(tmp_path / "cfg"), str(tmp_path / "work")]
+    # A fresh process knows nothing of init's import path: it opens the run and scores with the reward.
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in recorded])
+    __import__("sys").modules.pop(module, None)
+    from gndpo.pipeline.tasks.rewards import run_rewards
+
+    rewards = run_rewards(open_run(str(tmp_path / "run")).cfg)
+    assert rewards[f"{module}:mentions_answer"]("it is 42", {"answer": 42}) == 1.0

@@ -259,12 +259,20 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
             assert r["adv_min"] >= -5.0 and r["adv_max"] <= 5.0  # OPD's clamp
         else:
             assert r["adv_min"] is None  # a pure divergence loss has no policy-gradient advantage
+    # Per round of every run: the score it started from and its steps' figures, which the run's row sums up.
+    for r in runs:
+        mine = [p for p in summary["per_round"] if (p["method"], p["seed"]) == (r["method"], r["seed"])]
+        assert [p["round"] for p in mine] == [0] and mine[0]["heldout_start"] == r["acc_r0"]
+        assert mine[0]["grad_norm_max"] == r["grad_norm_max"] and mine[0]["grad_norm_p99"] <= r["grad_norm_max"]
+        assert mine[0]["clipped_steps"] in (0.0, 0.5, 1.0) and mine[0]["kl_estimate"] > 0  # 2 steps, clip 1.0
     assert (cmp / "compare.md").read_text().startswith("| method | seeds |") and " ± " in (cmp / "compare.md").read_text()
     bad = gndpo("compare", "opd", "nope", "--out", tmp_path / "bad", check=False)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "unknown method 'nope'" in bad.stderr
     assert not (tmp_path / "bad").exists()
     bad = gndpo("compare", "opd", "--seeds", "2", "--set", "rollout.seed=3", "--out", tmp_path / "bad2", check=False)
     assert bad.returncode == 1 and "rollout.seed" in bad.stderr and not (tmp_path / "bad2").exists()
+    bad = gndpo("compare", "opd", "--task", "nope", "--out", tmp_path / "bad3", check=False)
+    assert bad.returncode == 1 and "unknown demo task 'nope'" in bad.stderr and not (tmp_path / "bad3").exists()
     # The report: one series per method, the mean of its seeds with their band.
     series = find_runs(str(cmp))
     assert [s.label for s in series] == ["opd", "forward_kl"] and all(len(s.members) == 2 for s in series)

@@ -1,14 +1,16 @@
-"""`gndpo compare`: several methods on the toy task, same rounds, one table.
+"""`gndpo compare`: several methods on one demo task, same rounds, one table.
 
-Each method runs the demo's experiment (pipeline/apps/demo.yaml, the same toy assets, seeds and budget)
-with ``method.name`` and its own overrides, in its own folder ``<out>/<label>/``. Methods after the first
-are forks of the first method's run at round 0 (:mod:`gndpo.pipeline.apps.fork`): they score and train on
-its round-0 rollouts, not merely on rollouts sampled with the same seeds (a method whose overrides change
-the rollout settings samples its own). The table reports, per
-method, the held-out exact match of every policy version (start, after each round) and stability
-figures over all optimizer steps of all rounds: the maximum and the standard deviation of the
-pre-clip gradient norm, and the range of the policy-gradient advantages (none for pure divergence
-losses). Everything is read back from the runs' committed manifests.
+Each method runs the demo's experiment for the task (the addition toy by default, or ``--task
+self-distill`` on SmolLM2; the same assets, seeds and budget) with ``method.name`` and its own
+overrides, in its own folder ``<out>/<label>/``. Methods after the first are forks of the first method's
+run at round 0 (:mod:`gndpo.pipeline.apps.fork`): they score and train on its round-0 rollouts, not
+merely on rollouts sampled with the same seeds (a method whose overrides change the rollout settings
+samples its own). The table reports, per method, the held-out score of every policy version (start,
+after each round) and stability figures over all optimizer steps of all rounds: the maximum, 99th
+percentile and standard deviation of the pre-clip gradient norm, the share of steps whose norm the
+clip (``train.grad_clip``) cut, and the range of the policy-gradient advantages (none for pure
+divergence losses). ``compare.json`` also holds the same figures per round of every run. Everything is
+read back from the runs' committed manifests.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.apps.demo import run_demo
+from gndpo.pipeline.apps.demo import TASKS, run_demo
 from gndpo.pipeline.methods import get_method
+from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.observe.logs import info
 
@@ -35,36 +38,59 @@ def parse_entry(entry: str) -> tuple[str, str, list[str]]:
     return entry if overrides else name, name, [f"method.name={name}", *overrides]
 
 
-def method_row(label: str, run_url: str, final_accuracy: float) -> dict:
-    """One table row from a finished run's manifests."""
+def round_rows(run_url: str) -> tuple[list[dict], list[float]]:
+    """Per round of a finished run: the held-out score of the policy it started from, the sampled
+    reward and KL(student||teacher) estimate, and for a trained round its optimizer steps' stability
+    figures (:func:`stability`) and advantage range; and the pre-clip gradient norms of every step of
+    every round, in order."""
     run = open_run(run_url)
-    row: dict = {"method": label}
-    norms, adv_lo, adv_hi = [], [], []
-    r = 0
-    while (m := run.records(r, "rollout").manifest()) is not None:
-        row[f"acc_r{r}"] = m["metrics"].get("heldout_accuracy")
-        train = run.records(r, "train")
-        if train.manifest() is not None:
-            commit = train.done("update")
-            norms += [s["grad_norm"] for s in commit["steps"]]
-            if commit.get("adv_min") is not None:
-                adv_lo.append(commit["adv_min"])
-                adv_hi.append(commit["adv_max"])
-        r += 1
-    row[f"acc_r{r}"] = final_accuracy
-    norms = np.asarray(norms, dtype=np.float64)
-    row["grad_norm_max"] = float(norms.max()) if norms.size else None
-    row["grad_norm_std"] = float(norms.std()) if norms.size else None
+    by = {(m["round"], m["stage"]): m for m in collect_metrics(run)}
+    rows, all_norms = [], []
+    for r in range(committed_rounds(run)):
+        if (r, "rollout") not in by:
+            break
+        row = {"round": r, "heldout_start": by[(r, "rollout")].get("heldout_accuracy"),
+               "reward_mean": by.get((r, "normalize"), {}).get("reward_mean"),
+               "kl_estimate": by.get((r, "normalize"), {}).get("reverse_kl_estimate")}
+        if (r, "train") in by:
+            commit = run.records(r, "train").done("update")
+            norms = [s["grad_norm"] for s in commit["steps"]]
+            row.update(stability(norms, run.cfg.train.grad_clip), adv_min=commit.get("adv_min"), adv_max=commit.get("adv_max"))
+            all_norms += norms
+        rows.append(row)
+    return rows, all_norms
+
+
+def stability(grad_norms: list[float], grad_clip: float) -> dict:
+    """Pre-clip gradient-norm figures of some optimizer steps: max, 99th percentile (linear
+    interpolation between order statistics), standard deviation, and the share of steps whose norm
+    exceeded ``grad_clip`` (None without clipping)."""
+    norms = np.asarray(grad_norms, dtype=np.float64)
+    if not norms.size:
+        return {"grad_norm_max": None, "grad_norm_p99": None, "grad_norm_std": None, "clipped_steps": None}
+    return {"grad_norm_max": float(norms.max()), "grad_norm_p99": float(np.percentile(norms, 99)),
+            "grad_norm_std": float(norms.std()), "clipped_steps": float(np.mean(norms > grad_clip)) if grad_clip > 0 else None}
+
+
+def method_row(label: str, run_url: str, final_accuracy: float) -> tuple[dict, list[dict]]:
+    """One table row from a finished run's manifests (held-out score per policy version, stability over
+    every optimizer step of every round), and the run's per-round rows (:func:`round_rows`)."""
+    rounds, norms = round_rows(run_url)
+    row: dict = {"method": label, **{f"acc_r{r['round']}": r["heldout_start"] for r in rounds}, f"acc_r{len(rounds)}": final_accuracy}
+    row.update(stability(norms, open_run(run_url).cfg.train.grad_clip))
+    adv_lo = [r["adv_min"] for r in rounds if r.get("adv_min") is not None]
+    adv_hi = [r["adv_max"] for r in rounds if r.get("adv_max") is not None]
     row["adv_min"] = min(adv_lo) if adv_lo else None
     row["adv_max"] = max(adv_hi) if adv_hi else None
-    return row
+    return row, rounds
 
 
 def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] = (), assets: str | None = None, log=info,
-                seeds: int = 1) -> list[dict]:
-    """Run every method (resuming any that already ran) with ``seeds`` rollout seeds (``rollout.seed``
-    0 .. seeds-1) and return the comparison table: one row per method, each cell the mean over seeds
-    with its sample standard deviation beside it (``<column>_sd``) when there is more than one."""
+                seeds: int = 1, task: str = "addition") -> list[dict]:
+    """Run every method on the demo ``task`` (resuming any that already ran) with ``seeds`` rollout
+    seeds (``rollout.seed`` 0 .. seeds-1) and return the comparison table: one row per method, each
+    cell the mean over seeds with its sample standard deviation beside it (``<column>_sd``) when there
+    is more than one."""
     parsed = [parse_entry(e) for e in entries]  # every name checked before anything runs
     if not parsed:
         raise GndpoError("compare: name at least one method")
@@ -75,8 +101,10 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
         raise GndpoError("compare: --seeds must be at least 1")
     if seeds > 1 and any(o.split("=", 1)[0].strip() == "rollout.seed" for o in [*overrides, *(o for p in parsed for o in p[2])]):
         raise GndpoError("compare: --seeds sets rollout.seed for each run; leave rollout.seed out of the overrides")
+    if task not in TASKS:
+        raise GndpoError(f"unknown demo task {task!r} (tasks: {', '.join(TASKS)})")
     out_dir = Path(out).resolve()
-    per_seed = []
+    per_seed, per_round = [], []
     for i, (label, _, method_overrides) in enumerate(parsed):
         for seed in range(seeds):
             log(f"compare: {label} ({i + 1}/{len(parsed)})" + (f", seed {seed} ({seed + 1}/{seeds})" if seeds > 1 else ""))
@@ -85,14 +113,17 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
             # Methods after the first replay its round-0 rollouts of the same seed where their settings
             # allow (`gndpo fork`), so every method starts from identical samples.
             first = str(method_folder(out_dir, 0, labels[0], seed, seeds) / "run") if i else None
-            demo_rows = run_demo(str(folder), rounds, [*overrides, *seeded, *method_overrides], assets=assets, log=log, fork_from=first)
-            row = method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"])
+            demo_rows = run_demo(str(folder), rounds, [*overrides, *seeded, *method_overrides], assets=assets, log=log,
+                                 fork_from=first, task=task)
+            row, by_round = method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"])
             per_seed.append({**row, "seed": seed} if seeds > 1 else row)
+            per_round += [{"method": label, "seed": seed, **r} for r in by_round]
     rows = [seed_mean([r for r in per_seed if r["method"] == label]) for label in labels] if seeds > 1 else per_seed
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"rounds": rounds, "overrides": list(overrides), "seeds": seeds, "rows": rows}
+    summary = {"task": task, "rounds": rounds, "overrides": list(overrides), "seeds": seeds, "rows": rows}
     if seeds > 1:
         summary["runs"] = per_seed
+    summary["per_round"] = per_round
     (out_dir / "compare.json").write_text(json.dumps(summary, indent=1))
     (out_dir / "compare.md").write_text(markdown_table(rows))
     return rows

@@ -112,7 +112,7 @@ def run_demo(
         raise GndpoError(f"{assets} is not a toy assets folder (no info.json)")
     data = demo_config_data(assets, config, models)
     # Checked before anything is written: a bad --set leaves no folder behind.
-    cfg = build_config(copy.deepcopy(data), [*task_overrides, *overrides], out)
+    cfg = build_config(copy.deepcopy(data), [*task_overrides, *overrides], Path.cwd())
     info = json.loads((assets / "info.json").read_text())
     log(f"toy assets: {assets} (teacher {info['teacher_heldout_accuracy']:.3f}, student {info['student_heldout_accuracy']:.3f} held-out exact match)")
     write_demo_config(out, assets, data=data)

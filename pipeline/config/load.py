@@ -1,15 +1,17 @@
-"""Reading a config: a YAML file, ``key=value`` overrides, and model and data paths made absolute
-relative to the file; the result is built and checked by :func:`gndpo.pipeline.config.schema.config_from_dict`."""
+"""Reading a config: a YAML file, ``key=value`` overrides, and model and data paths made absolute (the
+file's relative to the file's folder, an override's relative to the current folder, as a shell user
+expects); the result is built and checked by :func:`gndpo.pipeline.config.schema.config_from_dict`."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import yaml
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import SELF_TEACHER, Config, config_from_dict
+from gndpo.pipeline.tasks.plugins import use_plugin_dirs
+
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``a.b=value`` overrides (values parsed as YAML scalars) to a nested dict."""
@@ -28,9 +30,13 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    """Read a YAML config, apply overrides, and resolve model and data paths relative to the file."""
+    """Read a YAML config and apply overrides. Relative model and data paths in the file resolve against
+    the file's folder, those in overrides against the current folder. User plugins (rewards, tools named
+    ``module:function``) import from ``plugin_dirs``: by default the config file's folder and the current
+    folder, recorded as absolute paths so every later stage and worker imports them from there too."""
     data: dict = {}
-    base = Path.cwd()
+    cwd = Path.cwd()
+    base = cwd
     if path:
         p = Path(path)
         if not p.is_file():
@@ -39,21 +45,42 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as exc:
             raise GndpoError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise GndpoError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
         base = p.resolve().parent
-    return build_config(data, overrides, base)
+    data = resolve_paths(data, base)
+    dirs = data.get("plugin_dirs") or [str(base), str(cwd)]
+    if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+        raise GndpoError(f"plugin_dirs must be a list of folders, got {dirs!r}")
+    data["plugin_dirs"] = list(dict.fromkeys(str((base / Path(d).expanduser()).resolve()) for d in dirs))
+    use_plugin_dirs(data["plugin_dirs"])
+    return build_config(data, overrides, cwd)
 
 
 def build_config(data: dict, overrides: list[str], base: Path) -> Config:
     """The checked config of ``data`` (a YAML file's content) with ``overrides`` applied, its relative
     model and data paths resolved against ``base``."""
-    cfg = config_from_dict(apply_overrides(data, list(overrides)))
-    return dataclasses.replace(
-        cfg,
-        student=_resolve(cfg.student, base),
-        teacher=cfg.teacher if cfg.teacher == SELF_TEACHER else _resolve(cfg.teacher, base),
-        teachers={name: _resolve(path, base) for name, path in cfg.teachers.items()},
-        data=dataclasses.replace(cfg.data, train=_resolve(cfg.data.train, base), heldout=_resolve(cfg.data.heldout, base)),
-    )
+    return config_from_dict(resolve_paths(apply_overrides(data, list(overrides)), base))
+
+
+# Settings that name a local model or data file: (section or None, key).
+PATH_KEYS = ((None, "student"), (None, "teacher"), ("data", "train"), ("data", "heldout"))
+
+
+def resolve_paths(data: dict, base: Path) -> dict:
+    """``data`` with its relative model and data paths (``student``, ``teacher`` unless ``self``, every
+    entry of ``teachers``, ``data.train``, ``data.heldout``) made absolute against ``base``; values of
+    the wrong type are left for the schema to refuse."""
+    data = dict(data)
+    for section, key in PATH_KEYS:
+        node = data if section is None else data.get(section)
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key] != SELF_TEACHER:
+            if section is not None:
+                node = data[section] = dict(node)
+            node[key] = _resolve(node[key], base)
+    if isinstance(data.get("teachers"), dict):
+        data["teachers"] = {name: _resolve(v, base) if isinstance(v, str) else v for name, v in data["teachers"].items()}
+    return data
 
 
 def _resolve(value: str, base: Path) -> str:

@@ -366,6 +366,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Folders user plugins (rewards, tools named module:function) import from; `gndpo init` records the
+    # config file's folder and the current folder, as absolute paths, unless the config names its own.
+    plugin_dirs: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -376,8 +379,9 @@ class Config:
         return dict(self.teachers) if self.teachers else {self.teacher: self.teacher}
 
     def fingerprint(self) -> str:
-        """The run's identity: every setting that changes what is computed (``logging`` is left out)."""
-        settings = {k: v for k, v in self.to_dict().items() if k != "logging"}
+        """The run's identity: every setting that changes what is computed (``logging`` and where plugins
+        are found are left out)."""
+        settings = {k: v for k, v in self.to_dict().items() if k not in ("logging", "plugin_dirs")}
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -11,6 +11,7 @@ import yaml
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import SELF_TEACHER, Config, config_from_dict
+from gndpo.pipeline.tasks.plugins import use_plugin_dirs
 from gndpo.storage.records import InheritedRecords, StageRecords
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import read_prompt_table
@@ -97,4 +98,6 @@ def open_run(url: str) -> Run:
     except yaml.YAMLError:
         raise GndpoError(f"corrupt run.yaml in {url}") from None
     lineage = data.pop("lineage", None) if isinstance(data, dict) else None
+    if isinstance(data, dict):  # the run's own plugins import in every process that opens it
+        use_plugin_dirs(data.get("plugin_dirs") or [])
     return Run(fs=fs, cfg=config_from_dict(data), lineage=lineage)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+import sys
+from typing import Callable, Iterable
 
 from gndpo.errors import GndpoError
 
@@ -36,3 +37,11 @@ def import_callable(path: str, kind: str) -> Callable:
     if not callable(fn):
         raise GndpoError(f"{kind} {path!r}: module {module_name} has no function {attr!r}")
     return fn
+
+
+def use_plugin_dirs(dirs: Iterable[str]) -> None:
+    """Make modules in ``dirs`` importable as plugins in this process. They go after everything already
+    on the import path, so a user's ``json.py`` or ``rewards.py`` never shadows an installed module."""
+    for d in dirs:
+        if d not in sys.path:
+            sys.path.append(d)

@@ -6,6 +6,7 @@ import typer
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
 from gndpo.errors import GndpoError
+from gndpo.pipeline.toys.build import staged_folder
 from gndpo.pipeline.toys.real_models import PACKAGED, convert_gguf, ensure_real_model, packaged_gguf
 
 
@@ -23,12 +24,15 @@ def convert(
         return
     if out is None:
         raise GndpoError("give the folder to write the converted model into (OUT)")
-    gguf = Path(source) if source not in PACKAGED else None
     target = Path(out)
-    if target.exists() and any(target.iterdir()):
-        raise GndpoError(f"{out} exists and is not empty; give a new folder")
-    target.mkdir(parents=True, exist_ok=True)
-    if gguf is None:
-        gguf = packaged_gguf(source)
-    convert_gguf(gguf, target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise GndpoError(f"{out} exists and is not an empty folder; give a new folder")
+    gguf = packaged_gguf(source) if source in PACKAGED else Path(source)
+    if not gguf.is_file():
+        raise GndpoError(f"{source} is neither a GGUF file nor a packaged model ({', '.join(PACKAGED)})")
+    try:
+        with staged_folder(target) as staging:  # a failed conversion leaves no OUT behind
+            convert_gguf(gguf, staging)
+    except FileExistsError:
+        raise GndpoError(f"{out} was filled by something else during the conversion; nothing was written there") from None
     typer.echo(str(target))

@@ -39,6 +39,25 @@ def _model_without_weights(tmp: Path, assets: Path) -> dict:
     return tiny_config_dict(assets, student=str(folder))
 
 
+def _truncated_weights(tmp: Path, assets: Path) -> dict:
+    """An interrupted copy: the student's model.safetensors cut 100 bytes short."""
+    folder = tmp / "truncated"
+    shutil.copytree(assets / "student", folder)
+    weights = folder / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 100)
+    return tiny_config_dict(assets, student=str(folder))
+
+
+def _missing_shard(tmp: Path, assets: Path) -> dict:
+    """A sharded checkpoint whose index names a shard the folder lacks."""
+    folder = tmp / "sharded"
+    shutil.copytree(assets / "student", folder)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    return tiny_config_dict(assets, student=str(folder))
+
+
 def _not_a_model(tmp: Path, assets: Path) -> dict:
     (tmp / "empty-model").mkdir()
     return tiny_config_dict(assets, student=str(tmp / "empty-model"))
@@ -67,6 +86,8 @@ CONFIGS = {
     "misspelled_key": _cfg(rolout={"n": 2}),
     "misspelled_method": _cfg(method={"name": "gpro"}),
     "no_weights": _model_without_weights,
+    "truncated_weights": _truncated_weights,
+    "missing_shard": _missing_shard,
     "not_a_model": _not_a_model,
     "few_prompts": _few_prompts,
     "prompts_csv_typo": _prompts("a,b\n1,2\n", "p.tsv"),
@@ -91,6 +112,8 @@ BAD = [
     ("init-misspelled-method", ["init", "{new}", "-c", "{cfg:misspelled_method}"], ["got 'gpro'", "did you mean grpo?"]),
     ("init-misspelled-choice", ["init", "{new}", "-c", "{cfg}", "model.dtype=bfloat61"], ["model.dtype must be one of", "did you mean bfloat16?"]),
     ("init-model-without-weights", ["init", "{new}", "-c", "{cfg:no_weights}"], ["student: no model weights in"]),
+    ("init-truncated-weights", ["init", "{new}", "-c", "{cfg:truncated_weights}"], ["student:", "model.safetensors cannot be loaded", "truncated"]),
+    ("init-missing-shard", ["init", "{new}", "-c", "{cfg:missing_shard}"], ["student:", "1 missing weight file", "model-00002-of-00002"]),
     ("init-not-a-model", ["init", "{new}", "-c", "{cfg:not_a_model}"], ["not a model folder"]),
     ("init-missing-teacher", ["init", "{new}", "-c", "{cfg:teacher_missing}"], ["teacher model path does not exist"]),
     ("init-fewer-prompts-than-a-round", ["init", "{new}", "-c", "{cfg:few_prompts}"], ["data.train has 5 prompts, fewer than rollout.prompts_per_round 16"]),
@@ -141,6 +164,11 @@ BAD = [
     ("gc-on-missing-run", ["gc", "{tmp}/nothing"], ["not a gndpo run"]),
     ("eval-missing-model", ["eval", "{tmp}/nothing"], ["does not exist"]),
     ("compare-unknown-method", ["compare", "gndpo,nope", "--out", "{new}", "--assets", "{assets}"], ["nope"]),
+    ("compare-unknown-task", ["compare", "gndpo", "--task", "poetry", "--out", "{new}"], ["unknown demo task 'poetry'"]),
+    # -- convert --------------------------------------------------------------------------------------------
+    ("convert-not-gguf", ["convert", "{file}", "{new}"], ["{file} is not a GGUF file"]),
+    ("convert-misspelled-package", ["convert", "smolm2-135m-instruct", "{new}"], ["smolm2-135m-instruct is neither a GGUF file nor a packaged model"]),
+    ("convert-into-a-full-folder", ["convert", "smollm2-135m-instruct", "{tmp}"], ["exists and is not an empty folder"]),
     # -- SQL ----------------------------------------------------------------------------------------------
     ("sql-misspelled-view", ["sql", "{run}", "SELECT * FROM rollout"], ["SQL error", 'Did you mean "rollouts"']),
     ("sql-misspelled-column", ["sql", "{run}", "SELECT rollout_idd FROM rollouts"], ["SQL error", "rollout_id"]),
@@ -236,3 +264,16 @@ def test_sql_allow_files_opens_the_users_own_file(tmp_path, initialized_run):
     result = invoke("sql", initialized_run, f"SELECT count(*) AS n FROM read_csv('{mine}')", "--format", "json", "--allow-files")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout) == [{"n": 1}]
+
+
+def test_a_broken_gguf_fails_convert_in_one_line_and_leaves_no_folder(tmp_path):
+    """A file with GGUF's magic bytes but nothing readable after them (an interrupted download): gguf's
+    reader fails, convert says so in one line, and OUT is not left behind (it used to stay, empty)."""
+    pytest.importorskip("gguf", reason="the real-models packages (gguf) are not installed")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(12))
+    result = invoke("convert", broken, tmp_path / "out")
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "is not a readable GGUF file" in lines[0], result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.gguf"]

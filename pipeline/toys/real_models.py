@@ -29,6 +29,7 @@ from pathlib import Path
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.tasks.plugins import first_line
 from gndpo.pipeline.toys.build import cache_root, cached_build
 
 # The packaged models: name -> (the module that ships or assembles the GGUF file, how to get its path).
@@ -97,11 +98,20 @@ def convert_gguf(path: Path, out: Path, log=info) -> dict:
     path, out = Path(path), Path(out)
     if not path.is_file():
         raise GndpoError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GndpoError(f"{path} is not a GGUF file (it does not begin with the GGUF magic bytes)")
     if importlib.util.find_spec("gguf") is None:
         raise GndpoError(f"reading GGUF files needs the gguf package: {INSTALL_HINT}")
+    try:
+        meta = gguf_metadata(path)
+    except (ValueError, OSError, EOFError) as exc:  # gguf's reader: bad magic, a truncated file
+        raise GndpoError(f"{path} is not a readable GGUF file ({first_line(exc)})") from None
     log(f"converting {path.name}: dequantizing its tensors")
-    meta = gguf_metadata(path)
-    tokenizer, quantized = load_gguf(path)
+    try:
+        tokenizer, quantized = load_gguf(path)
+    except Exception as exc:  # an architecture or quantization transformers cannot read
+        raise GndpoError(f"transformers cannot load {path.name}: {first_line(exc)}") from exc
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the plain model must not claim to be GGUF-quantized

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from gndpo.errors import GndpoError
 from gndpo.stages.models.device import attn_implementation, local_device, resolve_dtype
@@ -54,6 +55,28 @@ def check_model_files(path: str) -> None:
             raise GndpoError(f"not a model folder (no config.json): {path}")
         if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
             raise GndpoError(f"no model weights in {path} (no {', '.join(WEIGHT_PATTERNS)} file)")
+        check_safetensors_files(folder)
+
+
+def check_safetensors_files(folder: Path) -> None:
+    """Refuse, in one line, a safetensors checkpoint that cannot load: a shard its index names but the
+    folder lacks, or a file whose header does not parse or whose tensors run past its end (a truncated
+    download or copy). Reads only the headers, so it costs milliseconds however large the model."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise GndpoError(f"{index} is not a safetensors index (no weight_map): {_first_line(exc)}") from None
+        if missing := sorted(s for s in shards if not (folder / s).is_file()):
+            raise GndpoError(f"{folder}: {index.name} names {len(missing)} missing weight file(s), first {missing[0]}")
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:  # safetensors' own error type: a header it cannot read
+            raise GndpoError(f"{file} cannot be loaded ({_first_line(exc)}): the file is truncated or corrupt; "
+                             "download or convert it again") from None
 
 
 def load_tokenizer(path: str):

@@ -4,6 +4,7 @@ Every user mistake must give one line on stderr, a non-zero exit, and leave no c
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from gndpo.cli.app import _register, app
 from gndpo.pipeline.config.load import load_config
 from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.apps.demo import DEFAULT_CONFIG
-from tests.conftest import tiny_config_dict
+from tests.conftest import invoke_ok, tiny_config_dict
 
 _register()
 runner = CliRunner()
@@ -86,10 +87,33 @@ def test_missing_prompts_file_and_model(tmp_path, tiny_assets):
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
 
+def test_a_cross_tokenizer_teacher_without_a_chat_template_is_named_at_init(tmp_path, tiny_assets, other_tokenizer_teacher):
+    """A student that reads prompts through its chat template and a cross-tokenizer teacher that has none
+    (a user's Gemma teacher passed without a word): init warns, naming the teacher."""
+    from transformers import AutoTokenizer
+
+    student = tmp_path / "chat-student"
+    shutil.copytree(tiny_assets / "student", student)
+    tok = AutoTokenizer.from_pretrained(student)
+    tok.chat_template = "{{ messages[-1]['content'] }}"
+    tok.save_pretrained(student)
+    teacher = tmp_path / "bare-teacher"
+    shutil.copytree(other_tokenizer_teacher, teacher, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    tok = AutoTokenizer.from_pretrained(teacher)
+    tok.chat_template = None
+    tok.save_pretrained(teacher)
+    assert AutoTokenizer.from_pretrained(teacher).chat_template is None
+    cfg = tiny_config_dict(tiny_assets, student=str(student), teacher=str(teacher), score={"cross_tokenizer": True})
+    result = invoke_ok("init", tmp_path / "run", "--config", write_config(tmp_path, cfg))
+    assert [line.split("WARNING ", 1)[1] for line in result.stderr.splitlines() if "has no chat template" in line] == [
+        f"teacher {teacher} has no chat template: it reads each prompt as bare text while the student reads it "
+        "through its chat template; add one to its tokenizer_config.json if it is a chat model"]
+
+
 def test_teacher_with_another_tokenizer_is_refused(tmp_path, tiny_assets, other_tokenizer_teacher):
     cfg = tiny_config_dict(tiny_assets, teacher=str(other_tokenizer_teacher))
     run = tmp_path / "run"
-    assert_one_line_error(invoke("init", run, "--config", write_config(tmp_path, cfg)), "tokenizer differs")
+    assert_one_line_error(invoke("init", run, "--config", write_config(tmp_path, cfg)), "tokenizer differs", "set score.cross_tokenizer: true")
     assert not run.exists()
 
 

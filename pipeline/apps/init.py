@@ -11,6 +11,7 @@ whose loaders they use; the checks of the settings alone are :mod:`gndpo.pipelin
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 from transformers.utils import logging as hf_logging
@@ -27,7 +28,7 @@ from gndpo.stages.models.loading import check_model_files, check_same_tokenizer,
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
 from gndpo.pipeline.config.checks import check_backend
 from gndpo.stages.text.agent import ToolUse
-from gndpo.stages.text.chat import render_prompt, tool_turn_ids
+from gndpo.stages.text.chat import render_prompt, tool_turn_ids, uses_template
 from gndpo.stages.text.teacher_context import TeacherPrompts
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import write_prompt_table
@@ -63,15 +64,15 @@ def check_precision(cfg: Config) -> None:
         attn_implementation(cfg.model.attn_implementation)
 
 
-def longest_prompt_tokens(model_path: str, rows: list[dict], data) -> int:
-    """The most tokens any prompt has, rendered as rollout renders it (:func:`render_prompt`: the
-    student's chat template and tokenizer); a prompt the template cannot render is a GndpoError here."""
+def longest_prompt(model_path: str, rows: list[dict], data) -> tuple[int, int]:
+    """(tokens, row index) of the longest prompt, rendered as rollout renders it (:func:`render_prompt`:
+    the student's chat template and tokenizer); a prompt the template cannot render is a GndpoError here."""
 
     tok = load_tokenizer(model_path)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "longer than model_max_length" warnings: check_context says it
     try:
-        return max(len(render_prompt(tok, row, data).token_ids) for row in rows)
+        return max((len(render_prompt(tok, row, data).token_ids), i) for i, row in enumerate(rows))
     finally:
         hf_logging.set_verbosity(verbosity)
 
@@ -99,7 +100,7 @@ def check_context(cfg: Config, splits: dict) -> None:
             f"set engine.max_model_len <= {own}, or 0 for the model's own"
         )
     names = [s for s in PROMPT_SPLITS if s == "train" or cfg.rollout.eval_heldout]
-    longest, where = max((longest_prompt_tokens(cfg.student, splits[s].to_dicts(), cfg.data), s) for s in names)
+    (longest, row), where = max((longest_prompt(cfg.student, splits[s].to_dicts(), cfg.data), s) for s in names)
     total = longest + cfg.rollout.response_tokens
     if total > max_len:
         budget = "rollout.max_tool_response_tokens" if cfg.rollout.tools else "rollout.max_tokens"
@@ -107,7 +108,8 @@ def check_context(cfg: Config, splits: dict) -> None:
         knobs = [f"raise engine.max_model_len (at most {own}, the student's context length)"] if max_len < own else []
         knobs += [f"lower {budget}", "shorten the prompts"]
         raise GndpoError(
-            f"the longest data.{where} prompt has {longest} tokens; plus {budget} {cfg.rollout.response_tokens} "
+            f"the longest data.{where} prompt (row {row + 1}, prompt_id {splits[where]['prompt_id'][row]}) has {longest} tokens; "
+            f"plus {budget} {cfg.rollout.response_tokens} "
             f"that is {total}, more than max_model_len {max_len} ({source}): {', or '.join(knobs)}"
         )
 
@@ -120,9 +122,15 @@ def check_teacher_prompts(cfg: Config, train: list[dict]) -> None:
         return
 
     paths = {"teacher (self)": cfg.student} if cfg.teacher == SELF_TEACHER else {f"teacher {p}": p for p in cfg.teacher_models().values()}
+    student_template = uses_template(load_tokenizer(cfg.student), cfg.data)
     for name, path in paths.items():
+        teacher_tok = load_tokenizer(path)
+        if cfg.score.cross_tokenizer and student_template and not uses_template(teacher_tok, cfg.data):
+            logging.getLogger("gndpo").warning(
+                "%s has no chat template: it reads each prompt as bare text while the student reads it through its "
+                "chat template; add one to its tokenizer_config.json if it is a chat model", name)
         try:
-            prompts = TeacherPrompts(load_tokenizer(path), cfg.data, cfg.teacher_context, train)
+            prompts = TeacherPrompts(teacher_tok, cfg.data, cfg.teacher_context, train)
             longest = max(len(prompts.token_ids(row)) for row in train)
         except GndpoError as exc:
             raise GndpoError(f"{name}: {exc}") from None

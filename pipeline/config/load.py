@@ -46,7 +46,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         except yaml.YAMLError as exc:
             raise GndpoError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
         if not isinstance(data, dict):
-            raise GndpoError(f"config file {path} must hold a mapping of settings, got {type(data).__name__}")
+            raise GndpoError(f"config file {path} must be a mapping of settings, got {type(data).__name__}")
         base = p.resolve().parent
     data = resolve_paths(data, base)
     dirs = data.get("plugin_dirs") or [str(base), str(cwd)]

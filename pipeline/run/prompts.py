@@ -56,6 +56,9 @@ def check_messages(value, where: str) -> list[dict]:
         raise GndpoError(f"{where}: messages must be a non-empty list of {{role, content}} turns, got {type(value).__name__}")
     turns = []
     for i, turn in enumerate(value):
+        if isinstance(turn, dict) and isinstance(turn.get("content"), list):
+            raise GndpoError(f"{where}: turn {i} has a list of content parts (the multimodal form); "
+                             "only string content is supported for now (images are not supported yet)")
         if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
             raise GndpoError(f"{where}: turn {i} must be a dict with a string role and a string content, got {turn!r}")
         if turn["role"] not in ROLES:
@@ -67,6 +70,8 @@ def check_messages(value, where: str) -> list[dict]:
 
 
 BUILT_IN = ("prompt_id", "prompt", "messages", "answer")
+# Columns that hold a prompt's images in vision-language data sets (geo3k, LLaVA-style files).
+IMAGE_COLUMNS = ("image", "images", "image_path", "image_paths", "image_url", "pixel_values")
 
 
 def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages",
@@ -75,6 +80,9 @@ def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer
     GndpoError. A file with a ``messages_key`` column is read as conversations, else ``prompt_key``.
     ``keep``: more columns to keep as text (those a teacher context names); each must exist."""
     df = read_table_url(url)
+    if images := [c for c in df.columns if c.lower() in IMAGE_COLUMNS]:
+        raise GndpoError(f"prompts file {url} has an image column ({', '.join(images)}): prompts are text only for now "
+                         "(images are not supported yet); drop the column to train on the text alone")
     chat = messages_key in df.columns
     for key in (messages_key if chat else prompt_key, answer_key):
         if key not in df.columns:
@@ -102,9 +110,13 @@ def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer
         {"prompt_id": ids, "prompt": prompts, "messages": messages, "answer": answers, **extra},
         schema={"prompt_id": pl.Utf8, "prompt": pl.Utf8, "messages": pl.Utf8, "answer": pl.Utf8, **{k: pl.Utf8 for k in extra}},
     )
-    bad = out.filter(pl.col("prompt").is_null() | (pl.col("prompt").str.len_chars() == 0) | pl.col("answer").is_null())
+    bad = out.with_row_index("row", offset=1).filter(
+        pl.col("prompt").is_null() | (pl.col("prompt").str.len_chars() == 0) | pl.col("answer").is_null())
     if bad.height:
-        raise GndpoError(f"prompts file {url} has {bad.height} rows with an empty prompt or a missing answer")
+        first = bad.row(0, named=True)
+        what = f"a missing {answer_key!r}" if first["answer"] is None else "an empty prompt"
+        raise GndpoError(f"prompts file {url} has {bad.height} rows with an empty prompt or a missing answer; "
+                         f"first row {first['row']}" + (f" (prompt_id {first['prompt_id']})" if first["prompt_id"] else "") + f": {what}")
     dupes = out.height - out["prompt_id"].n_unique()
     if dupes:
         raise GndpoError(f"prompts file {url} has {dupes} duplicate prompts")

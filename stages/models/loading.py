@@ -25,6 +25,7 @@ from gndpo.pipeline.config.schema import ModelConfig
 
 # Files that make a folder a model folder to transformers (a model's config, or a tokenizer's).
 MODEL_FOLDER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
+CROSS_TOKENIZER_HINT = "to distil across tokenizers, set score.cross_tokenizer: true (log-probs matched by character offsets)"
 # Weight files transformers' from_pretrained reads (sharded checkpoints are named like these too).
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.h5", "*.msgpack", "*.ckpt.index")
 
@@ -141,8 +142,8 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
     if s_tok.get_vocab() != t_tok.get_vocab() or len(s_tok) != len(t_tok):
         raise GndpoError(
             f"teacher tokenizer differs from the student's ({len(t_tok)} vs {len(s_tok)} tokens, "
-            f"different token-to-id map): {teacher} vs {student}"
+            f"different token-to-id map): {teacher} vs {student}; {CROSS_TOKENIZER_HINT}"
         )
     s_vocab, t_vocab = vocabulary_size(student), vocabulary_size(teacher)
     if s_vocab != t_vocab:
-        raise GndpoError(f"teacher vocab_size {t_vocab} differs from the student's {s_vocab}")
+        raise GndpoError(f"teacher vocab_size {t_vocab} differs from the student's {s_vocab}; {CROSS_TOKENIZER_HINT}")

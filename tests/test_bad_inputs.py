@@ -131,6 +131,7 @@ BAD = [
     ("init-prompt-too-long", ["init", "{new}", "-c", "{cfg:prompt_too_long}"], ["longest data.train prompt (row 8, prompt_id "]),
     ("init-prompts-missing", ["init", "{new}", "-c", "{cfg}", "data.train=/nonexistent/train.jsonl"], ["prompts file not found"]),
     ("init-unknown-reward", ["init", "{new}", "-c", "{cfg:reward_unknown}"], ["unknown reward 'nope'"]),
+    ("init-override-reward-typo", ["init", "{new}", "-c", "{cfg}", "reward=exact-match"], ["unknown reward 'exact-match'; did you mean exact_match?"]),
     ("init-config-missing", ["init", "{new}", "-c", "{tmp}/missing.yaml"], ["config file not found"]),
     ("init-config-not-yaml", ["init", "{new}", "-c", "{file}"], ["is not valid YAML"]),
     ("init-config-a-list", ["init", "{new}", "-c", "{cfg:list_config}"], ["must be a mapping"]),

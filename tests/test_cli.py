@@ -146,6 +146,18 @@ def test_status_and_sql_on_a_fresh_run(tmp_path, tiny_config):
     assert not (Path.cwd() / "x.csv").exists()
 
 
+def test_the_reports_heldout_axis_names_the_runs_reward(tmp_path, tiny_assets):
+    """The held-out curve's unit is the run's reward: "exact match" only where that is the reward
+    (it said "exact match" for a user's custom reward)."""
+    from gndpo.pipeline.apps.report import Series, heldout_label
+
+    labels = []
+    for reward in ("exact_match", "integer_format"):
+        invoke_ok("init", tmp_path / reward, "--config", write_config(tmp_path, tiny_config_dict(tiny_assets, reward=reward)))
+        labels.append(heldout_label([Series(reward, str(tmp_path / reward), [])]))
+    assert labels == ["exact match", "mean integer_format reward"]
+
+
 def test_eval_needs_a_model_or_run(tmp_path, tiny_assets):
     assert_one_line_error(invoke("eval", tmp_path / "nothing"), "does not exist")
     assert_one_line_error(invoke("eval", tiny_assets / "student"), "needs --prompts")

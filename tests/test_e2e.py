@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import EVAL_UNIT, STAGES, manifest_files, rollout_shards
 from tests.conftest import ARTIFACTS, committed_rows, gndpo, gndpo_killed, open_in_chromium, tiny_config_dict
@@ -41,11 +42,16 @@ def run_dir(tmp_path_factory, tiny_assets):
 
 def test_stdout_carries_only_the_result(run_dir):
     """vLLM's, DeepSpeed's ("[WARNING] real_accelerator", "... built successfully") and torch's lines go
-    to stderr or the log file: a stage command's stdout is its one result line, `gndpo run`'s is empty."""
+    to stderr or the log file: a stage command's stdout is its one result line, `gndpo run`'s its summary."""
     folder = run_dir.parent
     for stage in STAGES:
         assert (folder / f"{stage}.stdout").read_text().splitlines() == [f"{stage} r0: committed, {_rows(run_dir, stage)} rows"]
-    assert (folder / "run.stdout").read_text() == ""
+    # `gndpo run`'s stdout is one summary line of the newest trained round, with its own manifests' figures.
+    by = {(m["round"], m["stage"]): m for m in collect_metrics(open_run(str(run_dir)))}
+    assert (folder / "run.stdout").read_text() == (
+        f"round 1: held-out {by[(1, 'rollout')]['heldout_accuracy']:.3f}, reward {by[(1, 'normalize')]['reward_mean']:.3f}, "
+        f"KL estimate {by[(1, 'normalize')]['reverse_kl_estimate']:.3f}, loss {by[(1, 'train')]['loss_mean']:.4g}, "
+        f"grad-norm max {by[(1, 'train')]['grad_norm_max']:.3g}; policy v2 committed (2 rounds trained)\n")
 
 
 def _rows(run_dir, stage: str) -> int:
@@ -181,6 +187,17 @@ def test_exported_student_loads_and_generates(run_dir, tmp_path):
 def test_status_and_sql_commands(run_dir):
     status = gndpo("status", run_dir).stdout
     assert status.count("committed") == 8
+    # A rollout's rows are its responses (the held-out answers apart, shown as their accuracy), and its
+    # seconds the stage's wall time, first claim to last commit, engine start-up included.
+    from gndpo.pipeline.exec.status import stage_rows
+
+    rec = open_run(str(run_dir)).records(0, "rollout")
+    commits = [json.loads(p.read_text()) for p in (run_dir / "rounds" / "r0000" / "rollout" / "done").glob("*.json")]
+    claims = [json.loads(p.read_text()) for p in (run_dir / "rounds" / "r0000" / "rollout" / "claims").glob("*/a001.json")]
+    row = next(r for r in stage_rows(open_run(str(run_dir))) if (r["round"], r["stage"]) == (0, "rollout"))
+    assert row["rows"] == PROMPTS * N and row["heldout"] == rec.manifest()["metrics"]["heldout_accuracy"]
+    wall = max(c["committed_at"] for c in commits) - min(c["claimed_at"] for c in claims)
+    assert row["seconds"] == pytest.approx(wall, abs=0.051) and wall > sum(c["seconds"] for c in commits)
     out = gndpo("sql", run_dir, "SELECT round, count(*) AS n FROM rollouts GROUP BY round ORDER BY round", "--format", "csv").stdout
     assert out.strip().splitlines() == ["round,n", f"0,{PROMPTS * N}", f"1,{PROMPTS * N}"]
     out = gndpo("sql", run_dir, "SELECT value FROM stats WHERE name = 'token_count' AND round = 0", "--format", "csv").stdout
@@ -215,6 +232,12 @@ def test_demo_on_prebuilt_assets(tmp_path, tiny_assets):
     for figure in ("accuracy", "reward", "teacher_kl", "grad_norm", "clip_fraction", "response_length", "stage_seconds"):
         assert (report / f"{figure}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f'alt="{figure}"' in html
     assert html.count('class="rollout"') == 4 and "teacher finds it unlikely" in html and "method:" in html
+    # The round table's time is the round's wall time (every stage, set-up included), not train's alone.
+    import re
+
+    round_seconds = float(re.search(r"<th>round_seconds</th></tr><tr><td>[^<]*</td><td>0</td>(?:<td>[^<]*</td>){6}<td>([0-9.e+]+)</td>", html)[1])
+    train_seconds = open_run(str(tmp_path / "demo" / "run")).records(0, "train").manifest()["metrics"]["seconds"]
+    assert round_seconds > train_seconds
     console = open_in_chromium(report / "report.html", ARTIFACTS / "report.png")
     assert console == [], console
 

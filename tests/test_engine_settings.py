@@ -175,7 +175,7 @@ def test_init_counts_a_long_heldout_prompt_without_tokenizer_warnings(tmp_path, 
     heldout.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = tiny_config_dict(tiny_assets, data={"heldout": str(heldout)})
     line = init_fails(tmp_path, cfg)
-    assert "data.heldout prompt has 74 tokens" in line
+    assert "data.heldout prompt (row " in line and ") has 74 tokens" in line
 
 
 def test_init_refuses_max_model_len_beyond_the_model(tmp_path, tiny_assets):

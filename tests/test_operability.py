@@ -25,6 +25,17 @@ def test_lines_mode_writes_a_plain_line_per_interval_and_at_the_end(caplog, monk
     assert not [r for r in caplog.records if "quiet" in r.getMessage()]
 
 
+def test_slow_rates_show_their_digits(monkeypatch):
+    """16 prompts in 55 s is 0.29 per second, not "0/s" (a user's report); fast rates keep commas."""
+    clock = iter([100.0, 155.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    monkeypatch.setenv("GNDPO_PROGRESS", "none")
+    progress.configure()
+    t = progress.Task("rollout r0", total=2, unit="units")
+    t.counts = {"prompts": 16, "tokens": 123_456}
+    assert t.details() == "prompts 16 (0.29/s), tokens 123,456 (2,245/s)"
+
+
 def test_the_finished_state_is_written_once(caplog, monkeypatch):
     """With an interval that always passes, every advance writes a line, but the one that finishes the
     task does not: close() writes the finished state, once ("train r0: 1/1 units" used to appear twice)."""

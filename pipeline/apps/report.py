@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.exec.status import stage_rows
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import manifest_files, rollout_shards
@@ -32,7 +33,8 @@ from gndpo.stages.models.loading import load_tokenizer
 
 # (file name, title, y label, [(stage, metric, legend suffix)]): one figure each.
 CURVES = [
-    ("accuracy", "Held-out accuracy (greedy) per policy version", "exact match", [("rollout", "heldout_accuracy", "")]),
+    # The y label is the run's reward (see heldout_label): "exact match" only where that is the reward.
+    ("accuracy", "Held-out score (greedy) per policy version", None, [("rollout", "heldout_accuracy", "")]),
     ("reward", "Sampled reward", "mean reward", [("normalize", "reward_mean", "")]),
     ("teacher_kl", "Teacher KL estimate, KL(student || teacher) per token", "nats", [("normalize", "reverse_kl_estimate", "")]),
     ("grad_norm", "Gradient norm (pre-clip)", "norm", [("train", "grad_norm_mean", " mean"), ("train", "grad_norm_max", " max")]),
@@ -275,17 +277,26 @@ window.addEventListener("load", () => {{
 """
 
 
+def heldout_label(series: list[Series]) -> str:
+    """The held-out score's unit: the first run's reward ("exact match" for the default)."""
+    reward = open_run(series[0].url).cfg.reward
+    return "exact match" if reward == "exact_match" else f"mean {reward} reward"
+
+
 def round_table(series: list[Series]) -> str:
-    """The main metrics as an HTML table, one row per (series, round)."""
+    """The main metrics as an HTML table, one row per (series, round); ``round_seconds`` is the round's
+    wall time, each stage from its first claim to its last commit (of the first run of a series)."""
     cols = [("rollout", "heldout_accuracy"), ("normalize", "reward_mean"), ("normalize", "reverse_kl_estimate"),
-            ("train", "grad_norm_mean"), ("train", "clip_fraction"), ("normalize", "response_length_mean"), ("train", "seconds")]
-    head = "<tr><th>run</th><th>round</th>" + "".join(f"<th>{html.escape(m)}</th>" for _, m in cols) + "</tr>"
+            ("train", "grad_norm_mean"), ("train", "clip_fraction"), ("normalize", "response_length_mean")]
+    head = "<tr><th>run</th><th>round</th>" + "".join(f"<th>{html.escape(m)}</th>" for _, m in cols) + "<th>round_seconds</th></tr>"
     body = []
     for s in series:
+        walls = {}
+        for row in stage_rows(open_run(s.url)):
+            walls[row["round"]] = walls.get(row["round"], 0.0) + (row["seconds"] or 0.0)
         for r in sorted({r for r, _ in s.by}):
-            cells = "".join(
-                f"<td>{v:.4g}</td>" if isinstance(v := s.by.get((r, stage), {}).get(m), (int, float)) else "<td>-</td>" for stage, m in cols
-            )
+            values = [s.by.get((r, stage), {}).get(m) for stage, m in cols] + [walls.get(r)]
+            cells = "".join(f"<td>{v:.4g}</td>" if isinstance(v, (int, float)) else "<td>-</td>" for v in values)
             body.append(f"<tr><td>{html.escape(s.label)}</td><td>{r}</td>{cells}</tr>")
     return f"<table>{head}{''.join(body)}</table>"
 
@@ -298,7 +309,7 @@ def build_report(folder: str, out: str) -> dict:
         raise GndpoError(f"{folder}: no committed stage yet, nothing to report")
     out = out.rstrip("/")
     figures, written = [], []
-    pngs = [(name, curve_figure(series, title, ylabel, lines)) for name, title, ylabel, lines in CURVES]
+    pngs = [(name, curve_figure(series, title, ylabel or heldout_label(series), lines)) for name, title, ylabel, lines in CURVES]
     pngs.append(("stage_seconds", stage_time_figure(series)))
     for name, png in pngs:
         if png is None:

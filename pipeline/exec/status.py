@@ -1,6 +1,6 @@
 """What `gndpo status` shows: per round and stage, its state (committed, running, stopped), units planned /
-claimed / done / stale, rows, tokens, time and throughput, read from plans, claims, commit records and
-manifests."""
+claimed / done / stale, the rows and tokens of its data (a rollout's held-out evaluation apart, as its
+accuracy), wall time and throughput, read from plans, claims, commit records and manifests."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def stage_rows(run) -> list[dict]:
             done = rec.done_units()
             leases = [lease_state(rec, u, now) for u in units if u not in done]
             commits = [rec.done(u) for u in units if u in done]
-            tokens = sum(c.get("tokens", 0) for c in commits)
-            seconds = sum(c.get("seconds", 0.0) for c in commits)
+            work = [c for c in commits if "eval" not in c]  # the held-out evaluation is not the stage's data
+            evals = [c["eval"] for c in commits if "eval" in c]
+            tokens = sum(c.get("tokens", 0) for c in work)
+            seconds = wall_seconds(rec, units, commits, finished=len(commits) == len(units), now=now)
             rows.append(
                 {
                     "round": r,
@@ -42,10 +44,22 @@ def stage_rows(run) -> list[dict]:
                     "claimed": leases.count("claimed"),
                     "stale": leases.count("stale"),
                     "done": len(done & set(units)),
-                    "rows": sum(c["rows"] for c in commits),
+                    "rows": sum(c["rows"] for c in work),
                     "tokens": tokens,
-                    "seconds": round(seconds, 1),
-                    "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+                    "seconds": None if seconds is None else round(seconds, 1),
+                    "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+                    "heldout": evals[0]["accuracy"] if evals else None,
                 }
             )
     return rows
+
+
+def wall_seconds(rec, units: list[str], commits: list[dict], finished: bool, now: float) -> float | None:
+    """Wall time of a stage: from the first claim of any of its units (engine start-up and set-up
+    included, which happen under the lease) to its last commit, or to now while units remain (a stage a
+    fork inherited shows its parent's); None before anyone claims a unit."""
+    claimed = [float(rec.read_claim(u, a)["claimed_at"]) for u in units for a in rec.attempts(u)[:1]]
+    if not claimed:
+        return None
+    end = max(float(c["committed_at"]) for c in commits) if finished and commits else now
+    return max(end - min(claimed), 0.0)

@@ -33,6 +33,23 @@ def collect_metrics(run) -> list[dict]:
     return rows
 
 
+def round_summary(run) -> str:
+    """One line on the newest trained round: the held-out score of the policy it started from, what it
+    sampled (reward, KL(student||teacher) estimate) and how its update went (loss, largest gradient
+    norm), and the policy it produced: what `gndpo run` prints when it ends."""
+    by = {(m["round"], m["stage"]): m for m in collect_metrics(run)}
+    trained = [r for r, stage in by if stage == "train"]
+    if not trained:
+        return "no round trained yet"
+    r = max(trained)
+    figures = [("held-out", by.get((r, "rollout"), {}).get("heldout_accuracy"), ".3f"),
+               ("reward", by.get((r, "normalize"), {}).get("reward_mean"), ".3f"),
+               ("KL estimate", by.get((r, "normalize"), {}).get("reverse_kl_estimate"), ".3f"),
+               ("loss", by[(r, "train")].get("loss_mean"), ".4g"), ("grad-norm max", by[(r, "train")].get("grad_norm_max"), ".3g")]
+    shown = ", ".join(f"{name} {value:{fmt}}" for name, value, fmt in figures if isinstance(value, (int, float)))
+    return f"round {r}: {shown}; policy v{r + 1} committed ({r + 1} round{'s' if r else ''} trained)"
+
+
 def write_metrics_jsonl(run) -> None:
     lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in collect_metrics(run))
     run.fs.write_new("metrics.jsonl", lines.encode())

@@ -91,6 +91,12 @@ def _format_number(value) -> str:
     return f"{int(value):,}"
 
 
+def _format_rate(per_second: float) -> str:
+    """``1,234/s``; below 10 per second two significant digits (``0.29/s``, ``4.5/s``), so a slow
+    count shows its rate instead of ``0/s``; per minute below one per second is not worth the switch."""
+    return f"{per_second:,.0f}/s" if per_second >= 10 else f"{per_second:.2g}/s"
+
+
 class Task:
     """One long step: ``done`` of ``total`` ``unit``, summed counts, the latest shown values."""
 
@@ -130,7 +136,7 @@ class Task:
 
     def details(self) -> str:
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        parts = [f"{key} {_format_number(value)} ({value / elapsed:,.0f}/s)" for key, value in self.counts.items()]
+        parts = [f"{key} {_format_number(value)} ({_format_rate(value / elapsed)})" for key, value in self.counts.items()]
         parts += [f"{key} {_format_number(value)}" for key, value in self.shown.items()]
         return ", ".join(parts)
 

@@ -7,6 +7,7 @@ import sys
 from typing import Callable, Iterable
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import did_you_mean
 
 
 def first_line(exc: BaseException) -> str:
@@ -21,7 +22,8 @@ def named_callable(name: str, builtins: dict[str, Callable], kind: str) -> Calla
     if name in builtins:
         return builtins[name]
     if ":" not in name:
-        raise GndpoError(f"unknown {kind} {name!r}; choose one of: {', '.join(sorted(builtins))}, or name your own as module:function")
+        raise GndpoError(f"unknown {kind} {name!r}{did_you_mean(name, builtins)}; choose one of: {', '.join(sorted(builtins))}, "
+                         "or name your own as module:function")
     return import_callable(name, kind)
 
 

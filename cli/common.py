@@ -17,7 +17,6 @@ import typer
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.signals import STAGE_OF_RUN_ENV, Stopped, exit_code, signal_of
-from gndpo.storage.tables import encode_frame
 
 
 def user_errors(fn=None, *, resumable: bool = False):
@@ -111,6 +110,8 @@ def stdout_kept_for_data():
 
 def echo_frame(df) -> None:
     """Print a polars DataFrame as an aligned text table (no truncation, no shape line)."""
+    from gndpo.storage.tables import encode_frame  # polars and pyarrow: only for commands that print a table
+
     typer.echo(encode_frame(df, "table").decode(), nl=False)
 
 

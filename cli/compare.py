@@ -4,7 +4,6 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import echo_table, stdout_kept_for_data, user_errors
-from gndpo.pipeline.apps.compare import run_compare
 
 
 @app.command()
@@ -20,6 +19,8 @@ def compare(
         "tools, cross-tokenizer or self-distill."),
 ):
     """Run several methods on a demo task for the same rounds; print held-out scores and stability."""
+    from gndpo.pipeline.apps.compare import run_compare  # at call time: torch and transformers load only for this command
+
     with stdout_kept_for_data():
         table = run_compare(methods, out, rounds, overrides or [], assets=assets, seeds=seeds, task=task)
     echo_table(table)

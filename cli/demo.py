@@ -4,7 +4,6 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import echo_table, stdout_kept_for_data, user_errors
-from gndpo.pipeline.apps.demo import run_demo
 
 
 @app.command()
@@ -19,6 +18,8 @@ def demo(
         "it follows when it reads three demonstrations; needs the real-models packages)."),
 ):
     """Build (or reuse) the toy teacher/student and run the pipeline end to end on them."""
+    from gndpo.pipeline.apps.demo import run_demo  # at call time: torch and transformers load only for this command
+
     with stdout_kept_for_data():
         table = run_demo(folder, rounds, overrides or [], assets=assets, task=task)
     echo_table(table)

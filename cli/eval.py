@@ -4,7 +4,6 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import stdout_kept_for_data, user_errors
-from gndpo.pipeline.apps.evaluation import evaluate
 
 
 @app.command(name="eval")
@@ -22,6 +21,8 @@ def eval_command(
     out: str = typer.Option("eval-results", "--out", help="Folder (any fsspec URL) for per_prompt.parquet and summary.json."),
 ):
     """Verifiable-reward accuracy (pass@1 greedy, optional unbiased pass@k) on held-out prompts with vLLM."""
+    from gndpo.pipeline.apps.evaluation import evaluate  # at call time: torch and transformers load only for this command
+
     tool_names = [t.strip() for t in tools.split(",") if t.strip()] if tools is not None else None
     with stdout_kept_for_data():
         result = evaluate(target, prompts, out, k=k, n=n, reward=reward, max_tokens=max_tokens, tools=tool_names)

@@ -5,7 +5,6 @@ import typer
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
 from gndpo.pipeline.config.load import load_config
-from gndpo.pipeline.apps.init import init_run
 
 
 @app.command()
@@ -16,6 +15,8 @@ def init(
     overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. train.lr=1e-5"),
 ):
     """Create a run: validate models and prompts, import prompts, freeze the config."""
+    from gndpo.pipeline.apps.init import init_run  # at call time: torch and transformers load only for this command
+
     cfg = load_config(config, overrides or [])
     r = init_run(run, cfg)
     typer.echo(f"run ready: {r.fs.uri('')} (config {cfg.fingerprint()})")

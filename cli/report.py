@@ -4,7 +4,6 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
-from gndpo.pipeline.apps.report import build_report
 
 
 @app.command()
@@ -15,5 +14,7 @@ def report(
 ):
     """One self-contained HTML page (plus PNGs): per-round curves, rollouts coloured by where the teacher
     disagrees with the student, and the config."""
+    from gndpo.pipeline.apps.report import build_report  # at call time: torch and transformers load only for this command
+
     written = build_report(folder, out or f"{folder.rstrip('/')}/report")
     typer.echo(f"report: {written['html']} ({len(written['figures'])} figures)")

@@ -4,7 +4,6 @@ import typer
 
 from gndpo.cli.app import app
 from gndpo.cli.common import stdout_kept_for_data, user_errors
-from gndpo.pipeline.apps.loop import run_loop
 from gndpo.pipeline.observe.metrics import round_summary
 from gndpo.pipeline.run.run import open_run
 
@@ -30,6 +29,8 @@ def run(
     ),
 ):
     """Run the round loop; stages already committed are skipped, so rerunning resumes."""
+    from gndpo.pipeline.apps.loop import run_loop  # at call time: torch and transformers load only for this command
+
     with stdout_kept_for_data():
         run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive)
     typer.echo(round_summary(open_run(run)))

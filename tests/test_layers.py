@@ -166,3 +166,16 @@ def test_the_checks_catch_a_reverse_import_and_a_cycle(tmp_path):
     assert any("run.py:2" in v and "inside a function" in v for v in found), found
     assert any("bytes.py:1" in v and "imports torch" in v for v in found), found
     assert cycles(module_graph(tmp_path)) == [["gndpo.stages.a", "gndpo.stages.b"]]
+
+
+def test_commands_register_without_the_heavy_libraries():
+    """`gndpo --help`, `status` and `sql` must start in about a second (bench/cli_startup.py measures
+    it): registering every command imports neither torch, transformers, vLLM nor DeepSpeed; a command
+    that needs them imports its pipeline function when it runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from gndpo.cli.app import _register; _register(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

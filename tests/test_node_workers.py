@@ -225,7 +225,7 @@ def test_cli_run_passes_gpus_and_keep_alive_to_the_loop(monkeypatch):
 
     _register()
     calls = []
-    monkeypatch.setattr(run_command, "run_loop", lambda url, rounds, **kw: calls.append((url, rounds, kw)))
+    monkeypatch.setattr("gndpo.pipeline.apps.loop.run_loop", lambda url, rounds, **kw: calls.append((url, rounds, kw)))
     monkeypatch.setattr(run_command, "open_run", lambda url: url)
     monkeypatch.setattr(run_command, "round_summary", lambda run: f"summary of {run}")
     assert CliRunner().invoke(app, ["run", "R", "--rounds", "2", "--gpus", "2", "--no-keep-alive"]).exit_code == 0

@@ -4,7 +4,7 @@ from typing import Optional
 import typer
 
 from gndpo.cli.app import app
-from gndpo.cli.common import user_errors
+from gndpo.cli.common import stdout_kept_for_data, user_errors
 from gndpo.errors import GndpoError
 from gndpo.pipeline.toys.build import staged_folder
 from gndpo.pipeline.toys.real_models import PACKAGED, convert_gguf, ensure_real_model, packaged_gguf
@@ -20,7 +20,9 @@ def convert(
 
     Prints the folder's path on stdout."""
     if source in PACKAGED and out is None:
-        typer.echo(str(ensure_real_model(source)))
+        with stdout_kept_for_data():  # what libraries print while converting (DeepSpeed's import) is not the result
+            folder = ensure_real_model(source)
+        typer.echo(str(folder))
         return
     if out is None:
         raise GndpoError("give the folder to write the converted model into (OUT)")
@@ -31,7 +33,7 @@ def convert(
     if not gguf.is_file():
         raise GndpoError(f"{source} is neither a GGUF file nor a packaged model ({', '.join(PACKAGED)})")
     try:
-        with staged_folder(target) as staging:  # a failed conversion leaves no OUT behind
+        with staged_folder(target) as staging, stdout_kept_for_data():  # a failed conversion leaves no OUT behind
             convert_gguf(gguf, staging)
     except FileExistsError:
         raise GndpoError(f"{out} was filled by something else during the conversion; nothing was written there") from None

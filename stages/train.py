@@ -44,7 +44,7 @@ from gndpo.stages.models.loading import load_tokenizer
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
 from gndpo.stages.training.checkpoint import Start, carry_state, save_checkpoint, start_update
-from gndpo.stages.training.deepspeed_engine import init_distributed, isolate_extension_builds
+from gndpo.stages.training.deepspeed_engine import init_distributed, isolate_extension_builds, quiet_deepspeed_import
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.stages.training.export import export_ema, export_student
 
@@ -277,8 +277,7 @@ class TrainJob:
 
     def setup(self):
         """Join the process group this process trains in (once per process)."""
-        import deepspeed  # noqa: F401 - before adopt_library_loggers: importing it installs its own stdout handler
-
+        quiet_deepspeed_import()  # before adopt_library_loggers: importing it installs its own stdout handler
         set_cpu_threads()
         isolate_extension_builds()
         adopt_library_loggers()

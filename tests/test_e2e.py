@@ -215,13 +215,17 @@ def test_rerun_is_a_no_op(run_dir):
 
 
 def test_demo_on_prebuilt_assets(tmp_path, tiny_assets):
-    out = gndpo(
-        "demo", tmp_path / "demo", "--rounds", "1", "--assets", tiny_assets,
+    proc = gndpo(
+        "-q", "demo", tmp_path / "demo", "--rounds", "1", "--assets", tiny_assets,
         "--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.micro_batch_size=8",
         "--set", "engine.max_model_len=32",
         "--set", "logging.backends=[wandb]", "--set", "logging.wandb_mode=offline",
-    ).stdout
+    )
+    out = proc.stdout
     assert "teacher" in out and "student (start)" in out and "student after round 1" in out
+    # -q: no library chatter on the terminal (each of these used to appear on every run).
+    for noise in ("Triton is installed", "Loading safetensors checkpoint shards", "real_accelerator", "built successfully"):
+        assert noise not in proc.stderr and noise not in out, proc.stderr
     # W&B offline: one run, resumable by its id, holding the round metrics (its record file is binary).
     records = list((tmp_path / "demo" / "run" / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(records) == 1 and b"train/grad_norm_mean" in records[0].read_bytes()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gndpo.pipeline.toys.build import cache_root
-from tests.conftest import committed_rows, run_stages
+from tests.conftest import committed_rows, gndpo, run_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
@@ -89,6 +89,16 @@ def greedy_batch(model, prompts: list[list[int]], pad_id: int, new_tokens: int =
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_id)
     return out[:, width:].tolist()
+
+
+def test_convert_prints_only_the_folder_on_stdout(smollm2, tmp_path):
+    """`M=$(gndpo convert FILE.gguf OUT)` captures the folder and nothing else: what libraries print
+    while converting (DeepSpeed's accelerator warning when transformers imports it) goes to stderr."""
+    from gndpo.pipeline.toys.real_models import packaged_gguf
+
+    proc = gndpo("convert", packaged_gguf("smollm2-135m-instruct", ROOT), tmp_path / "out")
+    assert proc.stdout == f"{tmp_path / 'out'}\n", proc.stdout
+    assert (tmp_path / "out" / "model.safetensors").is_file() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])

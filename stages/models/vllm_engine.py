@@ -87,6 +87,9 @@ def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool 
         seed=seed,
         trust_remote_code=False,
         tensor_parallel_size=cfg.tensor_parallel_size,
+        # Its "Loading safetensors checkpoint shards" bar, on every load and reload: rollout's own progress
+        # says what the engine is doing (an explicit flag, which tqdm's TQDM_DISABLE cannot override).
+        use_tqdm_on_load=False,
         # reload_policy: a weight reload that keeps tied output layers correct (gndpo.stages.models.vllm_worker)
         worker_extension_cls="gndpo.stages.models.vllm_worker.GndpoWorker",
     )

@@ -12,7 +12,10 @@ The engine's checkpoints are in :mod:`gndpo.stages.training.checkpoint`, its exp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
 import os
 import socket
 import sys
@@ -47,16 +50,33 @@ def init_distributed(dist: Dist) -> None:
     import deepspeed
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if dist.launched:
-        deepspeed.init_distributed(dist_backend=backend)
-        return
-    os.environ.setdefault("LOCAL_RANK", str(dist.local_rank))
+    kwargs = {} if dist.launched else dict(auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{free_port()}", rank=dist.rank,
+                                           world_size=dist.world)
+    if not dist.launched:
+        os.environ.setdefault("LOCAL_RANK", str(dist.local_rank))
+    # On CPU DeepSpeed builds its shared-memory communication extension here and print()s "... built
+    # successfully" on stdout: that line goes to the log at DEBUG instead.
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        deepspeed.init_distributed(dist_backend=backend, **kwargs)
+    if printed.getvalue().strip():
+        logging.getLogger("gndpo").debug("deepspeed: %s", printed.getvalue().strip())
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    deepspeed.init_distributed(
-        dist_backend=backend, auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}", rank=dist.rank, world_size=dist.world
-    )
+        return s.getsockname()[1]
+
+
+def quiet_deepspeed_import() -> None:
+    """Import DeepSpeed without its "Setting accelerator to CPU" warning: where torch sees no CUDA device
+    the accelerator is named (``DS_ACCELERATOR=cpu``, unless the user set it), so DeepSpeed need not
+    guess and announce it."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: F401
 
 
 def deepspeed_config(cfg, world: int, dtype: torch.dtype) -> dict:

@@ -16,6 +16,7 @@ from gndpo.pipeline.observe import logs
 # A vLLM engine process spawned from `gndpo` imports this module first (as its main module's import):
 # from then on it dies with the gndpo process it serves. Anywhere else this does nothing.
 follow_owner()
+logs.silence_harmless_warnings()
 
 
 class OneLineErrors(typer.core.TyperGroup):

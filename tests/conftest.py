@@ -245,10 +245,12 @@ def assert_one_line_error(result, *fragments) -> str:
     return lines[0]
 
 
-def gndpo(*args, check=True, env=None, timeout=600) -> subprocess.CompletedProcess:
-    """Run the real console entry point in a fresh process (vLLM and DeepSpeed own their process)."""
+def gndpo(*args, check=True, env=None, timeout=600, script=False) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh process (vLLM and DeepSpeed own their process): ``python -m gndpo.cli``, or
+    with ``script`` the installed ``gndpo`` console script itself."""
+    command = [str(Path(sys.executable).with_name("gndpo"))] if script else [sys.executable, "-m", "gndpo.cli"]
     proc = subprocess.run(
-        [sys.executable, "-m", "gndpo.cli", *map(str, args)],
+        [*command, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,

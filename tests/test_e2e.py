@@ -215,11 +215,13 @@ def test_rerun_is_a_no_op(run_dir):
 
 
 def test_demo_on_prebuilt_assets(tmp_path, tiny_assets):
+    # The console script, as a user types it (`python -m gndpo.cli`'s vLLM processes skip gndpo's CLI
+    # module: multiprocessing does not re-import a main module named __main__ in a spawned child).
     proc = gndpo(
         "-q", "demo", tmp_path / "demo", "--rounds", "1", "--assets", tiny_assets,
         "--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.micro_batch_size=8",
         "--set", "engine.max_model_len=32",
-        "--set", "logging.backends=[wandb]", "--set", "logging.wandb_mode=offline",
+        "--set", "logging.backends=[wandb]", "--set", "logging.wandb_mode=offline", script=True,
     )
     out = proc.stdout
     assert "teacher" in out and "student (start)" in out and "student after round 1" in out

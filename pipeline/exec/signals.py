@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Loaded here, not in die_with_parent: between fork and exec a child must not load libraries.
@@ -84,6 +85,38 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def process_running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not exited: a zombie (exited, not yet reaped by its parent) counts
+    as exited, which :func:`pid_alive` cannot tell (Linux's /proc; elsewhere :func:`pid_alive`)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return pid_alive(pid)
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every process below it, from /proc (Linux; elsewhere ``{pid}``)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in Path("/proc").iterdir() if e.name.isdigit()]
+    except OSError:
+        return {pid}
+    for entry in entries:
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited while being listed
+            continue
+        children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(entry.name))
+    tree, todo = set(), [pid]
+    while todo:
+        tree.add(todo[-1])
+        todo.extend(children.get(todo.pop(), []))
+    return tree
 
 
 def follow_owner() -> None:

@@ -85,6 +85,27 @@ def resolve_level(level: str | None = None) -> int:
     return getattr(logging, name.upper())
 
 
+# Warnings a library gives on every start that say nothing about the run: logger -> why it is harmless.
+HARMLESS_WARNINGS = {
+    "vllm.triton_utils.importing": "vLLM's CPU build says Triton has no CPU backend; its CPU kernels do not use Triton",
+}
+
+
+def silence_harmless_warnings() -> None:
+    """Let only errors through :data:`HARMLESS_WARNINGS`' loggers. Called when gndpo's CLI module is
+    imported, which is also the first import of every vLLM process spawned from gndpo. A filter, not a
+    level: vLLM's logging configuration resets its child loggers' levels, but keeps their filters."""
+    for name in HARMLESS_WARNINGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ErrorsOnly) for f in logger.filters):
+            logger.addFilter(_ErrorsOnly())
+
+
+class _ErrorsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
 def adopt_library_loggers() -> None:
     """Make libraries that install their own stdout handlers (vLLM, DeepSpeed) log through ours instead.
     Called again after a library is imported late (DeepSpeed in train)."""

@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gndpo.stages.models.vllm_engine import cuda_available, engine_dtype, make_llm, shutdown_llm
+from gndpo.stages.models.vllm_engine import cuda_available, engine_alive, engine_dtype, engine_processes, make_llm, shutdown_llm
 from gndpo.stages.models.probe import TOLERANCE, probe_gap
 from gndpo.stages.models.loading import load_causal_lm, model_config
 from gndpo.stages.training.deepspeed_engine import build_engine
@@ -42,6 +42,10 @@ class _Engine:
     key: tuple  # what the engine was built with, apart from the weights
     weights: str  # the folder whose weights it holds now
     asleep: bool = False
+    processes: frozenset = frozenset()  # its engine-core and worker pids once started (engine_alive)
+
+    def __post_init__(self):
+        self.processes = engine_processes(self.llm)
 
 
 @dataclass
@@ -79,7 +83,7 @@ class LiveModels:
             self.probe = self._measure_probe(llm, policy, reloaded=False)
             return llm
         key = (repr(cfg), _architecture(policy))
-        live = self._engine
+        live = self._engine = self._alive(self._engine, "the rollout engine")
         if live is not None and live.key != key:
             self.close_engine()
             live = None
@@ -108,6 +112,21 @@ class LiveModels:
             self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode), key, policy)
             self.probe = self._measure_probe(self._engine.llm, policy, reloaded=False, restarted=restarted)
         return self._engine.llm
+
+    @staticmethod
+    def _alive(live: _Engine | None, name: str) -> _Engine | None:
+        """``live``, or None (with a warning, after releasing what is left of it) if its engine process
+        has died since it was last used, so that a fresh engine replaces it."""
+        if live is None or engine_alive(live.llm, live.processes):
+            return live
+        logging.getLogger("gndpo").warning(
+            f"engine: {name} kept from an earlier stage has stopped (its process exited: a signal sent to this process "
+            "group, or the machine's memory); starting a fresh one")
+        try:
+            shutdown_llm(live.llm)
+        except Exception:  # what is left of a dead engine may fail to close; it holds nothing now
+            pass
+        return None
 
     @staticmethod
     def _measure_probe(llm, policy: str, reloaded: bool, restarted: int = 0) -> dict | None:
@@ -140,7 +159,7 @@ class LiveModels:
         if not self.keep:
             return make_llm(path, cfg, max_logprobs=max_logprobs)
         key = (path, repr(cfg), max_logprobs)
-        live = self._teacher_engine
+        live = self._teacher_engine = self._alive(self._teacher_engine, "the teacher's engine")
         if live is not None and live.key != key:
             shutdown_llm(live.llm)
             live = self._teacher_engine = None

@@ -30,7 +30,7 @@ from gndpo.pipeline.config.schema import EngineConfig
 from gndpo.stages.models.device import dtype_name, resolve_dtype
 from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
 from gndpo.pipeline.exec.dist import scoped_environ
-from gndpo.pipeline.exec.signals import ENGINE_OWNER_ENV
+from gndpo.pipeline.exec.signals import ENGINE_OWNER_ENV, descendants, process_running
 
 GIB = 1 << 30
 # vLLM's CPU platform lets this legacy variable (GiB), when set, replace an engine's kv_cache_memory_bytes.
@@ -145,6 +145,23 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
     return llm
 
 
+def engine_processes(llm) -> frozenset[int]:
+    """The pids of ``llm``'s engine: its engine-core process(es) and everything under them (vLLM's
+    workers), as they are now: recorded when an engine is kept, for :func:`engine_alive`."""
+    manager = getattr(llm.llm_engine.engine_core.resources, "engine_manager", None)
+    return frozenset(pid for proc in getattr(manager, "processes", []) for pid in descendants(proc.pid))
+
+
+def engine_alive(llm, processes: frozenset[int]) -> bool:
+    """Whether every one of an engine's ``processes`` is still running. A kept engine can die while gndpo
+    goes on: a Ctrl-C sent to the whole process group of a script reaches vLLM's processes, and its
+    worker exits while the engine core, waiting on it, would hang the next request forever. Looking at
+    the processes, not asking the engine, cannot hang."""
+    if getattr(llm.llm_engine.engine_core.resources, "engine_dead", False):  # vLLM's own monitor noticed
+        return False
+    return all(process_running(pid) for pid in processes)
+
+
 def shutdown_llm(llm) -> None:
     """Stop ``llm``'s engine-core process now (also accepts a weak reference; idempotent)."""
     if isinstance(llm, weakref.ref):
@@ -162,12 +179,24 @@ class Generation:
     stop_reason: int | str | None = None  # the stop string or stop token that ended it, if one did
 
 
+def _generate(llm, requests: list, params):
+    """``llm.generate``; an engine process that died under it is one line (the unit is retried when the
+    stage reruns), not vLLM's traceback."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    try:
+        return llm.generate(requests, params, use_tqdm=False)
+    except EngineDeadError as exc:  # the cause stays visible at --log-level debug
+        raise GndpoError("the vLLM engine process stopped during generation (a signal sent to this process group, or the "
+                         "machine's memory); rerun the same command to resume") from exc
+
+
 def generate(llm, prompt_token_ids: list[list[int]], params: list) -> list[Generation]:
     """Generate one completion per (prompt, SamplingParams) pair, in input order."""
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = _generate(llm, prompts, params)
     result = []
     for out in outputs:
         comp = out.outputs[0]
@@ -192,7 +221,7 @@ def response_logprobs(llm, prompts: list, responses: list, topk: int) -> dict:
     # One generated token is the least vLLM will do; it is not used. detokenize=False: ids only.
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=topk, detokenize=False)
     requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p] + [int(t) for t in r]) for p, r in zip(prompts, responses)]
-    outputs = llm.generate(requests, params, use_tqdm=False)
+    outputs = _generate(llm, requests, params)
     sampled, ids, values = [], [], []
     for p, r, out in zip(prompts, responses, outputs):
         for position, token in zip(range(len(p), len(p) + len(r)), r):

@@ -105,6 +105,16 @@ class StageRecords:
         }
         return self.run.create_json(f"{self.prefix}/done/{unit}.json", record)
 
+    # -- pruning (`gndpo gc --keep-rounds`) --------------------------------------------------------
+    def pruned(self) -> dict | None:
+        """What `gndpo gc --keep-rounds` removed of this stage's committed files, or None."""
+        return self.run.read_json_or_none(f"{self.prefix}/_PRUNED.json")
+
+    def mark_pruned(self, body: dict) -> None:
+        """Record, before anything is removed, that ``body["folders"]`` are being removed: a reader then
+        says so instead of failing on a missing file, even if the removal stops half-way."""
+        self.run.create_json(f"{self.prefix}/_PRUNED.json", body)
+
     # -- manifest ---------------------------------------------------------------------------------
     def manifest(self) -> dict | None:
         return self.run.read_json_or_none(f"{self.prefix}/_MANIFEST.json")

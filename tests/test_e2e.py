@@ -204,6 +204,34 @@ def test_status_and_sql_commands(run_dir):
     assert float(out.splitlines()[1]) > 0
 
 
+def test_gc_keep_rounds_frees_old_policies_and_keeps_what_readers_need(run_dir, tmp_path):
+    """`gndpo gc --keep-rounds 1` on a two-round run removes round 0's exported student and optimizer
+    state (and says how much: the bytes on disk), keeps round 1's and every rollout and score; a fork
+    from round 1, whose rollouts round 0's export sampled, is refused in one line."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    train0 = run / "rounds" / "r0000" / "train" / "data" / "update" / "a001"
+    on_disk = sum(f.stat().st_size for d in ("model", "optimizer") for f in (train0 / d).rglob("*") if f.is_file())
+    dry = gndpo("gc", run, "--keep-rounds", "1", "--dry-run").stdout
+    assert f"would remove round 0: rounds/r0000/train/data/update/a001/model, rounds/r0000/train/data/update/a001/optimizer ({on_disk / 1e9:.2f} GB)" in dry
+    assert (train0 / "model").is_dir()
+    rows_before = gndpo("sql", run, "SELECT count(*) FROM rollouts", "--format", "csv").stdout
+    out = gndpo("gc", run, "--keep-rounds", "1").stdout
+    assert f"1 round(s) pruned, {on_disk / 1e9:.2f} GB freed" in out
+    assert not (train0 / "model").exists() and not (train0 / "optimizer").exists()
+    assert (run / "rounds" / "r0001" / "train" / "data" / "update" / "a001" / "model" / "model.safetensors").is_file()
+    assert gndpo("sql", run, "SELECT count(*) FROM rollouts", "--format", "csv").stdout == rows_before
+    assert gndpo("status", run).stdout.count("committed") == 8
+    refused = gndpo("fork", run, tmp_path / "fork", "--from-round", "1", check=False)
+    assert refused.returncode == 1 and "removed by `gndpo gc --keep-rounds`" in refused.stderr and not (tmp_path / "fork").exists()
+    again = gndpo("gc", run, "--keep-rounds", "1").stdout  # nothing left to prune
+    assert "0 round(s) pruned" in again
+    bad = gndpo("gc", run, "--keep-rounds", "0", check=False)
+    assert bad.returncode == 1 and "--keep-rounds must be at least 1" in bad.stderr
+
+
 def test_rerun_is_a_no_op(run_dir):
     """Nothing is computed or written again (but the new process's log file)."""
     def files():

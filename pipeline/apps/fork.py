@@ -44,6 +44,9 @@ def fork_refusal(parent_url: str, from_round: int, cfg: Config) -> str | None:
     parent = open_run(parent_url)
     if from_round < 0 or parent.records(from_round, "rollout").manifest() is None:
         return f"cannot fork {parent_url} at round {from_round}: its rollout of round {from_round} is not committed"
+    if from_round > 0 and parent.records(from_round - 1, "train").pruned() is not None:
+        return (f"cannot fork {parent_url} at round {from_round}: the policy that sampled it (round {from_round - 1}'s export) "
+                "was removed by `gndpo gc --keep-rounds`")
     for section in ROLLOUT_SECTIONS:
         if getattr(cfg, section) != getattr(parent.cfg, section):
             return f"fork: {section} cannot change: round {from_round}'s rollouts were sampled with {parent_url}'s {section}"

@@ -1,14 +1,23 @@
-"""`gndpo gc`: remove attempt folders that no commit record references.
+"""`gndpo gc`: remove attempt folders that no commit record references, and on request old rounds'
+policies and optimizer state.
 
 An attempt folder is garbage when its unit is committed by another attempt, or when its lease is
 stale and it never committed (a crashed worker's partial output). Folders of live leases are kept:
 their worker may still commit them.
+
+Every round's train stage exports the student (and its EMA, with ``self_teacher.weights: ema``) and,
+with ``train.carry_optimizer_state``, the optimizer state: at 135M parameters about 2 GB a round, most
+of it the optimizer state. Resuming needs only the newest round's; rollouts, scores and metrics (what
+``report`` and ``sql`` read) are small and always kept. :func:`prune_rounds` removes the exported
+files of every trained round but the newest ``keep``, after marking each round pruned, so that
+``eval``, ``fork`` and a resumed stage name what was removed instead of failing on a missing file.
 """
 
 from __future__ import annotations
 
 import time
 
+from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.metrics import committed_rounds
 from gndpo.pipeline.exec.units import lease_state
 from gndpo.storage.records import STAGES
@@ -36,3 +45,34 @@ def collect_garbage(run, dry_run: bool = False) -> list[str]:
                         if not dry_run:
                             run.fs.rm(path)
     return removed
+
+
+def prune_rounds(run, keep: int, dry_run: bool = False) -> list[dict]:
+    """Remove (or, with ``dry_run``, only list) the exported policy, EMA and optimizer state of every
+    trained round but the newest ``keep`` (at least 1: the next round starts from the newest); returns
+    one ``{"round", "folders", "bytes"}`` per round pruned, its sizes from the commit records."""
+    if keep < 1:
+        raise GndpoError("--keep-rounds must be at least 1: the next round trains from the newest round's policy")
+    trained = [r for r in range(committed_rounds(run)) if run.records(r, "train").manifest() is not None]
+    pruned = []
+    for r in trained[:-keep]:
+        rec = run.records(r, "train")
+        if run.inherits(r, "train") or rec.pruned() is not None:  # a fork never removes its parent's files
+            continue
+        commit = rec.done("update")
+        folders = exported_folders(commit)
+        size = sum(f["bytes"] for f in commit["files"] if any(f["path"].startswith(d + "/") for d in folders))
+        pruned.append({"round": r, "folders": folders, "bytes": size})
+        if not dry_run:
+            rec.mark_pruned({"folders": folders, "bytes": size, "pruned_at": time.time()})
+            for folder in folders:
+                run.fs.rm(folder)
+    return pruned
+
+
+def exported_folders(commit: dict) -> list[str]:
+    """The run-relative folders a train commit exported: the model, its EMA, the optimizer state."""
+    folders = [commit["model_dir"], *([commit["ema_dir"]] if commit.get("ema_dir") else [])]
+    state = commit.get("optimizer_state") or {}
+    folders += sorted({f["path"].rsplit("/", 1)[0] for f in state.get("files", [])})
+    return folders

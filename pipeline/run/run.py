@@ -45,8 +45,9 @@ class Run:
         0, else the model exported by the previous round's train stage (downloaded if remote)."""
         if round_idx == 0:
             return self.cfg.student
-        holder = self.records(round_idx - 1, "train").run  # a forked run's early rounds live in its parent
-        return holder.local_dir(self.policy_dir(round_idx), model_cache_dir())
+        records = self.records(round_idx - 1, "train")  # a forked run's early rounds live in its parent
+        require_exported(records)
+        return records.run.local_dir(self.policy_dir(round_idx), model_cache_dir())
 
     def policy_dir(self, round_idx: int) -> str | None:
         """The run-relative folder of the model exported by round ``round_idx - 1`` (None for round 0)."""
@@ -68,6 +69,7 @@ class Run:
             path = self.policy_path(round_idx)
         else:
             records = self.records(round_idx - 1, "train")
+            require_exported(records)
             path = records.run.local_dir(records.require_manifest()["metrics"]["ema_dir"], model_cache_dir())
         return {f"self/{weights}": path}
 
@@ -81,6 +83,13 @@ class Run:
         while self.records(version, "train").manifest() is not None:
             version += 1
         return version, self.policy_path(version)
+
+
+def require_exported(records: StageRecords) -> None:
+    """Refuse, in one line, to read what a train stage exported once `gndpo gc --keep-rounds` removed it."""
+    if records.pruned() is not None:
+        raise GndpoError(f"round {records.round}'s exported policy and optimizer state were removed by `gndpo gc --keep-rounds` "
+                         f"({records.run.url}); use a newer round's")
 
 
 def model_cache_dir() -> str:

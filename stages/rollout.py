@@ -18,6 +18,8 @@ import random
 import pyarrow as pa
 
 from gndpo.faults import crash_point
+from gndpo.pipeline.observe import progress
+from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.tasks.rewards import run_rewards, score_response
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.run.seeds import derived_seed
@@ -28,7 +30,6 @@ from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
-from gndpo.pipeline.observe.logs import info
 from gndpo.stages.text.heldout_eval import greedy_eval
 
 def sample_seed(base: int, round_idx: int, prompt_id: str, sample_idx: int) -> int:
@@ -142,7 +143,11 @@ class RolloutJob:
                     c.add_prefix(prefix, ended=bool(prefix) and prefix[-1] in self.stop_ids)
                 conversations.append(c)
                 meta.append((rendered.text, s))
-        run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, rc.max_tokens, self.sampling)
+        # A unit can take minutes: its own progress moves as responses finish (turns, with tools).
+        with progress.task(f"rollout r{self.round} {unit['unit']}", total=len(conversations), unit="responses", transient=True) as bar:
+            run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, rc.max_tokens, self.sampling,
+                              on_turn=lambda ended: bar.show(tokens=sum(len(c.response_ids) for c in conversations)),
+                              on_finished=bar.advance)
         crash_point("rollout.generate")
         rows = [self.row(c, text, s) for c, (text, s) in zip(conversations, meta)]
         table = pa.Table.from_pylist(rows, schema=ROLLOUTS)

@@ -100,8 +100,8 @@ def _format_rate(per_second: float) -> str:
 class Task:
     """One long step: ``done`` of ``total`` ``unit``, summed counts, the latest shown values."""
 
-    def __init__(self, description: str, total: int | None, unit: str, bar: bool = True):
-        self.description, self.total, self.unit = description, total, unit
+    def __init__(self, description: str, total: int | None, unit: str, bar: bool = True, transient: bool = False):
+        self.description, self.total, self.unit, self.transient = description, total, unit, transient
         self.done, self.counts, self.shown = 0, {}, {}
         self.started = self._last_line = time.monotonic()
         self._bar_id = None
@@ -169,19 +169,23 @@ class Task:
             bar = _terminal.bar
             bar.update(self._bar_id, completed=self.done, details=self.details())
             bar.stop_task(self._bar_id)
+            if self.transient:
+                bar.remove_task(self._bar_id)
             _terminal.open.discard(self._bar_id)
             if not _terminal.open:  # the last open task: leave the finished bars on screen, stop redrawing
                 bar.stop()
                 _terminal.bar = None
-        else:
+        elif not self.transient:
             self._draw(final=True)
 
 
 @contextmanager
-def task(description: str, total: int | None = None, unit: str = "steps", draw: bool = True):
+def task(description: str, total: int | None = None, unit: str = "steps", draw: bool = True, transient: bool = False):
     """A :class:`Task` drawn as this process was configured, closed (its last line written) on exit.
-    ``draw`` False: as plain lines even on a terminal (while child processes draw on it)."""
-    t = Task(description, total, unit, bar=draw)
+    ``draw`` False: as plain lines even on a terminal (while child processes draw on it). ``transient``:
+    a part of an enclosing task (one unit of a stage), whose bar goes and whose last line is not
+    written when it ends: the enclosing task reports that."""
+    t = Task(description, total, unit, bar=draw, transient=transient)
     try:
         yield t
     finally:

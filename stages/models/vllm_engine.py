@@ -21,9 +21,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
@@ -179,24 +181,49 @@ class Generation:
     stop_reason: int | str | None = None  # the stop string or stop token that ended it, if one did
 
 
-def _generate(llm, requests: list, params):
-    """``llm.generate``; an engine process that died under it is one line (the unit is retried when the
-    stage reruns), not vLLM's traceback."""
+class _FinishedRequests:
+    """The progress-bar object vLLM's offline loop updates as requests finish (``use_tqdm`` given a
+    factory): each update goes to ``on_finished(count)``; vLLM's own speed line (its postfix) is not shown."""
+
+    def __init__(self, on_finished: Callable[[int], None], **_tqdm_arguments):
+        self.on_finished, self.n, self.postfix, self._start = on_finished, 0, "", time.monotonic()
+
+    @property
+    def format_dict(self) -> dict:
+        return {"elapsed": max(time.monotonic() - self._start, 1e-9)}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self.on_finished(n)
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _generate(llm, requests: list, params, on_finished: Callable[[int], None] | None = None):
+    """``llm.generate``, calling ``on_finished(count)`` as requests finish (progress inside one call); an
+    engine process that died under it is one line (the unit is retried when the stage reruns), not
+    vLLM's traceback."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
+    use_tqdm = (lambda **kwargs: _FinishedRequests(on_finished, **kwargs)) if on_finished else False
     try:
-        return llm.generate(requests, params, use_tqdm=False)
+        return llm.generate(requests, params, use_tqdm=use_tqdm)
     except EngineDeadError as exc:  # the cause stays visible at --log-level debug
         raise GndpoError("the vLLM engine process stopped during generation (a signal sent to this process group, or the "
                          "machine's memory); rerun the same command to resume") from exc
 
 
-def generate(llm, prompt_token_ids: list[list[int]], params: list) -> list[Generation]:
-    """Generate one completion per (prompt, SamplingParams) pair, in input order."""
+def generate(llm, prompt_token_ids: list[list[int]], params: list, on_finished: Callable[[int], None] | None = None) -> list[Generation]:
+    """Generate one completion per (prompt, SamplingParams) pair, in input order; ``on_finished(count)``
+    is called as completions finish."""
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
-    outputs = _generate(llm, prompts, params)
+    outputs = _generate(llm, prompts, params, on_finished)
     result = []
     for out in outputs:
         comp = out.outputs[0]

@@ -113,12 +113,14 @@ def _called_tool(g) -> bool:
 def run_conversations(
     llm, tok, conversations: list[Conversation], data: DataConfig, tool_use: ToolUse | None, max_tokens: int,
     sampling: Callable[[int, int, list[str]], object], on_turn: Callable[[list[Conversation]], None] | None = None,
+    on_finished: Callable[[int], None] | None = None,
 ) -> None:
     """Write every open conversation to its end, in place. ``max_tokens`` caps each student turn and,
     without tools, the whole response (a guided prefix included); ``sampling(seed, max_tokens,
     extra_stops)`` makes a turn's vLLM SamplingParams (the caller's temperature, stops and log-prob
     settings; ``extra_stops`` are the stop strings tool use adds, to be kept in the output).
-    ``on_turn`` is called after each turn with the conversations that ended in it (for progress)."""
+    ``on_turn`` is called after each turn with the conversations that ended in it, ``on_finished(count)``
+    as a turn's generations finish inside it (both for progress)."""
     budget = tool_use.max_response_tokens if tool_use else max_tokens
     turns = tool_use.max_turns if tool_use else 1
     extra_stops = [CALL_END] if tool_use else []
@@ -128,7 +130,7 @@ def run_conversations(
             break
         # At least one token per request: a conversation with no room left was ended below.
         params = [sampling(turn_seed(c.seed, turn), max(min(max_tokens, budget - len(c.response_ids)), 1), extra_stops) for c in active]
-        gens = generate(llm, [c.prompt_ids + c.response_ids for c in active], params)
+        gens = generate(llm, [c.prompt_ids + c.response_ids for c in active], params, on_finished)
         calling = []
         for c, g in zip(active, gens):
             start = 0 if turn == 0 else len(c.response_ids)  # the first turn includes a guided prefix

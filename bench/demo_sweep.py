@@ -67,6 +67,8 @@ SETTINGS = {
     "lr4e-4,cos": pinned_settings("4e-4", "cosine"),
     "lr3e-4,cos,64x128": pinned_settings("3e-4", "cosine", steps=64, micro=128),
     "lr3e-4,cos,2x samples": pinned_settings("3e-4", "cosine", steps=64, prompts=2048),
+    # After the check: seed 2 fell 0.064 (machine) and 0.042 (MKL_CBWR=COMPATIBLE) in round 3 at 3e-4.
+    "lr2e-4,cos,2x samples": pinned_settings("2e-4", "cosine", steps=64, prompts=2048),
 }
 
 

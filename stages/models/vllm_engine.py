@@ -25,6 +25,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from gndpo.errors import GndpoError
@@ -203,13 +204,19 @@ class _FinishedRequests:
         pass
 
 
+def _progress_bar(on_finished: Callable[[int], None], iterable=None, **tqdm_arguments):
+    """What vLLM asks its ``use_tqdm`` factory for: a bar over the requests as they finish, or (given an
+    iterable: the requests being added) that iterable as it is."""
+    return iterable if iterable is not None else _FinishedRequests(on_finished, **tqdm_arguments)
+
+
 def _generate(llm, requests: list, params, on_finished: Callable[[int], None] | None = None):
     """``llm.generate``, calling ``on_finished(count)`` as requests finish (progress inside one call); an
     engine process that died under it is one line (the unit is retried when the stage reruns), not
     vLLM's traceback."""
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    use_tqdm = (lambda **kwargs: _FinishedRequests(on_finished, **kwargs)) if on_finished else False
+    use_tqdm = partial(_progress_bar, on_finished) if on_finished else False
     try:
         return llm.generate(requests, params, use_tqdm=use_tqdm)
     except EngineDeadError as exc:  # the cause stays visible at --log-level debug

@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+from gndpo.pipeline.exec.signals import descendants
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -35,26 +37,6 @@ def run_timed(argv: list[str], log: Path) -> tuple[float, str]:
 def save_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def _tree(root: int) -> list[int]:
-    """``root`` and every process descended from it, from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
 
 
 def _memory_kib(pid: int) -> tuple[int, int, int]:
@@ -95,7 +77,7 @@ def run_measured(argv: list[str], log: Path, every_s: float = 0.5) -> tuple[floa
         reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
         reader.start()
         while proc.poll() is None:
-            pids = _tree(proc.pid)
+            pids = sorted(descendants(proc.pid))
             mem = [_memory_kib(p) for p in pids]
             peak["tree_rss"] = max(peak["tree_rss"], sum(m[0] for m in mem))
             peak["process_hwm"] = max([peak["process_hwm"], *(m[1] for m in mem)])

@@ -2,6 +2,7 @@
 DeepSpeed train, on tiny toy models. One run is shared by the module (an engine start costs ~20 s)."""
 
 import json
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -231,6 +232,26 @@ def test_gc_keep_rounds_frees_old_policies_and_keeps_what_readers_need(run_dir, 
     assert "0 round(s) pruned" in again
     bad = gndpo("gc", run, "--keep-rounds", "0", check=False)
     assert bad.returncode == 1 and "--keep-rounds must be at least 1" in bad.stderr
+
+
+def test_readme_first_run_works_as_written(tmp_path, tiny_assets):
+    """README's "first run of your own" block, run as written by bash in a fresh folder (its gndpo is the
+    venv's; demo-run/config.yaml is the tiny toy's): a reward in the current folder imports, the run
+    trains two rounds, status and sql answer."""
+    import re
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"A first run of your own.*?```bash\n(.*?)```", readme, re.S)[1]
+    (tmp_path / "demo-run").mkdir()
+    (tmp_path / "demo-run" / "config.yaml").write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
+    script = block.replace(".venv/bin/gndpo", str(Path(sys.executable).with_name("gndpo")))
+    proc = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = open_run(str(tmp_path / "runs" / "mine"))
+    assert run.cfg.reward == "my_rewards:ends_with_answer" and run.records(1, "train").manifest() is not None
+    assert re.search(r"round\s.*reward", proc.stdout) and proc.stdout.count("committed") >= 8, proc.stdout
 
 
 def test_rerun_is_a_no_op(run_dir):
@@ -494,7 +515,6 @@ def test_sql_formats_round_trip_and_every_view_has_round(run_dir, tmp_path):
 def test_readme_sql_cookbook_runs(run_dir):
     """Every `gndpo sql RUN "..."` of README's cookbook runs on a real run and returns rows."""
     import re
-    from pathlib import Path
 
     from gndpo.pipeline.observe.sql import query
 

@@ -55,8 +55,9 @@ OUT = RESULTS / "real_model_stability"
 
 def run_compare(lr: str, work: Path) -> float:
     """One learning rate's comparison (resumed where it stopped); its wall seconds."""
+    # --keep-rounds 1: each run keeps only its last round's export (18 runs would otherwise keep 115 GB)
     argv = gndpo_cmd("-q", "compare", *METHODS, "--task", "self-distill", "--seeds", str(SEEDS), "--rounds", str(ROUNDS),
-                     "--out", str(work / f"lr-{lr}"))
+                     "--out", str(work / f"lr-{lr}"), "--keep-rounds", "1")
     for o in [f"train.lr={lr}", *SHAPE]:
         argv += ["--set", o]
     seconds, _ = run_timed(argv, work / f"lr-{lr}.log")
@@ -135,11 +136,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=WORK, help="where the runs go (resumable)")
     parser.add_argument("--table-only", action="store_true", help="re-read finished runs; run nothing")
+    parser.add_argument("--lr", action="append", choices=LEARNING_RATES, help="run only this learning rate (repeatable); the table has all")
     args = parser.parse_args()
     seconds = json.loads(OUT.with_suffix(".json").read_text()).get("seconds", {}) if OUT.with_suffix(".json").exists() else {}
     summaries = {}
     for lr in LEARNING_RATES:
-        if not args.table_only:
+        if not args.table_only and (not args.lr or lr in args.lr):
             t0 = time.time()
             run_compare(lr, args.work)
             seconds[lr] = seconds.get(lr, 0.0) + round(time.time() - t0, 1)

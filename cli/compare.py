@@ -17,10 +17,12 @@ def compare(
     seeds: int = typer.Option(1, "--seeds", min=1, help="Rollout seeds per method (rollout.seed 0..N-1); cells give mean and standard deviation."),
     task: str = typer.Option("addition", "--task", help="The demo task every method runs (see gndpo demo --task): addition (the default), "
         "tools, cross-tokenizer or self-distill."),
+    keep_rounds: Optional[int] = typer.Option(None, "--keep-rounds", help="As each run finishes, remove its older rounds' policies and "
+        "optimizer state, keeping the newest N (as gndpo gc --keep-rounds; a real model keeps about 2 GB a round)."),
 ):
     """Run several methods on a demo task for the same rounds; print held-out scores and stability."""
     from gndpo.pipeline.apps.compare import run_compare  # at call time: torch and transformers load only for this command
 
     with stdout_kept_for_data():
-        table = run_compare(methods, out, rounds, overrides or [], assets=assets, seeds=seeds, task=task)
+        table = run_compare(methods, out, rounds, overrides or [], assets=assets, seeds=seeds, task=task, keep_rounds=keep_rounds)
     echo_table(table)

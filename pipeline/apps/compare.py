@@ -22,6 +22,7 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.apps.demo import TASKS, run_demo
+from gndpo.pipeline.exec.gc import prune_rounds
 from gndpo.pipeline.methods import get_method
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.run import open_run
@@ -86,11 +87,13 @@ def method_row(label: str, run_url: str, final_accuracy: float) -> tuple[dict, l
 
 
 def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] = (), assets: str | None = None, log=info,
-                seeds: int = 1, task: str = "addition") -> list[dict]:
+                seeds: int = 1, task: str = "addition", keep_rounds: int | None = None) -> list[dict]:
     """Run every method on the demo ``task`` (resuming any that already ran) with ``seeds`` rollout
     seeds (``rollout.seed`` 0 .. seeds-1) and return the comparison table: one row per method, each
     cell the mean over seeds with its sample standard deviation beside it (``<column>_sd``) when there
-    is more than one."""
+    is more than one. ``keep_rounds``: as each run finishes, remove the exported policies and optimizer
+    state of all its rounds but the newest ``keep_rounds`` (:func:`prune_rounds`; a real model's runs
+    keep about 2 GB a round each)."""
     parsed = [parse_entry(e) for e in entries]  # every name checked before anything runs
     if not parsed:
         raise GndpoError("compare: name at least one method")
@@ -99,6 +102,8 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
         raise GndpoError("compare: a method is listed twice")
     if seeds < 1:
         raise GndpoError("compare: --seeds must be at least 1")
+    if keep_rounds is not None and keep_rounds < 1:
+        raise GndpoError("compare: --keep-rounds must be at least 1")
     if seeds > 1 and any(o.split("=", 1)[0].strip() == "rollout.seed" for o in [*overrides, *(o for p in parsed for o in p[2])]):
         raise GndpoError("compare: --seeds sets rollout.seed for each run; leave rollout.seed out of the overrides")
     if task not in TASKS:
@@ -115,6 +120,8 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
             first = str(method_folder(out_dir, 0, labels[0], seed, seeds) / "run") if i else None
             demo_rows = run_demo(str(folder), rounds, [*overrides, *seeded, *method_overrides], assets=assets, log=log,
                                  fork_from=first, task=task)
+            if keep_rounds is not None:
+                prune_rounds(open_run(str(folder / "run")), keep_rounds)
             row, by_round = method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"])
             per_seed.append({**row, "seed": seed} if seeds > 1 else row)
             per_round += [{"method": label, "seed": seed, **r} for r in by_round]

@@ -32,8 +32,8 @@ def run_dir(tmp_path_factory, tiny_assets):
     run = folder / "run"
     gndpo("init", run, "--config", config)
     for stage in STAGES:
-        # rollout writes every progress line (no interval), to show progress inside a unit
-        proc = gndpo(stage, run, "--round", 0, env={"GNDPO_PROGRESS_INTERVAL": "0"} if stage == "rollout" else None)
+        # rollout and score write every progress line (no interval), to show progress inside a unit
+        proc = gndpo(stage, run, "--round", 0, env={"GNDPO_PROGRESS_INTERVAL": "0"} if stage in ("rollout", "score") else None)
         (folder / f"{stage}.stderr").write_text(proc.stderr)
         (folder / f"{stage}.stdout").write_text(proc.stdout)
     proc = gndpo("run", run, "--rounds", 2)
@@ -443,6 +443,9 @@ def test_progress_lines_and_worker_logs_without_a_terminal(run_dir):
     # Inside a unit, progress moves as its responses finish (a unit's own lines; its end is the stage's line).
     inside = [tuple(map(int, m)) for m in re.findall(r"INFO rollout r0 u0000\d: (\d+)/(\d+) responses", rollout_err)]
     assert any(0 < done < total for done, total in inside), rollout_err
+    score_err = (folder / "score.stderr").read_text()
+    inside = [tuple(map(int, m)) for m in re.findall(r"INFO score: forward passes: (\d+)/(\d+) responses", score_err)]
+    assert any(0 < done < total for done, total in inside), score_err
     assert re.search(r"^\d\d:\d\d:\d\d INFO train r1: 2/2 steps, tokens \d+ \([\d,]+/s\), loss [-+.\de]+, grad_norm [.\d]+", run_err, re.M), run_err
     assert re.search(r"INFO rounds: 8/8 stages", run_err)
     assert "Resolved architecture" not in rollout_err  # a vLLM INFO line

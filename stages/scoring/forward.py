@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from gndpo.pipeline.observe import progress
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, token_budget_batches
 from gndpo.storage.shards import flat_values, read_shard
@@ -94,12 +95,15 @@ class StudentForward:
         the rows it scores) covering every row once; ``teacher_prompts``: per row, the prompt the teacher
         reads instead of the student's (a teacher context), or None."""
         per_token: dict[str, np.ndarray] = {}
-        for teacher, members in groups:
-            members = np.asarray(members)
-            for batch_rows in token_budget_batches(rows.spans[members], self.max_tokens, self.max_rows):
-                batch = members[batch_rows]
-                stats = self.batch_columns(rows, batch, teacher, topk, teacher_prompts)
-                place(per_token, stats, rows.token_positions(batch), len(rows.responses))
+        # A unit's forward passes can take minutes: its own progress moves batch by batch.
+        with progress.task("score: forward passes", total=rows.n, unit="responses", transient=True) as bar:
+            for teacher, members in groups:
+                members = np.asarray(members)
+                for batch_rows in token_budget_batches(rows.spans[members], self.max_tokens, self.max_rows):
+                    batch = members[batch_rows]
+                    stats = self.batch_columns(rows, batch, teacher, topk, teacher_prompts)
+                    place(per_token, stats, rows.token_positions(batch), len(rows.responses))
+                    bar.advance(len(batch), tokens=int(rows.lengths[batch].sum()))
         return per_token
 
     def batch_columns(self, rows: UnitRows, batch_rows, teacher, topk: int, teacher_prompts: list | None) -> dict[str, torch.Tensor]:

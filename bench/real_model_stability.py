@@ -123,8 +123,9 @@ def figure(summaries: dict[str, dict], path: Path) -> None:
             for ax, curves, x in ((axes[0][col], scores, range(ROUNDS + 1)), (axes[1][col], norms, range(1, ROUNDS + 1))):
                 line = ax.plot(list(x), [statistics.fmean(v) for v in zip(*curves)], marker="o", label=method)[0]
                 ax.fill_between(list(x), [min(v) for v in zip(*curves)], [max(v) for v in zip(*curves)], color=line.get_color(), alpha=0.2)
-        axes[0][col].set(title=f"lr {lr}: held-out format (greedy, 36 questions)", xlabel="policy version", ylim=(-0.05, 1.05))
-        axes[1][col].set(title=f"lr {lr}: gradient-norm max per round (pre-clip)", xlabel="round", yscale="log")
+        axes[0][col].set(title=f"lr {lr}: held-out format (greedy, 36 questions)", xlabel="policy version", ylim=(-0.05, 1.05),
+                         xticks=range(ROUNDS + 1))
+        axes[1][col].set(title=f"lr {lr}: gradient-norm max per round (pre-clip)", xlabel="round", yscale="log", xticks=range(1, ROUNDS + 1))
         axes[0][col].legend()
     fig.suptitle(f"SmolLM2-135M-Instruct self-distillation, {SEEDS} seeds (mean, band: lowest to highest)")
     fig.tight_layout()

@@ -42,7 +42,7 @@ class _Engine:
     key: tuple  # what the engine was built with, apart from the weights
     weights: str  # the folder whose weights it holds now
     asleep: bool = False
-    processes: frozenset = frozenset()  # its engine-core and worker pids once started (engine_alive)
+    processes: frozenset = field(init=False)  # its engine-core and worker pids once started (engine_alive)
 
     def __post_init__(self):
         self.processes = engine_processes(self.llm)

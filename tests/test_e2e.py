@@ -340,7 +340,7 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
             assert r["adv_min"] is None  # a pure divergence loss has no policy-gradient advantage
     # Per round of every run: the score it started from and its steps' figures, which the run's row sums up.
     for r in runs:
-        mine = [p for p in summary["per_round"] if (p["method"], p["seed"]) == (r["method"], r["seed"])]
+        mine = [p for p in json.loads((cmp / "compare.json").read_text())["per_round"] if (p["method"], p["seed"]) == (r["method"], r["seed"])]
         assert [p["round"] for p in mine] == [0] and mine[0]["heldout_start"] == r["acc_r0"]
         assert mine[0]["grad_norm_max"] == r["grad_norm_max"] and mine[0]["grad_norm_p99"] <= r["grad_norm_max"]
         assert mine[0]["clipped_steps"] in (0.0, 0.5, 1.0) and mine[0]["kl_estimate"] > 0  # 2 steps, clip 1.0

@@ -12,9 +12,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from gndpo.pipeline.exec.signals import process_running
 from gndpo.pipeline.run.run import open_run
 from tests.conftest import tiny_config_dict, write_config
 
@@ -23,6 +25,19 @@ pytestmark = pytest.mark.slow
 
 def ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # what `&` in a non-interactive shell does to the job
+
+
+def group_processes(pgid: int) -> set[int]:
+    """The pids of process group ``pgid``, from /proc."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if stat and int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+            pids.add(int(entry.name))
+    return pids
 
 
 def wait_for(path, text: str, proc, timeout: float = 300.0) -> None:
@@ -45,7 +60,15 @@ def test_a_kept_engine_killed_by_a_process_group_sigint_is_replaced(tmp_path, ti
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=ignore_sigint)
         try:
             wait_for(log, "round 0: score", proc)
-            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C to the process group: gndpo and its engine process
+            # gndpo is held still while the Ctrl-C reaches its group, until an engine process has exited:
+            # on a real model score and train take minutes, here a second, less than the engine takes to die.
+            engine = group_processes(proc.pid) - {proc.pid}
+            os.kill(proc.pid, signal.SIGSTOP)
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C to the process group: gndpo and its engine processes
+            deadline = time.time() + 60
+            while all(process_running(pid) for pid in engine) and time.time() < deadline:
+                time.sleep(0.2)
+            os.kill(proc.pid, signal.SIGCONT)
             code = proc.wait(timeout=600)
         finally:
             if proc.poll() is None:

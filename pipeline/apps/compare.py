@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.apps.demo import TASKS, run_demo
+from gndpo.pipeline.apps.demo import check_task, run_demo
 from gndpo.pipeline.exec.gc import prune_rounds
 from gndpo.pipeline.methods import get_method
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
@@ -39,12 +39,11 @@ def parse_entry(entry: str) -> tuple[str, str, list[str]]:
     return entry if overrides else name, name, [f"method.name={name}", *overrides]
 
 
-def round_rows(run_url: str) -> tuple[list[dict], list[float]]:
+def round_rows(run) -> tuple[list[dict], list[float]]:
     """Per round of a finished run: the held-out score of the policy it started from, the sampled
     reward and KL(student||teacher) estimate, and for a trained round its optimizer steps' stability
     figures (:func:`stability`) and advantage range; and the pre-clip gradient norms of every step of
     every round, in order."""
-    run = open_run(run_url)
     by = {(m["round"], m["stage"]): m for m in collect_metrics(run)}
     rows, all_norms = [], []
     for r in range(committed_rounds(run)):
@@ -76,9 +75,10 @@ def stability(grad_norms: list[float], grad_clip: float) -> dict:
 def method_row(label: str, run_url: str, final_accuracy: float) -> tuple[dict, list[dict]]:
     """One table row from a finished run's manifests (held-out score per policy version, stability over
     every optimizer step of every round), and the run's per-round rows (:func:`round_rows`)."""
-    rounds, norms = round_rows(run_url)
+    run = open_run(run_url)
+    rounds, norms = round_rows(run)
     row: dict = {"method": label, **{f"acc_r{r['round']}": r["heldout_start"] for r in rounds}, f"acc_r{len(rounds)}": final_accuracy}
-    row.update(stability(norms, open_run(run_url).cfg.train.grad_clip))
+    row.update(stability(norms, run.cfg.train.grad_clip))
     adv_lo = [r["adv_min"] for r in rounds if r.get("adv_min") is not None]
     adv_hi = [r["adv_max"] for r in rounds if r.get("adv_max") is not None]
     row["adv_min"] = min(adv_lo) if adv_lo else None
@@ -106,8 +106,7 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
         raise GndpoError("compare: --keep-rounds must be at least 1")
     if seeds > 1 and any(o.split("=", 1)[0].strip() == "rollout.seed" for o in [*overrides, *(o for p in parsed for o in p[2])]):
         raise GndpoError("compare: --seeds sets rollout.seed for each run; leave rollout.seed out of the overrides")
-    if task not in TASKS:
-        raise GndpoError(f"unknown demo task {task!r} (tasks: {', '.join(TASKS)})")
+    check_task(task)
     out_dir = Path(out).resolve()
     per_seed, per_round = [], []
     for i, (label, _, method_overrides) in enumerate(parsed):

@@ -95,6 +95,12 @@ def demo_table(metrics: list[dict], final_accuracy: float, teacher_accuracy: flo
     return rows
 
 
+def check_task(task: str) -> None:
+    """Refuse, in one line, a demo task that does not exist."""
+    if task not in TASKS:
+        raise GndpoError(f"unknown demo task {task!r} (tasks: {', '.join(TASKS)})")
+
+
 def run_demo(
     folder: str, rounds: int = 3, overrides: list[str] = (), assets: str | None = None, log=info, task: str = "addition",
     fork_from: str | None = None,
@@ -102,8 +108,7 @@ def run_demo(
     """Build or reuse the ``task``'s toy assets (or use ``assets``: a folder laid out like them), run
     ``rounds`` rounds, evaluate the final student, and return the before/after table. ``fork_from``: a
     run whose round-0 rollouts this one reuses (`gndpo fork`) where its settings allow."""
-    if task not in TASKS:
-        raise GndpoError(f"unknown demo task {task!r} (tasks: {', '.join(TASKS)})")
+    check_task(task)
     config, ensure_assets, task_overrides, models = TASKS[task]
     t0 = time.time()
     out = Path(folder).resolve()

@@ -2,6 +2,7 @@
 went unrenewed past its ttl abandons the unit, so the worker that takes it over is the only one to
 commit. No engines: a job that sleeps stands in for a long unit."""
 
+import json
 import logging
 import time
 
@@ -107,3 +108,20 @@ def test_a_lost_lease_stays_lost():
     # A renewal that arrives after the lease went stale does not bring it back.
     lease.renewed(at=120.0)
     assert lease.lost(now=120.0) and lease.lost(now=120.5)
+
+
+def test_a_unit_committed_by_a_worker_that_has_exited_is_not_claimed_again(tmp_path):
+    """The race CI hit with three workers: B lists the pending units, A commits the last of them and
+    exits, then B looks at that unit's lease. A's pid is gone, so the lease reads stale; B must still
+    not start a second attempt of a unit that is already committed."""
+    fs = RunFS(str(tmp_path))
+    records = StageRecords(fs, 0, "score")
+    a = Worker(records, SlowJob(fs, seconds=0), ttl=60, log=lambda *_: None)
+    a.ensure_plan()
+    assert a.compute({"unit": "u0"}, a.try_claim("u0")) is not None
+    claim = records.read_claim("u0", 1)
+    (tmp_path / records.claim_path("u0", 1)).write_text(json.dumps({**claim, "pid": 2**22 + 1}))  # A exited: no such pid
+    assert lease_state(records, "u0") == "stale"
+    b = Worker(records, SlowJob(fs, seconds=0), ttl=60, log=lambda *_: None)
+    assert b.try_claim("u0") is None
+    assert records.attempts("u0") == [1]

@@ -113,8 +113,13 @@ class Worker:
 
     # -- leases -----------------------------------------------------------------------------------
     def try_claim(self, unit: str) -> int | None:
-        """Claim ``unit`` (a fresh one, or a stale lease's next attempt); None if someone holds it."""
+        """Claim ``unit`` (a fresh one, or a stale lease's next attempt); None if someone holds it or
+        it is already committed."""
         if lease_state(self.records, unit) == "claimed":
+            return None
+        # A lease also reads stale once its worker committed the unit and exited, after our last
+        # listing of commits: look again, after the lease, so that such a commit is seen.
+        if self.records.done(unit) is not None:
             return None
         attempts = self.records.attempts(unit)
         attempt = attempts[-1] + 1 if attempts else 1

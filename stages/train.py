@@ -219,14 +219,16 @@ def optimizer_step(engine, objective: Objective, step: Step, world: int, zero_st
     }
 
 
-def round_lr(tc, step: int, n_steps: int) -> float:
-    """The learning rate of the round's optimizer step ``step`` (0-based) of ``n_steps``: ``tc.lr``, or with
-    ``tc.lr_schedule`` cosine, half a cosine from ``tc.lr`` at the first step to ``tc.lr * tc.lr_min_ratio``
-    at the last. A function of the step alone, so a resumed round continues on the same schedule."""
+def round_lr(tc, round_idx: int, step: int, n_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of ``n_steps`` in round ``round_idx``. The
+    round's peak is ``tc.lr * tc.lr_round_decay ** round_idx``; with ``tc.lr_schedule`` cosine the round
+    falls by half a cosine from its peak at the first step to ``peak * tc.lr_min_ratio`` at the last. A
+    function of the round and the step alone, so a resumed round continues on the same schedule."""
+    peak = tc.lr * tc.lr_round_decay**round_idx
     if tc.lr_schedule == "constant" or n_steps < 2:
-        return tc.lr
-    floor = tc.lr * tc.lr_min_ratio
-    return floor + (tc.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * step / (n_steps - 1)))
+        return peak
+    floor = peak * tc.lr_min_ratio
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * step / (n_steps - 1)))
 
 
 def set_learning_rate(engine, lr: float) -> None:
@@ -324,7 +326,7 @@ class TrainJob:
         with progress.task(f"train r{self.round}", total=len(update.steps), unit="steps") as bar:
             bar.advance(len(history))
             for i in range(len(history), len(update.steps)):
-                lr = round_lr(self.cfg.train, i, len(update.steps))
+                lr = round_lr(self.cfg.train, self.round, i, len(update.steps))
                 set_learning_rate(update.engine, lr)
                 step = optimizer_step(update.engine, update.objective, update.steps[i], self.dist.world, self.cfg.train.zero_stage)
                 history.append({**step, "lr": lr})

@@ -7,6 +7,7 @@ and mappings, and the method settings that used to be refused only at normalize 
 """
 
 import dataclasses
+import math
 import typing
 
 import pytest
@@ -20,6 +21,7 @@ from gndpo.pipeline.config.load import config_to_yaml, load_config
 from gndpo.pipeline.config.schema import Config, config_from_dict
 from gndpo.pipeline.methods import METHODS, validate
 from gndpo.pipeline.run.run import open_run
+from gndpo.stages.train import round_lr
 from tests.conftest import tiny_config_dict, write_config
 
 _register()
@@ -229,3 +231,17 @@ def test_a_custom_reward_beside_the_config_or_in_the_current_folder_imports(tmp_
 
     rewards = run_rewards(open_run(str(tmp_path / "run")).cfg)
     assert rewards[f"{module}:mentions_answer"]("it is 42", {"answer": 42}) == 1.0
+
+
+def test_lr_falls_within_each_round_and_decays_across_rounds():
+    """train.lr_round_decay d with cosine: round r's step i of n trains at p*m + p*(1-m)(1+cos(pi i/(n-1)))/2
+    with peak p = lr * d**r and floor ratio m; constant keeps p through the round."""
+    tc = config_from_dict({"train": {"lr": 1e-3, "lr_schedule": "cosine", "lr_min_ratio": 0.2,
+                            "lr_round_decay": 0.5}}).train
+    for r, peak in [(0, 1e-3), (1, 5e-4), (2, 2.5e-4)]:
+        want = [peak * 0.2 + peak * 0.8 * (1 + math.cos(math.pi * i / 4)) / 2 for i in range(5)]
+        assert [round_lr(tc, r, i, 5) for i in range(5)] == pytest.approx(want, rel=1e-12)
+    constant = dataclasses.replace(tc, lr_schedule="constant")
+    assert [round_lr(constant, 2, i, 5) for i in range(5)] == pytest.approx([2.5e-4] * 5, rel=1e-12)
+    with pytest.raises(GndpoError, match="lr_round_decay"):
+        config_from_dict({"train": {"lr_round_decay": 0}})

@@ -309,6 +309,9 @@ class TrainConfig:
     # lr * lr_min_ratio at the last (restarting each round: a function of the step, so resume-safe).
     lr_schedule: Literal["constant", "cosine"] = "constant"
     lr_min_ratio: Fraction = 0.1
+    # Round r's peak lr is lr * lr_round_decay**r: later rounds, whose student is near what the teacher
+    # can give, move it less (1 = every round starts at lr).
+    lr_round_decay: Annotated[float, Range(gt=0, le=1)] = 1.0
     weight_decay: NonNegative = 0.0
     optimizer_steps: Count = 1  # mini-batches per round (1 = one step per rollout batch, as the paper)
     # A micro-batch (one forward/backward on one rank) holds at most max_tokens_per_batch padded tokens

@@ -300,7 +300,9 @@ class TrainJob:
         policy = self.run.policy_path(self.round)
         self.live.release_engine()
         self.live.release_modules()
-        engine, continued = self.live.train_engine(cfg, policy, self.run.policy_dir(self.round), dist.world)
+        # By URL, not run-relative: an engine kept across runs (`gndpo compare`) must not pass for this run's.
+        exported = self.run.policy_dir(self.round)
+        engine, continued = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world)
         # Positions per output-layer chunk: model.logits_budget_mib over the vocabulary.
         steps = schedule_steps(share, cfg.train, logits_chunk(engine.module, cfg.model))
         torch.manual_seed(cfg.train.seed)
@@ -366,7 +368,7 @@ class TrainJob:
                 files += state["files"]
                 summary["optimizer_state"] = state
             # Without the carry the next round starts a fresh optimizer, so the engine is not kept.
-            self.live.trained(update.engine, self.cfg, dist.world, summary["model_dir"])
+            self.live.trained(update.engine, self.cfg, dist.world, self.run.fs.uri(summary["model_dir"]))
         return files, summary
 
     def summarize(self, commits):

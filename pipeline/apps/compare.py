@@ -27,6 +27,7 @@ from gndpo.pipeline.methods import get_method
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.observe.logs import info
+from gndpo.stages.models.live import LiveModels
 
 
 def parse_entry(entry: str) -> tuple[str, str, list[str]]:
@@ -108,6 +109,27 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
         raise GndpoError("compare: --seeds sets rollout.seed for each run; leave rollout.seed out of the overrides")
     check_task(task)
     out_dir = Path(out).resolve()
+    # One set of engines for all runs: each run reloads its own weights into the rollout engine (its
+    # requests carry their seeds) and the teacher loads once; starting vLLM per run cost ~20 s each here.
+    live = LiveModels(keep=True, log=log)
+    try:
+        per_seed, per_round = _run_all(parsed, labels, out_dir, rounds, overrides, assets, log, seeds, task, keep_rounds, live)
+    finally:
+        live.close()
+    rows = [seed_mean([r for r in per_seed if r["method"] == label]) for label in labels] if seeds > 1 else per_seed
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"task": task, "rounds": rounds, "overrides": list(overrides), "seeds": seeds, "rows": rows}
+    if seeds > 1:
+        summary["runs"] = per_seed
+    summary["per_round"] = per_round
+    (out_dir / "compare.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "compare.md").write_text(markdown_table(rows))
+    return rows
+
+
+def _run_all(parsed, labels, out_dir: Path, rounds: int, overrides, assets, log, seeds: int, task: str,
+             keep_rounds: int | None, live: LiveModels) -> tuple[list[dict], list[dict]]:
+    """Run (or resume) every method for every seed; (one row per run, one row per run and round)."""
     per_seed, per_round = [], []
     for i, (label, _, method_overrides) in enumerate(parsed):
         for seed in range(seeds):
@@ -118,21 +140,13 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
             # allow (`gndpo fork`), so every method starts from identical samples.
             first = str(method_folder(out_dir, 0, labels[0], seed, seeds) / "run") if i else None
             demo_rows = run_demo(str(folder), rounds, [*overrides, *seeded, *method_overrides], assets=assets, log=log,
-                                 fork_from=first, task=task)
+                                 fork_from=first, task=task, live=live)
             if keep_rounds is not None:
                 prune_rounds(open_run(str(folder / "run")), keep_rounds)
             row, by_round = method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"])
             per_seed.append({**row, "seed": seed} if seeds > 1 else row)
             per_round += [{"method": label, "seed": seed, **r} for r in by_round]
-    rows = [seed_mean([r for r in per_seed if r["method"] == label]) for label in labels] if seeds > 1 else per_seed
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"task": task, "rounds": rounds, "overrides": list(overrides), "seeds": seeds, "rows": rows}
-    if seeds > 1:
-        summary["runs"] = per_seed
-    summary["per_round"] = per_round
-    (out_dir / "compare.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "compare.md").write_text(markdown_table(rows))
-    return rows
+    return per_seed, per_round
 
 
 def method_folder(out_dir: Path, index: int, label: str, seed: int, seeds: int) -> Path:

@@ -103,11 +103,13 @@ def check_task(task: str) -> None:
 
 def run_demo(
     folder: str, rounds: int = 3, overrides: list[str] = (), assets: str | None = None, log=info, task: str = "addition",
-    fork_from: str | None = None,
+    fork_from: str | None = None, live: LiveModels | None = None,
 ) -> list[dict]:
     """Build or reuse the ``task``'s toy assets (or use ``assets``: a folder laid out like them), run
     ``rounds`` rounds, evaluate the final student, and return the before/after table. ``fork_from``: a
-    run whose round-0 rollouts this one reuses (`gndpo fork`) where its settings allow."""
+    run whose round-0 rollouts this one reuses (`gndpo fork`) where its settings allow. ``live``: kept
+    engines and models to use (and leave open), for a caller that runs several demos; by default the
+    demo keeps its own for its rounds and closes them."""
     check_task(task)
     config, ensure_assets, task_overrides, models = TASKS[task]
     t0 = time.time()
@@ -131,12 +133,14 @@ def run_demo(
         fork_run(fork_from, run_url, 0, cfg=cfg)
         log(f"round 0 rollouts: reused from {fork_from}")
     # One vLLM engine, teacher and DeepSpeed engine serve every round and the final evaluation.
-    live = LiveModels(keep=True, log=log)
+    own = live is None
+    live = LiveModels(keep=True, log=log) if own else live
     try:
         run_loop(run_url, rounds, log=log, live=live)
         final = evaluate(run_url, None, str(out / "eval"), live=live)
     finally:
-        live.close()
+        if own:
+            live.close()
     rows = demo_table(collect_metrics(open_run(run_url)), final["pass@1"], info["teacher_heldout_accuracy"])
     log(f"demo finished in {time.time() - t0:.0f}s; run folder {run_url}")
     return rows

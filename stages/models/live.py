@@ -199,9 +199,9 @@ class LiveModels:
     def train_engine(self, cfg, policy: str, policy_dir: str | None, world: int):
         """(DeepSpeed engine on ``policy``, whether it continues from the previous round as it is).
 
-        ``policy_dir`` is the run-relative folder of the committed model ``policy`` was downloaded from
-        (None in round 0). The kept engine is reused only if it is the one that exported exactly that
-        folder, i.e. its weights and optimizer state are the committed end of the previous round."""
+        ``policy_dir`` is the URL of the committed model folder ``policy`` was downloaded from (None in
+        round 0). The kept engine is reused only if it is the one that exported exactly that folder, i.e.
+        its weights and optimizer state are the committed end of the previous round of the same run."""
         key = (repr(cfg.train), repr(cfg.model), world)
         live = self._trainer
         self._trainer = None  # an update that fails half-way must not leave a half-updated engine here
@@ -211,8 +211,8 @@ class LiveModels:
         return engine, False
 
     def trained(self, engine, cfg, world: int, model_dir: str) -> None:
-        """Record that ``engine`` finished an update and exported it to ``model_dir``; kept for the next
-        round if this process keeps models (one rank only)."""
+        """Record that ``engine`` finished an update and exported it to ``model_dir`` (a URL); kept for
+        the next round if this process keeps models (one rank only)."""
         if self.keep and world == 1:
             self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir)
 

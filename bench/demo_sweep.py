@@ -71,10 +71,11 @@ SETTINGS = {
     "lr3e-4,cos,2x samples": pinned_settings("3e-4", "cosine", steps=64, prompts=2048),
     # After the check: seed 2 fell 0.064 (machine) and 0.042 (MKL_CBWR=COMPATIBLE) in round 3 at 3e-4.
     "lr2e-4,cos,2x samples": pinned_settings("2e-4", "cosine", steps=64, prompts=2048),
-    # Both fell in round 3 only: the peak lr of round r times 0.5**r (0.7**r) moves a student that is
-    # near the teacher less.
+    # Both fell in round 3 only: round r's peak lr times 0.5**r (0.4**r) moves the student less in
+    # later rounds. Seed 2 still fell in round 3 (0.034; 0.122 from 0.810 at 5e-4), while its sampled
+    # accuracy rose (see README): a greedy flip, not a worse policy.
     "lr3e-4,cos,2x samples,decay0.5": pinned_settings("3e-4", "cosine", steps=64, prompts=2048, decay="0.5"),
-    "lr3e-4,cos,2x samples,decay0.7": pinned_settings("3e-4", "cosine", steps=64, prompts=2048, decay="0.7"),
+    "lr5e-4,cos,2x samples,decay0.4": pinned_settings("5e-4", "cosine", steps=64, prompts=2048, decay="0.4"),
 }
 
 

@@ -95,25 +95,29 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
     is more than one. ``keep_rounds``: as each run finishes, remove the exported policies and optimizer
     state of all its rounds but the newest ``keep_rounds`` (:func:`prune_rounds`; a real model's runs
     keep about 2 GB a round each)."""
-    parsed = [parse_entry(e) for e in entries]  # every name checked before anything runs
-    if not parsed:
-        raise GndpoError("compare: name at least one method")
+    parsed = check_compare(entries, overrides, seeds, task, keep_rounds)
     labels = [p[0] for p in parsed]
-    if len(set(labels)) != len(labels):
-        raise GndpoError("compare: a method is listed twice")
-    if seeds < 1:
-        raise GndpoError("compare: --seeds must be at least 1")
-    if keep_rounds is not None and keep_rounds < 1:
-        raise GndpoError("compare: --keep-rounds must be at least 1")
-    if seeds > 1 and any(o.split("=", 1)[0].strip() == "rollout.seed" for o in [*overrides, *(o for p in parsed for o in p[2])]):
-        raise GndpoError("compare: --seeds sets rollout.seed for each run; leave rollout.seed out of the overrides")
-    check_task(task)
     out_dir = Path(out).resolve()
+    per_seed, per_round = [], []
     # One set of engines for all runs: each run reloads its own weights into the rollout engine (its
     # requests carry their seeds) and the teacher loads once; starting vLLM per run cost ~20 s each here.
     live = LiveModels(keep=True, log=log)
     try:
-        per_seed, per_round = _run_all(parsed, labels, out_dir, rounds, overrides, assets, log, seeds, task, keep_rounds, live)
+        for i, (label, _, method_overrides) in enumerate(parsed):
+            for seed in range(seeds):
+                log(f"compare: {label} ({i + 1}/{len(parsed)})" + (f", seed {seed} ({seed + 1}/{seeds})" if seeds > 1 else ""))
+                folder = method_folder(out_dir, i, label, seed, seeds)
+                seeded = [f"rollout.seed={seed}"] if seeds > 1 else []
+                # Methods after the first replay its round-0 rollouts of the same seed where their
+                # settings allow (`gndpo fork`), so every method starts from identical samples.
+                first = str(method_folder(out_dir, 0, labels[0], seed, seeds) / "run") if i else None
+                demo_rows = run_demo(str(folder), rounds, [*overrides, *seeded, *method_overrides], assets=assets, log=log,
+                                     fork_from=first, task=task, live=live)
+                if keep_rounds is not None:
+                    prune_rounds(open_run(str(folder / "run")), keep_rounds)
+                row, by_round = method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"])
+                per_seed.append({**row, "seed": seed} if seeds > 1 else row)
+                per_round += [{"method": label, "seed": seed, **r} for r in by_round]
     finally:
         live.close()
     rows = [seed_mean([r for r in per_seed if r["method"] == label]) for label in labels] if seeds > 1 else per_seed
@@ -127,26 +131,22 @@ def run_compare(entries: list[str], out: str, rounds: int, overrides: list[str] 
     return rows
 
 
-def _run_all(parsed, labels, out_dir: Path, rounds: int, overrides, assets, log, seeds: int, task: str,
-             keep_rounds: int | None, live: LiveModels) -> tuple[list[dict], list[dict]]:
-    """Run (or resume) every method for every seed; (one row per run, one row per run and round)."""
-    per_seed, per_round = [], []
-    for i, (label, _, method_overrides) in enumerate(parsed):
-        for seed in range(seeds):
-            log(f"compare: {label} ({i + 1}/{len(parsed)})" + (f", seed {seed} ({seed + 1}/{seeds})" if seeds > 1 else ""))
-            folder = method_folder(out_dir, i, label, seed, seeds)
-            seeded = [f"rollout.seed={seed}"] if seeds > 1 else []
-            # Methods after the first replay its round-0 rollouts of the same seed where their settings
-            # allow (`gndpo fork`), so every method starts from identical samples.
-            first = str(method_folder(out_dir, 0, labels[0], seed, seeds) / "run") if i else None
-            demo_rows = run_demo(str(folder), rounds, [*overrides, *seeded, *method_overrides], assets=assets, log=log,
-                                 fork_from=first, task=task, live=live)
-            if keep_rounds is not None:
-                prune_rounds(open_run(str(folder / "run")), keep_rounds)
-            row, by_round = method_row(label, str(folder / "run"), demo_rows[-1]["heldout_acc"])
-            per_seed.append({**row, "seed": seed} if seeds > 1 else row)
-            per_round += [{"method": label, "seed": seed, **r} for r in by_round]
-    return per_seed, per_round
+def check_compare(entries: list[str], overrides, seeds: int, task: str, keep_rounds: int | None) -> list[tuple[str, str, list[str]]]:
+    """The parsed method entries, once every argument of a comparison is known good (before anything runs)."""
+    parsed = [parse_entry(e) for e in entries]
+    if not parsed:
+        raise GndpoError("compare: name at least one method")
+    labels = [p[0] for p in parsed]
+    if len(set(labels)) != len(labels):
+        raise GndpoError("compare: a method is listed twice")
+    if seeds < 1:
+        raise GndpoError("compare: --seeds must be at least 1")
+    if keep_rounds is not None and keep_rounds < 1:
+        raise GndpoError("compare: --keep-rounds must be at least 1")
+    if seeds > 1 and any(o.split("=", 1)[0].strip() == "rollout.seed" for o in [*overrides, *(o for p in parsed for o in p[2])]):
+        raise GndpoError("compare: --seeds sets rollout.seed for each run; leave rollout.seed out of the overrides")
+    check_task(task)
+    return parsed
 
 
 def method_folder(out_dir: Path, index: int, label: str, seed: int, seeds: int) -> Path:

@@ -157,15 +157,15 @@ def peak_memory(folder, length: int, chunk: int) -> dict:
 
 @pytest.mark.slow
 def test_memory_does_not_grow_with_vocabulary_times_length(realistic_pair):
-    """V = 151,936, hidden 512. Unchunked, one 4,096-token response's fp32 logits alone are 2.5 GB per
-    copy and a log-softmax doubles that (5 GB per model). Chunked at 512 positions, one chunk's [512, V]
-    buffer is 0.31 GB. Stated bound: the peak above the loaded models stays under 2 GiB for scoring
-    (two models) and under 3.5 GiB for the train step (gradients and AdamW state of the 158M-parameter
-    student are 1.9 GB of it), and going from 1,024 to 4,096 response tokens adds under 0.5 GB, where
-    unchunked logits would add 3 x 1,024 x V x 4 B x 2 = 3.7 GB."""
-    short = peak_memory(realistic_pair, 1024, 512)
-    long = peak_memory(realistic_pair, 4096, 512)
-    print("peak RSS (GiB):", json.dumps({"1024": short, "4096": long}))
+    """V = 151,936, hidden 512. Unchunked, one 2,048-token response's fp32 logits alone are 1.2 GB per
+    copy and a log-softmax doubles that (2.5 GB per model). Chunked at 512 positions, one chunk's
+    [512, V] buffer is 0.31 GB. Stated bound: the peak above the loaded models stays under 2 GiB for
+    scoring (two models) and under 3.5 GiB for the train step (gradients and AdamW state of the
+    158M-parameter student are 1.9 GB of it), and going from 512 to 2,048 response tokens adds under
+    0.5 GB, where unchunked logits would add 1,536 x V x 4 B x 2 = 1.9 GB per model."""
+    short = peak_memory(realistic_pair, 512, 512)
+    long = peak_memory(realistic_pair, 2048, 512)
+    print("peak RSS (GiB):", json.dumps({"512": short, "2048": long}))
     assert long["finite"] and short["finite"]
     assert long["score_peak_gib"] - long["loaded_gib"] < 2.0
     assert long["train_peak_gib"] - long["loaded_gib"] < 3.5

@@ -67,6 +67,10 @@ def set_train(run, **knobs):
 
 
 def test_two_ranks_match_one_rank(normalized_run, one_rank, tmp_path):
+    """ZeRO-0 on 2 ranks (its own gradient-norm path in train). The JSD round's 2 ranks are checked
+    under ZeRO-3 below, against the same 1-rank run."""
+    if normalized_run.parent.name.startswith("dp-jsd"):
+        pytest.skip("the JSD round's 2-rank run is checked under ZeRO-3 (test_zero_stage_crash_resume_matches_zero0)")
     one, two = one_rank, tmp_path / "two"
     shutil.copytree(normalized_run, two)
     proc = torchrun_train(two, 2)

@@ -207,6 +207,7 @@ class LiveModels:
         self._trainer = None  # an update that fails half-way must not leave a half-updated engine here
         if self.keep and world == 1 and live is not None and live.key == key and policy_dir is not None and live.exported_to == policy_dir:
             return live.engine, True
+        del live  # another round's or another run's engine: freed before a new one is built beside it
         engine, _ = build_engine(cfg, policy, world)
         return engine, False
 

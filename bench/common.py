@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -14,6 +15,31 @@ from pathlib import Path
 from gndpo.pipeline.exec.signals import descendants
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_model() -> str:
+    """The processor's model name (/proc/cpuinfo), e.g. "AMD EPYC"."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def capabilities() -> list[str]:
+    """The ATen kernel paths this CPU can run, narrowest first (avx512 needs AVX-512 F/BW/VL/DQ)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    paths = ["default"]
+    if "avx2" in flags:
+        paths.append("avx2")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        paths.append("avx512")
+    return paths
+
+
+def machine() -> str:
+    """The CPU type results are filed under: its model and the widest kernel path torch picks on it
+    (results differ between CPU types, so every figure says which one gave it)."""
+    return f"{cpu_model()} ({capabilities()[-1]})"
 
 
 def gndpo_cmd(*args: str) -> list[str]:

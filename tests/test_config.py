@@ -206,18 +206,22 @@ def test_override_paths_resolve_against_the_current_folder_and_the_files_against
 
 
 REWARD_MODULE = "def mentions_answer(response, row):\n    return float(str(row['answer']) in response)\n"
+TOOL_MODULE = "def echo(arguments, row):\n    return arguments['text']\n"
 
 
 @pytest.mark.parametrize("where", ["config folder", "current folder"])
 def test_a_custom_reward_beside_the_config_or_in_the_current_folder_imports(tmp_path, tiny_assets, monkeypatch, where):
     """A user's `reward: <module>:<function>` imports from the config file's folder and from the folder
     init runs in, without PYTHONPATH (which used to be the only way); init records both folders in the
-    run, and a process that opens the run later (a stage, another worker) imports the reward from there."""
+    run, and a process that opens the run later (a stage, another worker) imports the reward, and a tool
+    named the same way, from there."""
     monkeypatch.setattr("sys.path", list(__import__("sys").path))  # what init adds does not leak into other tests
     module = f"user_reward_{where.split()[0]}"  # a module name no other test imports
     (tmp_path / "cfg").mkdir()
     (tmp_path / "work").mkdir()
-    ((tmp_path / "cfg") if where == "config folder" else (tmp_path / "work")).joinpath(f"{module}.py").write_text(REWARD_MODULE)
+    folder = (tmp_path / "cfg") if where == "config folder" else (tmp_path / "work")
+    folder.joinpath(f"{module}.py").write_text(REWARD_MODULE)
+    folder.joinpath(f"{module}_tools.py").write_text(TOOL_MODULE)
     path = write_config(tmp_path / "cfg", tiny_config_dict(tiny_assets, reward=f"{module}:mentions_answer"))
     monkeypatch.chdir(tmp_path / "work")
     result = runner.invoke(app, ["init", str(tmp_path / "run"), "--config", str(path)])
@@ -228,9 +232,13 @@ def test_a_custom_reward_beside_the_config_or_in_the_current_folder_imports(tmp_
     monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in recorded])
     __import__("sys").modules.pop(module, None)
     from gndpo.pipeline.tasks.rewards import run_rewards
+    from gndpo.stages.text.agent import ToolUse
 
-    rewards = run_rewards(open_run(str(tmp_path / "run")).cfg)
+    cfg = open_run(str(tmp_path / "run")).cfg
+    rewards = run_rewards(cfg)
     assert rewards[f"{module}:mentions_answer"]("it is 42", {"answer": 42}) == 1.0
+    tools = ToolUse.from_config(dataclasses.replace(cfg.rollout, tools=[f"say={module}_tools:echo"])).tools
+    assert tools["say"]({"text": "hi"}, {}) == "hi"
 
 
 def test_lr_falls_within_each_round_and_decays_across_rounds():

@@ -39,3 +39,13 @@ def test_no_path_points_outside():
         text = doc.read_text()
         for bad in ("../shared", "shared/DESIGN", "shared/ALGORITHMS", "shared/ENVIRONMENT", "/work/"):
             assert bad not in text, f"{doc.relative_to(ROOT)} mentions {bad}"
+
+
+def test_readme_lists_every_built_in_reward():
+    """README's rewards table names every built-in a config can use, and nothing that is not one."""
+    from gndpo.pipeline.tasks.rewards import REWARDS
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("### Rewards"):readme.index("### Multi-turn tool use")]
+    listed = set(re.findall(r"^\| `([a-z_]+)`(?:, `([a-z_]+)`)?", table, re.M))
+    assert {name for pair in listed for name in pair if name} == set(REWARDS)

@@ -189,6 +189,8 @@ def test_exported_student_loads_and_generates(run_dir, tmp_path):
 def test_status_and_sql_commands(run_dir):
     status = gndpo("status", run_dir).stdout
     assert status.count("committed") == 8
+    # stdout is the table alone (library warnings go to stderr): its frame, its header and 8 stage rows.
+    assert len(status.splitlines()) == 12 and all(line[0] in "┌│╞└" for line in status.splitlines()), status
     # A rollout's rows are its responses (the held-out answers apart, shown as their accuracy), and its
     # seconds the stage's wall time, first claim to last commit, engine start-up included.
     from gndpo.pipeline.exec.status import stage_rows
@@ -226,6 +228,8 @@ def test_gc_keep_rounds_frees_old_policies_and_keeps_what_readers_need(run_dir, 
     assert (run / "rounds" / "r0001" / "train" / "data" / "update" / "a001" / "model" / "model.safetensors").is_file()
     assert gndpo("sql", run, "SELECT count(*) FROM rollouts", "--format", "csv").stdout == rows_before
     assert gndpo("status", run).stdout.count("committed") == 8
+    gndpo("report", run, "--out", tmp_path / "report")  # the report reads metrics and rollouts, not policies
+    assert (tmp_path / "report" / "report.html").is_file()
     refused = gndpo("fork", run, tmp_path / "fork", "--from-round", "1", check=False)
     assert refused.returncode == 1 and "removed by `gndpo gc --keep-rounds`" in refused.stderr and not (tmp_path / "fork").exists()
     again = gndpo("gc", run, "--keep-rounds", "1").stdout  # nothing left to prune

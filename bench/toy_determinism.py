@@ -14,11 +14,13 @@ Adds this CPU's entry to results/toy_determinism.{json,md} (a rerun replaces it;
 per variant, the sha256 of the student's and the teacher's
 weights, their held-out exact match and checkpoint steps, and the build's wall time.
 
-    .venv/bin/python bench/toy_determinism.py
+    .venv/bin/python bench/toy_determinism.py            # the variants this CPU type has no row for yet
+    .venv/bin/python bench/toy_determinism.py --rebuild
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -50,6 +52,9 @@ def variants() -> list[dict]:
         out.append({"name": f"ATEN={cap}", "build_env": {**unset, "ATEN_CPU_CAPABILITY": cap}, "caller_env": {}, "one_core": False})
     for branch in ("COMPATIBLE", "AVX2"):
         out.append({"name": f"MKL_CBWR={branch}", "build_env": {**unset, "MKL_CBWR": branch}, "caller_env": {}, "one_core": False})
+    if "avx512" in capabilities():  # both paths an AVX2-only CPU picks by itself: its `machine` build, here
+        out.append({"name": "ATEN=avx2 MKL_CBWR=AVX2", "build_env": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
+                    "caller_env": {}, "one_core": False})
     out.append({"name": "pinned", "build_env": None, "caller_env": {}, "one_core": False})
     out.append({"name": "pinned, 1 core", "build_env": None, "caller_env": {}, "one_core": True})
     for cap in capabilities()[1:]:
@@ -86,18 +91,26 @@ def build(variant: dict) -> dict:
         }
 
 
-def markdown(rows: list[dict]) -> str:
-    lines = ["| build | student sha256 | teacher sha256 | student (steps) | teacher (steps) | seconds |", "|---|---|---|---|---|---|"]
+def markdown(rows: list[dict], others: list[dict]) -> str:
+    """A machine's builds; the last column names the other CPU types' builds with the same bytes."""
+    lines = ["| build | student sha256 | teacher sha256 | student (steps) | teacher (steps) | seconds | same bytes elsewhere |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
+        same = [f"{m['machine']}: {o['variant']}" for m in others for o in m["rows"] if weights(o) == weights(r)]
         lines.append(
             f"| {r['variant']} | `{r['student_sha256'][:12]}` | `{r['teacher_sha256'][:12]}` | "
-            f"{r['student_heldout']:.3f} ({r['student_steps']}) | {r['teacher_heldout']:.3f} ({r['teacher_steps']}) | {r['seconds']:.0f} |"
+            f"{r['student_heldout']:.3f} ({r['student_steps']}) | {r['teacher_heldout']:.3f} ({r['teacher_steps']}) | {r['seconds']:.0f} | "
+            f"{'; '.join(same) or '-'} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def weights(row: dict) -> tuple[str, str]:
+    return row["student_sha256"], row["teacher_sha256"]
+
+
 def pinned_bytes(machine: dict) -> set[tuple[str, str]]:
-    return {(r["student_sha256"], r["teacher_sha256"]) for r in machine["rows"] if r["variant"].startswith("pinned")}
+    return {weights(r) for r in machine["rows"] if r["variant"].startswith("pinned")}
 
 
 def merge(machines: list[dict], result: dict) -> list[dict]:
@@ -111,21 +124,26 @@ def report(machines: list[dict]) -> str:
     verdict = ("the same bytes" if len(every_pinned) == 1 else f"{len(every_pinned)} different sets of bytes")
     parts = [f"Pinned builds over {len(machines)} CPU type(s) ({', '.join(m['machine'] for m in machines)}): {verdict}.\n"]
     for m in machines:
-        parts.append(f"\n## {m['machine']}\n\nKernel paths: {', '.join(m['capabilities'])}.\n\n" + markdown(m["rows"]))
+        others = [o for o in machines if o is not m]
+        parts.append(f"\n## {m['machine']}\n\nKernel paths: {', '.join(m['capabilities'])}.\n\n" + markdown(m["rows"], others))
     return "".join(parts)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rebuild", action="store_true", help="build every variant again (default: only those this CPU type lacks)")
+    args = parser.parse_args()
+    path = RESULTS / "toy_determinism.json"
+    machines = json.loads(path.read_text())["machines"] if path.exists() else []
+    recorded = {} if args.rebuild else {r["variant"]: r for m in machines if m["machine"] == machine() for r in m["rows"]}
     rows = []
     for variant in variants():
-        rows.append(build(variant))
+        rows.append(recorded.get(variant["name"]) or build(variant))
         print(json.dumps(rows[-1]), flush=True)
-    caps = capabilities()
-    result = {"machine": machine(), "cpu_model": cpu_model(), "capabilities": caps, "rows": rows,
+    result = {"machine": machine(), "cpu_model": cpu_model(), "capabilities": capabilities(), "rows": rows,
               "pinned_identical": len(pinned_bytes({"rows": rows})) == 1,
-              "unpinned_distinct": len({(r["student_sha256"], r["teacher_sha256"]) for r in rows if not r["variant"].startswith("pinned")})}
-    path = RESULTS / "toy_determinism.json"
-    machines = merge(json.loads(path.read_text())["machines"] if path.exists() else [], result)
+              "unpinned_distinct": len({weights(r) for r in rows if not r["variant"].startswith("pinned")})}
+    machines = merge(machines, result)
     save_json(path, {"machines": machines,
                      "pinned_identical_across_machines": len(set().union(*(pinned_bytes(m) for m in machines))) == 1})
     (RESULTS / "toy_determinism.md").write_text(report(machines))

@@ -1,9 +1,8 @@
 """The embedded default: a verifiable addition task, a character tokenizer, and a teacher/student pair.
 
-Nothing here touches a model hub. :func:`ensure_toy_assets` builds, deterministically from a seed and
-with arithmetic pinned to kernel paths that do not depend on the CPU's instruction set
-(:func:`gndpo.pipeline.toys.build.pinned_build`), and caches under ``$GNDPO_CACHE`` (default
-``~/.cache/gndpo``):
+Nothing here touches a model hub. :func:`ensure_toy_assets` builds, deterministically from a seed on a
+given CPU type (its arithmetic pinned by :func:`gndpo.pipeline.toys.build.pinned_build`), and caches
+under ``$GNDPO_CACHE`` (default ``~/.cache/gndpo``):
 
 * ``tokenizer`` files (character-level WordLevel, saved with ``save_pretrained``) shared by both models,
 * ``teacher/`` and ``student/``: Llama models in Hugging Face format that vLLM and transformers both load,

@@ -143,11 +143,16 @@ class RolloutJob:
                     c.add_prefix(prefix, ended=bool(prefix) and prefix[-1] in self.stop_ids)
                 conversations.append(c)
                 meta.append((rendered.text, s))
-        # A unit can take minutes: its own progress moves as responses finish (turns, with tools).
+        # A unit can take minutes: its own progress moves as responses finish inside vLLM's loop. With
+        # tools a generation ends a turn, not a response: those count when their conversation ends.
         with progress.task(f"rollout r{self.round} {unit['unit']}", total=len(conversations), unit="responses", transient=True) as bar:
+            def turn_done(ended: list) -> None:
+                if self.tool_use is not None:
+                    bar.advance(len(ended))
+                bar.show(tokens=sum(len(c.response_ids) for c in conversations))
+
             run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, rc.max_tokens, self.sampling,
-                              on_turn=lambda ended: bar.show(tokens=sum(len(c.response_ids) for c in conversations)),
-                              on_finished=bar.advance)
+                              on_turn=turn_done, on_finished=None if self.tool_use is not None else bar.advance)
         crash_point("rollout.generate")
         rows = [self.row(c, text, s) for c, (text, s) in zip(conversations, meta)]
         table = pa.Table.from_pylist(rows, schema=ROLLOUTS)

@@ -22,6 +22,7 @@ from gndpo.errors import GndpoError
 from gndpo.storage.runfs import RunFS
 
 STAGES = ("rollout", "score", "normalize", "train")
+CHECKPOINTS = "ckpt"  # an attempt's folder of the checkpoints it writes while it computes (train's engine states)
 
 
 def round_prefix(round_idx: int) -> str:
@@ -84,6 +85,11 @@ class StageRecords:
 
     def attempt_dir(self, unit: str, attempt: int) -> str:
         return f"{self.prefix}/data/{unit}/a{attempt:03d}"
+
+    def checkpoint_dir(self, unit: str, attempt: int) -> str:
+        """Where an attempt keeps the checkpoints it writes while it computes (train's engine states): a
+        later attempt of an uncommitted unit resumes from them; a commit never references them."""
+        return f"{self.attempt_dir(unit, attempt)}/{CHECKPOINTS}"
 
     # -- commits ----------------------------------------------------------------------------------
     def done(self, unit: str) -> dict | None:

@@ -234,8 +234,16 @@ def test_gc_keep_rounds_frees_old_policies_and_keeps_what_readers_need(run_dir, 
     assert refused.returncode == 1 and "removed by `gndpo gc --keep-rounds`" in refused.stderr and not (tmp_path / "fork").exists()
     again = gndpo("gc", run, "--keep-rounds", "1").stdout  # nothing left to prune
     assert "0 round(s) pruned" in again
+    # A prune stopped after marking the round (its folders partly there) is finished by the next one.
+    train0.joinpath("optimizer").mkdir()
+    train0.joinpath("optimizer", "left.pt").write_bytes(b"x")
+    finished = gndpo("gc", run, "--keep-rounds", "1").stdout
+    assert "removed round 0: rounds/r0000/train/data/update/a001/optimizer" in finished and not (train0 / "optimizer").exists()
+    # A bad --keep-rounds is refused before anything is removed, garbage folders included.
+    stray = run / "rounds" / "r0000" / "score" / "data" / "u00000" / "a009"
+    stray.mkdir(parents=True)
     bad = gndpo("gc", run, "--keep-rounds", "0", check=False)
-    assert bad.returncode == 1 and "--keep-rounds must be at least 1" in bad.stderr
+    assert bad.returncode == 1 and "--keep-rounds must be at least 1" in bad.stderr and stray.is_dir()
 
 
 def test_readme_first_run_works_as_written(tmp_path, tiny_assets):

@@ -107,10 +107,15 @@ def test_gc_removes_only_unreferenced_attempts(crashed_run):
     for attempt in (1, 2):
         assert not (crashed_run / score.attempt_dir("u00000", attempt)).exists()
     assert (crashed_run / score.attempt_dir("u00000", 3)).exists()
-    assert not (crashed_run / run.records(0, "train").attempt_dir("update", 1)).exists()
+    train = run.records(0, "train")
+    assert not (crashed_run / train.attempt_dir("update", 1)).exists()
+    # The committed train attempt keeps its export; its in-round checkpoint (after step 2), which only a
+    # retry of the uncommitted round would read, goes.
+    assert (crashed_run / train.attempt_dir("update", 2) / "model" / "model.safetensors").is_file()
+    assert not (crashed_run / train.checkpoint_dir("update", 2)).exists()
     # rollout u00001's attempt 1 died before writing anything, so the folders to remove are score
-    # u00000's attempts 1 and 2 and train's attempt 1
-    assert "3 attempt folder(s) removed" in out
+    # u00000's attempts 1 and 2, train's attempt 1 and the committed attempt's checkpoints
+    assert "4 unreferenced folder(s) removed" in out
     committed_rows(crashed_run)  # everything committed still reads
 
 

@@ -3,7 +3,9 @@ policies and optimizer state.
 
 An attempt folder is garbage when its unit is committed by another attempt, or when its lease is
 stale and it never committed (a crashed worker's partial output). Folders of live leases are kept:
-their worker may still commit them.
+their worker may still commit them. A committed attempt's checkpoint folder is garbage too: train's
+in-round engine states (every ``train.checkpoint_every`` steps, each the size of the model and its
+optimizer state) exist to resume an uncommitted round, and no commit references them.
 
 Every round's train stage exports the student (and its EMA, with ``self_teacher.weights: ema``) and,
 with ``train.carry_optimizer_state``, the optimizer state: at 135M parameters about 2 GB a round, most
@@ -39,32 +41,43 @@ def collect_garbage(run, dry_run: bool = False) -> list[str]:
                         garbage = done["attempt"] != attempt
                     else:
                         garbage = attempt != max(rec.attempts(unit), default=0) or lease_state(rec, unit, now) == "stale"
-                    if garbage:
-                        path = rec.attempt_dir(unit, attempt)
+                    path = rec.attempt_dir(unit, attempt) if garbage else rec.checkpoint_dir(unit, attempt)
+                    if (garbage or done is not None) and run.fs.exists(path):
                         removed.append(path)
                         if not dry_run:
                             run.fs.rm(path)
     return removed
 
 
+def check_keep_rounds(keep: int) -> None:
+    if keep < 1:
+        raise GndpoError("--keep-rounds must be at least 1: the next round trains from the newest round's policy")
+
+
 def prune_rounds(run, keep: int, dry_run: bool = False) -> list[dict]:
     """Remove (or, with ``dry_run``, only list) the exported policy, EMA and optimizer state of every
     trained round but the newest ``keep`` (at least 1: the next round starts from the newest); returns
-    one ``{"round", "folders", "bytes"}`` per round pruned, its sizes from the commit records."""
-    if keep < 1:
-        raise GndpoError("--keep-rounds must be at least 1: the next round trains from the newest round's policy")
+    one ``{"round", "folders", "bytes"}`` per round pruned, its sizes from the commit records. A round
+    an earlier prune marked but did not finish (it was stopped) has what is left of it removed."""
+    check_keep_rounds(keep)
     trained = [r for r in range(committed_rounds(run)) if run.records(r, "train").manifest() is not None]
     pruned = []
     for r in trained[:-keep]:
         rec = run.records(r, "train")
-        if run.inherits(r, "train") or rec.pruned() is not None:  # a fork never removes its parent's files
+        if run.inherits(r, "train"):  # a fork never removes its parent's files
             continue
         commit = rec.done("update")
         folders = exported_folders(commit)
+        marked = rec.pruned() is not None
+        if marked:
+            folders = [f for f in folders if run.fs.exists(f)]
+            if not folders:
+                continue
         size = sum(f["bytes"] for f in commit["files"] if any(f["path"].startswith(d + "/") for d in folders))
         pruned.append({"round": r, "folders": folders, "bytes": size})
         if not dry_run:
-            rec.mark_pruned({"folders": folders, "bytes": size, "pruned_at": time.time()})
+            if not marked:
+                rec.mark_pruned({"folders": folders, "bytes": size, "pruned_at": time.time()})
             for folder in folders:
                 run.fs.rm(folder)
     return pruned

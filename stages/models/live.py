@@ -24,6 +24,7 @@ This GPU path has not run on a GPU yet (none was available to this project's tes
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -142,6 +143,8 @@ class LiveModels:
         """Let the other stages have the device: on a GPU the kept engines (the student's, and the
         teacher's of ``score.backend: vllm``) sleep (weights to CPU memory, KV cache freed); on CPU there
         is nothing to release. A one-stage process shuts its engines down when it exits."""
+        self._engine = self._alive(self._engine, "the rollout engine")
+        self._teacher_engine = self._alive(self._teacher_engine, "the teacher's engine")
         for live in (self._engine, self._teacher_engine):
             if live is not None and not live.asleep and cuda_available():
                 live.llm.sleep(level=1)
@@ -207,7 +210,15 @@ class LiveModels:
         self._trainer = None  # an update that fails half-way must not leave a half-updated engine here
         if self.keep and world == 1 and live is not None and live.key == key and policy_dir is not None and live.exported_to == policy_dir:
             return live.engine, True
-        del live  # another round's or another run's engine: freed before a new one is built beside it
+        # Another round's or another run's engine: freed before a new one is built beside it. A DeepSpeed
+        # engine holds reference cycles (hooks, optimizer and parameters), so dropping the name frees
+        # nothing until the cycle collector runs.
+        del live
+        gc.collect()
+        if cuda_available():
+            import torch
+
+            torch.cuda.empty_cache()
         engine, _ = build_engine(cfg, policy, world)
         return engine, False
 

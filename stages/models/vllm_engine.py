@@ -151,8 +151,14 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
 def engine_processes(llm) -> frozenset[int]:
     """The pids of ``llm``'s engine: its engine-core process(es) and everything under them (vLLM's
     workers), as they are now: recorded when an engine is kept, for :func:`engine_alive`."""
-    manager = getattr(llm.llm_engine.engine_core.resources, "engine_manager", None)
+    manager = getattr(_core_resources(llm), "engine_manager", None)
     return frozenset(pid for proc in getattr(manager, "processes", []) for pid in descendants(proc.pid))
+
+
+def _core_resources(llm):
+    """What vLLM's engine-core client holds of its processes; None for an in-process engine core
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which has no processes of its own to die."""
+    return getattr(llm.llm_engine.engine_core, "resources", None)
 
 
 def engine_alive(llm, processes: frozenset[int]) -> bool:
@@ -160,7 +166,7 @@ def engine_alive(llm, processes: frozenset[int]) -> bool:
     goes on: a Ctrl-C sent to the whole process group of a script reaches vLLM's processes, and its
     worker exits while the engine core, waiting on it, would hang the next request forever. Looking at
     the processes, not asking the engine, cannot hang."""
-    if getattr(llm.llm_engine.engine_core.resources, "engine_dead", False):  # vLLM's own monitor noticed
+    if getattr(_core_resources(llm), "engine_dead", False):  # vLLM's own monitor noticed
         return False
     return all(process_running(pid) for pid in processes)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.training.ema import EmaWeights
+from gndpo.storage.records import CHECKPOINTS
 from gndpo.storage.shards import verified_bytes
 
 CHECKPOINT_TAG = "state"
@@ -68,10 +69,11 @@ def load_state(engine, fs, state: dict, world: int) -> bool:
 
 # -- within a round ---------------------------------------------------------------------------------
 def save_checkpoint(engine, fs, out_dir: str, history: list[dict], dist: Dist, ema: EmaWeights | None) -> None:
-    """Full engine state (and the EMA average) after ``len(history)`` steps; collective. Rank 0's JSON
-    record, written last and exclusively, is what makes the checkpoint visible to a later attempt."""
+    """Full engine state (and the EMA average) after ``len(history)`` steps, in the checkpoint folder
+    of the attempt writing to ``out_dir``; collective. Rank 0's JSON record, written last and
+    exclusively, is what makes the checkpoint visible to a later attempt."""
     step = len(history)
-    base = f"{out_dir}/ckpt/step-{step:05d}"
+    base = f"{out_dir}/{CHECKPOINTS}/step-{step:05d}"
     files = save_state(engine, fs, base, dist)
     if dist.main:
         record = {"step": step, "history": history, "world": dist.world, "files": files}
@@ -87,7 +89,7 @@ def newest_checkpoint(run: Run, round_idx: int, dist: Dist) -> dict | None:
     if dist.main:
         records = run.records(round_idx, "train")
         for attempt in records.attempts(UNIT):
-            ckpt = f"{records.attempt_dir(UNIT, attempt)}/ckpt"
+            ckpt = records.checkpoint_dir(UNIT, attempt)
             for name in run.fs.listdir(ckpt):
                 if name.endswith(".json"):
                     meta = run.fs.read_json(f"{ckpt}/{name}")

@@ -19,6 +19,7 @@ and results/demo_sweep.md (the tables README quotes, a section per task and CPU 
     .venv/bin/python bench/demo_sweep.py check                       # the demo's config as it is
     .venv/bin/python bench/demo_sweep.py check "lr3e-4,cos,64x128"
     .venv/bin/python bench/demo_sweep.py check --task tools
+    .venv/bin/python bench/demo_sweep.py check --path MKL_CBWR=COMPATIBLE --seed 2
 """
 
 from __future__ import annotations
@@ -156,11 +157,12 @@ def main() -> None:
     parser.add_argument("--task", default="addition", choices=list(TASKS))
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--seed", type=int, action="append", help="check only these rollout seeds (repeatable)")
+    parser.add_argument("--path", action="append", choices=list(paths()), help="check only these kernel paths (repeatable)")
     args = parser.parse_args()
     seeds = args.seed or list(range(args.seeds))
     chosen = args.settings or ([s for s in SETTINGS if s != "as configured"] if args.mode == "sweep" else ["as configured"])
     plan = [(s, "machine", 0) for s in chosen] if args.mode == "sweep" else [
-        (s, p, seed) for s in chosen for p in paths() for seed in seeds]
+        (s, p, seed) for s in chosen for p in (args.path or paths()) for seed in seeds]
     runs = load()
     if args.mode == "table":
         plan = []

@@ -167,8 +167,9 @@ def main() -> None:
     if args.mode == "table":
         plan = []
         record(runs)
+    cpu = machine()
     for setting, path, seed in plan:
-        if any((r["cpu"], r["task"], r["setting"], r["path"], r["seed"]) == (machine(), args.task, setting, path, seed) for r in runs):
+        if any((r["cpu"], r["task"], r["setting"], r["path"], r["seed"]) == (cpu, args.task, setting, path, seed) for r in runs):
             continue
         t0 = time.time()
         runs.append(run_one(args.task, setting, path, seed))

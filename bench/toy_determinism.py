@@ -113,6 +113,11 @@ def pinned_bytes(machine: dict) -> set[tuple[str, str]]:
     return {weights(r) for r in machine["rows"] if r["variant"].startswith("pinned")}
 
 
+def pinned_across(machines: list[dict]) -> set[tuple[str, str]]:
+    """Every distinct pinned build over all CPU types: one element if they all agree."""
+    return set().union(*(pinned_bytes(m) for m in machines))
+
+
 def merge(machines: list[dict], result: dict) -> list[dict]:
     """One entry per CPU (model and widest kernel path): a rerun on a machine replaces its own entry, so the
     file gathers the CPU types the bench has met."""
@@ -120,7 +125,7 @@ def merge(machines: list[dict], result: dict) -> list[dict]:
 
 
 def report(machines: list[dict]) -> str:
-    every_pinned = set().union(*(pinned_bytes(m) for m in machines))
+    every_pinned = pinned_across(machines)
     verdict = ("the same bytes" if len(every_pinned) == 1 else f"{len(every_pinned)} different sets of bytes")
     parts = [f"Pinned builds over {len(machines)} CPU type(s) ({', '.join(m['machine'] for m in machines)}): {verdict}.\n"]
     for m in machines:
@@ -145,7 +150,7 @@ def main() -> None:
               "unpinned_distinct": len({weights(r) for r in rows if not r["variant"].startswith("pinned")})}
     machines = merge(machines, result)
     save_json(path, {"machines": machines,
-                     "pinned_identical_across_machines": len(set().union(*(pinned_bytes(m) for m in machines))) == 1})
+                     "pinned_identical_across_machines": len(pinned_across(machines)) == 1})
     (RESULTS / "toy_determinism.md").write_text(report(machines))
     print(report(machines))
 

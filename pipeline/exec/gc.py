@@ -41,11 +41,17 @@ def collect_garbage(run, dry_run: bool = False) -> list[str]:
                         garbage = done["attempt"] != attempt
                     else:
                         garbage = attempt != max(rec.attempts(unit), default=0) or lease_state(rec, unit, now) == "stale"
-                    path = rec.attempt_dir(unit, attempt) if garbage else rec.checkpoint_dir(unit, attempt)
-                    if (garbage or done is not None) and run.fs.exists(path):
-                        removed.append(path)
-                        if not dry_run:
-                            run.fs.rm(path)
+                    if garbage:
+                        path = rec.attempt_dir(unit, attempt)  # listed just now: it exists
+                    elif done is not None and stage == "train":  # the one stage that writes in-round checkpoints
+                        path = rec.checkpoint_dir(unit, attempt)
+                        if not run.fs.exists(path):
+                            continue
+                    else:
+                        continue
+                    removed.append(path)
+                    if not dry_run:
+                        run.fs.rm(path)
     return removed
 
 

@@ -21,13 +21,14 @@ from gndpo.faults import crash_point
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.tasks.rewards import run_rewards, score_response
+from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.run.seeds import derived_seed
 from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, conversation_metrics, run_conversations
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.models.device import local_device
 from gndpo.stages.models.live import LiveModels
-from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer
+from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, unsampleable
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
 from gndpo.stages.text.heldout_eval import greedy_eval
@@ -81,9 +82,11 @@ class RolloutJob:
     def setup(self):
         policy = self.run.policy_path(self.round)
         self.tok = load_tokenizer(policy)
-        self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed)
+        self.images = RunImages(self.run.fs)
+        self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed, images=self.run.images_per_prompt())
         self.rewards = run_rewards(self.cfg)
         self.stop_ids = stop_token_ids(self.tok, self.cfg.data)
+        self.banned = unsampleable(policy)  # a VLM's image placeholders
         self.reward = self.rewards[self.cfg.reward]
         self.tool_use = ToolUse.from_config(self.cfg.rollout)
         self.teacher = None
@@ -123,6 +126,7 @@ class RolloutJob:
         rc = self.cfg.rollout
         return SamplingParams(
             n=1, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_tokens=max_tokens, seed=seed, logprobs=0,
+            logit_bias=self.banned,
             stop_token_ids=self.stop_ids, stop=list(rc.stop) + extra_stops or None, include_stop_str_in_output=bool(extra_stops),
         )
 
@@ -136,8 +140,9 @@ class RolloutJob:
             prompt = by_id[pid]
             rendered = render_prompt(self.tok, prompt, self.cfg.data)
             guided = self.teacher is not None and self.is_guided(pid)
+            pictures = [self.images.get(i) for i in rendered.images]
             for s in range(rc.n):
-                c = Conversation(prompt, rendered.token_ids, sample_seed(rc.seed, self.round, pid, s))
+                c = Conversation(prompt, rendered.token_ids, sample_seed(rc.seed, self.round, pid, s), pictures)
                 if guided:
                     prefix = self.teacher_prefix(rendered.token_ids, c.seed)
                     c.add_prefix(prefix, ended=bool(prefix) and prefix[-1] in self.stop_ids)
@@ -200,7 +205,8 @@ class RolloutJob:
 
     def _eval_unit(self, out_dir):
         result = greedy_eval(
-            self.llm, self.tok, self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use
+            self.llm, self.tok, self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use,
+            self.images,
         )
         record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"))
         record["kind"] = "eval"

@@ -37,11 +37,13 @@ from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.methods.losses import aggregate, combined_token_losses
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import adopt_library_loggers, info
+from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
+from gndpo.stages.models.vision import BatchImages, load_processor
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
 from gndpo.stages.training.checkpoint import Start, carry_state, save_checkpoint, start_update
 from gndpo.stages.training.deepspeed_engine import init_distributed, isolate_extension_builds, quiet_deepspeed_import
@@ -132,13 +134,14 @@ class Objective:
     divergence: str | None
     pad_id: int
     device: torch.device
+    images: BatchImages | None = None  # a run whose prompts show pictures: the forward's image tensors
 
     @classmethod
-    def of(cls, cfg, round_idx: int, pad_id: int, device: torch.device) -> Objective:
+    def of(cls, cfg, round_idx: int, pad_id: int, device: torch.device, images: BatchImages | None = None) -> Objective:
         policy_loss, loss_agg = policy_settings(cfg.method)
         # A div term is computed only where the method stored the teacher top-k for one.
         divergence = divergence_of(cfg.method, round_idx) if TOPK in score_needs(cfg.method) else None
-        return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device)
+        return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images)
 
     def micro_batch_loss(self, model, micro: list[TrainRow], min_chunks: int, n_seqs: int, n_tokens: int, weight_sum: float):
         """(this micro-batch's share of the step loss, [loss, clipped tokens, sum of ratios]).
@@ -151,6 +154,8 @@ class Objective:
             logp, _, pad_term = policy_token_logprobs(model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, None, min_chunks)
             return logp.sum() * 0.0 + pad_term, (0.0, 0.0, 0.0)
         batch = make_batch([r.prompt for r in micro], [r.response for r in micro], self.pad_id, device)
+        if self.images is not None:
+            batch.images = self.images.inputs([r.prompt_id for r in micro], device)
         topk_ids = None
         if self.divergence is not None:
             topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro])).to(device)
@@ -306,7 +311,10 @@ class TrainJob:
         # Positions per output-layer chunk: model.logits_budget_mib over the vocabulary.
         steps = schedule_steps(share, cfg.train, logits_chunk(engine.module, cfg.model))
         torch.manual_seed(cfg.train.seed)
-        objective = Objective.of(cfg, self.round, load_tokenizer(policy).pad_token_id or 0, device)
+        images = None
+        if self.run.images_per_prompt():
+            images = BatchImages(load_processor(policy), RunImages(self.run.fs), self.run.prompts("train"))
+        objective = Objective.of(cfg, self.round, load_tokenizer(policy).pad_token_id or 0, device, images)
         # With an EMA self-teacher, the average the previous round exported (the initial student in
         # round 0), continued from a checkpoint below when the update resumes.
         ema = self._start_ema(engine.module)

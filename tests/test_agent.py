@@ -26,7 +26,7 @@ class ScriptedStudent:
     def __init__(self, tok, scripts: dict[int, list[str]]):
         self.tok, self.scripts, self.requests = tok, scripts, []
 
-    def __call__(self, llm, prompts, params, on_finished=None):
+    def __call__(self, llm, prompts, params, on_finished=None, images=None):
         out = []
         for ids, p in zip(prompts, params):
             self.requests.append((list(ids), p))

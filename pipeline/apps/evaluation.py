@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import DataConfig, EngineConfig, RolloutConfig
+from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.prompts import load_prompts
 from gndpo.pipeline.tasks.rewards import get_reward
 from gndpo.storage.runfs import RunFS
@@ -29,9 +30,10 @@ def evaluate(
         raise GndpoError("--k must be at least 1")
     if n and n < k:
         raise GndpoError(f"--n ({n}) must be at least --k ({k}): pass@k needs k of n samples")
-    engine, data, extra, rollout = EngineConfig(), DataConfig(), {}, RolloutConfig()
+    engine, data, extra, rollout, images = EngineConfig(), DataConfig(), {}, RolloutConfig(), None
     if RunFS(target).exists("run.yaml"):
         run = open_run(target)
+        images = RunImages(run.fs)
         rollout = run.cfg.rollout
         version, model = run.latest_policy()
         engine, data, extra = run.cfg.engine, run.cfg.data, {"policy_version": version}
@@ -47,12 +49,15 @@ def evaluate(
         model, rows = target, None
         reward, max_tokens = reward or "exact_match", max_tokens or 16
     if rows is None:
-        rows = load_prompts(prompts, data.prompt_key, data.answer_key, data.messages_key).to_dicts()
+        table = load_prompts(prompts, data.prompt_key, data.answer_key, data.messages_key)
+        if "images" in table.columns:
+            raise GndpoError(f"{prompts} has images: gndpo eval reads images from a run's own prompts only (evaluate the run folder)")
+        rows = table.to_dicts()
     reward_fn = get_reward(reward)
     if tools is not None:
         rollout = dataclasses.replace(rollout, tools=list(tools))
     tool_use = ToolUse.from_config(rollout)
-    summary, table = evaluate_model(model, rows, reward_fn, engine, max_tokens, data, k=k, n=n, live=live, tool_use=tool_use)
+    summary, table = evaluate_model(model, rows, reward_fn, engine, max_tokens, data, k=k, n=n, live=live, tool_use=tool_use, images=images)
     summary = {**extra, **summary, "reward": reward}
     summary["files"] = write_results(out, table, summary)
     return summary

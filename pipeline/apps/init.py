@@ -20,11 +20,13 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_to_yaml
 from gndpo.pipeline.config.schema import SELF_TEACHER, Config
 from gndpo.pipeline.methods import validate as validate_method
+from gndpo.pipeline.run.images import decode, image_ids, store_images, with_image_ids
 from gndpo.pipeline.run.prompts import load_prompts
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import attn_implementation, visible_gpus
-from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, load_tokenizer
+from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer
+from gndpo.stages.models.vision import expanded_prompt_ids, load_processor
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
 from gndpo.pipeline.config.checks import check_backend
 from gndpo.stages.text.agent import ToolUse
@@ -64,17 +66,48 @@ def check_precision(cfg: Config) -> None:
         attn_implementation(cfg.model.attn_implementation)
 
 
-def longest_prompt(model_path: str, rows: list[dict], data) -> tuple[int, int]:
+def longest_prompt(model_path: str, rows: list[dict], data, images: dict[str, bytes]) -> tuple[int, int]:
     """(tokens, row index) of the longest prompt, rendered as rollout renders it (:func:`render_prompt`:
-    the student's chat template and tokenizer); a prompt the template cannot render is a GndpoError here."""
+    the student's chat template and tokenizer) and, with images, with each image's tokens expanded as
+    the model's processor expands them; a prompt the template cannot render is a GndpoError here."""
 
     tok = load_tokenizer(model_path)
+    processor = load_processor(model_path) if images else None
+
+    def length(row: dict) -> int:
+        rendered = render_prompt(tok, row, data)
+        if not image_ids(row):
+            return len(rendered.token_ids)
+        return len(expanded_prompt_ids(processor, rendered.text, [decode(images[i]) for i in image_ids(row)]))
+
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "longer than model_max_length" warnings: check_context says it
     try:
-        return max((len(render_prompt(tok, row, data).token_ids), i) for i, row in enumerate(rows))
+        return max((length(row), i) for i, row in enumerate(rows))
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def check_images(cfg: Config, splits: dict) -> None:
+    """Prompts with images need a student (and teachers) that read images, and the features built for
+    them so far: one rollout turn (no tools), teachers sharing the student's processor (score.backend hf,
+    no cross-tokenizer teacher, no teacher context)."""
+    if not any("images" in table.columns for table in splits.values()):
+        return
+    if not is_vision_model(cfg.student):
+        raise GndpoError(f"the prompts have images but the student {cfg.student} has no vision tower (no vision_config in its config.json)")
+    load_processor(cfg.student)
+    unsupported = [("rollout.tools", bool(cfg.rollout.tools)), ("score.backend vllm", cfg.score.backend == "vllm"),
+                   ("score.cross_tokenizer", cfg.score.cross_tokenizer), ("teacher_context", bool(cfg.teacher_context.messages)),
+                   ("rollout.guided_fraction", cfg.rollout.guided_fraction > 0)]
+    if used := [name for name, on in unsupported if on]:
+        raise GndpoError(f"prompts with images do not work with {', '.join(used)} yet")
+    if cfg.teacher != SELF_TEACHER:
+        for path in cfg.teacher_models().values():
+            if not is_vision_model(path):
+                raise GndpoError(f"the prompts have images but the teacher {path} has no vision tower")
+            if load_processor(path).image_processor.to_dict() != load_processor(cfg.student).image_processor.to_dict():
+                raise GndpoError(f"the teacher {path} processes images differently from the student (its image processor's settings differ)")
 
 
 def check_prompt_count(cfg: Config, prompts: int) -> None:
@@ -87,7 +120,7 @@ def check_prompt_count(cfg: Config, prompts: int) -> None:
         )
 
 
-def check_context(cfg: Config, splits: dict) -> None:
+def check_context(cfg: Config, splits: dict, images: dict[str, bytes]) -> None:
     """Every prompt plus ``rollout.max_tokens`` fits vLLM's ``max_model_len`` (rollout samples the train
     prompts and, with ``rollout.eval_heldout``, decodes the held-out ones with the same budget), and
     ``engine.max_model_len`` is not beyond the student's own context length (vLLM would refuse it)."""
@@ -100,7 +133,7 @@ def check_context(cfg: Config, splits: dict) -> None:
             f"set engine.max_model_len <= {own}, or 0 for the model's own"
         )
     names = [s for s in PROMPT_SPLITS if s == "train" or cfg.rollout.eval_heldout]
-    (longest, row), where = max((longest_prompt(cfg.student, splits[s].to_dicts(), cfg.data), s) for s in names)
+    (longest, row), where = max((longest_prompt(cfg.student, splits[s].to_dicts(), cfg.data, images), s) for s in names)
     total = longest + cfg.rollout.response_tokens
     if total > max_len:
         budget = "rollout.max_tool_response_tokens" if cfg.rollout.tools else "rollout.max_tokens"
@@ -186,19 +219,22 @@ def init_run(url: str, cfg: Config) -> Run:
     check_backend(cfg)
     check_precision(cfg)
     check_models(cfg)
-    splits = {}
+    splits, images = {}, {}  # images: id -> bytes, stored after every check has passed
     for split in PROMPT_SPLITS:
         source = getattr(cfg.data, split)
         if not source:
             raise GndpoError(f"config has no data.{split} prompts file")
-        splits[split] = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key, cfg.data.teacher_key,
-                                     keep=cfg.teacher_context.columns() if split == "train" else ())
+        table = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key, cfg.data.teacher_key,
+                             keep=cfg.teacher_context.columns() if split == "train" else (), images_key=cfg.data.images_key)
+        splits[split] = with_image_ids(table, images, f"data.{split}")
     check_prompt_count(cfg, len(splits["train"]))
-    check_context(cfg, splits)
+    check_images(cfg, splits)
+    check_context(cfg, splits, images)
     check_rewards(cfg, splits["train"].row(0, named=True))
     check_tools(cfg, splits["train"].row(0, named=True))
     check_routes(cfg, splits["train"].to_dicts())
     check_teacher_prompts(cfg, splits["train"].to_dicts())
+    store_images(fs, images)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
     if not fs.create("run.yaml", config_to_yaml(cfg).encode()):

@@ -74,7 +74,11 @@ class DataConfig:
     heldout: str = ""  # evaluation prompts with answers
     prompt_key: str = "prompt"  # a plain prompt, wrapped as one user turn
     messages_key: str = "messages"  # or a list of {role, content} turns (system turn included)
+    # The answer column; a dotted name reads a field of a struct column (geo3k: reward_model.ground_truth).
     answer_key: str = "answer"
+    # Each row's images (a list, or one): paths relative to the prompts file, URLs, bytes, or datasets'
+    # {bytes, path} structs; each placed by an <image> in the text or an image part of a turn.
+    images_key: str = "images"
     # auto: the student's chat template (with add_generation_prompt) where it has one, else the plain
     # prompt text; none: always the plain prompt text.
     chat_template: Literal["auto", "none"] = "auto"
@@ -273,6 +277,9 @@ class ModelConfig:
     # and one buffer stays small next to any model with such a vocabulary (its bf16 embedding alone is
     # 0.5 GiB at hidden 1,024).
     logits_budget_mib: Count = 256
+    # Vision-language students: train the language model only (the vision tower and the connector that
+    # maps its features stay as they are), the common choice; false trains the whole model.
+    freeze_vision: bool = True
 
 
 @dataclass(frozen=True)

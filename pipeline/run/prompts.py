@@ -21,6 +21,8 @@ import json
 import polars as pl
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.run.images import PLACEHOLDER, placeholders, source_images
+from gndpo.storage.images import image_id
 from gndpo.storage.tables import read_table_url
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -45,6 +47,32 @@ def prompt_id(prompt: str) -> str:
     return hashlib.sha1(prompt.encode()).hexdigest()[:16]
 
 
+def check_content(content, where: str):
+    """A turn's content: a string, or a list of ``{"type": "text", "text": ...}`` and ``{"type": "image"}``
+    parts (the multimodal form), returned without extra keys."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise GndpoError(f"{where} must have a string content or a non-empty list of content parts, got {content!r}")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            parts.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise GndpoError(f"{where} has a content part that is neither {{type: text, text: ...}} nor {{type: image}}: {part!r}")
+    return parts
+
+
+def content_text(content) -> str:
+    """A turn's content as text, an image part written as its ``<image>`` placeholder."""
+    if isinstance(content, str):
+        return content
+    return "".join(PLACEHOLDER if part["type"] == "image" else part["text"] for part in content)
+
+
 def check_messages(value, where: str) -> list[dict]:
     """``value`` as a list of {role, content} dicts; a GndpoError naming ``where`` otherwise."""
     if isinstance(value, str):
@@ -56,44 +84,67 @@ def check_messages(value, where: str) -> list[dict]:
         raise GndpoError(f"{where}: messages must be a non-empty list of {{role, content}} turns, got {type(value).__name__}")
     turns = []
     for i, turn in enumerate(value):
-        if isinstance(turn, dict) and isinstance(turn.get("content"), list):
-            raise GndpoError(f"{where}: turn {i} has a list of content parts (the multimodal form); "
-                             "only string content is supported for now (images are not supported yet)")
-        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not isinstance(turn.get("content"), str):
-            raise GndpoError(f"{where}: turn {i} must be a dict with a string role and a string content, got {turn!r}")
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or turn.get("content") is None:
+            raise GndpoError(f"{where}: turn {i} must be a dict with a string role and a content, got {turn!r}")
         if turn["role"] not in ROLES:
             raise GndpoError(f"{where}: turn {i} has unknown role {turn['role']!r} (roles: {', '.join(ROLES)})")
-        turns.append({"role": turn["role"], "content": turn["content"]})
+        turns.append({"role": turn["role"], "content": check_content(turn["content"], f"{where}: turn {i}")})
     if not any(t["role"] == "user" for t in turns):
         raise GndpoError(f"{where}: the conversation has no user turn")
     return turns
 
 
-BUILT_IN = ("prompt_id", "prompt", "messages", "answer")
+BUILT_IN = ("prompt_id", "prompt", "messages", "answer", "images")
 # Columns that hold a prompt's images in vision-language data sets (geo3k, LLaVA-style files).
 IMAGE_COLUMNS = ("image", "images", "image_path", "image_paths", "image_url", "pixel_values")
 
 
-def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages",
-                 teacher_key: str = "teacher", keep: tuple = ()) -> pl.DataFrame:
-    """Read and validate a prompts file into (prompt_id, prompt, messages, answer); any problem is a
-    GndpoError. A file with a ``messages_key`` column is read as conversations, else ``prompt_key``.
-    ``keep``: more columns to keep as text (those a teacher context names); each must exist."""
-    df = read_table_url(url)
-    if images := [c for c in df.columns if c.lower() in IMAGE_COLUMNS]:
-        raise GndpoError(f"prompts file {url} has an image column ({', '.join(images)}): prompts are text only for now "
-                         "(images are not supported yet); drop the column to train on the text alone")
-    chat = messages_key in df.columns
-    for key in (messages_key if chat else prompt_key, answer_key):
+def answer_column(df: pl.DataFrame, key: str, url: str) -> pl.Series:
+    """The answers as text: column ``key``, or with a dotted key a field of a struct column."""
+    if key in df.columns or "." not in key:
         if key not in df.columns:
             raise GndpoError(f"prompts file {url} has no {key!r} column (columns: {', '.join(df.columns) or 'none'})")
+        return df[key].cast(pl.Utf8, strict=False)
+    column, field_name = key.split(".", 1)
+    if column not in df.columns or not isinstance(df[column].dtype, pl.Struct):
+        raise GndpoError(f"data.answer_key {key!r}: prompts file {url} has no struct column {column!r} (columns: {', '.join(df.columns)})")
+    fields = [f.name for f in df[column].dtype.fields]
+    if field_name not in fields:
+        raise GndpoError(f"data.answer_key {key!r}: column {column!r} has no field {field_name!r} (fields: {', '.join(fields)})")
+    return df[column].struct.field(field_name).cast(pl.Utf8, strict=False)
+
+
+def row_images(df: pl.DataFrame, images_key: str, url: str) -> list[list[bytes]] | None:
+    """Each row's images as bytes (:func:`gndpo.pipeline.run.images.source_images`), or None for a file
+    without an image column."""
+    if images_key not in df.columns:
+        if others := [c for c in df.columns if c.lower() in IMAGE_COLUMNS]:
+            raise GndpoError(f"prompts file {url} has an image column ({', '.join(others)}) but no {images_key!r} column: "
+                             f"set data.images_key: {others[0]}")
+        return None
+    base = url.rsplit("/", 1)[0] if "/" in url else "."
+    return [source_images(cell, base, f"prompts file {url}, row {i + 1}") for i, cell in enumerate(df[images_key].to_list())]
+
+
+def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages",
+                 teacher_key: str = "teacher", keep: tuple = (), images_key: str = "images") -> pl.DataFrame:
+    """Read and validate a prompts file into (prompt_id, prompt, messages, answer); any problem is a
+    GndpoError. A file with a ``messages_key`` column is read as conversations, else ``prompt_key``.
+    ``keep``: more columns to keep as text (those a teacher context names); each must exist. A file with
+    an ``images_key`` column gains ``images``: each row's image bytes, as many as its placeholders
+    (``gndpo init`` stores them in the run and keeps their ids)."""
+    df = read_table_url(url)
+    images = row_images(df, images_key, url)
+    chat = messages_key in df.columns
+    if not chat and prompt_key not in df.columns:
+        raise GndpoError(f"prompts file {url} has no {prompt_key!r} column (columns: {', '.join(df.columns) or 'none'})")
+    answers = answer_column(df, answer_key, url)
     if df.height == 0:
         raise GndpoError(f"prompts file {url} has no rows")
-    answers = df[answer_key].cast(pl.Utf8, strict=False)
     if chat:
         conversations = [check_messages(v, f"prompts file {url}, row {i + 1}") for i, v in enumerate(df[messages_key].to_list())]
         messages = [json.dumps(c, ensure_ascii=False) for c in conversations]
-        prompts = [next(t["content"] for t in reversed(c) if t["role"] == "user") for c in conversations]
+        prompts = [content_text(next(t["content"] for t in reversed(c) if t["role"] == "user")) for c in conversations]
         ids = [prompt_id(m) for m in messages]
     else:
         prompts = df[prompt_key].cast(pl.Utf8, strict=False).to_list()
@@ -106,10 +157,18 @@ def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer
         extra[name] = json_column(df[name].to_list())
     if teacher_key in df.columns:  # the teacher a prompt is routed to (several teachers)
         extra["teacher"] = df[teacher_key].cast(pl.Utf8, strict=False).to_list()
-    out = pl.DataFrame(
-        {"prompt_id": ids, "prompt": prompts, "messages": messages, "answer": answers, **extra},
-        schema={"prompt_id": pl.Utf8, "prompt": pl.Utf8, "messages": pl.Utf8, "answer": pl.Utf8, **{k: pl.Utf8 for k in extra}},
-    )
+    schema = {"prompt_id": pl.Utf8, "prompt": pl.Utf8, "messages": pl.Utf8, "answer": pl.Utf8, **{k: pl.Utf8 for k in extra}}
+    if images is None and chat:
+        for i, turns in enumerate(conversations):
+            if any(part["type"] == "image" for t in turns if not isinstance(t["content"], str) for part in t["content"]):
+                raise GndpoError(f"prompts file {url}, row {i + 1} has an image part but the file has no {images_key!r} column")
+    if images is not None:
+        check_placeholders(images, prompts, conversations if chat else [None] * len(prompts), url)
+        extra["images"], schema["images"] = images, pl.List(pl.Binary)
+        # The same question about another picture is another prompt.
+        ids = [prompt_id(key + "".join(f"\0{image_id(b)}" for b in row)) if row else key_id
+               for key, key_id, row in zip(messages if chat else prompts, ids, images)]
+    out = pl.DataFrame({"prompt_id": ids, "prompt": prompts, "messages": messages, "answer": answers, **extra}, schema=schema)
     bad = out.with_row_index("row", offset=1).filter(
         pl.col("prompt").is_null() | (pl.col("prompt").str.len_chars() == 0) | pl.col("answer").is_null())
     if bad.height:
@@ -121,3 +180,12 @@ def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer
     if dupes:
         raise GndpoError(f"prompts file {url} has {dupes} duplicate prompts")
     return out
+
+
+def check_placeholders(images: list[list[bytes]], prompts: list[str], conversations: list, url: str) -> None:
+    """Every row places exactly as many images as it has (``<image>`` or image parts)."""
+    for i, (row_images_, prompt, turns) in enumerate(zip(images, prompts, conversations)):
+        placed = placeholders(prompt, turns)
+        if placed != len(row_images_):
+            raise GndpoError(f"prompts file {url}, row {i + 1}: {len(row_images_)} image(s) but {placed} placeholder(s) "
+                             "(an <image> in the text or a {type: image} content part for each image, in order)")

@@ -11,6 +11,7 @@ import yaml
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import SELF_TEACHER, Config, config_from_dict
+from gndpo.pipeline.run.images import image_ids
 from gndpo.pipeline.tasks.plugins import use_plugin_dirs
 from gndpo.storage.records import InheritedRecords, StageRecords
 from gndpo.storage.runfs import RunFS
@@ -39,6 +40,10 @@ class Run:
 
     def prompts(self, split: str) -> list[dict]:
         return read_prompt_table(self.fs, f"prompts/{split}.parquet")
+
+    def images_per_prompt(self) -> int:
+        """The most images one prompt of the run shows (0: a text-only run)."""
+        return max((len(image_ids(p)) for split in PROMPT_SPLITS for p in self.prompts(split)), default=0)
 
     def policy_path(self, round_idx: int) -> str:
         """A local folder with the student that rolls out ``round_idx``: the config's student for round

@@ -70,20 +70,21 @@ class LiveModels:
     probe: dict | None = None  # the latest student engine's gap to its exported model (stages.probe)
 
     # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
-    def student_engine(self, policy: str, cfg, seed: int):
+    def student_engine(self, policy: str, cfg, seed: int, images: int = 0):
         """A vLLM engine holding ``policy``'s weights. Kept: the running engine when it was built with
         the same settings, after loading ``policy``'s weights into it if it holds another folder's.
         ``seed`` is the engine's default seed, used by requests without their own; gndpo's requests all
         carry one (or are greedy), so a kept engine is reused whatever seed it was started with.
+        ``images``: the most pictures one prompt shows (0 for text).
 
         Where train recorded a probe beside ``policy`` (:mod:`gndpo.stages.models.probe`), the engine's gap to
         it is measured (``self.probe``) and a reloaded engine beyond the tolerance is replaced by a
         fresh one, with a warning."""
         if not self.keep:
-            llm = make_llm(policy, cfg, seed=seed)
+            llm = make_llm(policy, cfg, seed=seed, images=images)
             self.probe = self._measure_probe(llm, policy, reloaded=False)
             return llm
-        key = (repr(cfg), _architecture(policy))
+        key = (repr(cfg), _architecture(policy), images)
         live = self._engine = self._alive(self._engine, "the rollout engine")
         if live is not None and live.key != key:
             self.close_engine()
@@ -94,8 +95,11 @@ class LiveModels:
         restarted = 0
         if live is not None and live.weights != policy:
             live.llm.collective_rpc("reload_policy", kwargs={"weights_path": policy})
-            # Cached KV blocks were computed by the previous weights.
+            # Cached KV blocks and image features were computed by the previous weights (a VLM's engine
+            # fails with "Encoder cache miss" if only the prefix cache is reset).
             live.llm.reset_prefix_cache()
+            if images:
+                live.llm.llm_engine.reset_encoder_cache()
             live.weights = policy
             self.probe = self._measure_probe(live.llm, policy, reloaded=True)
             tolerance = TOLERANCE[engine_dtype(cfg)]
@@ -110,7 +114,7 @@ class LiveModels:
                 self.log(f"engine: loaded the weights of {policy}")
         if live is None:
             sleep_mode = cuda_available()
-            self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode), key, policy)
+            self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode, images=images), key, policy)
             self.probe = self._measure_probe(self._engine.llm, policy, reloaded=False, restarted=restarted)
         return self._engine.llm
 

@@ -92,17 +92,19 @@ def load_tokenizer(path: str):
 
 def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None, dtype: torch.dtype | None = None,
                    place: bool = True):
-    """A causal LM from ``path`` in ``model.dtype`` with ``model.attn_implementation``, moved to
+    """A causal LM (an image-text-to-text one where the config has a vision tower) from ``path`` in
+    ``model.dtype`` with ``model.attn_implementation``, moved to
     ``device`` (default: this process's). ``place=False`` leaves it where it was built: train hands the
     model to DeepSpeed, which places it, or under ZeRO-3 has already partitioned it onto the devices."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     model_cfg = model_cfg or ModelConfig()
     device = device or local_device()
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     check_model_files(path)
+    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation(model_cfg.attn_implementation), trust_remote_code=False
         )
     except Exception as exc:
@@ -125,6 +127,23 @@ def model_config(path: str) -> dict:
         return AutoConfig.from_pretrained(path, trust_remote_code=False).to_dict()
     except Exception as exc:
         raise GndpoError(f"cannot read the model config of {path}: {_first_line(exc)}") from exc
+
+
+def is_vision_model(path: str) -> bool:
+    """Whether the model at ``path`` reads images (its config has a vision tower)."""
+    return "vision_config" in model_config(path)
+
+
+def placeholder_ids(config: dict) -> frozenset:
+    """The token ids a vision-language model's config reserves for image (and video) features: only the
+    processor may put them in a sequence (a sampled one would ask the forward for a picture it lacks)."""
+    names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    return frozenset(v for v in (config.get(n) for n in names) if isinstance(v, int) and not isinstance(v, bool))
+
+
+def unsampleable(path: str) -> dict[int, float] | None:
+    """vLLM's ``logit_bias`` that keeps a model from sampling its placeholder tokens (None for text)."""
+    return {i: -1e4 for i in placeholder_ids(model_config(path))} or None
 
 
 def vocabulary_size(path: str) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ class TokenBatch:
     cols: torch.Tensor  # [N]
     offsets: torch.Tensor  # [N] index of each token within its response
     targets: torch.Tensor  # [N]
+    # A vision-language model's image tensors for these rows (gndpo.stages.models.vision.image_inputs);
+    # empty for text.
+    images: dict = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -104,9 +107,14 @@ def token_budget_batches(lengths: np.ndarray, max_tokens: int, max_rows: int) ->
 
 
 def response_hidden(model, batch: TokenBatch) -> torch.Tensor:
-    """The backbone's last hidden state at every response-predicting position, as [N, H]."""
-    decoder = model.get_decoder()
-    out = decoder(input_ids=batch.ids, attention_mask=batch.attention_mask, use_cache=False)
+    """The backbone's last hidden state at every response-predicting position, as [N, H]. With images
+    the backbone is the VLM's base model, which puts the vision tower's features at the image tokens;
+    the image tensors enter in the model's dtype."""
+    if batch.images:
+        images = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in batch.images.items()}
+        out = model.base_model(input_ids=batch.ids, attention_mask=batch.attention_mask, use_cache=False, **images)
+    else:
+        out = model.get_decoder()(input_ids=batch.ids, attention_mask=batch.attention_mask, use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden[batch.rows, batch.cols]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gndpo.stages.models.loading import placeholder_ids
 from gndpo.stages.models.vllm_engine import response_logprobs
 from gndpo.stages.models.logprobs import make_batch, policy_token_logprobs
 
@@ -30,18 +31,21 @@ PROBE_SEQUENCES, PROBE_LENGTH = 4, 24
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 
 
-def probe_token_ids(vocabulary: int, seed: int = 0) -> list[list[int]]:
-    """The probe batch: PROBE_SEQUENCES seeded sequences of ids below ``vocabulary``, the same for every
-    model with that vocabulary, so no data is needed to check an engine."""
+def probe_token_ids(vocabulary: int, seed: int = 0, avoid: frozenset = frozenset()) -> list[list[int]]:
+    """The probe batch: PROBE_SEQUENCES seeded sequences of ids below ``vocabulary`` and not in
+    ``avoid`` (a VLM's image placeholder, which a forward without its image refuses), the same for
+    every model with that vocabulary, so no data is needed to check an engine."""
     rng = random.Random(f"gndpo-probe:{seed}")
-    return [[rng.randrange(vocabulary) for _ in range(PROBE_LENGTH)] for _ in range(PROBE_SEQUENCES)]
+    allowed = [i for i in range(vocabulary) if i not in avoid] if avoid else range(vocabulary)
+    return [[rng.choice(allowed) for _ in range(PROBE_LENGTH)] for _ in range(PROBE_SEQUENCES)]
+
 
 
 @torch.no_grad()
 def probe_logprobs(model, vocabulary: int, pad_id: int) -> dict:
     """The probe batch and ``model``'s log-probs of each of its tokens after the first (temperature 1).
     Under ZeRO-3 every rank must call it (the forward gathers partitioned weights)."""
-    ids = probe_token_ids(vocabulary)
+    ids = probe_token_ids(vocabulary, avoid=placeholder_ids(model.config.to_dict()))
     device = next(model.parameters()).device
     batch = make_batch([s[:1] for s in ids], [s[1:] for s in ids], pad_id, device)
     logprobs, _, _ = policy_token_logprobs(model, batch, batch.n_tokens, 1.0)

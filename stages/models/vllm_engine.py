@@ -122,13 +122,16 @@ def _engine_start_env():
         yield legacy
 
 
-def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0):
+def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0, images: int = 0):
     """An in-process vLLM engine for ``model_path`` (callers need an ``if __name__ == "__main__"`` guard:
     the engine starts its workers with spawn). ``sleep_mode`` (CUDA only) lets it hand the GPU back
     between rollouts (:mod:`gndpo.stages.models.live`); ``max_logprobs`` raises vLLM's cap (20) on the top-k
-    log-probs a request may ask for."""
+    log-probs a request may ask for; ``images`` is the most pictures one prompt shows (vLLM's
+    ``limit_mm_per_prompt``, which also sizes its encoder cache)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     kwargs = engine_kwargs(model_path, cfg, seed)
+    if images:
+        kwargs["limit_mm_per_prompt"] = {"image": images}
     if sleep_mode:
         kwargs["enable_sleep_mode"] = True
     if max_logprobs > 20:
@@ -186,6 +189,7 @@ class Generation:
     logprobs: list[float]  # the sampler's log-prob of each generated token
     finish_reason: str
     stop_reason: int | str | None = None  # the stop string or stop token that ended it, if one did
+    prompt_ids: list[int] | None = None  # the prompt as the model read it: with images, each one's tokens expanded
 
 
 class _FinishedRequests:
@@ -230,12 +234,23 @@ def _generate(llm, requests: list, params, on_finished: Callable[[int], None] | 
                          "machine's memory); rerun the same command to resume") from exc
 
 
-def generate(llm, prompt_token_ids: list[list[int]], params: list, on_finished: Callable[[int], None] | None = None) -> list[Generation]:
-    """Generate one completion per (prompt, SamplingParams) pair, in input order; ``on_finished(count)``
-    is called as completions finish."""
+def token_prompt(ids: list[int], images: list | None = None):
+    """A vLLM prompt of token ids, with the PIL images its placeholder tokens stand for. The ids must
+    hold one placeholder per image, unexpanded: vLLM expands them (already expanded ids would be
+    expanded again)."""
     from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
+    if images:
+        return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": images})
+    return TokensPrompt(prompt_token_ids=ids)
+
+
+def generate(llm, prompt_token_ids: list[list[int]], params: list, on_finished: Callable[[int], None] | None = None,
+             images: list[list] | None = None) -> list[Generation]:
+    """Generate one completion per (prompt, SamplingParams) pair, in input order; ``on_finished(count)``
+    is called as completions finish. ``images[i]``: the pictures of prompt ``i`` (see :func:`token_prompt`)."""
+    images = images or [None] * len(prompt_token_ids)
+    prompts = [token_prompt(ids, imgs) for ids, imgs in zip(prompt_token_ids, images)]
     outputs = _generate(llm, prompts, params, on_finished)
     result = []
     for out in outputs:
@@ -245,7 +260,7 @@ def generate(llm, prompt_token_ids: list[list[int]], params: list, on_finished: 
             lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, ids)]
         else:
             lps = [0.0] * len(ids)
-        result.append(Generation(ids, lps, str(comp.finish_reason), comp.stop_reason))
+        result.append(Generation(ids, lps, str(comp.finish_reason), comp.stop_reason, list(out.prompt_token_ids)))
     return result
 
 

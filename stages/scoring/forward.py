@@ -19,6 +19,7 @@ import torch
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, token_budget_batches
+from gndpo.stages.models.vision import BatchImages
 from gndpo.storage.shards import flat_values, read_shard
 
 
@@ -89,6 +90,7 @@ class StudentForward:
     max_rows: int  # score.rows_per_chunk
     needs: frozenset  # the per-token columns the run's method stores
     entropy_metrics: bool  # logging.entropy_metrics
+    images: BatchImages | None = None  # a run whose prompts show pictures: the forward's image tensors
 
     def columns(self, rows: UnitRows, groups, topk: int, teacher_prompts: list | None = None) -> dict[str, np.ndarray]:
         """{column: values flat over the unit's response tokens}. ``groups``: (teacher module(s) or None,
@@ -110,6 +112,8 @@ class StudentForward:
         """One batch's columns ([N] or [N, k] over its response tokens, on the CPU)."""
         responses = [rows.response(i) for i in batch_rows]
         batch = make_batch([rows.prompt(i) for i in batch_rows], responses, self.pad_id, self.device)
+        if self.images is not None:
+            batch.images = self.images.inputs([rows.prompt_ids[i] for i in batch_rows], self.device)
         teacher_batch = None
         if teacher_prompts is not None and teacher is not None:
             teacher_batch = make_batch([teacher_prompts[i] for i in batch_rows], responses, self.pad_id, self.device)

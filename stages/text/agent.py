@@ -62,8 +62,9 @@ class Conversation:
     """One response being written: the prompt's row and ids, the response so far and its record."""
 
     row: dict
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # with images: unexpanded until the first turn, then as the model read them
     seed: int
+    images: list = field(default_factory=list)  # the prompt's pictures (PIL), for vLLM
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     sampler_logprobs: list[float] = field(default_factory=list)
@@ -130,9 +131,11 @@ def run_conversations(
             break
         # At least one token per request: a conversation with no room left was ended below.
         params = [sampling(turn_seed(c.seed, turn), max(min(max_tokens, budget - len(c.response_ids)), 1), extra_stops) for c in active]
-        gens = generate(llm, [c.prompt_ids + c.response_ids for c in active], params, on_finished)
+        gens = generate(llm, [c.prompt_ids + c.response_ids for c in active], params, on_finished, [c.images for c in active])
         calling = []
         for c, g in zip(active, gens):
+            if c.images:  # score and train read the expanded prompt (init refuses tools with images)
+                c.prompt_ids = g.prompt_ids
             start = 0 if turn == 0 else len(c.response_ids)  # the first turn includes a guided prefix
             c._append(list(g.token_ids), 1, list(g.logprobs))
             c.turn_spans.append((start, len(c.response_ids)))

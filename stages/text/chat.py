@@ -11,17 +11,20 @@ one, as vLLM's chat path does). A plain prompt is wrapped as one user turn.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import DataConfig
+from gndpo.pipeline.run.images import image_ids, with_image_parts
+from gndpo.pipeline.run.prompts import content_text
 from gndpo.pipeline.tasks.plugins import first_line
 
 
 @dataclass
 class RenderedPrompt:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # with one placeholder token per image: the model's processor expands them
+    images: list[str] = field(default_factory=list)  # the run's image ids, in placeholder order
 
 
 def conversation(row: dict, data: DataConfig) -> list[dict]:
@@ -31,6 +34,9 @@ def conversation(row: dict, data: DataConfig) -> list[dict]:
     turns = json.loads(messages) if isinstance(messages, str) else list(messages or [])
     if not turns:
         turns = [{"role": "user", "content": row["prompt"]}]
+    # Multimodal templates take a picture as an image part of the content; text templates take strings.
+    as_content = with_image_parts if image_ids(row) else content_text
+    turns = [{**turn, "content": as_content(turn["content"])} for turn in turns]
     if data.system_prompt and turns[0]["role"] != "system":
         turns = [{"role": "system", "content": data.system_prompt}, *turns]
     return turns
@@ -47,14 +53,14 @@ def render_prompt(tok, row: dict, data: DataConfig) -> RenderedPrompt:
         if row.get("messages") or data.system_prompt:
             why = "data.chat_template is none" if data.chat_template == "none" else f"the tokenizer of {getattr(tok, 'name_or_path', '') or 'this model'} has no chat template"
             raise GndpoError(f"prompt {row.get('prompt_id', '?')} is a conversation (messages or data.system_prompt) but {why}")
-        return RenderedPrompt(row["prompt"], list(tok(row["prompt"])["input_ids"]))
+        return RenderedPrompt(row["prompt"], list(tok(row["prompt"])["input_ids"]), image_ids(row))
     try:
         text = tok.apply_chat_template(
             conversation(row, data), tokenize=False, add_generation_prompt=True, **data.template_kwargs
         )
     except Exception as exc:  # jinja errors, a template's own raise_exception(...)
         raise GndpoError(f"the chat template cannot render prompt {row.get('prompt_id', '?')}: {first_line(exc)}") from None
-    return RenderedPrompt(text, list(tok(text, add_special_tokens=False)["input_ids"]))
+    return RenderedPrompt(text, list(tok(text, add_special_tokens=False)["input_ids"]), image_ids(row))
 
 
 def end_of_turn_ids(tok, data: DataConfig) -> list[int]:

@@ -17,11 +17,12 @@ from gndpo.pipeline.observe import progress
 from gndpo.pipeline.config.schema import DataConfig, EngineConfig
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.errors import GndpoError
+from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.seeds import derived_seed
 from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
 from gndpo.stages.models.vllm_engine import resolve_max_model_len, shutdown_llm
 from gndpo.stages.models.live import LiveModels
-from gndpo.stages.models.loading import load_tokenizer
+from gndpo.stages.models.loading import load_tokenizer, unsampleable
 
 EVAL_SCHEMA = pa.schema(
     [("prompt_id", pa.string()), ("prompt", pa.string()), ("answer", pa.string()), ("response", pa.string()), ("reward", pa.float64())]
@@ -29,20 +30,21 @@ EVAL_SCHEMA = pa.schema(
 
 
 def _responses(llm, tok, rows: list[dict], rendered: list, samples: int, max_tokens: int, data: DataConfig,
-               tool_use: ToolUse | None, temperature: float) -> list[Conversation]:
+               tool_use: ToolUse | None, temperature: float, images: RunImages | None = None) -> list[Conversation]:
     """``samples`` finished conversations per row (``rendered``: its :func:`render_prompt`), row by row:
     stopped as rollout does, with the run's tools when it has them; greedy (temperature 0) or seeded
-    per prompt and sample."""
+    per prompt and sample. ``images``: where the rows' pictures are (a run's)."""
     from vllm import SamplingParams
 
     stops = stop_token_ids(tok, data)
+    banned = unsampleable(tok.name_or_path) if images else None  # the model folder's image placeholders
     conversations = [
-        Conversation(r, p.token_ids, derived_seed("eval", r.get("prompt_id") or r["prompt"], s))
+        Conversation(r, p.token_ids, derived_seed("eval", r.get("prompt_id") or r["prompt"], s), images.of(r) if images else [])
         for r, p in zip(rows, rendered) for s in range(samples)
     ]
 
     def sampling(seed: int, turn_max: int, extra_stops: list[str]):
-        return SamplingParams(temperature=temperature, max_tokens=turn_max, seed=seed, stop_token_ids=stops,
+        return SamplingParams(temperature=temperature, max_tokens=turn_max, seed=seed, stop_token_ids=stops, logit_bias=banned,
                               stop=extra_stops or None, include_stop_str_in_output=bool(extra_stops))
 
     label = "eval greedy" if temperature == 0 else f"eval {samples} samples per prompt"
@@ -52,13 +54,15 @@ def _responses(llm, tok, rows: list[dict], rendered: list, samples: int, max_tok
     return conversations
 
 
-def greedy_eval(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig, tool_use: ToolUse | None = None) -> dict:
+def greedy_eval(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig, tool_use: ToolUse | None = None,
+                images: RunImages | None = None) -> dict:
     """Greedy pass@1 over ``rows`` (prompt-table rows): {"accuracy", "n", "table"}; ``table`` holds
     one row per prompt (the rendered prompt, the response and its reward). With ``tool_use`` each
-    response is a conversation with the tools and the reward reads the student's turns."""
+    response is a conversation with the tools and the reward reads the student's turns; ``images``:
+    the run's pictures, for rows that show some."""
     out = []
     rendered = [render_prompt(tok, r, data) for r in rows]
-    for r, p, c in zip(rows, rendered, _responses(llm, tok, rows, rendered, 1, max_tokens, data, tool_use, 0.0)):
+    for r, p, c in zip(rows, rendered, _responses(llm, tok, rows, rendered, 1, max_tokens, data, tool_use, 0.0, images)):
         text = c.student_text(tok)
         shown = text if tool_use is None else tok.decode(c.response_ids)
         out.append({
@@ -77,20 +81,21 @@ def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def sample_correct(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig, n: int, tool_use: ToolUse | None = None) -> list[int]:
+def sample_correct(llm, tok, rows: list[dict], reward, max_tokens: int, data: DataConfig, n: int, tool_use: ToolUse | None = None,
+                   images: RunImages | None = None) -> list[int]:
     """Per prompt, how many of ``n`` temperature-1 samples get a reward > 0."""
     rendered = [render_prompt(tok, r, data) for r in rows]
-    conversations = _responses(llm, tok, rows, rendered, n, max_tokens, data, tool_use, 1.0)
+    conversations = _responses(llm, tok, rows, rendered, n, max_tokens, data, tool_use, 1.0, images)
     return [sum(reward(c.student_text(tok), r) > 0 for c in conversations[i * n : (i + 1) * n]) for i, r in enumerate(rows)]
 
 
 def evaluate_model(
     model_path: str, rows: list[dict], reward, engine: EngineConfig, max_tokens: int, data: DataConfig, k: int = 1, n: int = 0,
-    live: LiveModels | None = None, tool_use: ToolUse | None = None,
+    live: LiveModels | None = None, tool_use: ToolUse | None = None, images: RunImages | None = None,
 ) -> tuple[dict, pa.Table]:
     """Evaluate ``model_path`` on an engine from ``live`` (default: one started for this call); return
     the summary (pass@1 greedy and, for k > 1, pass@k from n >= k samples per prompt) and the per-prompt
-    table."""
+    table. ``images``: the run's pictures, where ``rows`` show some."""
     n = n or k
     tok = load_tokenizer(model_path)
     context = resolve_max_model_len(model_path, engine)
@@ -103,12 +108,13 @@ def evaluate_model(
                 f"that is more than the engine's max_model_len {context}"
             )
     live = live or LiveModels()
-    llm = live.student_engine(model_path, engine, seed=0)
-    greedy = greedy_eval(llm, tok, rows, reward, max_tokens, data, tool_use)
+    per_prompt_images = max((len(image_ids(r)) for r in rows), default=0) if images else 0
+    llm = live.student_engine(model_path, engine, seed=0, images=per_prompt_images)
+    greedy = greedy_eval(llm, tok, rows, reward, max_tokens, data, tool_use, images)
     table = greedy["table"].rename_columns(["prompt_id", "prompt", "answer", "greedy_response", "greedy_reward"])
     summary = {"model": model_path, "prompts": greedy["n"], "pass@1": greedy["accuracy"]}
     if k > 1:
-        correct = sample_correct(llm, tok, rows, reward, max_tokens, data, n, tool_use)
+        correct = sample_correct(llm, tok, rows, reward, max_tokens, data, n, tool_use, images)
         per_prompt = [unbiased_pass_at_k(n, c, k) for c in correct]
         summary.update({"samples_per_prompt": n, f"pass@{k}": sum(per_prompt) / max(len(per_prompt), 1)})
         table = table.append_column("samples", pa.array([n] * len(rows), pa.int32()))

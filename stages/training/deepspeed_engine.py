@@ -24,7 +24,8 @@ import torch
 
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.stages.models.device import local_device, resolve_dtype
-from gndpo.stages.models.loading import load_causal_lm
+from gndpo.stages.models.loading import is_vision_model, load_causal_lm
+from gndpo.stages.models.vision import freeze_all_but_language_model
 
 
 def isolate_extension_builds() -> None:
@@ -124,6 +125,8 @@ def build_engine(cfg, policy: str, world: int):
     # under ZeRO-3 zero.Init already put each rank's partition there.
     model = load_causal_lm(policy, cfg.model, device=device, dtype=dtype, place=False)
     model.config.use_cache = False
+    if cfg.model.freeze_vision and is_vision_model(policy):
+        freeze_all_but_language_model(model)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, _, _, _ = deepspeed.initialize(

@@ -11,7 +11,9 @@ from __future__ import annotations
 import tempfile
 
 from gndpo.pipeline.exec.dist import Dist
-from gndpo.stages.models.loading import load_tokenizer
+from gndpo.stages.models.loading import is_vision_model, load_tokenizer
+from gndpo.stages.models.logprobs import output_width
+from gndpo.stages.models.vision import load_processor
 from gndpo.stages.models.probe import probe_logprobs, write_probe
 from gndpo.stages.training.ema import EmaWeights
 
@@ -40,7 +42,13 @@ def save_hf_folder(engine, policy: str, folder: str, zero_stage: int, rank: int)
     if rank == 0:
         state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         engine.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
-        load_tokenizer(policy).save_pretrained(folder)
+        save_preprocessing(policy, folder)
+
+
+def save_preprocessing(policy: str, folder: str) -> None:
+    """Beside exported weights, what turns inputs into ids and tensors: the policy's tokenizer, and for
+    a vision-language model its whole processor (image processor, chat template)."""
+    (load_processor(policy) if is_vision_model(policy) else load_tokenizer(policy)).save_pretrained(folder)
 
 
 def probe_student(model, policy: str, pad_id: int) -> dict:
@@ -48,7 +56,7 @@ def probe_student(model, policy: str, pad_id: int) -> dict:
     was_training = model.training
     model.eval()
     try:
-        return probe_logprobs(model, min(len(load_tokenizer(policy)), model.config.vocab_size), pad_id)
+        return probe_logprobs(model, min(len(load_tokenizer(policy)), output_width(model)), pad_id)
     finally:
         model.train(was_training)
 
@@ -57,5 +65,5 @@ def export_ema(ema: EmaWeights, module, policy: str, fs, out_dir: str) -> list[d
     """``out_dir/ema``: the average as a Hugging Face folder, the next round's EMA teacher (rank 0 only)."""
     with tempfile.TemporaryDirectory() as tmp:
         ema.export(module, tmp)
-        load_tokenizer(policy).save_pretrained(tmp)
+        save_preprocessing(policy, tmp)
         return fs.upload_dir(tmp, f"{out_dir}/ema")

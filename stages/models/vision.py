@@ -1,0 +1,74 @@
+"""What a vision-language model needs beside token ids: its processor, the expanded prompt, and the
+image tensors of a batch.
+
+A rendered prompt holds one placeholder token per image (``<image>`` for Idefics3/SmolVLM); the
+model's processor expands each into the tokens the vision tower's features replace (18 for the toy
+VLM, hundreds for real ones), and vLLM does the same expansion when it is given the unexpanded ids with
+the images. So rollout sends unexpanded ids and stores the expanded ones vLLM reports, and score and
+train need only the image tensors: :func:`image_inputs` runs the image processor alone over a batch's
+pictures and returns whatever the family's forward takes (``pixel_values`` and ``pixel_attention_mask``
+for Idefics3, ``pixel_values`` and ``image_grid_thw`` for Qwen2-VL) on the model's device.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.run.images import RunImages, image_ids
+
+
+@lru_cache(maxsize=None)
+def load_processor(path: str):
+    """The model's processor (tokenizer + image processor); a one-line GndpoError where it has none."""
+    from transformers import AutoProcessor
+
+    if not (Path(path) / "preprocessor_config.json").is_file() and not (Path(path) / "processor_config.json").is_file():
+        raise GndpoError(f"{path} has no image processor (preprocessor_config.json or processor_config.json): "
+                         "save the model's processor with it")
+    try:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=False)
+    except Exception as exc:
+        raise GndpoError(f"cannot load the processor of {path}: {' '.join(str(exc).split())[:200]}") from exc
+
+
+def expanded_prompt_ids(processor, text: str, images: list) -> list[int]:
+    """The ids the model reads for a rendered prompt with its images: each placeholder expanded."""
+    out = processor(text=text, images=images or None, add_special_tokens=False)
+    return list(out["input_ids"][0])
+
+
+def image_inputs(processor, images: list[list], device: torch.device) -> dict[str, torch.Tensor]:
+    """The forward's image tensors, on ``device``, for a batch whose row ``i`` shows ``images[i]`` (a
+    batch without any image gives ``{}``); the forward casts them to the model's dtype
+    (:func:`gndpo.stages.models.logprobs.response_hidden`)."""
+    if not any(images):
+        return {}
+    out = processor.image_processor(images=images, return_tensors="pt")
+    return {k: v.to(device) for k, v in out.items()}
+
+
+class BatchImages:
+    """The pictures of a run's prompts by prompt id, and the processor that turns a batch's pictures
+    into the forward's tensors (score and train: the rows of a batch name their prompts)."""
+
+    def __init__(self, processor, images: RunImages, prompts: list[dict]):
+        self.processor, self.images = processor, images
+        self.ids = {p["prompt_id"]: image_ids(p) for p in prompts}
+
+    def inputs(self, prompt_ids: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        return image_inputs(self.processor, [[self.images.get(i) for i in self.ids[pid]] for pid in prompt_ids], device)
+
+
+def freeze_all_but_language_model(model) -> int:
+    """``model.freeze_vision``: only the language model (its decoder with the input embeddings, and the
+    output layer) keeps ``requires_grad``; the vision tower and connector are frozen. Returns the number
+    of frozen parameters."""
+    trainable = {id(p) for part in (model.get_decoder(), model.get_output_embeddings()) for p in part.parameters()}
+    frozen = [p for p in model.parameters() if id(p) not in trainable]
+    for p in frozen:
+        p.requires_grad_(False)
+    return sum(p.numel() for p in frozen)

@@ -1,0 +1,196 @@
+"""Vision-language models: prompts with images through init, rollout (vLLM), score and train.
+
+The pair is a tiny random-weight Idefics3 (the SmolVLM family; :mod:`gndpo.pipeline.toys.vision`), the
+images small PNGs drawn here. What a stage computes is re-derived from a plain transformers forward
+with the processor's tensors; bad image data is refused at init, one line each.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file
+
+from gndpo.pipeline.toys.vision import VisionModelSpec, build_random_vision_pair
+from tests.conftest import assert_one_line_error, built_once, committed_rows, invoke, invoke_ok, run_stages, shared_folder, tiny_config_dict, write_config
+
+SPEC = VisionModelSpec()
+IMAGE_TOKENS_PER_PICTURE = SPEC.image_seq_len + 3  # <fake><global-img> 16 x <image> <fake>
+
+
+def picture(number: int) -> bytes:
+    im = Image.new("RGB", (SPEC.image_size, SPEC.image_size), "white")
+    ImageDraw.Draw(im).text((12, 24), str(number), fill="black")
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_prompts(folder, count: int, offset: int = 0, name: str = "train.jsonl") -> str:
+    """``count`` rows "<image>?" -> the number drawn, each picture a PNG file beside the prompts."""
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(offset, offset + count):
+        number = 10 + 7 * i
+        (folder / "img" / f"{i}.png").write_bytes(picture(number))
+        lines.append(json.dumps({"prompt": "<image>n?", "answer": str(number), "images": [f"img/{i}.png"]}))
+    (folder / name).write_text("\n".join(lines) + "\n")
+    return str(folder / name)
+
+
+@pytest.fixture(scope="session")
+def vision_pair(tmp_path_factory):
+    folder = shared_folder(tmp_path_factory, "vision-pair")
+    with built_once(folder) as build:
+        if build:
+            build_random_vision_pair(folder, SPEC)
+    return folder
+
+
+def vision_config(folder, pair, **sections) -> dict:
+    cfg = tiny_config_dict(pair, **{
+        "rollout": {"prompts_per_round": 4, "n": 2, "prompts_per_unit": 4, "max_tokens": 6, "eval_heldout": True},
+        "score": {"rows_per_chunk": 4},
+        "train": {"optimizer_steps": 1, "micro_batch_size": 8, "lr": 1e-2},
+        "engine": {"max_model_len": 64},
+        **sections,
+    })
+    cfg["data"] = {"train": write_prompts(folder, 6), "heldout": write_prompts(folder, 3, offset=20, name="heldout.jsonl")}
+    return cfg
+
+
+# -- fast: init refuses bad image data, one line each ------------------------------------------------
+@pytest.mark.parametrize("damage, fragments", [
+    ("missing", ["image not found", "img/0.png"]),
+    ("garbage", ["row 1, image 1", "cannot be decoded as an image"]),
+    ("extra", ["row 1", "2 image(s) but 1 placeholder(s)"]),
+])
+def test_init_refuses_bad_images(tmp_path, vision_pair, damage, fragments):
+    cfg = vision_config(tmp_path, vision_pair)
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    if damage == "missing":
+        (tmp_path / "img" / "0.png").unlink()
+    elif damage == "garbage":
+        (tmp_path / "img" / "0.png").write_bytes(b"not a picture")
+    else:
+        rows[0]["images"] = ["img/0.png", "img/1.png"]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert_one_line_error(invoke("init", tmp_path / "run", "--config", write_config(tmp_path, cfg)), *fragments)
+    assert not (tmp_path / "run" / "run.yaml").exists() and not (tmp_path / "run" / "images").exists()
+
+
+def test_init_refuses_images_for_a_text_student(tmp_path, vision_pair, tiny_assets):
+    cfg = vision_config(tmp_path, vision_pair)
+    cfg["student"], cfg["teacher"] = str(tiny_assets / "student"), str(tiny_assets / "teacher")
+    assert_one_line_error(invoke("init", tmp_path / "run", "--config", write_config(tmp_path, cfg)), "has no vision tower")
+
+
+def test_init_stores_each_image_once_by_content_and_reads_geo3k_parquet(tmp_path, vision_pair):
+    """geo3k's verl layout: ``prompt`` as chat messages with <image>, ``images`` as {bytes, path}
+    structs, the answer in ``reward_model.ground_truth``; the same picture twice is stored once."""
+    import pyarrow as pa
+
+    same = picture(42)
+    table = pa.table({
+        "prompt": [[{"role": "user", "content": f"<image>Which number? {i}"}] for i in range(4)],
+        "images": [[{"bytes": same if i < 2 else picture(i), "path": f"{i}.png"}] for i in range(4)],
+        "reward_model": [{"ground_truth": str(i), "style": "rule"} for i in range(4)],
+    })
+    pq.write_table(table, tmp_path / "geo3k.parquet")
+    cfg = vision_config(tmp_path, vision_pair)
+    cfg["data"] = {"train": str(tmp_path / "geo3k.parquet"), "heldout": str(tmp_path / "geo3k.parquet"),
+                   "messages_key": "prompt", "answer_key": "reward_model.ground_truth"}
+    invoke_ok("init", tmp_path / "run", "--config", write_config(tmp_path, cfg))
+    prompts = pq.read_table(tmp_path / "run" / "prompts" / "train.parquet").to_pylist()
+    assert [p["answer"] for p in prompts] == ["0", "1", "2", "3"]
+    ids = [json.loads(p["images"])[0] for p in prompts]
+    assert ids[0] == ids[1] and len(set(ids)) == 3
+    stored = sorted(p.name for p in (tmp_path / "run" / "images").rglob("*") if p.is_file())
+    assert stored == sorted(set(ids))
+
+
+# -- slow: a GNDPO round end to end --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vision_round(tmp_path_factory, vision_pair):
+    folder = tmp_path_factory.mktemp("vision-round")
+    invoke_ok("init", folder / "run", "--config", write_config(folder, vision_config(folder, vision_pair)))
+    run_stages(folder / "run", "rollout", "score", "normalize", "train")
+    return folder / "run"
+
+
+def forward_logprobs(model_dir, processor, rows, images) -> list[np.ndarray]:
+    """Per row, log p(response token | prompt with its image, earlier tokens) from a plain forward."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row["prompt_token_ids"] + row["response_token_ids"]])
+            pixels = processor.image_processor(images=[images[row["prompt_id"]]], return_tensors="pt")
+            logp = model(input_ids=ids, **pixels).logits[0].float().log_softmax(-1)
+            start = len(row["prompt_token_ids"])
+            targets = ids[0, start:]
+            out.append(logp[start - 1 : -1].gather(-1, targets[:, None])[:, 0].numpy())
+    return out
+
+
+@pytest.mark.slow
+def test_a_gndpo_round_reads_the_images_in_every_stage(vision_round, vision_pair):
+    from transformers import AutoProcessor
+
+    from gndpo.pipeline.run.images import RunImages
+    from gndpo.pipeline.run.run import open_run
+
+    run = open_run(str(vision_round))
+    processor = AutoProcessor.from_pretrained(vision_pair / "student")
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    rollouts, scores = committed_rows(vision_round), committed_rows(vision_round, "score")
+    # Rollout stored the prompt as the model read it: each placeholder expanded as the processor does.
+    prompts = {p["prompt_id"]: p for p in run.prompts("train")}
+    pictures = RunImages(run.fs)
+    images = {pid: pictures.of(p) for pid, p in prompts.items()}
+    for row in rollouts:
+        assert row["prompt_token_ids"].count(image_token) == SPEC.image_seq_len
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "n?"}]}],
+                                             add_generation_prompt=True)
+        expanded = processor(text=text, images=images[row["prompt_id"]], add_special_tokens=False)["input_ids"][0]
+        assert row["prompt_token_ids"] == list(expanded)
+    # Score: teacher and student log-probs equal a transformers forward with the processor's tensors.
+    by_id = {r["rollout_id"]: r for r in scores}
+    for role, column in (("teacher", "teacher_logprobs"), ("student", "student_logprobs")):
+        want = forward_logprobs(vision_pair / role, processor, rollouts, images)
+        for row, ref in zip(rollouts, want):
+            np.testing.assert_allclose(by_id[row["rollout_id"]][column], ref, atol=1e-5)
+    # The sampler (vLLM, with the images) agrees with the student's forward.
+    sampled = np.concatenate([r["sampler_logprobs"] for r in rollouts])
+    np.testing.assert_allclose(sampled, np.concatenate([by_id[r["rollout_id"]]["student_logprobs"] for r in rollouts]), atol=1e-4)
+    # Train's first step recomputed score's log-probs: the importance ratio is 1.
+    train = run.records(0, "train").require_manifest()["metrics"]
+    assert abs(train["ratio_mean"] - 1.0) < 1e-5
+    # Held-out eval ran on the images (the random student answers nothing right, but it answered).
+    rollout_metrics = run.records(0, "rollout").require_manifest()["metrics"]
+    assert "heldout_accuracy" in rollout_metrics
+
+
+@pytest.mark.slow
+def test_freeze_vision_trains_the_language_model_only_and_export_keeps_the_processor(vision_round, vision_pair):
+    from gndpo.pipeline.run.run import open_run
+
+    run = open_run(str(vision_round))
+    exported = run.policy_path(1)
+    before, after = load_file(vision_pair / "student" / "model.safetensors"), load_file(f"{exported}/model.safetensors")
+    vision = [k for k in before if "vision_model" in k or "connector" in k]
+    language = [k for k in before if "text_model" in k or "lm_head" in k]
+    assert vision and language
+    assert all(torch.equal(before[k], after[k]) for k in vision)
+    assert any(not torch.equal(before[k], after[k]) for k in language)
+    from transformers import AutoProcessor
+
+    assert type(AutoProcessor.from_pretrained(exported)).__name__ == "Idefics3Processor"

@@ -86,6 +86,8 @@ SETTINGS = {
     # round 3 (seed 0): cosine decay within each round, as the addition demo's fix.
     "tools: lr1e-4,cos,2x samples": pinned_settings("1e-4", "cosine", steps=32, prompts=1024),
     "tools: lr2e-4,cos,2x samples": pinned_settings("2e-4", "cosine", steps=32, prompts=1024),
+    # Both still fell in round 3 (0.050; 0.284 at 2e-4): round r's lr times 0.5**r.
+    "tools: lr1e-4,decay0.5": pinned_settings("1e-4", steps=16, prompts=512, decay="0.5"),
 }
 
 

@@ -17,6 +17,7 @@ stage's manifest metrics (score's include how far its bf16 student log-probs are
 CPU rollout sampled with) to ``--results``.
 
     .venv/bin/python bench/gpu_stages.py prepare --pack .gpu/run.tar.gz      # here: ~2 min on 2 cores
+    .venv/bin/python bench/gpu_stages.py prepare --vision --pack .gpu/vision.tar.gz   # a VLM round instead
     python3 bench/gpu_stages.py run --pack .gpu/run.tar.gz --results $OUT/gpu_stages.json   # on the GPU
 """
 
@@ -57,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--vision", action="store_true",
+                    help="a vision-language round: the random Idefics3 pair (gndpo.pipeline.toys.vision) on bar-chart prompts")
     args = ap.parse_args(argv)
     args.dry_init = False
     for key in FULL:  # gpu_round's shape options, at their defaults
@@ -82,12 +85,28 @@ def digests(assets: Path) -> dict[str, str]:
     return out
 
 
+def vision_assets(folder: Path, prompts: int) -> Path:
+    """The random Idefics3 pair and ``prompts`` bar-chart prompts (the vision demo's task)."""
+    import random
+
+    from gndpo.pipeline.toys.vision import build_random_vision_pair, task_rows
+
+    build_random_vision_pair(folder)
+    rows = task_rows(random.Random(0), prompts, folder, "p-", set())
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
 def prepare(args) -> None:
     if WORK.exists():
         shutil.rmtree(WORK)
     (WORK / "logs").mkdir(parents=True)
-    student, teacher = shapes(args)
-    assets = build_assets(WORK / "assets", student, teacher, args.prompts)
+    if args.vision:
+        assets = vision_assets(WORK / "assets", args.prompts)
+        args.max_model_len, args.max_tokens = 256, min(args.max_tokens, 64)
+    else:
+        student, teacher = shapes(args)
+        assets = build_assets(WORK / "assets", student, teacher, args.prompts)
     config = write_config(WORK / "config.yaml", assets, args)
     run = WORK / "run"
     for argv in (("init", run, "--config", config, *args.set), ("rollout", run, "--round", 0)):
@@ -117,7 +136,12 @@ def run_on_gpu(args) -> None:
     args = argparse.Namespace(**{**vars(args), **{k: v for k, v in prepared.items() if k not in ("action", "pack", "results")}})
     student, teacher = shapes(args)
     t0 = time.time()
-    assets = build_assets(WORK / "assets", student, teacher, args.prompts)
+    if args.vision:
+        from gndpo.pipeline.toys.vision import build_random_vision_pair
+
+        assets = build_random_vision_pair(WORK / "assets")
+    else:
+        assets = build_assets(WORK / "assets", student, teacher, args.prompts)
     build_seconds = time.time() - t0
     want, have = json.loads((WORK / "digests.json").read_text()), digests(assets)
     mismatched = sorted(k for k in want if want[k] != have.get(k))
@@ -127,7 +151,7 @@ def run_on_gpu(args) -> None:
         "gpu": (gpu_query("name", gpu) or ["?"])[0],
         "gpu_memory_total_mib": int(float((gpu_query("memory.total", gpu) or ["0"])[0])),
         "versions": {p: version(p) for p in ("torch", "transformers", "deepspeed", "duckdb")},
-        "shapes": {"student": asdict(student), "teacher": asdict(teacher)},
+        "shapes": "the random Idefics3 pair (gndpo.pipeline.toys.vision)" if args.vision else {"student": asdict(student), "teacher": asdict(teacher)},
         "round": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens},
         "assets_build_seconds": round(build_seconds, 1),
         "assets_match_rollout": not mismatched, "mismatched": mismatched,

@@ -115,6 +115,18 @@ def test_init_stores_each_image_once_by_content_and_reads_geo3k_parquet(tmp_path
     assert stored == sorted(set(ids))
 
 
+@pytest.mark.parametrize("family", ["idefics3", "qwen2_5_vl"])
+def test_the_batched_forward_with_images_equals_the_models_own_for_two_families(family):
+    """Score's and train's forward (right-padded batch, image tensors from the image processor, the VLM's
+    base model, chunked output layer) against the model's own forward row by row; freeze_vision leaves
+    the vision tower without gradient and the language model with one."""
+    from tests.vision_models import check_forward
+
+    result = check_forward(family, torch.device("cpu"), torch.float32)
+    assert result["max_diff"] < 1e-5
+    assert result["frozen_parameters"] > 0 and result["language_model_grads"] and not result["vision_grads"]
+
+
 # -- slow: a GNDPO round end to end --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vision_round(tmp_path_factory, vision_pair):
@@ -174,6 +186,12 @@ def test_a_gndpo_round_reads_the_images_in_every_stage(vision_round, vision_pair
     # Train's first step recomputed score's log-probs: the importance ratio is 1.
     train = run.records(0, "train").require_manifest()["metrics"]
     assert abs(train["ratio_mean"] - 1.0) < 1e-5
+    # gndpo sql: which pictures a rollout answered.
+    from gndpo.pipeline.observe.sql import query
+
+    shown = query(run, "SELECT r.rollout_id, p.images FROM rollouts r JOIN prompts p USING (prompt_id) WHERE p.split = 'train'")
+    assert shown.height == len(rollouts)
+    assert {json.loads(v)[0] for v in shown["images"]} == {json.loads(prompts[r["prompt_id"]]["images"])[0] for r in rollouts}
     # Held-out eval ran on the images (the random student answers nothing right, but it answered).
     rollout_metrics = run.records(0, "rollout").require_manifest()["metrics"]
     assert "heldout_accuracy" in rollout_metrics
@@ -194,3 +212,83 @@ def test_freeze_vision_trains_the_language_model_only_and_export_keeps_the_proce
     from transformers import AutoProcessor
 
     assert type(AutoProcessor.from_pretrained(exported)).__name__ == "Idefics3Processor"
+
+
+SMOLVLM_PROBE = r"""
+import json, os, sys, threading, time
+import torch
+from gndpo.pipeline.exec.dist import usable_cpus
+from gndpo.pipeline.config.schema import ModelConfig
+from gndpo.pipeline.toys.vision import VisionModelSpec, new_vision_model, vision_processor, vision_tokenizer
+from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats, policy_token_logprobs
+from gndpo.stages.models.vision import freeze_all_but_language_model, image_inputs
+from tests.vision_models import pictures
+torch.set_num_threads(min(2, usable_cpus()))
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+# SmolVLM-256M's shapes: a SigLIP-base-sized tower at 512x512 (patch 16, 1,024 patches, pixel shuffle 4:
+# 64 image tokens) and a SmolLM2-135M-sized language model with its 49,280-token vocabulary.
+spec = VisionModelSpec(hidden=576, layers=30, heads=9, intermediate=1536, vision_hidden=768, vision_layers=12, vision_heads=12,
+                       image_size=512, patch_size=16, scale_factor=4, context=2048)
+tok = vision_tokenizer(spec.context)
+model = new_vision_model(spec, tok, 0)
+model.resize_token_embeddings(49280)
+model.eval()
+processor = vision_processor(spec, tok)
+picture = ["<fake_token_around_image>", "<global-img>"] + ["<image>"] * spec.image_seq_len + ["<fake_token_around_image>"]
+prompt = [tok.bos_token_id, *tok.convert_tokens_to_ids(picture), *tok("What is the sum of the bars?", add_special_tokens=False)["input_ids"]]
+g = torch.Generator().manual_seed(0)
+responses = [torch.randint(3, 90, (256,), generator=g).tolist() for _ in range(2)]
+images = [[im.resize((512, 512))] for im in pictures(2)]
+batch = make_batch([prompt, prompt], responses, tok.pad_token_id, torch.device("cpu"))
+batch.images = image_inputs(processor, images, torch.device("cpu"))
+chunk = logits_chunk(model, ModelConfig())
+out = {"parameters": sum(p.numel() for p in model.parameters()), "image_tokens": spec.image_seq_len}
+def measure(name, fn):
+    peak, stop = [0], threading.Event()
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.002)
+    base = rss()
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    start = time.time()
+    fn()
+    stop.set()
+    thread.join()
+    out[name] = {"loaded_gib": base / 2**30, "extra_gib": (max(peak[0], rss()) - base) / 2**30, "seconds": time.time() - start}
+with torch.no_grad():
+    measure("score", lambda: pair_token_stats(model, model, batch, chunk, 1.0, topk=0, entropies=(True, True), kl=False))
+freeze_all_but_language_model(model)
+model.train()
+def step():
+    logp, _, _ = policy_token_logprobs(model, batch, chunk, 1.0)
+    logp.sum().backward()
+    out["language_model_grads"] = all(p.grad is not None for p in model.get_decoder().parameters())
+    out["vision_grads"] = any(p.grad is not None for p in model.model.vision_model.parameters())
+measure("train", step)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_smolvlm_sized_model_scores_and_trains_within_the_stated_memory():
+    """Realistic shapes, random weights (fp32, 2 threads): SmolVLM-256M's vision tower at 512x512 and a
+    SmolLM2-135M-sized language model (49,280 logits), two 256-token responses after a picture. Stated
+    bounds above the loaded model: score's forward (both entropies) under 1.5 GiB, a train step (frozen
+    tower, backward through the language model) under 3 GiB; the vision tower gets no gradient."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", SMOLVLM_PROBE], capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("SmolVLM-sized score and train:", json.dumps(out))
+    assert 2.0e8 < out["parameters"] < 3.0e8
+    assert out["score"]["extra_gib"] < 1.5 and out["train"]["extra_gib"] < 3.0
+    assert out["language_model_grads"] and not out["vision_grads"]

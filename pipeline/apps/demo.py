@@ -21,6 +21,7 @@ from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.toys.self_distill import context_messages, ensure_self_distill_assets
 from gndpo.pipeline.toys.arithmetic import ensure_cross_tokenizer_assets, ensure_toy_assets
 from gndpo.pipeline.toys.tool_task import ensure_tool_toy_assets
+from gndpo.pipeline.toys.vision import ensure_vision_toy_assets
 from gndpo.stages.models.live import LiveModels
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.apps.evaluation import evaluate
@@ -49,6 +50,8 @@ TASKS = {
     "cross-tokenizer": (DEFAULT_CONFIG, ensure_cross_tokenizer_assets, ["score.cross_tokenizer=true"], toy_models),
     # SmolLM2-135M-Instruct distils demonstrations it reads as a teacher into its bare behaviour.
     "self-distill": (Path(__file__).with_name("demo_self_distill.yaml"), ensure_self_distill_assets, [], self_distill_models),
+    # A tiny Idefics3 (SmolVLM family) reads two bars of a chart and adds them.
+    "vision": (Path(__file__).with_name("demo_vision.yaml"), ensure_vision_toy_assets, [], toy_models),
 }
 
 

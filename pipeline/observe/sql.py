@@ -1,4 +1,5 @@
-"""Read-only SQL over a run: DuckDB views rollouts, scores, tokens, stats, metrics built from manifests.
+"""Read-only SQL over a run: DuckDB views rollouts, scores, tokens, stats, metrics built from manifests,
+and prompts (the run's prompt tables).
 
 Only committed files are visible (the views list manifest entries, never globbed folders). Every view has
 a ``round`` column (score shards do not store one: the view adds it from the manifest the shard came
@@ -15,6 +16,7 @@ import pyarrow as pa
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
+from gndpo.pipeline.run.run import PROMPT_SPLITS
 from gndpo.storage.duck import connect, create_view, lock, parquet_source, record_uris
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import ROLLOUTS, SCORES, STATS
@@ -56,6 +58,12 @@ def run_connection(run, allow_files: bool = False) -> duckdb.DuckDBPyConnection:
     metrics = pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame(schema={"round": pl.Int64, "stage": pl.Utf8})
     con.register("metrics_table", metrics.to_arrow())
     con.execute("CREATE VIEW metrics AS SELECT * FROM metrics_table")
+    # The prompt tables init wrote (with a split column): which question, answer and pictures (their
+    # ids under RUN/images/) a rollout's prompt_id names.
+    prompts = pl.concat([pl.DataFrame(run.prompts(split), infer_schema_length=None).with_columns(pl.lit(split).alias("split"))
+                         for split in PROMPT_SPLITS], how="diagonal_relaxed")
+    con.register("prompts_table", prompts.to_arrow())
+    con.execute("CREATE VIEW prompts AS SELECT * FROM prompts_table")
     lock(con, None if allow_files else [u for stage in files.values() for u in record_uris(run.fs, stage)])
     return con
 

@@ -166,7 +166,7 @@ def _encode_batch(tok, rows: list[dict]):
 
 def train_supervised(model, spec: ModelSpec, seed: int, next_batch, validate, milestones: list, on_milestone, log=info) -> int:
     """Next-token training with AdamW at a constant LR after warm-up, on the masked tokens of
-    ``next_batch(rng) -> (ids, mask)`` (freshly sampled, never held-out problems). ``milestones`` is a
+    ``next_batch(rng) -> (ids, mask)``, or with a vision toy ``(ids, mask, image tensors)`` (freshly sampled, never held-out problems). ``milestones`` is a
     list of (name, target, step cap): each is reached the first time ``validate()`` (checked every 10
     steps) passes its target, or at its step cap, and ``on_milestone(name, step, accuracy)`` is called
     then. Training stops after the last one (or at ``spec.max_steps``, which reaches all remaining).
@@ -186,9 +186,9 @@ def train_supervised(model, spec: ModelSpec, seed: int, next_batch, validate, mi
     for step in range(1, spec.max_steps + 1):
         for g in opt.param_groups:
             g["lr"] = spec.lr * min(1.0, step / 100)
-        ids, mask = next_batch(rng)
+        ids, mask, *inputs = next_batch(rng)  # a vision toy's batch adds its image tensors
         model.train()
-        logits = model(input_ids=ids).logits[:, :-1]
+        logits = model(input_ids=ids, **(inputs[0] if inputs else {})).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
         opt.zero_grad(set_to_none=True)

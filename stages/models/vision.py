@@ -47,7 +47,7 @@ def image_inputs(processor, images: list[list], device: torch.device) -> dict[st
     (:func:`gndpo.stages.models.logprobs.response_hidden`)."""
     if not any(images):
         return {}
-    out = processor.image_processor(images=images, return_tensors="pt")
+    out = getattr(processor, "image_processor", processor)(images=images, return_tensors="pt")  # a processor or its image part
     return {k: v.to(device) for k, v in out.items()}
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.status import stage_rows
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
+from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.duck import connect, parquet_source
@@ -213,17 +214,19 @@ def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
     ids = list(dict.fromkeys(rid for rid, _ in chosen))
     picked = con.execute(
         f"""SELECT r.rollout_id, r.reward, r.finish_reason, r.prompt, r.response_token_ids, r.loss_mask,
-                   s.teacher_logprobs, s.student_logprobs
+                   s.teacher_logprobs, s.student_logprobs, r.prompt_id
             FROM {rollouts} r JOIN {scores} s USING (rollout_id) WHERE r.rollout_id IN (SELECT unnest(?))""", [ids]
     ).fetchall()
     by_id = {row[0]: row for row in picked}
     tok = load_tokenizer(run.cfg.student)  # the student's tokenizer (every policy version keeps it)
+    shown = {p["prompt_id"]: image_ids(p) for p in run.prompts("train")}
+    pictures = RunImages(run.fs)
     parts = [f"<p>Round {r} (policy version {r}); lpT - lpS per token: "
              '<span class="tok" style="background:rgba(220,40,40,0.8)">teacher finds it unlikely</span> '
              '<span class="tok" style="background:rgba(40,160,60,0.8)">teacher prefers it</span> '
              '<span class="tok masked">not trained on</span>. Hover a token for its numbers.</p>']
     for rid in ids:
-        _, reward, finish, prompt, token_ids, mask, lp_t, lp_s = by_id[rid]
+        _, reward, finish, prompt, token_ids, mask, lp_t, lp_s, pid = by_id[rid]
         ratio = np.asarray(lp_t, np.float64) - np.asarray(lp_s, np.float64)
         mask = np.asarray(mask, np.float64)
         spans = []
@@ -239,9 +242,23 @@ def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
         parts.append(
             f'<div class="rollout"><div class="meta">{html.escape(rid)}: reward {reward:.3f}, '
             f'sum of lpT - lpS {float((ratio * mask).sum()):+.2f} over {int(mask.sum())} tokens, {html.escape(str(finish))}</div>'
+            f'{picture_tags(pictures, shown.get(pid, []))}'
             f'<pre class="prompt">{html.escape(prompt)}</pre><div class="response">{"".join(spans)}</div></div>'
         )
     return "\n".join(parts)
+
+
+def picture_tags(pictures: RunImages, ids: list[str], edge: int = 256) -> str:
+    """The prompt's pictures as inline PNG thumbnails (at most ``edge`` pixels a side), in placeholder order."""
+    tags = []
+    for image in ids:
+        thumbnail = pictures.get(image).copy()
+        thumbnail.thumbnail((edge, edge))
+        buf = io.BytesIO()
+        thumbnail.save(buf, format="PNG")
+        data = base64.b64encode(buf.getvalue()).decode()
+        tags.append(f'<img class="picture" alt="image {image[:12]}" src="data:image/png;base64,{data}">')
+    return "".join(tags)
 
 
 PAGE = """<!DOCTYPE html>
@@ -249,7 +266,7 @@ PAGE = """<!DOCTYPE html>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; color: #222; }}
 .grid {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(540px, 1fr)); gap: 1em; }}
-img {{ width: 100%; border: 1px solid #ddd; }}
+img {{ width: 100%; border: 1px solid #ddd; }} img.picture {{ width: auto; max-width: 256px; }}
 table {{ border-collapse: collapse; font-size: 0.9em; }} td, th {{ border: 1px solid #ccc; padding: 2px 6px; text-align: right; }}
 .rollout {{ border: 1px solid #ddd; margin: 0.8em 0; padding: 0.5em; }}
 .meta {{ font-size: 0.85em; color: #555; }} .prompt {{ color: #666; margin: 0.3em 0; white-space: pre-wrap; }}

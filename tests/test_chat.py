@@ -176,7 +176,7 @@ def write_messages(path, rows):
     "rows, fragment",
     [
         ([{"messages": "12+34=", "answer": "1"}], "messages must be a list of {role, content} turns"),
-        ([{"messages": [{"role": "user"}], "answer": "1"}], "turn 0 must be a dict with a string role and a string content"),
+        ([{"messages": [{"role": "user"}], "answer": "1"}], "turn 0 must be a dict with a string role and a content"),
         ([{"messages": [{"role": "narrator", "content": "1+2="}], "answer": "1"}], "unknown role 'narrator'"),
         ([{"messages": [{"role": "system", "content": "0="}], "answer": "1"}], "has no user turn"),
         ([{"messages": [], "answer": "1"}], "non-empty list"),

@@ -8,6 +8,7 @@ what the earlier out-of-place computation gave (the README demo's table depends 
 
 import json
 import subprocess
+from pathlib import Path
 import sys
 from types import SimpleNamespace
 
@@ -145,16 +146,13 @@ def test_mean_of_teachers_keeps_two_buffers_and_the_mixture(toy):
 
 # -- memory at Gemma's vocabulary -----------------------------------------------------------------------
 PROBE = r"""
-import json, os, sys, threading, time, torch
+import json, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from gndpo.pipeline.config.schema import ModelConfig
 from gndpo.pipeline.exec.dist import usable_cpus
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
+from tests.memory import peak_above_start
 torch.set_num_threads(min(2, usable_cpus()))  # 2 threads on 1 core wait for each other
-page = os.sysconf("SC_PAGE_SIZE")
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * page
 if len(sys.argv) > 2:  # a real model folder, scoring as both student and teacher (one copy loaded)
     from transformers import AutoModelForCausalLM
     student = teacher = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32).eval()
@@ -171,22 +169,8 @@ g = torch.Generator().manual_seed(0)
 prompt, response = torch.randint(3, vocab, (32,), generator=g).tolist(), torch.randint(3, vocab, (2048,), generator=g).tolist()
 batch = make_batch([prompt], [response], 0, torch.device("cpu"))
 chunk = logits_chunk([student, teacher], ModelConfig(**json.loads(sys.argv[1])))
-peak, stop = [0], threading.Event()
-def sample():  # torch's CPU allocator is invisible to tracemalloc: sample the resident set instead
-    while not stop.is_set():
-        peak[0] = max(peak[0], rss())
-        time.sleep(0.002)
-base = rss()
-thread = threading.Thread(target=sample, daemon=True)
-thread.start()
-start = time.time()
-stats = pair_token_stats(teacher, student, batch, chunk, 1.0, topk=16, entropies=(True, True), kl=True)
-seconds = time.time() - start
-stop.set()
-thread.join()
-peak[0] = max(peak[0], rss())
-print(json.dumps({"chunk": chunk, "loaded_gib": base / 2**30, "extra_gib": (peak[0] - base) / 2**30, "seconds": seconds,
-                  "finite": all(bool(torch.isfinite(v.float()).all()) for v in stats.values())}))
+memory, stats = peak_above_start(lambda: pair_token_stats(teacher, student, batch, chunk, 1.0, topk=16, entropies=(True, True), kl=True))
+print(json.dumps({"chunk": chunk, **memory, "finite": all(bool(torch.isfinite(v.float()).all()) for v in stats.values())}))
 """
 
 
@@ -194,7 +178,8 @@ def score_memory(model_cfg: dict, model_dir: str | None = None) -> dict:
     """Peak memory above the loaded models of scoring one 2,048-token response, in a fresh process:
     a random-weight pair at V = 262,144, or ``model_dir`` as both student and teacher."""
     args = [json.dumps(model_cfg)] + ([model_dir] if model_dir else [])
-    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[1])  # the repository root: the probe imports tests.memory
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

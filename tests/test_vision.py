@@ -233,19 +233,16 @@ def test_freeze_vision_trains_the_language_model_only_and_export_keeps_the_proce
 
 
 SMOLVLM_PROBE = r"""
-import json, os, sys, threading, time
+import json
 import torch
 from gndpo.pipeline.exec.dist import usable_cpus
 from gndpo.pipeline.config.schema import ModelConfig
 from gndpo.pipeline.toys.vision import VisionModelSpec, new_vision_model, vision_processor, vision_tokenizer
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats, policy_token_logprobs
 from gndpo.stages.models.vision import freeze_all_but_language_model, image_inputs
+from tests.memory import peak_above_start
 from tests.vision_models import pictures
 torch.set_num_threads(min(2, usable_cpus()))
-page = os.sysconf("SC_PAGE_SIZE")
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * page
 # SmolVLM-256M's shapes: a SigLIP-base-sized tower at 512x512 (patch 16, 1,024 patches, pixel shuffle 4:
 # 64 image tokens) and a SmolLM2-135M-sized language model with its 49,280-token vocabulary.
 spec = VisionModelSpec(hidden=576, layers=30, heads=9, intermediate=1536, vision_hidden=768, vision_layers=12, vision_heads=12,
@@ -264,22 +261,8 @@ batch = make_batch([prompt, prompt], responses, tok.pad_token_id, torch.device("
 batch.images = image_inputs(processor, images, torch.device("cpu"))
 chunk = logits_chunk(model, ModelConfig())
 out = {"parameters": sum(p.numel() for p in model.parameters()), "image_tokens": spec.image_seq_len}
-def measure(name, fn):
-    peak, stop = [0], threading.Event()
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], rss())
-            time.sleep(0.002)
-    base = rss()
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    start = time.time()
-    fn()
-    stop.set()
-    thread.join()
-    out[name] = {"loaded_gib": base / 2**30, "extra_gib": (max(peak[0], rss()) - base) / 2**30, "seconds": time.time() - start}
 with torch.no_grad():
-    measure("score", lambda: pair_token_stats(model, model, batch, chunk, 1.0, topk=0, entropies=(True, True), kl=False))
+    out["score"], _ = peak_above_start(lambda: pair_token_stats(model, model, batch, chunk, 1.0, topk=0, entropies=(True, True), kl=False))
 freeze_all_but_language_model(model)
 model.train()
 def step():
@@ -287,7 +270,7 @@ def step():
     logp.sum().backward()
     out["language_model_grads"] = all(p.grad is not None for p in model.get_decoder().parameters())
     out["vision_grads"] = any(p.grad is not None for p in model.model.vision_model.parameters())
-measure("train", step)
+out["train"], _ = peak_above_start(step)
 print(json.dumps(out))
 """
 

@@ -23,6 +23,7 @@ from gndpo.pipeline.config.schema import Config, config_from_dict
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.tasks.rewards import run_rewards
 from gndpo.pipeline.apps.init import check_models, check_precision, check_routes, check_teacher_prompts
+from gndpo.pipeline.run.images import copy_images
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.storage.runfs import RunFS
 from gndpo.pipeline.config.checks import check_backend
@@ -77,7 +78,9 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     fs = RunFS(url)
     if fs.exists("run.yaml"):
         return _reopen(url, body)
-    for split in PROMPT_SPLITS:  # the parent's imported prompts, so prompt ids and rows are the same
+    # The parent's imported prompts and pictures, so prompt ids and rows are the same.
+    copy_images(parent.fs, fs, [row for split in PROMPT_SPLITS for row in parent.prompts(split)])
+    for split in PROMPT_SPLITS:
         fs.write_new(f"prompts/{split}.parquet", parent.fs.read_bytes(f"prompts/{split}.parquet"))
     if not fs.create("run.yaml", body):
         return _reopen(url, body)

@@ -22,36 +22,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.vision_models
-from tests.vision_models import FAMILIES, check_forward  # noqa: E402
+from gndpo.pipeline.config.schema import ModelConfig  # noqa: E402
+from gndpo.stages.models.logprobs import logits_chunk, pair_token_stats, policy_token_logprobs  # noqa: E402
+from gndpo.stages.models.vision import freeze_all_but_language_model  # noqa: E402
+from tests.vision_models import FAMILIES, check_forward, smolvlm_sized  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_vision.json"
 
 
-def smolvlm_sized(device: torch.device, dtype: torch.dtype, rows: int = 4, response: int = 512) -> dict:
+def smolvlm_sized_check(device: torch.device, dtype: torch.dtype, rows: int = 4, response: int = 512) -> dict:
     """SmolVLM-256M's shapes with random weights (tests/test_vision.py's memory test, here on the GPU):
     score's forward (no grad) and a train step (frozen tower) over ``rows`` responses after a 512x512
     picture; peak GPU memory above the loaded model for each, and the train step's log-probs against
     the model's own forward."""
-    from gndpo.pipeline.config.schema import ModelConfig
-    from gndpo.pipeline.toys.vision import VisionModelSpec, new_vision_model, vision_processor, vision_tokenizer
-    from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats, policy_token_logprobs
-    from gndpo.stages.models.vision import freeze_all_but_language_model, image_inputs
-    from tests.vision_models import pictures
-
-    spec = VisionModelSpec(hidden=576, layers=30, heads=9, intermediate=1536, vision_hidden=768, vision_layers=12, vision_heads=12,
-                           image_size=512, patch_size=16, scale_factor=4, context=2048)
-    tok = vision_tokenizer(spec.context)
-    model = new_vision_model(spec, tok, 0)
-    model.resize_token_embeddings(49280)
-    model = model.to(device=device, dtype=dtype).eval()
-    processor = vision_processor(spec, tok)
-    picture = ["<fake_token_around_image>", "<global-img>"] + ["<image>"] * spec.image_seq_len + ["<fake_token_around_image>"]
-    prompt = [tok.bos_token_id, *tok.convert_tokens_to_ids(picture), *tok("What is the sum of the bars?", add_special_tokens=False)["input_ids"]]
-    g = torch.Generator().manual_seed(0)
-    responses = [torch.randint(3, 90, (response,), generator=g).tolist() for _ in range(rows)]
-    images = [[im.resize((512, 512))] for im in pictures(rows)]
-    batch = make_batch([prompt] * rows, responses, tok.pad_token_id, device)
-    batch.images = image_inputs(processor, images, device)
+    model, batch = smolvlm_sized(rows, response, device)
+    model = model.to(device=device, dtype=dtype)
+    prompt_length = len(batch.ids[0]) - response  # every row has the same prompt and response length
     chunk = logits_chunk(model, ModelConfig())
     out = {"family": "smolvlm_256m_shapes", "dtype": str(dtype).removeprefix("torch."), "rows": rows, "response_tokens": response,
            "parameters": sum(p.numel() for p in model.parameters())}
@@ -83,10 +69,10 @@ def smolvlm_sized(device: torch.device, dtype: torch.dtype, rows: int = 4, respo
     out["train_extra_gib"], out["train_seconds"] = peak(step)
     model.eval()
     with torch.no_grad():
-        ids = torch.tensor([prompt + responses[0]], device=device)
+        ids = batch.ids[:1]
         one = {k: (v[:1].to(dtype) if v.is_floating_point() else v[:1]) for k, v in batch.images.items()}
         full = model(input_ids=ids, **one).logits[0].float().log_softmax(-1)
-        want = full[len(prompt) - 1 : -1].gather(-1, ids[0, len(prompt):, None])[:, 0]
+        want = full[prompt_length - 1 : -1].gather(-1, ids[0, prompt_length:, None])[:, 0]
     out["max_diff_row0"] = float((kept["logp"][:response].detach().float() - want).abs().max())
     out["vision_grads"] = any(p.grad is not None for p in model.model.vision_model.parameters())
     return out
@@ -107,7 +93,7 @@ def main(argv=None) -> None:
             result["checks"].append(check)
     if device.type == "cuda":  # realistic shapes: too slow for this check on 2 CPU cores (tests/test_vision.py measures RSS there)
         for dtype in (torch.float32, torch.bfloat16):
-            check = smolvlm_sized(device, dtype)
+            check = smolvlm_sized_check(device, dtype)
             print(json.dumps(check), flush=True)
             result["checks"].append(check)
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)

@@ -21,13 +21,12 @@ import torch
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, vocabulary_size
 from gndpo.stages.models.logprobs import logits_chunk
-from gndpo.stages.models.vision import BatchImages, load_processor
+from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.scoring.forward import StudentForward, UnitRows
 from gndpo.stages.scoring.shard import refuse_non_finite, score_shard
 from gndpo.stages.scoring.teachers import EngineTeacher, ModuleTeachers, OtherTokenizerTeacher
@@ -96,9 +95,8 @@ class ScoreJob:
 
     def _student_forward(self, student, teacher_modules: list, pad_id: int, device) -> StudentForward:
         cfg = self.cfg
-        images = None
-        if self.run.images_per_prompt():  # init checked that every teacher processes images as the student does
-            images = BatchImages(load_processor(cfg.student), RunImages(self.run.fs), self.run.prompts("train"))
+        # init checked that every teacher processes images as the student does: one set of tensors
+        images = BatchImages.of_run(self.run, cfg.student)
         return StudentForward(
             student, logits_chunk([student, *teacher_modules], cfg.model), pad_id, device,
             cfg.score.max_tokens_per_batch, cfg.score.rows_per_chunk, frozenset(score_needs(cfg.method)), cfg.logging.entropy_metrics,

@@ -37,13 +37,12 @@ from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.methods.losses import aggregate, combined_token_losses
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import adopt_library_loggers, info
-from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
-from gndpo.stages.models.vision import BatchImages, load_processor
+from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
 from gndpo.stages.training.checkpoint import Start, carry_state, save_checkpoint, start_update
 from gndpo.stages.training.deepspeed_engine import init_distributed, isolate_extension_builds, quiet_deepspeed_import
@@ -311,10 +310,7 @@ class TrainJob:
         # Positions per output-layer chunk: model.logits_budget_mib over the vocabulary.
         steps = schedule_steps(share, cfg.train, logits_chunk(engine.module, cfg.model))
         torch.manual_seed(cfg.train.seed)
-        images = None
-        if self.run.images_per_prompt():
-            images = BatchImages(load_processor(policy), RunImages(self.run.fs), self.run.prompts("train"))
-        objective = Objective.of(cfg, self.round, load_tokenizer(policy).pad_token_id or 0, device, images)
+        objective = Objective.of(cfg, self.round, load_tokenizer(policy).pad_token_id or 0, device, BatchImages.of_run(self.run, policy))
         # With an EMA self-teacher, the average the previous round exported (the initial student in
         # round 0), continued from a checkpoint below when the update resumes.
         ema = self._start_ema(engine.module)

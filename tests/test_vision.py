@@ -232,35 +232,33 @@ def test_freeze_vision_trains_the_language_model_only_and_export_keeps_the_proce
     assert type(AutoProcessor.from_pretrained(exported)).__name__ == "Idefics3Processor"
 
 
+@pytest.mark.slow
+def test_a_fork_of_a_vision_run_reads_its_pictures(vision_round, tmp_path):
+    """A fork copies the parent's imported pictures with its prompt tables: its stages read them from
+    its own folder, and gndpo sql sees them."""
+    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.pipeline.observe.sql import query
+    from gndpo.pipeline.run.images import RunImages
+
+    fork = fork_run(str(vision_round), str(tmp_path / "fork"), 1)
+    rows = fork.prompts("train") + fork.prompts("heldout")
+    assert all(len(RunImages(fork.fs).of(row)) == 1 for row in rows)
+    assert query(fork, "SELECT count(*) AS n FROM prompts WHERE images IS NOT NULL")["n"][0] == len(rows)
+
+
 SMOLVLM_PROBE = r"""
 import json
 import torch
 from gndpo.pipeline.exec.dist import usable_cpus
 from gndpo.pipeline.config.schema import ModelConfig
-from gndpo.pipeline.toys.vision import VisionModelSpec, new_vision_model, vision_processor, vision_tokenizer
-from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats, policy_token_logprobs
-from gndpo.stages.models.vision import freeze_all_but_language_model, image_inputs
+from gndpo.stages.models.logprobs import logits_chunk, pair_token_stats, policy_token_logprobs
+from gndpo.stages.models.vision import freeze_all_but_language_model
 from tests.memory import peak_above_start
-from tests.vision_models import pictures
+from tests.vision_models import SMOLVLM_256M, smolvlm_sized
 torch.set_num_threads(min(2, usable_cpus()))
-# SmolVLM-256M's shapes: a SigLIP-base-sized tower at 512x512 (patch 16, 1,024 patches, pixel shuffle 4:
-# 64 image tokens) and a SmolLM2-135M-sized language model with its 49,280-token vocabulary.
-spec = VisionModelSpec(hidden=576, layers=30, heads=9, intermediate=1536, vision_hidden=768, vision_layers=12, vision_heads=12,
-                       image_size=512, patch_size=16, scale_factor=4, context=2048)
-tok = vision_tokenizer(spec.context)
-model = new_vision_model(spec, tok, 0)
-model.resize_token_embeddings(49280)
-model.eval()
-processor = vision_processor(spec, tok)
-picture = ["<fake_token_around_image>", "<global-img>"] + ["<image>"] * spec.image_seq_len + ["<fake_token_around_image>"]
-prompt = [tok.bos_token_id, *tok.convert_tokens_to_ids(picture), *tok("What is the sum of the bars?", add_special_tokens=False)["input_ids"]]
-g = torch.Generator().manual_seed(0)
-responses = [torch.randint(3, 90, (256,), generator=g).tolist() for _ in range(2)]
-images = [[im.resize((512, 512))] for im in pictures(2)]
-batch = make_batch([prompt, prompt], responses, tok.pad_token_id, torch.device("cpu"))
-batch.images = image_inputs(processor, images, torch.device("cpu"))
+model, batch = smolvlm_sized(rows=2, response=256, device=torch.device("cpu"))
 chunk = logits_chunk(model, ModelConfig())
-out = {"parameters": sum(p.numel() for p in model.parameters()), "image_tokens": spec.image_seq_len}
+out = {"parameters": sum(p.numel() for p in model.parameters()), "image_tokens": SMOLVLM_256M.image_seq_len}
 with torch.no_grad():
     out["score"], _ = peak_above_start(lambda: pair_token_stats(model, model, batch, chunk, 1.0, topk=0, entropies=(True, True), kl=False))
 freeze_all_but_language_model(model)

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from gndpo.pipeline.toys.arithmetic import character_tokenizer
-from gndpo.pipeline.toys.vision import VisionModelSpec, new_vision_model, vision_processor, vision_tokenizer
-from gndpo.stages.models.logprobs import make_batch, policy_token_logprobs
+from gndpo.pipeline.toys.vision import VisionModelSpec, image_tokens, new_vision_model, vision_processor, vision_tokenizer
+from gndpo.stages.models.logprobs import TokenBatch, make_batch, policy_token_logprobs
 from gndpo.stages.models.vision import freeze_all_but_language_model, image_inputs
 
 QWEN_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")
@@ -58,7 +58,7 @@ FAMILIES = {"idefics3": idefics3, "qwen2_5_vl": qwen2_5_vl}
 def expanded_prompt(family: str, tok, grid: torch.Tensor | None) -> list[int]:
     """A prompt with one picture, its placeholder expanded as the family's processor expands it."""
     if family == "idefics3":
-        picture = ["<fake_token_around_image>", "<global-img>"] + ["<image>"] * VisionModelSpec().image_seq_len + ["<fake_token_around_image>"]
+        picture = image_tokens(VisionModelSpec())
     else:
         picture = ["<|vision_start|>"] + ["<|image_pad|>"] * (int(grid.prod()) // 4) + ["<|vision_end|>"]
     return [tok.bos_token_id, *tok.convert_tokens_to_ids(picture), *tok("sum?", add_special_tokens=False)["input_ids"]]
@@ -106,3 +106,25 @@ def check_forward(family: str, device: torch.device, dtype: torch.dtype, rows: i
         "language_model_grads": any(v for k, v in grads.items() if "language_model" in k or "text_model" in k),
         "vision_grads": any(v for k, v in grads.items() if "visual" in k or "vision_model" in k or "connector" in k),
     }
+
+
+# SmolVLM-256M's shapes: a SigLIP-base-sized tower at 512x512 (patch 16, 1,024 patches, pixel shuffle 4:
+# 64 image tokens) and a SmolLM2-135M-sized language model with its 49,280-token vocabulary.
+SMOLVLM_256M = VisionModelSpec(hidden=576, layers=30, heads=9, intermediate=1536, vision_hidden=768, vision_layers=12, vision_heads=12,
+                               image_size=512, patch_size=16, scale_factor=4, context=2048)
+
+
+def smolvlm_sized(rows: int, response: int, device: torch.device) -> tuple[object, TokenBatch]:
+    """A random-weight model of SmolVLM-256M's shapes (fp32, on the CPU, in eval mode) and a batch on
+    ``device``: ``rows`` seeded responses of ``response`` printable tokens, each after a 512x512 picture."""
+    spec = SMOLVLM_256M
+    tok = vision_tokenizer(spec.context)
+    model = new_vision_model(spec, tok, 0)
+    model.resize_token_embeddings(49280)
+    model.eval()
+    prompt = [tok.bos_token_id, *tok.convert_tokens_to_ids(image_tokens(spec)), *tok("What is the sum of the bars?", add_special_tokens=False)["input_ids"]]
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(3, 90, (response,), generator=g).tolist() for _ in range(rows)]
+    batch = make_batch([prompt] * rows, responses, tok.pad_token_id, device)
+    batch.images = image_inputs(vision_processor(spec, tok), [[im.resize((512, 512))] for im in pictures(rows)], device)
+    return model, batch

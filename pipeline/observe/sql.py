@@ -58,13 +58,13 @@ def run_connection(run, allow_files: bool = False) -> duckdb.DuckDBPyConnection:
     metrics = pl.DataFrame(rows, infer_schema_length=None) if rows else pl.DataFrame(schema={"round": pl.Int64, "stage": pl.Utf8})
     con.register("metrics_table", metrics.to_arrow())
     con.execute("CREATE VIEW metrics AS SELECT * FROM metrics_table")
-    # The prompt tables init wrote (with a split column): which question, answer and pictures (their
-    # ids under RUN/images/) a rollout's prompt_id names.
-    prompts = pl.concat([pl.DataFrame(run.prompts(split), infer_schema_length=None).with_columns(pl.lit(split).alias("split"))
-                         for split in PROMPT_SPLITS], how="diagonal_relaxed")
-    con.register("prompts_table", prompts.to_arrow())
-    con.execute("CREATE VIEW prompts AS SELECT * FROM prompts_table")
-    lock(con, None if allow_files else [u for stage in files.values() for u in record_uris(run.fs, stage)])
+    # The prompt tables init wrote, read where they are, with a split column: which question, answer
+    # and pictures (their ids under RUN/images/) a rollout's prompt_id names.
+    prompt_tables = {split: [{"path": f"prompts/{split}.parquet"}] for split in PROMPT_SPLITS}
+    con.execute("CREATE VIEW prompts AS " + " UNION ALL BY NAME ".join(
+        f"SELECT *, '{split}' AS split FROM {parquet_source(run.fs, records)}" for split, records in prompt_tables.items()))
+    readable = [*files.values(), *prompt_tables.values()]
+    lock(con, None if allow_files else [u for records in readable for u in record_uris(run.fs, records)])
     return con
 
 

@@ -60,34 +60,40 @@ def check_decodes(data: bytes, where: str) -> None:
         raise GndpoError(f"{where}: cannot be decoded as an image ({' '.join(str(exc).split())[:160]})") from None
 
 
+def content_text(content) -> str:
+    """A turn's content (a string or a list of text and image parts) as text, each image part written
+    as its ``<image>`` placeholder."""
+    if isinstance(content, str):
+        return content
+    return "".join(PLACEHOLDER if part["type"] == "image" else part["text"] for part in content)
+
+
 def placeholders(prompt: str | None, messages: list[dict] | None) -> int:
     """How many images a prompt places: ``<image>`` in text plus image parts of chat turns."""
     if messages is None:
         return (prompt or "").count(PLACEHOLDER)
-    count = 0
-    for turn in messages:
-        content = turn["content"]
-        if isinstance(content, str):
-            count += content.count(PLACEHOLDER)
-        else:
-            count += sum(1 if part["type"] == "image" else part["text"].count(PLACEHOLDER) for part in content)
-    return count
+    return sum(content_text(turn["content"]).count(PLACEHOLDER) for turn in messages)
 
 
 def with_image_parts(content):
-    """A turn's content with each ``<image>`` in its text as an image part, as multimodal chat
-    templates expect (a string without placeholders stays a string)."""
+    """A turn's content as multimodal chat templates expect it: each ``<image>`` in its text an image
+    part (a string without placeholders stays a string; a list keeps its parts, their text split)."""
     if isinstance(content, str):
-        if PLACEHOLDER not in content:
-            return content
-        parts = []
-        for i, text in enumerate(content.split(PLACEHOLDER)):
-            if i:
-                parts.append({"type": "image"})
-            if text:
-                parts.append({"type": "text", "text": text})
-        return parts
-    return [p for part in content for p in (with_image_parts(part["text"]) if part["type"] == "text" and PLACEHOLDER in part["text"] else [part])]
+        return image_parts(content) if PLACEHOLDER in content else content
+    return [piece for part in content for piece in (image_parts(part["text"]) if part["type"] == "text" else [part])]
+
+
+def image_parts(text: str) -> list[dict]:
+    """``text`` as text parts with an image part at each ``<image>`` (no empty text parts around them)."""
+    if PLACEHOLDER not in text:
+        return [{"type": "text", "text": text}]
+    parts = []
+    for i, piece in enumerate(text.split(PLACEHOLDER)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
 
 
 def with_image_ids(table: pl.DataFrame, found: dict[str, bytes], where: str) -> pl.DataFrame:
@@ -112,6 +118,13 @@ def with_image_ids(table: pl.DataFrame, found: dict[str, bytes], where: str) -> 
 def store_images(fs: RunFS, found: dict[str, bytes]) -> None:
     for data in found.values():
         put_image(fs, data)
+
+
+def copy_images(source: RunFS, dest: RunFS, prompts: list[dict]) -> None:
+    """Store in ``dest`` every picture ``prompts`` (prompt-table rows) name, read from ``source``: a
+    fork takes its parent's imported pictures with its prompt tables."""
+    for image in {i for row in prompts for i in image_ids(row)}:
+        put_image(dest, read_image(source, image))
 
 
 def image_ids(row: dict) -> list[str]:

@@ -21,7 +21,7 @@ import json
 import polars as pl
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.run.images import PLACEHOLDER, placeholders, source_images
+from gndpo.pipeline.run.images import content_text, placeholders, source_images
 from gndpo.storage.images import image_id
 from gndpo.storage.tables import read_table_url
 
@@ -64,13 +64,6 @@ def check_content(content, where: str):
         else:
             raise GndpoError(f"{where} has a content part that is neither {{type: text, text: ...}} nor {{type: image}}: {part!r}")
     return parts
-
-
-def content_text(content) -> str:
-    """A turn's content as text, an image part written as its ``<image>`` placeholder."""
-    if isinstance(content, str):
-        return content
-    return "".join(PLACEHOLDER if part["type"] == "image" else part["text"] for part in content)
 
 
 def check_messages(value, where: str) -> list[dict]:

@@ -70,6 +70,11 @@ class VisionModelSpec:
         return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
 
 
+def image_tokens(spec: VisionModelSpec) -> list[str]:
+    """What one picture's ``<image>`` placeholder expands to, in the processor and in vLLM alike."""
+    return ["<fake_token_around_image>", "<global-img>", *["<image>"] * spec.image_seq_len, "<fake_token_around_image>"]
+
+
 def vision_tokenizer(context: int):
     """A character tokenizer over printable ASCII with the Idefics3 image tokens, role markers and the
     end-of-utterance token, and a chat template that renders image parts."""

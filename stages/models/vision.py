@@ -59,6 +59,15 @@ class BatchImages:
         self.processor, self.images = processor, images
         self.ids = {p["prompt_id"]: image_ids(p) for p in prompts}
 
+    @classmethod
+    def of_run(cls, run, model_path: str) -> BatchImages | None:
+        """The image inputs of ``run``'s training prompts, with ``model_path``'s processor; None where
+        no training prompt shows a picture."""
+        prompts = run.prompts("train")
+        if not any(image_ids(p) for p in prompts):
+            return None
+        return cls(load_processor(model_path), RunImages(run.fs), prompts)
+
     def inputs(self, prompt_ids: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         return image_inputs(self.processor, [[self.images.get(i) for i in self.ids[pid]] for pid in prompt_ids], device)
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import DataConfig
-from gndpo.pipeline.run.images import image_ids, with_image_parts
-from gndpo.pipeline.run.prompts import content_text
+from gndpo.pipeline.run.images import content_text, image_ids, with_image_parts
 from gndpo.pipeline.tasks.plugins import first_line
 
 

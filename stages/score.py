@@ -26,7 +26,7 @@ from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, vocabulary_size
 from gndpo.stages.models.logprobs import logits_chunk
-from gndpo.stages.models.vision import BatchImages
+from gndpo.stages.models.vision import BatchImages, load_processor, same_image_processing
 from gndpo.stages.scoring.forward import StudentForward, UnitRows
 from gndpo.stages.scoring.shard import refuse_non_finite, score_shard
 from gndpo.stages.scoring.teachers import EngineTeacher, ModuleTeachers, OtherTokenizerTeacher
@@ -62,6 +62,8 @@ class ScoreJob:
             for path in teachers.values():
                 check_same_tokenizer(policy, path)
         device = local_device()
+        # A run whose prompts show pictures: the student's image tensors, and the pictures by prompt.
+        self.images = BatchImages.of_run(self.run, self.cfg.student)
         self.live.release_engine()
         student = self.live.causal_lm(policy, self.cfg.model, device, fixed=False)
         # At most the vocabulary: the HF backend's torch.topk and vLLM both stop there.
@@ -82,33 +84,50 @@ class ScoreJob:
             )
             return OtherTokenizerTeacher(self._student_forward(student, [], pad_id, device), teacher, name)
         if sc.backend == "vllm":
-            engine = self.live.teacher_engine(path, sc.engine, sc.teacher_topk)
-            return EngineTeacher(self._student_forward(student, [], pad_id, device), engine, name, self._teacher_context(path))
+            engine = self.live.teacher_engine(path, sc.engine, sc.teacher_topk, images=self.run.images_per_prompt())
+            # vLLM expands a picture's placeholder itself: with pictures it reads the teacher's own rendering.
+            context = self._teacher_prompts(path) if self.images is not None else self._teacher_context(path)
+            return EngineTeacher(self._student_forward(student, [], pad_id, device), engine, name, context)
         # A live self-teacher is the round's policy: the student module scores as both.
         fixed = not self.run.teacher_changes()
         modules = {n: student if p == policy else self.live.causal_lm(p, cfg.model, device, fixed=fixed) for n, p in teachers.items()}
         routes = {}
         if cfg.teachers and sc.teacher_mix == "route":
             routes = {p["prompt_id"]: p["teacher"] for p in self.run.prompts("train")}
-        forward = self._student_forward(student, list(modules.values()), pad_id, device)
+        forward = self._student_forward(student, list(modules.values()), pad_id, device, path)
         return ModuleTeachers(forward, modules, routes, self._teacher_context(path))
 
-    def _student_forward(self, student, teacher_modules: list, pad_id: int, device) -> StudentForward:
+    def _student_forward(self, student, teacher_modules: list, pad_id: int, device, teacher_path: str | None = None) -> StudentForward:
+        """The student's forward, with the teacher modules of ``teacher_path`` beside it (init checked
+        that several teachers process pictures alike: one set of teacher image tensors serves them all)."""
         cfg = self.cfg
-        # init checked that every teacher processes images as the student does: one set of tensors
-        images = BatchImages.of_run(self.run, cfg.student)
         return StudentForward(
             student, logits_chunk([student, *teacher_modules], cfg.model), pad_id, device,
             cfg.score.max_tokens_per_batch, cfg.score.rows_per_chunk, frozenset(score_needs(cfg.method)), cfg.logging.entropy_metrics,
-            images,
+            self.images, self._teacher_images(teacher_path) if teacher_modules else None,
         )
 
+    def _own_image_processing(self, teacher_path: str) -> bool:
+        """Whether the teacher turns the run's pictures into other tensors or tokens than the student does."""
+        return self.images is not None and not same_image_processing(self.images.processor, load_processor(teacher_path))
+
+    def _teacher_images(self, teacher_path: str) -> BatchImages | None:
+        if self.images is None or not self._own_image_processing(teacher_path):
+            return self.images
+        return self.images.read_by(load_processor(teacher_path))
+
     def _teacher_context(self, teacher_path: str) -> TeacherPrompts | None:
-        """With a teacher context the teacher reads its own prompt before the same response ids."""
-        return self._teacher_prompts(teacher_path) if self.cfg.teacher_context.messages else None
+        """The teacher reads its own prompt before the same response ids with a teacher context, or where
+        it expands the pictures into its own image tokens; None: the student's prompt ids."""
+        if self.cfg.teacher_context.messages or self._own_image_processing(teacher_path):
+            return self._teacher_prompts(teacher_path)
+        return None
 
     def _teacher_prompts(self, teacher_path: str) -> TeacherPrompts:
-        return TeacherPrompts(load_tokenizer(teacher_path), self.cfg.data, self.cfg.teacher_context, self.run.prompts("train"))
+        images = {}
+        if self.images is not None:  # the teacher's processor over the run's pictures
+            images = {"processor": load_processor(teacher_path), "pictures": self.images.images.get}
+        return TeacherPrompts(load_tokenizer(teacher_path), self.cfg.data, self.cfg.teacher_context, self.run.prompts("train"), **images)
 
     @torch.no_grad()
     def run_unit(self, unit, out_dir):

@@ -91,6 +91,20 @@ def test_init_refuses_images_for_a_text_student(tmp_path, vision_pair, tiny_asse
     assert_one_line_error(invoke("init", tmp_path / "run", "--config", write_config(tmp_path, cfg)), "has no vision tower")
 
 
+def test_init_refuses_teachers_that_cannot_read_the_pictures(tmp_path, vision_pair, low_resolution_teacher):
+    """A teacher context that leaves the picture out, and two teachers processing pictures differently
+    (score gives several teachers one set of image tensors): one line each at init."""
+    cfg = vision_config(tmp_path, vision_pair)
+    cfg.update(teacher="self", teacher_context={"messages": [{"role": "user", "content": "The answer is {answer}."}]})
+    assert_one_line_error(invoke("init", tmp_path / "a", "--config", write_config(tmp_path, cfg)),
+                          "teacher (self)", "0 image placeholder(s) for its 1 image(s)", "put {prompt}")
+    cfg = vision_config(tmp_path, vision_pair)
+    cfg.pop("teacher")
+    cfg["teachers"] = {"a": str(vision_pair / "teacher"), "b": str(low_resolution_teacher)}
+    assert_one_line_error(invoke("init", tmp_path / "b", "--config", write_config(tmp_path, cfg)), "process images differently")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_init_stores_each_image_once_by_content_and_reads_geo3k_parquet(tmp_path, vision_pair):
     """geo3k's verl layout: ``prompt`` as chat messages with <image>, ``images`` as {bytes, path}
     structs, the answer in ``reward_model.ground_truth``; the same picture twice is stored once."""
@@ -145,18 +159,26 @@ def vision_round(tmp_path_factory, vision_pair):
     return folder / "run"
 
 
-def forward_logprobs(model_dir, processor, rows, images) -> list[np.ndarray]:
-    """Per row, log p(response token | prompt with its image, earlier tokens) from a plain forward."""
+def forward_logprobs(model_dir, processor, rows, images, prompt_text=None) -> list[np.ndarray]:
+    """Per row, log p(response token | prompt with its image, earlier tokens) from a plain forward.
+    ``prompt_text(row)``: the rendered text the model reads before the response, expanded here by
+    ``processor``; by default the prompt ids rollout stored."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for row in rows:
-            ids = torch.tensor([row["prompt_token_ids"] + row["response_token_ids"]])
-            pixels = processor.image_processor(images=[images[row["prompt_id"]]], return_tensors="pt")
+            if prompt_text is None:
+                prompt = row["prompt_token_ids"]
+                pixels = processor.image_processor(images=[images[row["prompt_id"]]], return_tensors="pt")
+            else:
+                encoded = processor(text=prompt_text(row), images=images[row["prompt_id"]], add_special_tokens=False, return_tensors="pt")
+                prompt = encoded.pop("input_ids")[0].tolist()
+                pixels = {k: v for k, v in encoded.items() if k != "attention_mask"}
+            ids = torch.tensor([prompt + row["response_token_ids"]])
             logp = model(input_ids=ids, **pixels).logits[0].float().log_softmax(-1)
-            start = len(row["prompt_token_ids"])
+            start = len(prompt)
             targets = ids[0, start:]
             out.append(logp[start - 1 : -1].gather(-1, targets[:, None])[:, 0].numpy())
     return out
@@ -292,3 +314,53 @@ def test_a_smolvlm_sized_model_scores_and_trains_within_the_stated_memory():
     assert 2.0e8 < out["parameters"] < 3.0e8
     assert out["score"]["extra_gib"] < 0.75 and out["train"]["extra_gib"] < 2.5
     assert out["language_model_grads"] and not out["vision_grads"]
+
+
+# -- slow: teachers that read the pictures their own way ------------------------------------------------
+@pytest.fixture(scope="module")
+def low_resolution_teacher(tmp_path_factory):
+    """A teacher with the student's tokenizer but its own processor: 32x32 pictures, 4 image tokens each
+    (the student reads 64x64 pictures as 16), like a teacher of another size or resolution."""
+    from gndpo.pipeline.toys.vision import new_vision_model, save_vision_model, vision_processor, vision_tokenizer
+
+    spec = VisionModelSpec(image_size=32, layers=3)
+    tok = vision_tokenizer(spec.context)
+    return save_vision_model(new_vision_model(spec, tok, seed=2), vision_processor(spec, tok), tmp_path_factory.mktemp("teacher32") / "teacher")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["own processor", "vllm backend", "self-distillation with a caption"])
+def test_teacher_columns_equal_a_forward_of_the_teacher_reading_the_pictures_its_own_way(vision_round, vision_pair, low_resolution_teacher, tmp_path, setting):
+    """Round 0's rollouts re-scored (a fork) by a teacher that reads the pictures its own way; its stored
+    log-probs equal a plain transformers forward over the prompt that teacher reads, expanded by its
+    own processor: a teacher with another image resolution, the vLLM score backend (prompt log-probs
+    with the pictures as multi_modal_data), and self-distillation where the teacher (the student itself)
+    reads the picture and its answer as a privileged caption."""
+    from transformers import AutoProcessor
+
+    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.pipeline.run.images import RunImages
+    from gndpo.pipeline.run.run import open_run
+
+    question = [{"type": "image"}, {"type": "text", "text": "n?"}]
+    overrides, teacher = {
+        "own processor": ([f"teacher={low_resolution_teacher}"], low_resolution_teacher),
+        "vllm backend": (["score.backend=vllm"], vision_pair / "teacher"),
+        "self-distillation with a caption": (["teacher=self", "teacher_context.messages=[{role: user, content: 'The picture shows {answer}. {prompt}'}]"],
+                                             vision_pair / "student"),
+    }[setting]
+    fork = fork_run(str(vision_round), str(tmp_path / "fork"), 0, overrides)
+    run_stages(tmp_path / "fork", "score")
+    processor = AutoProcessor.from_pretrained(teacher)
+    prompts = {p["prompt_id"]: p for p in fork.prompts("train")}
+    if setting.startswith("self-distillation"):
+        turns = lambda row: [{"role": "user", "content": f"The picture shows {prompts[row['prompt_id']]['answer']}. <image>n?"}]  # noqa: E731
+    else:
+        turns = lambda row: [{"role": "user", "content": question}]  # noqa: E731
+    pictures = RunImages(open_run(str(vision_round)).fs)
+    images = {pid: pictures.of(p) for pid, p in prompts.items()}
+    rollouts = committed_rows(vision_round)
+    want = forward_logprobs(teacher, processor, rollouts, images, lambda row: processor.apply_chat_template(turns(row), add_generation_prompt=True))
+    scored = {r["rollout_id"]: r for r in committed_rows(tmp_path / "fork", "score")}
+    for row, ref in zip(rollouts, want):
+        np.testing.assert_allclose(scored[row["rollout_id"]]["teacher_logprobs"], ref, atol=1e-5)

@@ -22,8 +22,8 @@ from gndpo.pipeline.config.load import apply_overrides
 from gndpo.pipeline.config.schema import Config, config_from_dict
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.tasks.rewards import run_rewards
-from gndpo.pipeline.apps.init import check_models, check_precision, check_routes, check_teacher_prompts
-from gndpo.pipeline.run.images import copy_images
+from gndpo.pipeline.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts
+from gndpo.pipeline.run.images import RunImages, copy_images
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.storage.runfs import RunFS
 from gndpo.pipeline.config.checks import check_backend
@@ -72,7 +72,8 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     check_precision(cfg)
     check_models(cfg)
     check_routes(cfg, parent.prompts("train"))
-    check_teacher_prompts(cfg, parent.prompts("train"))
+    check_images(cfg, parent.images_per_prompt() > 0)
+    check_teacher_prompts(cfg, parent.prompts("train"), RunImages(parent.fs).get)
     lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}
     body = yaml.safe_dump({**cfg.to_dict(), "lineage": lineage}, sort_keys=False).encode()
     fs = RunFS(url)

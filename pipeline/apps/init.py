@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers.utils import logging as hf_logging
@@ -26,7 +27,7 @@ from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import attn_implementation, visible_gpus
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer
-from gndpo.stages.models.vision import expanded_prompt_ids, load_processor
+from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
 from gndpo.pipeline.config.checks import check_backend
 from gndpo.stages.text.agent import ToolUse
@@ -88,26 +89,27 @@ def longest_prompt(model_path: str, rows: list[dict], data, images: dict[str, by
         hf_logging.set_verbosity(verbosity)
 
 
-def check_images(cfg: Config, splits: dict) -> None:
+def check_images(cfg: Config, with_images: bool) -> None:
     """Prompts with images need a student (and teachers) that read images, and the features built for
-    them so far: one rollout turn (no tools), teachers sharing the student's processor (score.backend hf,
-    no cross-tokenizer teacher, no teacher context)."""
-    if not any("images" in table.columns for table in splits.values()):
+    them so far: one rollout turn (no tools, no guided prefixes), teachers with the student's tokenizer,
+    and several teachers processing pictures alike (one set of teacher image tensors serves them all)."""
+    if not with_images:
         return
     if not is_vision_model(cfg.student):
         raise GndpoError(f"the prompts have images but the student {cfg.student} has no vision tower (no vision_config in its config.json)")
     load_processor(cfg.student)
-    unsupported = [("rollout.tools", bool(cfg.rollout.tools)), ("score.backend vllm", cfg.score.backend == "vllm"),
-                   ("score.cross_tokenizer", cfg.score.cross_tokenizer), ("teacher_context", bool(cfg.teacher_context.messages)),
+    unsupported = [("rollout.tools", bool(cfg.rollout.tools)), ("score.cross_tokenizer", cfg.score.cross_tokenizer),
                    ("rollout.guided_fraction", cfg.rollout.guided_fraction > 0)]
     if used := [name for name, on in unsupported if on]:
         raise GndpoError(f"prompts with images do not work with {', '.join(used)} yet")
-    if cfg.teacher != SELF_TEACHER:
-        for path in cfg.teacher_models().values():
-            if not is_vision_model(path):
-                raise GndpoError(f"the prompts have images but the teacher {path} has no vision tower")
-            if load_processor(path).image_processor.to_dict() != load_processor(cfg.student).image_processor.to_dict():
-                raise GndpoError(f"the teacher {path} processes images differently from the student (its image processor's settings differ)")
+    if cfg.teacher == SELF_TEACHER:
+        return
+    paths = list(cfg.teacher_models().values())
+    for path in paths:
+        if not is_vision_model(path):
+            raise GndpoError(f"the prompts have images but the teacher {path} has no vision tower")
+    if any(not same_image_processing(load_processor(paths[0]), load_processor(p)) for p in paths[1:]):
+        raise GndpoError(f"the teachers {', '.join(paths)} process images differently; several teachers of one run must share one image processor")
 
 
 def check_prompt_count(cfg: Config, prompts: int) -> None:
@@ -147,11 +149,14 @@ def check_context(cfg: Config, splits: dict, images: dict[str, bytes]) -> None:
         )
 
 
-def check_teacher_prompts(cfg: Config, train: list[dict]) -> None:
+def check_teacher_prompts(cfg: Config, train: list[dict], pictures: Callable[[str], object] | None = None) -> None:
     """Each teacher can read every training prompt as score will give it: through its chat template
-    (a cross-tokenizer teacher renders prompts itself) and with the teacher context, and the longest
-    such prompt plus the response budget fits the teacher's context length. Errors name the teacher."""
-    if not (cfg.teacher_context.messages or cfg.score.cross_tokenizer):
+    (a cross-tokenizer teacher renders prompts itself), with the teacher context, and with each picture
+    expanded by the teacher's own processor (``pictures``: image id -> PIL image, for prompts with
+    images); the longest such prompt plus the response budget fits the teacher's context length. Errors
+    name the teacher."""
+    with_images = pictures is not None and any(image_ids(row) for row in train)
+    if not (cfg.teacher_context.messages or cfg.score.cross_tokenizer or with_images):
         return
 
     paths = {"teacher (self)": cfg.student} if cfg.teacher == SELF_TEACHER else {f"teacher {p}": p for p in cfg.teacher_models().values()}
@@ -163,7 +168,8 @@ def check_teacher_prompts(cfg: Config, train: list[dict]) -> None:
                 "%s has no chat template: it reads each prompt as bare text while the student reads it through its "
                 "chat template; add one to its tokenizer_config.json if it is a chat model", name)
         try:
-            prompts = TeacherPrompts(teacher_tok, cfg.data, cfg.teacher_context, train)
+            images = {"processor": load_processor(path), "pictures": pictures} if with_images else {}
+            prompts = TeacherPrompts(teacher_tok, cfg.data, cfg.teacher_context, train, **images)
             longest = max(len(prompts.token_ids(row)) for row in train)
         except GndpoError as exc:
             raise GndpoError(f"{name}: {exc}") from None
@@ -228,12 +234,12 @@ def init_run(url: str, cfg: Config) -> Run:
                              keep=cfg.teacher_context.columns() if split == "train" else (), images_key=cfg.data.images_key)
         splits[split] = with_image_ids(table, images, f"data.{split}")
     check_prompt_count(cfg, len(splits["train"]))
-    check_images(cfg, splits)
+    check_images(cfg, bool(images))
     check_context(cfg, splits, images)
     check_rewards(cfg, splits["train"].row(0, named=True))
     check_tools(cfg, splits["train"].row(0, named=True))
     check_routes(cfg, splits["train"].to_dicts())
-    check_teacher_prompts(cfg, splits["train"].to_dicts())
+    check_teacher_prompts(cfg, splits["train"].to_dicts(), lambda image: decode(images[image]))
     store_images(fs, images)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)

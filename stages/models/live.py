@@ -160,18 +160,19 @@ class LiveModels:
             self._engine = None
 
     # -- score with score.backend vllm: the teacher's engine -------------------------------------------
-    def teacher_engine(self, path: str, cfg, max_logprobs: int = 0):
-        """A vLLM engine holding the teacher. Kept, it is started once per run (the teacher never
-        changes) and sleeps on a GPU while other stages run; the student's engine sleeps while it scores."""
+    def teacher_engine(self, path: str, cfg, max_logprobs: int = 0, images: int = 0):
+        """A vLLM engine holding the teacher (``images``: the most pictures a prompt shows). Kept, it is
+        started once per run (the teacher never changes) and sleeps on a GPU while other stages run; the
+        student's engine sleeps while it scores."""
         if not self.keep:
-            return make_llm(path, cfg, max_logprobs=max_logprobs)
-        key = (path, repr(cfg), max_logprobs)
+            return make_llm(path, cfg, max_logprobs=max_logprobs, images=images)
+        key = (path, repr(cfg), max_logprobs, images)
         live = self._teacher_engine = self._alive(self._teacher_engine, "the teacher's engine")
         if live is not None and live.key != key:
             shutdown_llm(live.llm)
             live = self._teacher_engine = None
         if live is None:
-            self._teacher_engine = live = _Engine(make_llm(path, cfg, sleep_mode=cuda_available(), max_logprobs=max_logprobs), key, path)
+            self._teacher_engine = live = _Engine(make_llm(path, cfg, sleep_mode=cuda_available(), max_logprobs=max_logprobs, images=images), key, path)
         if live.asleep:
             live.llm.wake_up()
             live.asleep = False

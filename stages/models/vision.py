@@ -35,10 +35,24 @@ def load_processor(path: str):
         raise GndpoError(f"cannot load the processor of {path}: {' '.join(str(exc).split())[:200]}") from exc
 
 
-def expanded_prompt_ids(processor, text: str, images: list) -> list[int]:
-    """The ids the model reads for a rendered prompt with its images: each placeholder expanded."""
-    out = processor(text=text, images=images or None, add_special_tokens=False)
+def expanded_prompt_ids(processor, text: str, images: list, add_special_tokens: bool = False) -> list[int]:
+    """The ids the model reads for a rendered prompt with its images: each placeholder expanded.
+    ``add_special_tokens``: as the unexpanded ids were tokenized (a chat template writes its own)."""
+    out = processor(text=text, images=images or None, add_special_tokens=add_special_tokens)
     return list(out["input_ids"][0])
+
+
+def placeholder_count(processor, ids) -> int:
+    """How many of ``ids`` are the processor's image placeholder (its ``image_token``)."""
+    token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return sum(1 for i in ids if int(i) == token)
+
+
+def same_image_processing(processor, other) -> bool:
+    """Whether two processors turn a picture into the same tensors and the same number of tokens (the
+    same settings apart from the chat template)."""
+    settings = lambda p: {k: v for k, v in p.to_dict().items() if k != "chat_template"}  # noqa: E731
+    return settings(processor) == settings(other)
 
 
 def image_inputs(processor, images: list[list], device: torch.device) -> dict[str, torch.Tensor]:
@@ -67,6 +81,12 @@ class BatchImages:
         if not any(image_ids(p) for p in prompts):
             return None
         return cls(load_processor(model_path), RunImages(run.fs), prompts)
+
+    def read_by(self, processor) -> BatchImages:
+        """The same pictures through another model's processor (a teacher's)."""
+        other = BatchImages.__new__(BatchImages)
+        other.processor, other.images, other.ids = processor, self.images, self.ids
+        return other
 
     def inputs(self, prompt_ids: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         return image_inputs(self.processor, [[self.images.get(i) for i in self.ids[pid]] for pid in prompt_ids], device)

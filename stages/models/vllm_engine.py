@@ -264,22 +264,25 @@ def generate(llm, prompt_token_ids: list[list[int]], params: list, on_finished: 
     return result
 
 
-def response_logprobs(llm, prompts: list, responses: list, topk: int) -> dict:
+def response_logprobs(llm, prompts: list, responses: list, topk: int, images: list[list] | None = None) -> dict:
     """The model's log-probs (temperature 1, full softmax of the raw logits) of every response token
     given the prompt and the response before it, as vLLM's prompt log-probs over the stored ids; flat
     over the responses' tokens in order: {"logprobs": [N]} and, for ``topk`` > 0, the top-k
-    {"topk_ids": [N, k], "topk_logprobs": [N, k]} ordered by rank (as ``torch.topk`` orders them)."""
+    {"topk_ids": [N, k], "topk_logprobs": [N, k]} ordered by rank (as ``torch.topk`` orders them).
+    ``images[i]``: prompt ``i``'s pictures, its placeholders unexpanded (:func:`token_prompt`); the
+    response is then the last ``len(responses[i])`` positions of the sequence vLLM expanded."""
     import numpy as np
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     # One generated token is the least vLLM will do; it is not used. detokenize=False: ids only.
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=topk, detokenize=False)
-    requests = [TokensPrompt(prompt_token_ids=[int(t) for t in p] + [int(t) for t in r]) for p, r in zip(prompts, responses)]
+    images = images or [None] * len(prompts)
+    requests = [token_prompt([int(t) for t in p] + [int(t) for t in r], imgs) for p, r, imgs in zip(prompts, responses, images)]
     outputs = _generate(llm, requests, params)
     sampled, ids, values = [], [], []
-    for p, r, out in zip(prompts, responses, outputs):
-        for position, token in zip(range(len(p), len(p) + len(r)), r):
+    for r, out in zip(responses, outputs):
+        start = len(out.prompt_token_ids) - len(r)
+        for position, token in zip(range(start, start + len(r)), r):
             entry = out.prompt_logprobs[position]
             sampled.append(entry[int(token)].logprob)
             if topk:

@@ -91,6 +91,8 @@ class StudentForward:
     needs: frozenset  # the per-token columns the run's method stores
     entropy_metrics: bool  # logging.entropy_metrics
     images: BatchImages | None = None  # a run whose prompts show pictures: the forward's image tensors
+    # ... and the teacher's, where it reads its own prompts (its own processor, or a teacher context)
+    teacher_images: BatchImages | None = None
 
     def columns(self, rows: UnitRows, groups, topk: int, teacher_prompts: list | None = None) -> dict[str, np.ndarray]:
         """{column: values flat over the unit's response tokens}. ``groups``: (teacher module(s) or None,
@@ -117,6 +119,10 @@ class StudentForward:
         teacher_batch = None
         if teacher_prompts is not None and teacher is not None:
             teacher_batch = make_batch([teacher_prompts[i] for i in batch_rows], responses, self.pad_id, self.device)
+            if self.teacher_images is self.images:
+                teacher_batch.images = batch.images
+            elif self.teacher_images is not None:
+                teacher_batch.images = self.teacher_images.inputs([rows.prompt_ids[i] for i in batch_rows], self.device)
         # The round's entropy metrics need both entropies even where the method stores no entropy
         # column (logging.entropy_metrics: one more pass over each chunk's log-probs).
         metric = self.entropy_metrics

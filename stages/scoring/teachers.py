@@ -17,8 +17,10 @@ and adds the teacher's columns its own way:
   own tokens of each response's text, mapped onto the student's tokens by character offsets
   (:mod:`gndpo.stages.text.cross_tokenizer`); student tokens it does not cover exactly are unaligned.
 
-With a teacher context (``teacher_context.messages``) the teacher reads a prompt of its own before the
-same response ids (:class:`~gndpo.stages.text.teacher_context.TeacherPrompts`).
+With a teacher context (``teacher_context.messages``), or pictures the teacher's processor expands its
+own way, the teacher reads a prompt of its own before the same response ids
+(:class:`~gndpo.stages.text.teacher_context.TeacherPrompts`); a vLLM teacher reads every picture's
+placeholder unexpanded, with the pictures, and expands it itself.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def context_prompts(context: TeacherPrompts | None, rows: UnitRows) -> list[list
     if context is None:
         return None
     return [context.token_ids(context.by_id[pid]) for pid in rows.prompt_ids]
+
+
+def engine_prompts(context: TeacherPrompts | None, rows: UnitRows) -> tuple[list, list | None]:
+    """Per row, the prompt ids a teacher engine reads, and its pictures (None for text). vLLM expands
+    each picture's placeholder itself, so with pictures the prompt is the teacher's unexpanded rendering."""
+    if context is None:
+        return [rows.prompt(i) for i in range(rows.n)], None
+    if context.pictures is None:
+        return context_prompts(context, rows), None
+    prompt_rows = [context.by_id[pid] for pid in rows.prompt_ids]
+    return [context.unexpanded(row)[1] for row in prompt_rows], [context.images(row) for row in prompt_rows]
 
 
 class ModuleTeachers:
@@ -95,8 +108,8 @@ class EngineTeacher:
         every = list(range(rows.n))
         per_token = self.forward.columns(rows, [(None, every)], topk)
         # In the unit's token order, like the student's columns.
-        prompts = context_prompts(self.context, rows) or [rows.prompt(i) for i in every]
-        by_engine = response_logprobs(self.engine, prompts, [rows.response(i) for i in every], topk)
+        prompts, images = engine_prompts(self.context, rows)
+        by_engine = response_logprobs(self.engine, prompts, [rows.response(i) for i in every], topk, images)
         per_token["teacher_logprobs"] = by_engine["logprobs"]
         if topk:
             per_token["teacher_topk_ids"], per_token["teacher_topk_logprobs"] = by_engine["topk_ids"], by_engine["topk_logprobs"]

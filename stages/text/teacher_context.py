@@ -15,15 +15,24 @@ With ``teacher_context.other_problem`` (the OP2SD ablation) every placeholder bu
 filled from another prompt of the training set: prompts are put in a seeded order and each takes its
 successor's columns, so no prompt is ever paired with its own solution and the pairing does not
 depend on which worker scores it.
+
+With images (a vision-language teacher) the teacher reads the row's pictures through its own processor,
+as verl's teachers do: a teacher of another size or image resolution expands each ``<image>`` placeholder
+into its own number of image tokens. The context's turns must then place one placeholder per picture,
+usually through ``{prompt}``, whose text carries the student's (checked at ``gndpo init``).
 """
 
 from __future__ import annotations
 
 import random
 
+from collections.abc import Callable
+
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import DataConfig, TeacherContextConfig
+from gndpo.pipeline.run.images import image_ids, with_image_parts
 from gndpo.pipeline.tasks.plugins import first_line
+from gndpo.stages.models.vision import expanded_prompt_ids, placeholder_count
 from gndpo.stages.text.chat import render_prompt, uses_template
 
 OWN_COLUMN = "prompt"  # the one placeholder that always comes from the prompt itself
@@ -38,10 +47,16 @@ def other_problem_partners(prompt_ids: list[str], seed: int) -> dict[str, str]:
 
 
 class TeacherPrompts:
-    """Renders each prompt row as the teacher sees it, with the teacher's tokenizer."""
+    """Renders each prompt row as the teacher sees it, with the teacher's tokenizer (and, for rows with
+    pictures, its processor)."""
 
-    def __init__(self, tok, data: DataConfig, context: TeacherContextConfig, rows: list[dict]):
+    def __init__(self, tok, data: DataConfig, context: TeacherContextConfig, rows: list[dict], processor=None,
+                 pictures: Callable[[str], object] | None = None):
+        """``processor``/``pictures``: the teacher's processor and a map from image id to PIL image, for
+        runs whose prompts show pictures."""
         self.tok, self.data, self.context = tok, data, context
+        self.processor, self.pictures = processor, pictures
+        self._expanded: dict[str, list[int]] = {}  # a prompt's n samples share its expansion
         self.by_id = {r["prompt_id"]: r for r in rows}
         self.partners = {}
         if context.other_problem:
@@ -59,20 +74,44 @@ class TeacherPrompts:
 
     def turns(self, row: dict) -> list[dict]:
         fields = self.fields(row)
+        # A multimodal template takes each picture as an image part, as the student's rendering does.
+        as_content = with_image_parts if image_ids(row) else (lambda text: text)
         try:
-            return [{"role": t["role"], "content": t["content"].format(**fields)} for t in self.context.messages]
+            return [{"role": t["role"], "content": as_content(t["content"].format(**fields))} for t in self.context.messages]
         except (KeyError, IndexError) as exc:
             raise GndpoError(f"teacher_context.messages names {first_line(exc)}, which prompt {row.get('prompt_id', '?')} does not have") from None
 
-    def token_ids(self, row: dict) -> list[int]:
-        """The teacher's prompt ids for ``row`` (the student's rendering when there is no context)."""
+    def unexpanded(self, row: dict) -> tuple[str, list[int], bool]:
+        """The teacher's prompt text for ``row``, its ids with one placeholder token per picture (the
+        student's rendering when there is no context), and whether the tokenizer added its special
+        tokens (a bare text's BOS) to those ids."""
         if not self.context.messages:
-            return render_prompt(self.tok, row, self.data).token_ids
+            rendered = render_prompt(self.tok, row, self.data)
+            return rendered.text, rendered.token_ids, not uses_template(self.tok, self.data)
         turns = self.turns(row)
         if not uses_template(self.tok, self.data):
-            return list(self.tok("\n\n".join(t["content"] for t in turns))["input_ids"])
+            text = "\n\n".join(t["content"] for t in turns)
+            return text, list(self.tok(text)["input_ids"]), True
         try:
             text = self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **self.data.template_kwargs)
         except Exception as exc:  # jinja errors, a template's own raise_exception(...)
             raise GndpoError(f"the teacher's chat template cannot render the teacher context of prompt {row.get('prompt_id', '?')}: {first_line(exc)}") from None
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+        return text, list(self.tok(text, add_special_tokens=False)["input_ids"]), False
+
+    def images(self, row: dict) -> list:
+        """``row``'s pictures (PIL images, in placeholder order); empty without images."""
+        return [self.pictures(i) for i in image_ids(row)] if self.pictures else []
+
+    def token_ids(self, row: dict) -> list[int]:
+        """The ids the teacher's forward reads for ``row``: with pictures, each placeholder expanded by the
+        teacher's processor; a GndpoError where the placeholders do not match the pictures."""
+        text, ids, special_tokens = self.unexpanded(row)
+        pictures = self.images(row)
+        if not pictures:
+            return ids
+        if (shown := placeholder_count(self.processor, ids)) != len(pictures):
+            raise GndpoError(f"the teacher's prompt for prompt {row.get('prompt_id', '?')} has {shown} image placeholder(s) "
+                             f"for its {len(pictures)} image(s): put {{prompt}} (or <image>) in teacher_context.messages")
+        if row["prompt_id"] not in self._expanded:
+            self._expanded[row["prompt_id"]] = expanded_prompt_ids(self.processor, text, pictures, add_special_tokens=special_tokens)
+        return self._expanded[row["prompt_id"]]

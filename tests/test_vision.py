@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -141,6 +142,26 @@ def test_the_batched_forward_with_images_equals_the_models_own_for_two_families(
     assert result["frozen_parameters"] > 0 and result["language_model_grads"] and not result["vision_grads"]
 
 
+def test_the_engine_probe_of_a_vlm_sees_its_vision_tower(vision_pair):
+    """The exported model's probe (what a reloaded engine must reproduce) has a sequence after a
+    picture: a vision tower left stale by a reload changes it, while the text sequences cannot tell."""
+    from transformers import AutoModelForImageTextToText
+
+    from gndpo.stages.models.probe import probe_logprobs
+    from gndpo.stages.models.vision import load_processor
+
+    model = AutoModelForImageTextToText.from_pretrained(vision_pair / "student", dtype=torch.float32).eval()
+    processor = load_processor(str(vision_pair / "student"))
+    before = probe_logprobs(model, len(processor.tokenizer), 0, processor)
+    with torch.no_grad():
+        for p in model.model.vision_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    after = probe_logprobs(model, len(processor.tokenizer), 0, processor)
+    assert after["logprobs"] == before["logprobs"]
+    assert len(before["image"]["logprobs"]) == len(before["image"]["response"]) == len(before["token_ids"][0]) - 1
+    assert np.abs(np.subtract(after["image"]["logprobs"], before["image"]["logprobs"])).max() > 1e-3
+
+
 # -- slow: a GNDPO round end to end --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vision_round(tmp_path_factory, vision_pair):
@@ -217,8 +238,11 @@ def test_a_gndpo_round_reads_the_images_in_every_stage(vision_round, vision_pair
     # Train's first step recomputed score's log-probs: the importance ratio is 1.
     train = run.records(0, "train").require_manifest()["metrics"]
     assert abs(train["ratio_mean"] - 1.0) < 1e-5
-    # The kept engine loaded round 0's update: on image prompts it samples from exactly those weights.
-    assert run.records(1, "rollout").require_manifest()["metrics"]["engine_reloaded"] == 1
+    # The kept engine loaded round 0's update: on image prompts it samples from exactly those weights,
+    # and the probe it checked the reload with showed it a picture (vision tower and connector included).
+    later_metrics = run.records(1, "rollout").require_manifest()["metrics"]
+    assert later_metrics["engine_reloaded"] == 1 and later_metrics["engine_probe_gap_max"] < 1e-4
+    assert "image" in json.loads((Path(run.policy_path(1)) / "gndpo_probe.json").read_text())
     later = {r["rollout_id"]: r for r in committed_rows(vision_round, "score", 1)}
     for row in committed_rows(vision_round, "rollout", 1):
         np.testing.assert_allclose(row["sampler_logprobs"], later[row["rollout_id"]]["student_logprobs"], atol=1e-4)

@@ -56,7 +56,8 @@ def probe_student(model, policy: str, pad_id: int) -> dict:
     was_training = model.training
     model.eval()
     try:
-        return probe_logprobs(model, min(len(load_tokenizer(policy)), output_width(model)), pad_id)
+        processor = load_processor(policy) if is_vision_model(policy) else None
+        return probe_logprobs(model, min(len(load_tokenizer(policy)), output_width(model)), pad_id, processor)
     finally:
         model.train(was_training)
 

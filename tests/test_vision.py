@@ -388,3 +388,55 @@ def test_teacher_columns_equal_a_forward_of_the_teacher_reading_the_pictures_its
     scored = {r["rollout_id"]: r for r in committed_rows(tmp_path / "fork", "score")}
     for row, ref in zip(rollouts, want):
         np.testing.assert_allclose(scored[row["rollout_id"]]["teacher_logprobs"], ref, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_tool_conversation_shows_its_picture_on_every_turn(vision_pair, tmp_path):
+    """Multi-turn tool use with an image prompt, through vLLM and the calculator. The random student is
+    made to call the tool in its first turn (that turn's sampling is constrained to the call by vLLM's
+    structured outputs) and writes its second turn freely after the tool's answer. Every turn's request
+    carries the picture: the second turn's sampler log-probs equal a transformers forward over the
+    expanded prompt, with the picture, and the whole conversation so far; the stored prompt is the
+    processor's expansion."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from gndpo.pipeline.config.schema import DataConfig, EngineConfig, RolloutConfig
+    from gndpo.stages.models.vllm_engine import make_llm, shutdown_llm
+    from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
+    from gndpo.stages.text.chat import render_prompt
+
+    student = vision_pair / "student"
+    processor = AutoProcessor.from_pretrained(student)
+    shown = Image.open(io.BytesIO(picture(37)))
+    row = {"prompt_id": "p0", "prompt": "<image>What is 2+3?", "answer": "5", "images": json.dumps(["x"])}
+    data = DataConfig()
+    rendered = render_prompt(processor.tokenizer, row, data)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+
+    def sampling(seed, max_tokens, extra_stops):
+        forced = StructuredOutputsParams(regex=call.replace("+", r"\+").replace("{", r"\{").replace("}", r"\}")) if seed == 5 else None
+        return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=0, stop=extra_stops,
+                              include_stop_str_in_output=True, structured_outputs=forced, logit_bias={processor.tokenizer.convert_tokens_to_ids("<image>"): -1e4})
+
+    conversation = Conversation(row, rendered.token_ids, 5, [shown])
+    tools = ToolUse.from_config(RolloutConfig(tools=["calculator"], max_turns=2, max_tool_response_tokens=200))
+    llm = make_llm(str(student), EngineConfig(max_model_len=256), images=1)
+    try:
+        run_conversations(llm, processor.tokenizer, [conversation], data, tools, 100, sampling)
+    finally:
+        shutdown_llm(llm)
+    assert conversation.tool_calls[0]["ok"] and conversation.tool_calls[0]["result"] == "5"
+    assert conversation.num_turns == 2
+    expanded = processor(text=rendered.text, images=[shown], add_special_tokens=False)["input_ids"][0]
+    assert conversation.prompt_ids == list(expanded)
+    # The second turn: sampled after the tool's answer, with the picture in view.
+    start, end = conversation.turn_spans[1]
+    ids = torch.tensor([conversation.prompt_ids + conversation.response_ids[:end]])
+    model = AutoModelForImageTextToText.from_pretrained(student, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = model(input_ids=ids, **processor.image_processor(images=[[shown]], return_tensors="pt")).logits[0].log_softmax(-1)
+    at = len(conversation.prompt_ids) + start
+    want = logp[at - 1 : ids.shape[1] - 1].gather(-1, ids[0, at:, None])[:, 0].numpy()
+    np.testing.assert_allclose(conversation.sampler_logprobs[start:end], want, atol=1e-4)

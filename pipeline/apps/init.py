@@ -91,15 +91,14 @@ def longest_prompt(model_path: str, rows: list[dict], data, images: dict[str, by
 
 def check_images(cfg: Config, with_images: bool) -> None:
     """Prompts with images need a student (and teachers) that read images, and the features built for
-    them so far: one rollout turn (no tools, no guided prefixes), teachers with the student's tokenizer,
+    them so far: no guided prefixes, teachers with the student's tokenizer,
     and several teachers processing pictures alike (one set of teacher image tensors serves them all)."""
     if not with_images:
         return
     if not is_vision_model(cfg.student):
         raise GndpoError(f"the prompts have images but the student {cfg.student} has no vision tower (no vision_config in its config.json)")
     load_processor(cfg.student)
-    unsupported = [("rollout.tools", bool(cfg.rollout.tools)), ("score.cross_tokenizer", cfg.score.cross_tokenizer),
-                   ("rollout.guided_fraction", cfg.rollout.guided_fraction > 0)]
+    unsupported = [("score.cross_tokenizer", cfg.score.cross_tokenizer), ("rollout.guided_fraction", cfg.rollout.guided_fraction > 0)]
     if used := [name for name, on in unsupported if on]:
         raise GndpoError(f"prompts with images do not work with {', '.join(used)} yet")
     if cfg.teacher == SELF_TEACHER:

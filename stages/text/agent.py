@@ -65,12 +65,18 @@ class Conversation:
     prompt_ids: list[int]  # with images: unexpanded until the first turn, then as the model read them
     seed: int
     images: list = field(default_factory=list)  # the prompt's pictures (PIL), for vLLM
+    # What every turn's request starts with: vLLM expands a picture's placeholder itself, so with
+    # images it is given the unexpanded prompt (and the pictures) again on each turn.
+    engine_prompt_ids: list[int] = field(init=False)
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     sampler_logprobs: list[float] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)  # each student turn's [start, end)
     tool_calls: list[dict] = field(default_factory=list)
     finish_reason: str = ""
+
+    def __post_init__(self):
+        self.engine_prompt_ids = list(self.prompt_ids)
 
     def add_prefix(self, ids: list[int], ended: bool) -> None:
         """Tokens the student did not sample that open its first turn (a guided teacher prefix);
@@ -131,11 +137,11 @@ def run_conversations(
             break
         # At least one token per request: a conversation with no room left was ended below.
         params = [sampling(turn_seed(c.seed, turn), max(min(max_tokens, budget - len(c.response_ids)), 1), extra_stops) for c in active]
-        gens = generate(llm, [c.prompt_ids + c.response_ids for c in active], params, on_finished, [c.images for c in active])
+        gens = generate(llm, [c.engine_prompt_ids + c.response_ids for c in active], params, on_finished, [c.images for c in active])
         calling = []
         for c, g in zip(active, gens):
-            if c.images:  # score and train read the expanded prompt (init refuses tools with images)
-                c.prompt_ids = g.prompt_ids
+            if c.images:  # score and train read the prompt as vLLM expanded it (the response so far follows it)
+                c.prompt_ids = g.prompt_ids[: len(g.prompt_ids) - len(c.response_ids)]
             start = 0 if turn == 0 else len(c.response_ids)  # the first turn includes a guided prefix
             c._append(list(g.token_ids), 1, list(g.logprobs))
             c.turn_spans.append((start, len(c.response_ids)))

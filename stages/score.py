@@ -24,7 +24,7 @@ from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
-from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, vocabulary_size
+from gndpo.stages.models.loading import check_same_tokenizer, is_vision_model, load_tokenizer, vocabulary_size
 from gndpo.stages.models.logprobs import logits_chunk
 from gndpo.stages.models.vision import BatchImages, load_processor, same_image_processing
 from gndpo.stages.scoring.forward import StudentForward, UnitRows
@@ -84,7 +84,8 @@ class ScoreJob:
             )
             return OtherTokenizerTeacher(self._student_forward(student, [], pad_id, device), teacher, name)
         if sc.backend == "vllm":
-            engine = self.live.teacher_engine(path, sc.engine, sc.teacher_topk, images=self.run.images_per_prompt())
+            shows = self.run.images_per_prompt() if is_vision_model(path) else 0
+            engine = self.live.teacher_engine(path, sc.engine, sc.teacher_topk, images=shows)
             # vLLM expands a picture's placeholder itself: with pictures it reads the teacher's own rendering.
             context = self._teacher_prompts(path) if self.images is not None else self._teacher_context(path)
             return EngineTeacher(self._student_forward(student, [], pad_id, device), engine, name, context)
@@ -108,13 +109,17 @@ class ScoreJob:
         )
 
     def _own_image_processing(self, teacher_path: str) -> bool:
-        """Whether the teacher turns the run's pictures into other tensors or tokens than the student does."""
-        return self.images is not None and not same_image_processing(self.images.processor, load_processor(teacher_path))
+        """Whether the teacher reads the run's pictures otherwise than the student does: as other
+        tensors or tokens (its own processor), or not at all (a text-only teacher)."""
+        if self.images is None:
+            return False
+        return not is_vision_model(teacher_path) or not same_image_processing(self.images.processor, load_processor(teacher_path))
 
     def _teacher_images(self, teacher_path: str) -> BatchImages | None:
+        """The teacher modules' image tensors: the student's, its own processor's, or none (text)."""
         if self.images is None or not self._own_image_processing(teacher_path):
             return self.images
-        return self.images.read_by(load_processor(teacher_path))
+        return self.images.read_by(load_processor(teacher_path)) if is_vision_model(teacher_path) else None
 
     def _teacher_context(self, teacher_path: str) -> TeacherPrompts | None:
         """The teacher reads its own prompt before the same response ids with a teacher context, or where
@@ -125,7 +130,7 @@ class ScoreJob:
 
     def _teacher_prompts(self, teacher_path: str) -> TeacherPrompts:
         images = {}
-        if self.images is not None:  # the teacher's processor over the run's pictures
+        if self.images is not None and is_vision_model(teacher_path):  # the teacher's processor over the run's pictures
             images = {"processor": load_processor(teacher_path), "pictures": self.images.images.get}
         return TeacherPrompts(load_tokenizer(teacher_path), self.cfg.data, self.cfg.teacher_context, self.run.prompts("train"), **images)
 

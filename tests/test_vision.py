@@ -92,9 +92,10 @@ def test_init_refuses_images_for_a_text_student(tmp_path, vision_pair, tiny_asse
     assert_one_line_error(invoke("init", tmp_path / "run", "--config", write_config(tmp_path, cfg)), "has no vision tower")
 
 
-def test_init_refuses_teachers_that_cannot_read_the_pictures(tmp_path, vision_pair, low_resolution_teacher):
-    """A teacher context that leaves the picture out, and two teachers processing pictures differently
-    (score gives several teachers one set of image tensors): one line each at init."""
+def test_init_refuses_teachers_that_cannot_read_the_pictures(tmp_path, vision_pair, low_resolution_teacher, other_tokenizer_teachers):
+    """A teacher context that leaves the picture out, two teachers processing pictures differently
+    (score gives several teachers one set of image tensors), and a text-only teacher with nothing
+    telling it what the picture shows: one line each at init."""
     cfg = vision_config(tmp_path, vision_pair)
     cfg.update(teacher="self", teacher_context={"messages": [{"role": "user", "content": "The answer is {answer}."}]})
     assert_one_line_error(invoke("init", tmp_path / "a", "--config", write_config(tmp_path, cfg)),
@@ -103,7 +104,10 @@ def test_init_refuses_teachers_that_cannot_read_the_pictures(tmp_path, vision_pa
     cfg.pop("teacher")
     cfg["teachers"] = {"a": str(vision_pair / "teacher"), "b": str(low_resolution_teacher)}
     assert_one_line_error(invoke("init", tmp_path / "b", "--config", write_config(tmp_path, cfg)), "process images differently")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    cfg = vision_config(tmp_path, vision_pair, score={"cross_tokenizer": True})
+    cfg["teacher"] = str(other_tokenizer_teachers / "text")
+    assert_one_line_error(invoke("init", tmp_path / "c", "--config", write_config(tmp_path, cfg)), "has no vision tower", "teacher_context.messages")
+    assert not any((tmp_path / name).exists() for name in "abc")
 
 
 def test_init_stores_each_image_once_by_content_and_reads_geo3k_parquet(tmp_path, vision_pair):
@@ -440,3 +444,82 @@ def test_a_tool_conversation_shows_its_picture_on_every_turn(vision_pair, tmp_pa
     at = len(conversation.prompt_ids) + start
     want = logp[at - 1 : ids.shape[1] - 1].gather(-1, ids[0, at:, None])[:, 0].numpy()
     np.testing.assert_allclose(conversation.sampler_logprobs[start:end], want, atol=1e-4)
+
+
+# -- slow: teachers of another tokenizer (score.cross_tokenizer) -------------------------------------
+@pytest.fixture(scope="module")
+def other_tokenizer_teachers(tmp_path_factory):
+    """Two teachers whose token ids are not the student's (their character alphabet in reverse order):
+    a text-only Llama, which can only read a caption, and an Idefics3 reading 32x32 pictures."""
+    import string
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gndpo.pipeline.toys.arithmetic import character_tokenizer
+    from gndpo.pipeline.toys.vision import CHAT_TEMPLATE, END_OF_UTTERANCE, IMAGE_TOKENS, ROLE_TOKENS, new_vision_model, save_vision_model, vision_processor
+
+    folder = tmp_path_factory.mktemp("other-tokenizer")
+    reverse = string.printable[:95][::-1]
+    text_tok = character_tokenizer(reverse, model_max_length=256)
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=len(text_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         max_position_embeddings=256, bos_token_id=text_tok.bos_token_id, eos_token_id=text_tok.eos_token_id,
+                         pad_token_id=text_tok.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder / "text")
+    text_tok.save_pretrained(folder / "text")
+    vision_tok = character_tokenizer(reverse, model_max_length=256)
+    vision_tok.add_special_tokens({"additional_special_tokens": [*IMAGE_TOKENS, END_OF_UTTERANCE, *ROLE_TOKENS]})
+    vision_tok.chat_template = CHAT_TEMPLATE
+    spec = VisionModelSpec(image_size=32)
+    save_vision_model(new_vision_model(spec, vision_tok, seed=4), vision_processor(spec, vision_tok), folder / "vision")
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("teacher", ["text", "vision"])
+def test_a_teacher_of_another_tokenizer_reads_the_picture_or_its_caption(vision_round, vision_pair, other_tokenizer_teachers, tmp_path, teacher):
+    """score.cross_tokenizer with images: a text-only teacher given the picture's answer as a caption
+    (its context leaves the <image> placeholder out), and a VLM teacher of another tokenizer that reads
+    the picture through its own processor. Every student character maps to one teacher character, so
+    each aligned teacher log-prob equals a plain forward of the teacher over its own prompt and its
+    own tokens of the response text; special tokens (role markers, end of utterance) have no text and are
+    unaligned."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.pipeline.run.images import RunImages
+
+    path = other_tokenizer_teachers / teacher
+    overrides = [f"teacher={path}", "score.cross_tokenizer=true"]
+    if teacher == "text":
+        overrides.append("teacher_context.messages=[{role: user, content: 'The picture shows {answer}. {prompt}'}]")
+    fork = fork_run(str(vision_round), str(tmp_path / "fork"), 0, overrides)
+    run_stages(tmp_path / "fork", "score")
+    prompts = {p["prompt_id"]: p for p in fork.prompts("train")}
+    pictures = RunImages(fork.fs)
+    student_tok = AutoTokenizer.from_pretrained(vision_pair / "student")
+    if teacher == "text":
+        model, tok = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+        prompt_of = lambda row: (tok(f"The picture shows {prompts[row['prompt_id']]['answer']}. n?")["input_ids"], {})  # noqa: E731
+    else:
+        model, processor = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval(), AutoProcessor.from_pretrained(path)
+        tok = processor.tokenizer
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "n?"}]}], add_generation_prompt=True)
+
+        def prompt_of(row):
+            encoded = processor(text=text, images=pictures.of(prompts[row["prompt_id"]]), add_special_tokens=False, return_tensors="pt")
+            return encoded.pop("input_ids")[0].tolist(), {k: v for k, v in encoded.items() if k != "attention_mask"}
+    scored = {r["rollout_id"]: r for r in committed_rows(tmp_path / "fork", "score")}
+    checked = 0
+    for row in committed_rows(vision_round):
+        response = row["response_token_ids"]
+        teacher_ids = tok(student_tok.decode(response, skip_special_tokens=True), add_special_tokens=False)["input_ids"]
+        prompt, pixels = prompt_of(row)
+        with torch.no_grad():
+            logp = model(input_ids=torch.tensor([prompt + teacher_ids]), **pixels).logits[0].log_softmax(-1)
+        want = logp[len(prompt) - 1 : -1].gather(-1, torch.tensor(teacher_ids)[:, None])[:, 0].numpy()
+        got = scored[row["rollout_id"]]
+        assert got["aligned"] == [int(student_tok.decode([t], skip_special_tokens=True) != "") for t in response]
+        np.testing.assert_allclose([v for v, a in zip(got["teacher_logprobs"], got["aligned"]) if a], want, atol=1e-5)
+        checked += len(want)
+    assert checked > 0

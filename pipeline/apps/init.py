@@ -90,24 +90,26 @@ def longest_prompt(model_path: str, rows: list[dict], data, images: dict[str, by
 
 
 def check_images(cfg: Config, with_images: bool) -> None:
-    """Prompts with images need a student (and teachers) that read images, and the features built for
-    them so far: no guided prefixes, teachers with the student's tokenizer,
-    and several teachers processing pictures alike (one set of teacher image tensors serves them all)."""
+    """Prompts with images need a student that reads images; a teacher without a vision tower needs a
+    teacher context that gives it the pictures' information as text; several teachers must process
+    pictures alike (one set of teacher image tensors serves them all); guided prefixes are not built
+    for images yet."""
     if not with_images:
         return
     if not is_vision_model(cfg.student):
         raise GndpoError(f"the prompts have images but the student {cfg.student} has no vision tower (no vision_config in its config.json)")
     load_processor(cfg.student)
-    unsupported = [("score.cross_tokenizer", cfg.score.cross_tokenizer), ("rollout.guided_fraction", cfg.rollout.guided_fraction > 0)]
-    if used := [name for name, on in unsupported if on]:
-        raise GndpoError(f"prompts with images do not work with {', '.join(used)} yet")
+    if cfg.rollout.guided_fraction > 0:
+        raise GndpoError("prompts with images do not work with rollout.guided_fraction yet")
     if cfg.teacher == SELF_TEACHER:
         return
     paths = list(cfg.teacher_models().values())
     for path in paths:
-        if not is_vision_model(path):
-            raise GndpoError(f"the prompts have images but the teacher {path} has no vision tower")
-    if any(not same_image_processing(load_processor(paths[0]), load_processor(p)) for p in paths[1:]):
+        if not is_vision_model(path) and not cfg.teacher_context.messages:
+            raise GndpoError(f"the prompts have images but the teacher {path} has no vision tower: give it the pictures' information "
+                             "as text in teacher_context.messages (a caption or data column), or use a vision-language teacher")
+    readers = [load_processor(p) for p in paths if is_vision_model(p)]
+    if len(readers) != len(paths) and readers or any(not same_image_processing(readers[0], r) for r in readers[1:]):
         raise GndpoError(f"the teachers {', '.join(paths)} process images differently; several teachers of one run must share one image processor")
 
 
@@ -167,7 +169,7 @@ def check_teacher_prompts(cfg: Config, train: list[dict], pictures: Callable[[st
                 "%s has no chat template: it reads each prompt as bare text while the student reads it through its "
                 "chat template; add one to its tokenizer_config.json if it is a chat model", name)
         try:
-            images = {"processor": load_processor(path), "pictures": pictures} if with_images else {}
+            images = {"processor": load_processor(path), "pictures": pictures} if with_images and is_vision_model(path) else {}
             prompts = TeacherPrompts(teacher_tok, cfg.data, cfg.teacher_context, train, **images)
             longest = max(len(prompts.token_ids(row)) for row in train)
         except GndpoError as exc:

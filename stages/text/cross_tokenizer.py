@@ -8,6 +8,10 @@ the sum of their log-probs; any other (a teacher token crossing its edges, a spe
 end-of-turn, text the teacher's tokenizer cut differently) is marked unaligned, gets the student's own
 log-prob as its teacher value (a score of 0) and is left out of every statistic and loss by the
 ``aligned`` mask score stores beside it.
+
+With images, a vision-language teacher of another family reads each picture through its own processor
+(its expansion in the prompt, its image tensors in the forward); a text-only teacher reads the
+picture's information as text from its teacher context (:mod:`gndpo.stages.text.teacher_context`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from gndpo.stages.text.align import align_by_offsets, token_offsets
 from gndpo.stages.models.logprobs import chunks, head_logprobs, make_batch, response_hidden, token_budget_batches
+from gndpo.stages.models.vision import image_inputs
 from gndpo.stages.text.teacher_context import TeacherPrompts
 
 
@@ -47,7 +52,7 @@ class CrossTokenizerTeacher:
             prompts.append(self.prompts.token_ids(row))
             teacher_ids.append(list(enc["input_ids"]))
             alignments.append(align_by_offsets(spans, [tuple(o) for o in enc["offset_mapping"]]))
-        teacher_lp = self._teacher_logprobs(prompts, teacher_ids)
+        teacher_lp = self._teacher_logprobs(prompts, teacher_ids, [self.prompts.images(row) for row in rows])
         values, aligned = np.array(student_lp, dtype=np.float32), np.zeros(len(student_lp), dtype=np.int8)
         at = 0
         for alignment, lps in zip(alignments, teacher_lp):
@@ -57,13 +62,16 @@ class CrossTokenizerTeacher:
             at += len(alignment.groups)
         return values, aligned
 
-    def _teacher_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
-        """Per response, the teacher's log-prob of each of its own tokens, in token-budget batches."""
+    def _teacher_logprobs(self, prompts: list[list[int]], responses: list[list[int]], pictures: list[list]) -> list[list[float]]:
+        """Per response, the teacher's log-prob of each of its own tokens, in token-budget batches;
+        ``pictures[i]``: what response ``i``'s prompt shows the teacher (empty for a text teacher)."""
         out: list[list[float]] = [[] for _ in responses]
         pad = self.teacher_tok.pad_token_id or 0
         spans = np.array([len(p) + len(r) for p, r in zip(prompts, responses)])
         for rows in token_budget_batches(spans, self.max_tokens, self.max_rows):
             batch = make_batch([prompts[i] for i in rows], [responses[i] for i in rows], pad, self.device)
+            if self.prompts.processor is not None:
+                batch.images = image_inputs(self.prompts.processor, [pictures[i] for i in rows], self.device)
             flat = token_logprobs(self.model, batch, self.token_chunk).double().numpy()
             at = 0
             for i in rows:

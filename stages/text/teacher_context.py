@@ -16,10 +16,12 @@ filled from another prompt of the training set: prompts are put in a seeded orde
 successor's columns, so no prompt is ever paired with its own solution and the pairing does not
 depend on which worker scores it.
 
-With images (a vision-language teacher) the teacher reads the row's pictures through its own processor,
-as verl's teachers do: a teacher of another size or image resolution expands each ``<image>`` placeholder
-into its own number of image tokens. The context's turns must then place one placeholder per picture,
-usually through ``{prompt}``, whose text carries the student's (checked at ``gndpo init``).
+With images, a vision-language teacher reads the row's pictures through its own processor, as verl's
+teachers do: a teacher of another size or image resolution expands each ``<image>`` placeholder into its
+own number of image tokens. The context's turns must then place one placeholder per picture, usually
+through ``{prompt}``, whose text carries the student's (checked at ``gndpo init``). A text-only teacher
+cannot see a picture: it reads the context with every ``<image>`` placeholder left out, so the context
+must give it the picture's information as text (a caption or data column of the prompts file).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from collections.abc import Callable
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import DataConfig, TeacherContextConfig
-from gndpo.pipeline.run.images import image_ids, with_image_parts
+from gndpo.pipeline.run.images import PLACEHOLDER, image_ids, with_image_parts
 from gndpo.pipeline.tasks.plugins import first_line
 from gndpo.stages.models.vision import expanded_prompt_ids, placeholder_count
 from gndpo.stages.text.chat import render_prompt, uses_template
@@ -74,8 +76,11 @@ class TeacherPrompts:
 
     def turns(self, row: dict) -> list[dict]:
         fields = self.fields(row)
-        # A multimodal template takes each picture as an image part, as the student's rendering does.
-        as_content = with_image_parts if image_ids(row) else (lambda text: text)
+        # A multimodal template takes each picture as an image part, as the student's rendering does; a
+        # text-only teacher reads the text around the pictures.
+        as_content = lambda text: text  # noqa: E731
+        if image_ids(row):
+            as_content = with_image_parts if self.processor is not None else (lambda text: text.replace(PLACEHOLDER, ""))
         try:
             return [{"role": t["role"], "content": as_content(t["content"].format(**fields))} for t in self.context.messages]
         except (KeyError, IndexError) as exc:

@@ -118,7 +118,7 @@ def build_engine(cfg, policy: str, world: int):
     if cfg.train.zero_stage == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
-        # While this object lives, from_pretrained builds the model inside zero.Init, one partition a rank.
+        # While this object is set, from_pretrained builds the model inside zero.Init, one partition a rank.
         zero3 = HfDeepSpeedConfig(config)
     torch.manual_seed(cfg.train.seed)
     # Built in the training dtype and left where it was built: DeepSpeed moves it to the device, or
@@ -132,5 +132,11 @@ def build_engine(cfg, policy: str, world: int):
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
     )
-    engine.hf_zero3_config = zero3  # transformers consults it (weakly referenced) while the engine lives
+    if zero3 is not None:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        # Its work is done once the model is partitioned. Left set, every later from_pretrained in this
+        # process (score's modules in `gndpo run`, which keeps this engine across rounds) would build a
+        # partitioned module that only this engine's hooks can gather, and fail in its first forward.
+        unset_hf_deepspeed_config()
     return engine, config

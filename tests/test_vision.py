@@ -45,6 +45,23 @@ def write_prompts(folder, count: int, offset: int = 0, name: str = "train.jsonl"
     return str(folder / name)
 
 
+def write_geo3k_prompts(folder, count: int, offset: int = 0, name: str = "train.parquet") -> str:
+    """The rows of :func:`write_prompts` in geo3k's verl Parquet layout: ``prompt`` as chat messages
+    with ``<image>``, ``images`` as ``{bytes, path}`` structs, the answer in ``reward_model.ground_truth``."""
+    import pyarrow as pa
+
+    numbers = [10 + 7 * i for i in range(offset, offset + count)]
+    pq.write_table(pa.table({
+        "prompt": [[{"role": "user", "content": "<image>n?"}] for _ in numbers],
+        "images": [[{"bytes": picture(n), "path": f"{n}.png"}] for n in numbers],
+        "reward_model": [{"ground_truth": str(n), "style": "rule"} for n in numbers],
+    }), folder / name)
+    return str(folder / name)
+
+
+GEO3K_KEYS = {"messages_key": "prompt", "answer_key": "reward_model.ground_truth"}
+
+
 @pytest.fixture(scope="session")
 def vision_pair(tmp_path_factory):
     folder = shared_folder(tmp_path_factory, "vision-pair")
@@ -170,11 +187,14 @@ def test_the_engine_probe_of_a_vlm_sees_its_vision_tower(vision_pair):
 @pytest.fixture(scope="module")
 def vision_round(tmp_path_factory, vision_pair):
     """Round 0, then round 1's rollout and score on the same kept vLLM engine, which loads round 0's
-    update (a VLM engine must reset its encoder cache too, or the next image request fails)."""
+    update (a VLM engine must reset its encoder cache too, or the next image request fails). The
+    prompts are in geo3k's verl Parquet layout, so this is geo3k's GNDPO round end to end."""
     from gndpo.stages.models.live import LiveModels
 
     folder = tmp_path_factory.mktemp("vision-round")
-    invoke_ok("init", folder / "run", "--config", write_config(folder, vision_config(folder, vision_pair)))
+    cfg = vision_config(folder, vision_pair)
+    cfg["data"] = {"train": write_geo3k_prompts(folder, 6), "heldout": write_geo3k_prompts(folder, 3, offset=20, name="heldout.parquet"), **GEO3K_KEYS}
+    invoke_ok("init", folder / "run", "--config", write_config(folder, cfg))
     live = LiveModels(keep=True, log=lambda *_: None)
     try:
         run_stages(folder / "run", "rollout", "score", "normalize", "train", live=live)

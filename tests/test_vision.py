@@ -71,6 +71,46 @@ def vision_pair(tmp_path_factory):
     return folder
 
 
+# Teachers that read the pictures their own way.
+@pytest.fixture(scope="module")
+def low_resolution_teacher(tmp_path_factory):
+    """A teacher with the student's tokenizer but its own processor: 32x32 pictures, 4 image tokens each
+    (the student reads 64x64 pictures as 16), like a teacher of another size or resolution."""
+    from gndpo.pipeline.toys.vision import new_vision_model, save_vision_model, vision_processor, vision_tokenizer
+
+    spec = VisionModelSpec(image_size=32, layers=3)
+    tok = vision_tokenizer(spec.context)
+    return save_vision_model(new_vision_model(spec, tok, seed=2), vision_processor(spec, tok), tmp_path_factory.mktemp("teacher32") / "teacher")
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_teachers(tmp_path_factory):
+    """Two teachers whose token ids are not the student's (their character alphabet in reverse order):
+    a text-only Llama, which can only read a caption, and an Idefics3 reading 32x32 pictures."""
+    import string
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gndpo.pipeline.toys.arithmetic import character_tokenizer
+    from gndpo.pipeline.toys.vision import CHAT_TEMPLATE, END_OF_UTTERANCE, IMAGE_TOKENS, ROLE_TOKENS, new_vision_model, save_vision_model, vision_processor
+
+    folder = tmp_path_factory.mktemp("other-tokenizer")
+    reverse = string.printable[:95][::-1]
+    text_tok = character_tokenizer(reverse, model_max_length=256)
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=len(text_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         max_position_embeddings=256, bos_token_id=text_tok.bos_token_id, eos_token_id=text_tok.eos_token_id,
+                         pad_token_id=text_tok.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder / "text")
+    text_tok.save_pretrained(folder / "text")
+    vision_tok = character_tokenizer(reverse, model_max_length=256)
+    vision_tok.add_special_tokens({"additional_special_tokens": [*IMAGE_TOKENS, END_OF_UTTERANCE, *ROLE_TOKENS]})
+    vision_tok.chat_template = CHAT_TEMPLATE
+    spec = VisionModelSpec(image_size=32)
+    save_vision_model(new_vision_model(spec, vision_tok, seed=4), vision_processor(spec, vision_tok), folder / "vision")
+    return folder
+
+
 def vision_config(folder, pair, **sections) -> dict:
     cfg = tiny_config_dict(pair, **{
         "rollout": {"prompts_per_round": 4, "n": 2, "prompts_per_unit": 4, "max_tokens": 6, "eval_heldout": True},
@@ -364,18 +404,9 @@ def test_a_smolvlm_sized_model_scores_and_trains_within_the_stated_memory():
     assert out["language_model_grads"] and not out["vision_grads"]
 
 
-# -- slow: teachers that read the pictures their own way ------------------------------------------------
-@pytest.fixture(scope="module")
-def low_resolution_teacher(tmp_path_factory):
-    """A teacher with the student's tokenizer but its own processor: 32x32 pictures, 4 image tokens each
-    (the student reads 64x64 pictures as 16), like a teacher of another size or resolution."""
-    from gndpo.pipeline.toys.vision import new_vision_model, save_vision_model, vision_processor, vision_tokenizer
-
-    spec = VisionModelSpec(image_size=32, layers=3)
-    tok = vision_tokenizer(spec.context)
-    return save_vision_model(new_vision_model(spec, tok, seed=2), vision_processor(spec, tok), tmp_path_factory.mktemp("teacher32") / "teacher")
 
 
+# -- slow: teachers that read the pictures their own way, tools with pictures ---------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["own processor", "vllm backend", "self-distillation with a caption"])
 def test_teacher_columns_equal_a_forward_of_the_teacher_reading_the_pictures_its_own_way(vision_round, vision_pair, low_resolution_teacher, tmp_path, setting):
@@ -467,32 +498,6 @@ def test_a_tool_conversation_shows_its_picture_on_every_turn(vision_pair, tmp_pa
 
 
 # -- slow: teachers of another tokenizer (score.cross_tokenizer) -------------------------------------
-@pytest.fixture(scope="module")
-def other_tokenizer_teachers(tmp_path_factory):
-    """Two teachers whose token ids are not the student's (their character alphabet in reverse order):
-    a text-only Llama, which can only read a caption, and an Idefics3 reading 32x32 pictures."""
-    import string
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from gndpo.pipeline.toys.arithmetic import character_tokenizer
-    from gndpo.pipeline.toys.vision import CHAT_TEMPLATE, END_OF_UTTERANCE, IMAGE_TOKENS, ROLE_TOKENS, new_vision_model, save_vision_model, vision_processor
-
-    folder = tmp_path_factory.mktemp("other-tokenizer")
-    reverse = string.printable[:95][::-1]
-    text_tok = character_tokenizer(reverse, model_max_length=256)
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(text_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         max_position_embeddings=256, bos_token_id=text_tok.bos_token_id, eos_token_id=text_tok.eos_token_id,
-                         pad_token_id=text_tok.pad_token_id)
-    LlamaForCausalLM(config).save_pretrained(folder / "text")
-    text_tok.save_pretrained(folder / "text")
-    vision_tok = character_tokenizer(reverse, model_max_length=256)
-    vision_tok.add_special_tokens({"additional_special_tokens": [*IMAGE_TOKENS, END_OF_UTTERANCE, *ROLE_TOKENS]})
-    vision_tok.chat_template = CHAT_TEMPLATE
-    spec = VisionModelSpec(image_size=32)
-    save_vision_model(new_vision_model(spec, vision_tok, seed=4), vision_processor(spec, vision_tok), folder / "vision")
-    return folder
 
 
 @pytest.mark.slow

@@ -109,7 +109,8 @@ def check_images(cfg: Config, with_images: bool) -> None:
             raise GndpoError(f"the prompts have images but the teacher {path} has no vision tower: give it the pictures' information "
                              "as text in teacher_context.messages (a caption or data column), or use a vision-language teacher")
     readers = [load_processor(p) for p in paths if is_vision_model(p)]
-    if len(readers) != len(paths) and readers or any(not same_image_processing(readers[0], r) for r in readers[1:]):
+    mixed = bool(readers) and len(readers) < len(paths)  # text and vision teachers side by side
+    if mixed or any(not same_image_processing(readers[0], r) for r in readers[1:]):
         raise GndpoError(f"the teachers {', '.join(paths)} process images differently; several teachers of one run must share one image processor")
 
 

@@ -12,6 +12,7 @@ for Idefics3, ``pixel_values`` and ``image_grid_thw`` for Qwen2-VL) on the model
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
 from pathlib import Path
 
@@ -84,8 +85,8 @@ class BatchImages:
 
     def read_by(self, processor) -> BatchImages:
         """The same pictures through another model's processor (a teacher's)."""
-        other = BatchImages.__new__(BatchImages)
-        other.processor, other.images, other.ids = processor, self.images, self.ids
+        other = copy.copy(self)
+        other.processor = processor
         return other
 
     def inputs(self, prompt_ids: list[str], device: torch.device) -> dict[str, torch.Tensor]:

@@ -109,14 +109,15 @@ class TeacherPrompts:
 
     def token_ids(self, row: dict) -> list[int]:
         """The ids the teacher's forward reads for ``row``: with pictures, each placeholder expanded by the
-        teacher's processor; a GndpoError where the placeholders do not match the pictures."""
-        text, ids, special_tokens = self.unexpanded(row)
-        pictures = self.images(row)
-        if not pictures:
-            return ids
-        if (shown := placeholder_count(self.processor, ids)) != len(pictures):
-            raise GndpoError(f"the teacher's prompt for prompt {row.get('prompt_id', '?')} has {shown} image placeholder(s) "
-                             f"for its {len(pictures)} image(s): put {{prompt}} (or <image>) in teacher_context.messages")
+        teacher's processor (once per prompt: its n samples share it); a GndpoError where the
+        placeholders do not match the pictures."""
+        if not (self.pictures and image_ids(row)):
+            return self.unexpanded(row)[1]
         if row["prompt_id"] not in self._expanded:
+            text, ids, special_tokens = self.unexpanded(row)
+            pictures = self.images(row)
+            if (shown := placeholder_count(self.processor, ids)) != len(pictures):
+                raise GndpoError(f"the teacher's prompt for prompt {row.get('prompt_id', '?')} has {shown} image placeholder(s) "
+                                 f"for its {len(pictures)} image(s): put {{prompt}} (or <image>) in teacher_context.messages")
             self._expanded[row["prompt_id"]] = expanded_prompt_ids(self.processor, text, pictures, add_special_tokens=special_tokens)
         return self._expanded[row["prompt_id"]]

@@ -107,7 +107,9 @@ def tiny_config_dict(assets: Path, **sections) -> dict:
         "rollout": {"prompts_per_round": 16, "n": 2, "prompts_per_unit": 8, "max_tokens": 5},
         "score": {"rows_per_chunk": 8},
         "train": {"lr": 1e-3, "optimizer_steps": 2, "micro_batch_size": 8},
-        "engine": {"max_model_len": 32},
+        # In-process engines start in a third of the time (engine.in_process); the tests of engine
+        # processes (their death, Ctrl-C, kills) set it back to False.
+        "engine": {"max_model_len": 32, "in_process": True},
     }
     for key, value in sections.items():
         cfg.setdefault(key, {}).update(value) if isinstance(value, dict) else cfg.__setitem__(key, value)

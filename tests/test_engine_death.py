@@ -51,7 +51,7 @@ def wait_for(path, text: str, proc, timeout: float = 300.0) -> None:
 
 
 def test_a_kept_engine_killed_by_a_process_group_sigint_is_replaced(tmp_path, tiny_assets):
-    config = write_config(tmp_path, tiny_config_dict(tiny_assets))
+    config = write_config(tmp_path, tiny_config_dict(tiny_assets, engine={"in_process": False}))
     run = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "gndpo.cli", "init", str(run), "--config", str(config)], check=True, capture_output=True)
     log = tmp_path / "run.log"

@@ -94,6 +94,30 @@ def test_make_llm_passes_the_settings_to_vllm(tiny_assets, monkeypatch):
     assert seen["kv_cache_memory_bytes"] == 3 * 2**30 and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
 
 
+def test_an_in_process_engine_is_built_with_vllms_in_process_settings(tiny_assets, monkeypatch):
+    """engine.in_process on CPU: vLLM's uniprocess executor, VLLM_ENABLE_V1_MULTIPROCESSING=0 while the
+    engine is built (and as it was after), and vLLM's environment cache released so that a later engine
+    of the process reads its own settings; on a GPU the setting changes nothing."""
+    student = str(tiny_assets / "student")
+    monkeypatch.setattr(engine, "cuda_available", lambda: False)
+    built, released = [], []
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            built.append((kw.get("distributed_executor_backend"), os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")))
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.envs = FakeLLM, types.SimpleNamespace(disable_envs_cache=lambda: released.append(True))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    engine.make_llm(student, EngineConfig(max_model_len=32, in_process=True))
+    engine.make_llm(student, EngineConfig(max_model_len=32))
+    assert built == [("uni", "0"), (None, None)] and released == [True]
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    fake_gpu(monkeypatch)
+    assert "distributed_executor_backend" not in engine.engine_kwargs(student, EngineConfig(in_process=True))
+
+
 def test_each_engine_gets_its_own_kv_cache_size(tiny_assets, monkeypatch, caplog):
     """engine.kv_cache_gib reaches each engine as its own argument: a teacher engine started after a
     student engine in the same process gets the teacher's size, and the legacy VLLM_CPU_KVCACHE_SPACE

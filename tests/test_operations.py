@@ -88,7 +88,7 @@ def test_another_user_reads_the_run(rolled_out, world_readable_tmp):
 def fresh_run(folder: Path, assets: Path) -> Path:
     """An initialized toy run (nothing rolled out), created in this process."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "cfg.yaml").write_text(yaml.safe_dump(tiny_config_dict(assets, rollout={"eval_heldout": False})))
+    (folder / "cfg.yaml").write_text(yaml.safe_dump(tiny_config_dict(assets, rollout={"eval_heldout": False}, engine={"in_process": False})))
     invoke_ok("init", folder / "run", "-c", folder / "cfg.yaml")
     return folder / "run"
 

@@ -1,6 +1,7 @@
 """Crash safety and shared stages, through the real stages on tiny models.
 
-A reference run goes through round 0 uninterrupted. A second run with the same config is killed with
+A reference run goes through round 0 uninterrupted, its vLLM engine in processes of its own. A second
+run with the same config but the engine inside each stage's process (engine.in_process) is killed with
 SIGKILL at several points (during generation, half-way through a shard write, between the data write
 and the commit, during training) and rerun each time; it must end with exactly the reference's rows and
 the same trained weights. The shard-write and commit crashes hit the score stage: every stage writes
@@ -29,11 +30,13 @@ pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
 
 
-def make_config(folder, assets):
+def make_config(folder, assets, in_process: bool):
+    """The toy config; ``in_process``: the vLLM engine inside the stage's process (engine.in_process)."""
     cfg = tiny_config_dict(
         assets,
         rollout={"prompts_per_unit": 4},  # 4 generation units + the held-out eval unit
         train={"optimizer_steps": 3, "checkpoint_every": 1},
+        engine={"in_process": in_process},
     )
     return write_config(folder, cfg)
 
@@ -49,7 +52,9 @@ def crashed(run, stage, point, after=0):
 def reference(tmp_path_factory, tiny_assets):
     folder = tmp_path_factory.mktemp("reference")
     run = folder / "run"
-    gndpo("init", run, "--config", make_config(folder, tiny_assets))
+    # The engine in processes of its own here, in the stage's process in the crashed run: the two
+    # layouts must commit the same rows and weights.
+    gndpo("init", run, "--config", make_config(folder, tiny_assets, in_process=False))
     gndpo("rollout", run, *ROUND)
     # Keep a copy with only the rollouts committed, for the concurrency and lease tests.
     shutil.copytree(run, folder / "after-rollout")
@@ -62,7 +67,7 @@ def reference(tmp_path_factory, tiny_assets):
 def crashed_run(tmp_path_factory, tiny_assets):
     folder = tmp_path_factory.mktemp("crashed")
     run = folder / "run"
-    gndpo("init", run, "--config", make_config(folder, tiny_assets))
+    gndpo("init", run, "--config", make_config(folder, tiny_assets, in_process=True))
     crashed(run, "rollout", "rollout.generate", after=1)  # u00000 committed, dies generating u00001
     gndpo("rollout", run, *ROUND)
     crashed(run, "score", "storage.write")  # dies with half of u00000's score shard on disk

@@ -3,6 +3,13 @@ server, started here), with `gndpo status`, `gndpo sql` and `gndpo eval` reading
 
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import fsspec.config
 import pytest
@@ -17,12 +24,26 @@ BUCKET = "gndpo-test"
 @pytest.fixture(scope="module")
 def s3_endpoint():
     boto3 = pytest.importorskip("boto3")
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    pytest.importorskip("moto.server")
+    # moto's server in a process of its own: in this one, Flask's request-context proxies would sit in
+    # sys.modules, and vLLM's CPU start-up scans every module's attributes (vllm/triton_utils/
+    # dispatcher.py), which fails on them, for the in-process engines that later tests of this worker build.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=2)
+            break
+        except urllib.error.HTTPError:  # it answers: started
+            break
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, "moto_server did not start"
+            time.sleep(0.2)
     env = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
@@ -36,7 +57,8 @@ def s3_endpoint():
     fsspec.config.set_conf_env(fsspec.config.conf)
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=BUCKET)
     yield env
-    server.stop()
+    server.terminate()
+    server.wait(timeout=30)
     fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
     for k, v in old.items():
         if v is None:

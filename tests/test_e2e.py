@@ -321,7 +321,7 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
     from gndpo.storage.shards import read_shards
 
     small = ["--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.micro_batch_size=8",
-             "--set", "train.optimizer_steps=2", "--set", "engine.max_model_len=32"]
+             "--set", "train.optimizer_steps=2", "--set", "engine.max_model_len=32", "--set", "engine.in_process=true"]
     cmp = tmp_path / "cmp"
     out = gndpo("compare", "opd", "forward_kl", "--seeds", "2", "--rounds", "1", "--out", cmp, "--assets", tiny_assets, *small).stdout
     assert "acc_r1_sd" in out

@@ -118,6 +118,12 @@ def test_an_in_process_engine_is_built_with_vllms_in_process_settings(tiny_asset
     assert "distributed_executor_backend" not in engine.engine_kwargs(student, EngineConfig(in_process=True))
 
 
+def test_init_refuses_an_in_process_engine_with_zero_2_or_3(tiny_assets, tmp_path):
+    cfg = tiny_config_dict(tiny_assets, engine={"in_process": True}, train={"zero_stage": 2})
+    line = init_fails(tmp_path, cfg)
+    assert "engine.in_process runs with train.zero_stage 0 only" in line
+
+
 def test_each_engine_gets_its_own_kv_cache_size(tiny_assets, monkeypatch, caplog):
     """engine.kv_cache_gib reaches each engine as its own argument: a teacher engine started after a
     student engine in the same process gets the teacher's size, and the legacy VLLM_CPU_KVCACHE_SPACE

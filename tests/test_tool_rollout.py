@@ -44,7 +44,7 @@ def tool_config(folder, assets):
                     "max_turns": 3, "max_tool_response_tokens": 48},
         "score": {"rows_per_chunk": 16},
         "train": {"lr": 1e-3, "optimizer_steps": 1, "micro_batch_size": 64},
-        "engine": {"max_model_len": 128},
+        "engine": {"max_model_len": 128, "in_process": True},
     }
     return write_config(folder, cfg)
 
@@ -194,6 +194,7 @@ def test_demo_tools_task_on_prebuilt_assets(tmp_path, tool_assets):
     out = gndpo(
         "demo", tmp_path / "demo", "--task", "tools", "--rounds", "1", "--assets", tool_assets,
         "--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.optimizer_steps=2",
+        "--set", "engine.in_process=true",
     ).stdout
     assert "teacher" in out and "student (start)" in out and "student after round 1" in out
     metrics = open_run(str(tmp_path / "demo" / "run")).records(0, "rollout").manifest()["metrics"]

@@ -153,7 +153,7 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
         kwargs["enable_sleep_mode"] = True
     if max_logprobs > 20:
         kwargs["max_logprobs"] = max_logprobs
-    from vllm import LLM, envs as vllm_envs
+    from vllm import LLM
 
     with _engine_start_env(runs_in_process(kwargs)) as legacy:
         if legacy is not None and "kv_cache_memory_bytes" in kwargs:
@@ -166,6 +166,8 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
         # An in-process engine core freezes vLLM's environment variables for the whole process when it
         # starts (vllm.envs.enable_envs_cache), VLLM_ENABLE_V1_MULTIPROCESSING=0 among them: without
         # this, every later engine of the process would be built in-process too, whatever its setting.
+        from vllm import envs as vllm_envs
+
         vllm_envs.disable_envs_cache()
     # Left to interpreter teardown, the engine-core process can be torn down mid-exit and the process
     # aborts ("terminate called without an active exception") after its work is done.

@@ -19,7 +19,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import gndpo, invoke_ok, run_stages
+from tests.conftest import gndpo
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +29,9 @@ def normalized_run(request, tmp_path_factory, rolled_out):
     """GNDPO (policy gradient, seq-mean-token-mean) and JSD on the teacher top-k (divergence, global
     token mean), each a fork of the shared rolled-out round, scored and normalized."""
     run = tmp_path_factory.mktemp(f"dp-{request.param}") / "run"
-    # In this process: what the stages compute is not the subject here, train's processes are.
-    invoke_ok("fork", rolled_out, run, "--from-round", "0", f"method.name={request.param}", "train.optimizer_steps=2", "train.micro_batch_size=4")
-    run_stages(run, "score", "normalize")
+    gndpo("fork", rolled_out, run, "--from-round", "0", f"method.name={request.param}", "train.optimizer_steps=2", "train.micro_batch_size=4")
+    for stage in ("score", "normalize"):
+        gndpo(stage, run, "--round", 0)
     return run
 
 
@@ -63,6 +63,7 @@ def set_train(run, **knobs):
     """Change train settings in a copied run's frozen config (its rollouts, scores and statistics stay)."""
     cfg = yaml.safe_load((run / "run.yaml").read_text())
     cfg["train"].update(knobs)
+    cfg["engine"]["in_process"] = False  # refused beside ZeRO-2/3 (no engine runs in these rounds' trains)
     (run / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 
@@ -166,8 +167,8 @@ def test_bf16_train_runs_deepspeed_bf16_and_exports_bf16(normalized_run, one_ran
     shutil.copytree(normalized_run, run)
     cfg = yaml.safe_load((run / "run.yaml").read_text())
     cfg["model"]["dtype"] = "bfloat16"
-    cfg["train"]["zero_stage"] = 2
     (run / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    set_train(run, zero_stage=2)
     gndpo("train", run, "--round", 0)
     commit = open_run(str(run)).records(0, "train").done("update")
     model_dir = run / commit["model_dir"]

@@ -170,6 +170,20 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
     return sorted((r for f in files for r in pq.read_table(Path(run_dir) / f["path"]).to_pylist()), key=lambda r: r["rollout_id"])
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on loopback right now."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def gndpo_killed(*args, env: dict, log: Path, timeout=600) -> int:
     """Run a gndpo command that is expected to SIGKILL itself (``env`` sets GNDPO_CRASH_AT), in its own
     session, then kill what it started (vLLM's engine process outlives its parent, as when the machine

@@ -3,7 +3,6 @@ server, started here), with `gndpo status`, `gndpo sql` and `gndpo eval` reading
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import fsspec.config
 import pytest
 import yaml
 
-from tests.conftest import gndpo, tiny_config_dict
+from tests.conftest import free_ports, gndpo, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 BUCKET = "gndpo-test"
@@ -30,9 +29,7 @@ def s3_endpoint():
     # moto's server in a process of its own: in this one, Flask's request-context proxies would sit in
     # sys.modules, and vLLM's CPU start-up scans every module's attributes (vllm/triton_utils/
     # dispatcher.py), which fails on them, for the in-process engines that later tests of this worker build.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port, = free_ports(1)
     server = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"

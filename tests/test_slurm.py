@@ -29,7 +29,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import gndpo, tiny_config_dict, write_config
+from tests.conftest import free_ports, gndpo, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -52,18 +52,6 @@ def tail(path: Path, lines: int = 15) -> str:
     except OSError:
         return f"({path.name} was not written)"
     return "\n".join(text[-lines:])
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on loopback right now."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def marked_processes(marker: str, job: str | None = None) -> list[int]:

@@ -155,14 +155,15 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
         kwargs["max_logprobs"] = max_logprobs
     from vllm import LLM
 
-    with _engine_start_env(runs_in_process(kwargs)) as legacy:
+    in_process = runs_in_process(kwargs)
+    with _engine_start_env(in_process) as legacy:
         if legacy is not None and "kv_cache_memory_bytes" in kwargs:
             logging.getLogger("gndpo").warning(
                 f"{LEGACY_KV_CACHE_ENV}={legacy} is ignored: engine.kv_cache_gib ({cfg.kv_cache_gib}) sets the KV cache "
                 f"of the engine for {model_path}"
             )
         llm = LLM(**kwargs)
-    if runs_in_process(kwargs):
+    if in_process:
         # An in-process engine core freezes vLLM's environment variables for the whole process when it
         # starts (vllm.envs.enable_envs_cache), VLLM_ENABLE_V1_MULTIPROCESSING=0 among them: without
         # this, every later engine of the process would be built in-process too, whatever its setting.

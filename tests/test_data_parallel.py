@@ -63,7 +63,6 @@ def set_train(run, **knobs):
     """Change train settings in a copied run's frozen config (its rollouts, scores and statistics stay)."""
     cfg = yaml.safe_load((run / "run.yaml").read_text())
     cfg["train"].update(knobs)
-    cfg["engine"]["in_process"] = False  # refused beside ZeRO-2/3 (no engine runs in these rounds' trains)
     (run / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
 

@@ -14,6 +14,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -21,7 +22,7 @@ import yaml
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
 from gndpo.stages.models import vllm_engine as engine
-from tests.conftest import assert_one_line_error, gndpo, invoke, tiny_config_dict
+from tests.conftest import assert_one_line_error, committed_rows, gndpo, invoke, run_stages, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY_CONTEXT = 64  # max_position_embeddings of the toy models
@@ -118,10 +119,30 @@ def test_an_in_process_engine_is_built_with_vllms_in_process_settings(tiny_asset
     assert "distributed_executor_backend" not in engine.engine_kwargs(student, EngineConfig(in_process=True))
 
 
-def test_init_refuses_an_in_process_engine_with_zero_2_or_3(tiny_assets, tmp_path):
-    cfg = tiny_config_dict(tiny_assets, engine={"in_process": True}, train={"zero_stage": 2})
-    line = init_fails(tmp_path, cfg)
-    assert "engine.in_process runs with train.zero_stage 0 only" in line
+@pytest.mark.slow
+def test_zero3_trains_in_a_process_whose_in_process_engine_has_shut_down(tiny_assets, tmp_path):
+    """Two toy rounds in this process with in-process engines: a ZeRO-0 round, then a ZeRO-3 round. The
+    first round's engine is collected when the second one starts, and its shutdown destroys every
+    torch.distributed group of the process, DeepSpeed's clone of the world group among them (before the
+    fix, ZeRO-3 then failed: "Group ... is not registered"). The ZeRO-3 round trains the same rows to
+    the same weights as the ZeRO-0 one."""
+    from safetensors.numpy import load_file
+
+    from gndpo.pipeline.apps.init import init_run
+    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.run.run import open_run
+
+    weights = {}
+    for stage in (0, 3):
+        url = str(tmp_path / f"zero{stage}")
+        init_run(url, config_from_dict(tiny_config_dict(tiny_assets, train={"zero_stage": stage}, engine={"in_process": True})))
+        run_stages(url, "rollout", "score", "normalize", "train")
+        model_dir = open_run(url).records(0, "train").manifest()["metrics"]["model_dir"]
+        weights[stage] = load_file(str(Path(url) / model_dir / "model.safetensors"))
+    assert committed_rows(tmp_path / "zero3") == committed_rows(tmp_path / "zero0")
+    assert weights[3].keys() == weights[0].keys()
+    for key in weights[0]:
+        np.testing.assert_allclose(weights[3][key], weights[0][key], rtol=1e-4, atol=1e-5, err_msg=key)
 
 
 def test_each_engine_gets_its_own_kv_cache_size(tiny_assets, monkeypatch, caplog):
@@ -255,3 +276,35 @@ def test_gpu_round_bench_config_passes_init(tmp_path):
     assert (out / "run" / "run.yaml").exists() and not (tmp_path / "r.json").exists()
     cfg = yaml.safe_load((out / "config.yaml").read_text())
     assert cfg["train"]["zero_stage"] == 2 and cfg["model"]["dtype"] == "auto" and cfg["rollout"]["max_tokens"] == 1024
+
+
+def test_shutting_down_an_in_process_engine_drops_what_shared_its_process_groups(monkeypatch):
+    """A kept in-process engine that is replaced takes the process's torch.distributed groups with it:
+    the kept teacher engine (in-process too) and the kept DeepSpeed engine are dropped with it, to be
+    rebuilt when next asked for; an engine in processes of its own takes nothing with it."""
+    from gndpo.stages.models import live as live_module
+
+    stopped = []
+    monkeypatch.setattr(live_module, "engine_processes", lambda llm: frozenset())
+    monkeypatch.setattr(live_module, "in_process_engine", lambda llm: llm.startswith("in-process"))
+    monkeypatch.setattr(live_module, "shutdown_llm", stopped.append)
+
+    def kept(student: str, teacher: str) -> live_module.LiveModels:
+        live = live_module.LiveModels(keep=True, log=lambda *_: None)
+        live._engine = live_module._Engine(student, ("key",), "policy")
+        live._teacher_engine = live_module._Engine(teacher, ("key",), "teacher")
+        live._trainer = live_module._Trainer(object(), ("key",), "r0000/model")
+        return live
+
+    live = kept("in-process student", "in-process teacher")
+    live.close_engine()
+    assert stopped == ["in-process student", "in-process teacher"]
+    assert live._engine is None and live._teacher_engine is None and live._trainer is None
+
+    stopped.clear()
+    live = kept("student in processes", "in-process teacher")
+    live.close_engine()
+    assert stopped == ["student in processes"]
+    assert live._teacher_engine is not None and live._trainer is not None
+    live.close()
+    assert stopped == ["student in processes", "in-process teacher"] and live._trainer is None

@@ -178,7 +178,7 @@ def test_kept_engine_samples_from_the_reloaded_weights_on_gemma(gemma3, tmp_path
     from gndpo.stages.models.live import LiveModels
 
     model, tok = perturbed_copy(gemma3, tmp_path / "round1")
-    cfg = EngineConfig(max_model_len=256, kv_cache_gib=1)
+    cfg = EngineConfig(max_model_len=256, kv_cache_gib=1, in_process=True)
     live = LiveModels(keep=True, log=lambda *_: None)
     try:
         live.student_engine(str(gemma3), cfg, seed=0)
@@ -194,7 +194,7 @@ def test_kept_engine_reloads_smollm2_and_a_stale_one_is_replaced(smollm2, tmp_pa
     from gndpo.pipeline.config.schema import EngineConfig
     from gndpo.stages.models.live import LiveModels
 
-    cfg = EngineConfig(max_model_len=256, kv_cache_gib=1)
+    cfg = EngineConfig(max_model_len=256, kv_cache_gib=1, in_process=True)
     live = LiveModels(keep=True, log=lambda *_: None)
     try:
         llm = live.student_engine(str(smollm2), cfg, seed=0)
@@ -228,7 +228,7 @@ def smollm2_config(folder, student, **sections) -> dict:
         "rollout": {"prompts_per_round": 4, "n": 2, "prompts_per_unit": 4, "max_tokens": 12},
         "score": {"teacher_topk": 8},
         "train": {"lr": 1e-5, "optimizer_steps": 1, "micro_batch_size": 8, "zero_stage": 2},
-        "engine": {"max_model_len": 256, "kv_cache_gib": 1},
+        "engine": {"max_model_len": 256, "kv_cache_gib": 1, "in_process": True},
     }
     for key, value in sections.items():
         cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value

@@ -116,9 +116,7 @@ def vision_config(folder, pair, **sections) -> dict:
         "rollout": {"prompts_per_round": 4, "n": 2, "prompts_per_unit": 4, "max_tokens": 6, "eval_heldout": True},
         "score": {"rows_per_chunk": 4},
         "train": {"optimizer_steps": 1, "micro_batch_size": 8, "lr": 1e-2},
-        # Engines in processes of their own: these tests run stages in the test's process, where an
-        # in-process engine would keep torch.distributed groups that the ZeRO-3 test's DeepSpeed cannot use.
-        "engine": {"max_model_len": 64, "in_process": False},
+        "engine": {"max_model_len": 64},
         **sections,
     })
     cfg["data"] = {"train": write_prompts(folder, 6), "heldout": write_prompts(folder, 3, offset=20, name="heldout.jsonl")}

@@ -535,11 +535,6 @@ def _check_combinations(cfg: Config) -> None:
         if cfg.score.backend == "vllm":
             raise GndpoError("several teachers are scored with score.backend hf only (one teacher per vLLM engine is not built yet)")
     _check_self_distillation(cfg)
-    if cfg.engine.in_process and cfg.train.zero_stage > 0:
-        # vLLM's in-process worker sets up torch.distributed groups in the gndpo process; a ZeRO-2/3
-        # DeepSpeed engine built in that process later found its group unregistered.
-        raise GndpoError("engine.in_process runs with train.zero_stage 0 only: an in-process vLLM engine and a ZeRO-2/3 "
-                         "DeepSpeed engine cannot share one process")
     if cfg.score.cross_tokenizer:
         for other, clash in (("teachers", bool(cfg.teachers)), ("score.backend vllm", cfg.score.backend == "vllm"),
                              ("rollout.tools", bool(rc.tools)), ("rollout.guided_fraction", rc.guided_fraction > 0)):

@@ -31,7 +31,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gndpo.stages.models.vllm_engine import cuda_available, engine_alive, engine_dtype, engine_processes, make_llm, shutdown_llm
+from gndpo.stages.models.vllm_engine import (cuda_available, engine_alive, engine_dtype, engine_processes, in_process_engine, make_llm,
+                                             shutdown_llm)
 from gndpo.stages.models.probe import TOLERANCE, probe_gap
 from gndpo.stages.models.loading import load_causal_lm, model_config
 from gndpo.stages.training.deepspeed_engine import build_engine
@@ -44,9 +45,11 @@ class _Engine:
     weights: str  # the folder whose weights it holds now
     asleep: bool = False
     processes: frozenset = field(init=False)  # its engine-core and worker pids once started (engine_alive)
+    in_process: bool = field(init=False)  # engine.in_process: vLLM runs inside this process
 
     def __post_init__(self):
         self.processes = engine_processes(self.llm)
+        self.in_process = in_process_engine(self.llm)
 
 
 @dataclass
@@ -156,8 +159,23 @@ class LiveModels:
 
     def close_engine(self) -> None:
         if self._engine is not None:
-            shutdown_llm(self._engine.llm)
-            self._engine = None
+            self._shut_down(self._engine)
+
+    def _shut_down(self, live: _Engine) -> None:
+        """Stop ``live``'s engine and forget it. An in-process engine's shutdown destroys every
+        torch.distributed group of this process (vLLM's ``cleanup_dist_env_and_memory``): the other
+        in-process engine and the kept DeepSpeed engine lose theirs, so they go too and are rebuilt when
+        next asked for (the trainer from the committed export, as in a fresh process)."""
+        doomed = [live]
+        if live.in_process:
+            doomed += [e for e in (self._engine, self._teacher_engine) if e is not None and e is not live and e.in_process]
+            self._trainer = None
+        for engine in doomed:
+            shutdown_llm(engine.llm)
+            if engine is self._engine:
+                self._engine = None
+            if engine is self._teacher_engine:
+                self._teacher_engine = None
 
     # -- score with score.backend vllm: the teacher's engine -------------------------------------------
     def teacher_engine(self, path: str, cfg, max_logprobs: int = 0, images: int = 0):
@@ -169,8 +187,8 @@ class LiveModels:
         key = (path, repr(cfg), max_logprobs, images)
         live = self._teacher_engine = self._alive(self._teacher_engine, "the teacher's engine")
         if live is not None and live.key != key:
-            shutdown_llm(live.llm)
-            live = self._teacher_engine = None
+            self._shut_down(live)
+            live = None
         if live is None:
             self._teacher_engine = live = _Engine(make_llm(path, cfg, sleep_mode=cuda_available(), max_logprobs=max_logprobs, images=images), key, path)
         if live.asleep:
@@ -234,10 +252,8 @@ class LiveModels:
             self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir)
 
     def close(self) -> None:
-        self.close_engine()
-        if self._teacher_engine is not None:
-            shutdown_llm(self._teacher_engine.llm)
-            self._teacher_engine = None
+        while (live := self._engine or self._teacher_engine) is not None:
+            self._shut_down(live)
         self._modules.clear()
         self._trainer = None
 

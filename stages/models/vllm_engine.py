@@ -21,6 +21,7 @@ Prompts are passed as token ids, so what is generated is exactly what score and 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import time
@@ -156,6 +157,11 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
     from vllm import LLM
 
     in_process = runs_in_process(kwargs)
+    if in_process:
+        # An in-process engine dropped earlier (a stage's, left to the garbage collector) destroys every
+        # torch.distributed group of the process when it is collected: collected now, before this
+        # engine sets up its own, not in the middle of this engine's life.
+        gc.collect()
     with _engine_start_env(in_process) as legacy:
         if legacy is not None and "kv_cache_memory_bytes" in kwargs:
             logging.getLogger("gndpo").warning(
@@ -187,6 +193,11 @@ def _core_resources(llm):
     """What vLLM's engine-core client holds of its processes; None for an in-process engine core
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which has no processes of its own to die."""
     return getattr(llm.llm_engine.engine_core, "resources", None)
+
+
+def in_process_engine(llm) -> bool:
+    """Whether ``llm``'s engine core runs inside this process (``engine.in_process``)."""
+    return _core_resources(llm) is None
 
 
 def engine_alive(llm, processes: frozenset[int]) -> bool:

@@ -55,6 +55,7 @@ def init_distributed(dist: Dist) -> None:
                                            world_size=dist.world)
     if not dist.launched:
         os.environ.setdefault("LOCAL_RANK", str(dist.local_rank))
+    forget_destroyed_world_group()
     # On CPU DeepSpeed builds its shared-memory communication extension here and print()s "... built
     # successfully" on stdout: that line goes to the log at DEBUG instead.
     printed = io.StringIO()
@@ -62,6 +63,26 @@ def init_distributed(dist: Dist) -> None:
         deepspeed.init_distributed(dist_backend=backend, **kwargs)
     if printed.getvalue().strip():
         logging.getLogger("gndpo").debug("deepspeed: %s", printed.getvalue().strip())
+
+
+def forget_destroyed_world_group() -> None:
+    """Let DeepSpeed clone the world group again if the one it cloned has been destroyed.
+
+    DeepSpeed clones torch's world group once per process and keeps the clone in a module global
+    (``deepspeed.utils.groups._WORLD_GROUP``); ZeRO-2/3 look their ranks up in it. An in-process vLLM
+    engine (``engine.in_process``) destroys every process group of the process when it shuts down
+    (vLLM's ``cleanup_dist_env_and_memory``), the clone among them, so a later ZeRO engine in the same
+    process failed with "Group ... is not registered". The group is re-created on the next
+    :func:`deepspeed.init_distributed`; this makes DeepSpeed clone that one."""
+    from deepspeed.utils import groups
+
+    clone = groups._WORLD_GROUP
+    if clone is None:
+        return
+    try:
+        torch.distributed.get_process_group_ranks(clone)
+    except (KeyError, ValueError, RuntimeError):  # torch no longer knows the group
+        groups._WORLD_GROUP = None
 
 
 def free_port() -> int:

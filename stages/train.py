@@ -48,6 +48,7 @@ from gndpo.stages.training.checkpoint import Start, carry_state, save_checkpoint
 from gndpo.stages.training.deepspeed_engine import init_distributed, isolate_extension_builds, quiet_deepspeed_import
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.stages.training.export import export_ema, export_student
+from gndpo.storage.meter import phase
 
 
 def all_reduce(values: np.ndarray, op: str = "sum") -> np.ndarray:
@@ -290,7 +291,8 @@ class TrainJob:
         init_distributed(self.dist)
 
     def run_unit(self, unit, out_dir):
-        update = self.prepare_update()
+        with phase("setup"):
+            update = self.prepare_update()
         history = self.train(update, out_dir)
         return self.finish(update, history, out_dir)
 
@@ -345,7 +347,8 @@ class TrainJob:
                 bar.show(loss=step["loss"], grad_norm=step["grad_norm"], clip_fraction=step["clip_fraction"])
                 crash_point("train.step")
                 if every and (i + 1) % every == 0 and i + 1 < len(update.steps):
-                    save_checkpoint(update.engine, self.run.fs, out_dir, history, self.dist, update.ema)
+                    with phase("checkpoint"):
+                        save_checkpoint(update.engine, self.run.fs, out_dir, history, self.dist, update.ema)
         return history
 
     def finish(self, update: Update, history: list[dict], out_dir: str) -> tuple[list[dict], dict]:
@@ -362,12 +365,14 @@ class TrainJob:
             "optimizer_state_resumed": update.start.optimizer_state,
             "resumed_after_step": update.start.after_step,
         }
-        files = export_student(update.engine, update.policy, self.run.fs, out_dir, tc.zero_stage, dist, update.objective.pad_id)
-        if update.ema is not None and dist.main:  # the next round's EMA teacher
-            files += export_ema(update.ema, update.engine.module, update.policy, self.run.fs, out_dir)
-            summary["ema_dir"] = f"{out_dir}/ema"
+        with phase("export"):
+            files = export_student(update.engine, update.policy, self.run.fs, out_dir, tc.zero_stage, dist, update.objective.pad_id)
+            if update.ema is not None and dist.main:  # the next round's EMA teacher
+                files += export_ema(update.ema, update.engine.module, update.policy, self.run.fs, out_dir)
+                summary["ema_dir"] = f"{out_dir}/ema"
         if tc.carry_optimizer_state:
-            state = carry_state(update.engine, self.run.fs, out_dir, dist)
+            with phase("state"):
+                state = carry_state(update.engine, self.run.fs, out_dir, dist)
             if dist.main:
                 files += state["files"]
                 summary["optimizer_state"] = state

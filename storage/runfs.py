@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import fsspec
 
 from gndpo.errors import GndpoError
 from gndpo.faults import crash_point
+from gndpo.storage.meter import charge_write
 
 
 class RunFS:
@@ -144,6 +146,7 @@ class RunFS:
         leaves a truncated file under the final name.
         """
         target = self.path(rel)
+        start = time.perf_counter()
         if self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             tmp = f"{target}.{uuid.uuid4().hex}.tmp"
@@ -157,6 +160,7 @@ class RunFS:
             os.replace(tmp, target)
         else:
             self.fs.pipe_file(target, data)
+        charge_write(len(data), time.perf_counter() - start)
         return {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def upload_dir(self, local_dir: str | Path, rel: str) -> list[dict]:

@@ -56,6 +56,35 @@ def test_stdout_carries_only_the_result(run_dir):
         f"grad-norm max {by[(1, 'train')]['grad_norm_max']:.3g}; policy v2 committed (2 rounds trained)\n")
 
 
+def test_status_phases_account_for_each_stage_and_its_bytes(run_dir):
+    """`gndpo status --phases`: round 0 ran a process per stage. Rollout's set-up is its engine start;
+    train's export and optimizer state wrote exactly the bytes of the files its commit lists under the
+    model and state folders (sizes read from the disk); each unit's phases add up to its time (set-up
+    plus its work); the manifest's phase metrics are the units' sums."""
+    from gndpo.pipeline.exec.status import phase_rows
+
+    run = open_run(str(run_dir))
+    rows = {(r["round"], r["stage"]): r for r in phase_rows(run)}
+    assert set(rows) == {(r, s) for r in range(2) for s in STAGES}
+    assert rows[(0, "rollout")]["setup s"] > 1.0  # a vLLM engine start
+    train = run.records(0, "train")
+    commit = train.done("update")
+    on_disk = lambda folder: sum(p.stat().st_size for p in (run_dir / commit["model_dir"]).parent.joinpath(folder).rglob("*") if p.is_file())  # noqa: E731
+    assert rows[(0, "train")]["export MB"] == round(on_disk("model") / 1e6, 3)
+    assert rows[(0, "train")]["state MB"] == round(on_disk("optimizer") / 1e6, 3) > 0
+    for stage in STAGES:
+        rec = run.records(0, stage)
+        commits = [rec.done(u) for u in sorted(rec.done_units())]
+        for c in commits:
+            spent = sum(p["seconds"] for p in c["phases"].values())
+            assert c["seconds"] <= spent + 0.01 and spent - c["phases"].get("setup", {"seconds": 0})["seconds"] <= c["seconds"] + 0.01, c
+        metrics = rec.manifest()["metrics"]
+        for name in {n for c in commits for n in c["phases"]}:
+            assert metrics[f"phase_{name}_bytes"] == sum(c["phases"].get(name, {"bytes": 0})["bytes"] for c in commits)
+    table = gndpo("status", run_dir, "--phases").stdout
+    assert "export MB" in table and table.count("train") == 2
+
+
 def _rows(run_dir, stage: str) -> int:
     return open_run(str(run_dir)).records(0, stage).manifest()["rows"]
 

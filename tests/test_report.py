@@ -11,7 +11,7 @@ def test_the_browser_check_sees_a_broken_figure(tmp_path):
 
     broken = base64.b64encode(b"\x89PNG\r\n\x1a\nnot really a png" * 50).decode()
     page = PAGE.format(title="t", subtitle="", figures=f'<img alt="accuracy" src="data:image/png;base64,{broken}">',
-                       table="", tokens="", configs="<pre>" + "x\n" * 400 + "</pre>")
+                       table="", tokens="", phases="", phase_note="", configs="<pre>" + "x\n" * 400 + "</pre>")
     (tmp_path / "report.html").write_text(page)
     console = open_in_chromium(tmp_path / "report.html", ARTIFACTS / "broken-report.png")
     assert len(console) == 1 and "figure failed to load: accuracy" in console[0]

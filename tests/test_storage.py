@@ -76,7 +76,9 @@ def test_worker_commits_every_unit_once_and_resumes_after_a_crash(tmp_path):
     claim.write_text(json.dumps(body))
     job = CountingJob(fs, [3, 4, 5])
     manifest = Worker(records, job, log=lambda *_: None).run()
-    assert manifest["rows"] == 12 and manifest["metrics"] == {"tokens": 12}
+    assert manifest["rows"] == 12 and manifest["metrics"]["tokens"] == 12
+    # Beside the job's own metrics, where its units' time went (the shards: the write phase).
+    assert manifest["metrics"]["phase_write_bytes"] == sum(u["bytes"] for u in manifest["units"]) > 0
     assert [u["unit"] for u in manifest["units"]] == ["u0", "u1", "u2"]
     assert records.done("u1")["attempt"] == 2
     # A rerun after the manifest does no work at all.

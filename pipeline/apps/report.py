@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.exec.status import stage_rows
+from gndpo.pipeline.exec.status import phase_rows, stage_rows
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.run import open_run
@@ -280,6 +280,9 @@ pre.config {{ background: #f6f6f6; padding: 1em; font-size: 0.85em; }}
 <div class="grid">{figures}</div>
 <h2>Round table</h2>
 {table}
+<h2>Where the time went</h2>
+<p>Seconds of work per phase of each stage (summed over its units) and the MB each phase wrote to the run folder{phase_note}.</p>
+{phases}
 <h2>Where the student goes wrong</h2>
 {tokens}
 <h2>Config</h2>
@@ -318,6 +321,16 @@ def round_table(series: list[Series]) -> str:
     return f"<table>{head}{''.join(body)}</table>"
 
 
+def rows_table(rows: list[dict]) -> str:
+    """``rows`` (dicts with the same keys) as an HTML table."""
+    if not rows:
+        return "<p>-</p>"
+    head = "<tr>" + "".join(f"<th>{html.escape(str(k))}</th>" for k in rows[0]) + "</tr>"
+    body = "".join("<tr>" + "".join(f"<td>{v:.4g}</td>" if isinstance(v, float) else f"<td>{html.escape(str(v))}</td>"
+                                    for v in row.values()) + "</tr>" for row in rows)
+    return f"<table>{head}{body}</table>"
+
+
 def build_report(folder: str, out: str) -> dict:
     """Write ``out/report.html`` and ``out/<figure>.png`` (any fsspec URL); returns their paths. The HTML
     is written last, so a finished report.html means its figures are there."""
@@ -342,6 +355,8 @@ def build_report(folder: str, out: str) -> dict:
     page = PAGE.format(
         title=html.escape(Path(folder).name or folder), subtitle=subtitle, figures="\n".join(figures),
         table=round_table(series), tokens=token_view(series[0].url), configs=configs,
+        phases=rows_table(phase_rows(open_run(series[0].url))),
+        phase_note=f" ({html.escape(series[0].label)})" if len(series) > 1 else "",
     )
     write_file(f"{out}/report.html", page.encode())
     return {"html": f"{out}/report.html", "figures": written}

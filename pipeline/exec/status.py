@@ -1,6 +1,7 @@
 """What `gndpo status` shows: per round and stage, its state (committed, running, stopped), units planned /
 claimed / done / stale, the rows and tokens of its data (a rollout's held-out evaluation apart, as its
-accuracy), wall time and throughput, read from plans, claims, commit records and manifests."""
+accuracy), wall time and throughput, read from plans, claims, commit records and manifests; and with
+``--phases``, where each stage's time went (:func:`phase_rows`)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,33 @@ def stage_rows(run) -> list[dict]:
                 }
             )
     return rows
+
+
+# The phases in the order a unit goes through them (gndpo.storage.meter); others follow by name.
+PHASE_ORDER = ("setup", "compute", "write", "checkpoint", "export", "state")
+
+
+def phase_rows(run) -> list[dict]:
+    """Per round and stage with committed units: the seconds of work in each phase (summed over its
+    units, so units that ran side by side add up) and the MB each phase wrote to the run folder."""
+    rows = []
+    for r in range(committed_rounds(run) + 1):
+        for stage in STAGES:
+            rec = run.records(r, stage)
+            phases = [c.get("phases", {}) for c in (rec.done(u) for u in sorted(rec.done_units())) if c is not None]
+            seconds: dict[str, float] = {}
+            written: dict[str, int] = {}
+            for unit in phases:
+                for name, spent in unit.items():
+                    seconds[name] = seconds.get(name, 0.0) + spent["seconds"]
+                    written[name] = written.get(name, 0) + spent["bytes"]
+            if seconds:
+                rows.append((r, stage, seconds, written))
+    order = lambda n: (PHASE_ORDER.index(n) if n in PHASE_ORDER else len(PHASE_ORDER), n)  # noqa: E731
+    timed = sorted({n for *_, seconds, _ in rows for n in seconds}, key=order)
+    writing = sorted({n for *_, written in rows for n, b in written.items() if b}, key=order)
+    return [{"round": r, "stage": stage, **{f"{n} s": round(seconds.get(n, 0.0), 2) for n in timed},
+             **{f"{n} MB": round(written.get(n, 0) / 1e6, 3) for n in writing}} for r, stage, seconds, written in rows]
 
 
 def wall_seconds(rec, units: list[str], commits: list[dict], finished: bool, now: float) -> float | None:

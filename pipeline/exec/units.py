@@ -29,6 +29,7 @@ from typing import Protocol
 from gndpo.errors import GndpoError, first_line
 from gndpo.faults import crash_point
 from gndpo.pipeline.exec.signals import pid_alive
+from gndpo.storage.meter import phase, unit_clock
 from gndpo.storage.records import StageRecords
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import FILE_ONLY, info, unit_context
@@ -216,15 +217,17 @@ class Worker:
         beat = threading.Thread(target=self._heartbeat_loop, args=(lease, stop), daemon=True)
         beat.start()
         try:
-            if not self._is_set_up:  # under the lease: starting engines can take longer than the ttl
-                self.job.setup()
-                self._is_set_up = True
-            t0 = time.time()
-            files, summary = self.job.run_unit(unit, out_dir)
+            with unit_clock() as clock:
+                if not self._is_set_up:  # under the lease: starting engines can take longer than the ttl
+                    with phase("setup"):
+                        self.job.setup()
+                    self._is_set_up = True
+                t0 = time.time()
+                files, summary = self.job.run_unit(unit, out_dir)
         finally:
             stop.set()
             beat.join()
-        summary = {**summary, "seconds": round(time.time() - t0, 3), "worker": self.worker_id}
+        summary = {**summary, "seconds": round(time.time() - t0, 3), "worker": self.worker_id, "phases": clock.breakdown()}
         if lease.lost():
             # Another worker may hold the unit now; ours was never visible, so removing it is safe.
             self.records.run.rm(out_dir)
@@ -261,13 +264,25 @@ class Worker:
             "units": commits,
             "rows": sum(c["rows"] for c in commits),
             "bytes": sum(c["bytes"] for c in commits),
-            "metrics": self.job.summarize(commits),
+            "metrics": {**self.job.summarize(commits), **phase_totals(commits)},
             "finished_at": time.time(),
         }
         manifest, created = self.records.create_manifest(body)
         if created and self.on_manifest is not None:
             self.on_manifest(manifest)
         return manifest
+
+
+def phase_totals(commits: list[dict]) -> dict:
+    """A stage's ``phase_<name>_seconds`` and ``phase_<name>_bytes`` metrics: its units' phases summed
+    (seconds of work: units that ran side by side on several workers add up)."""
+    totals: dict[str, float] = {}
+    for commit in commits:
+        for name, spent in commit.get("phases", {}).items():
+            for unit_of_measure in ("seconds", "bytes"):
+                key = f"phase_{name}_{unit_of_measure}"
+                totals[key] = totals.get(key, 0) + spent[unit_of_measure]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in sorted(totals.items())}
 
 
 def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=info, on_manifest=None) -> dict:

@@ -97,6 +97,19 @@ def scores_schema(topk: int) -> pa.Schema:
     return schema
 
 
+def token_bytes(schema: pa.Schema, names) -> int:
+    """Bytes one response token takes, uncompressed, in ``schema``'s per-token columns ``names`` (lists
+    of a fixed-width type, or of fixed-size lists of one: the top-k)."""
+    total = 0
+    for name in names:
+        item = schema.field(name).type.value_type
+        width = 1
+        if pa.types.is_fixed_size_list(item):
+            width, item = item.list_size, item.value_type
+        total += width * item.bit_width // 8
+    return total
+
+
 def list_column(values: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.Array:
     """A list<typ> column (or list<fixed_size_list>) from one flat array of all rows' values [N] or
     [N, k] and each row's length, without per-element Python objects."""

@@ -29,6 +29,7 @@ from gndpo.stages.models.device import attn_implementation, visible_gpus
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
+from gndpo.pipeline.apps.round_size import check_round_fits
 from gndpo.pipeline.config.checks import check_backend
 from gndpo.stages.text.agent import ToolUse
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids, uses_template
@@ -124,10 +125,11 @@ def check_prompt_count(cfg: Config, prompts: int) -> None:
         )
 
 
-def check_context(cfg: Config, splits: dict, images: dict[str, bytes]) -> None:
+def check_context(cfg: Config, splits: dict, images: dict[str, bytes]) -> int:
     """Every prompt plus ``rollout.max_tokens`` fits vLLM's ``max_model_len`` (rollout samples the train
     prompts and, with ``rollout.eval_heldout``, decodes the held-out ones with the same budget), and
-    ``engine.max_model_len`` is not beyond the student's own context length (vLLM would refuse it)."""
+    ``engine.max_model_len`` is not beyond the student's own context length (vLLM would refuse it).
+    Returns the longest prompt's tokens."""
 
     own = model_context_length(cfg.student)
     max_len = resolve_max_model_len(cfg.student, cfg.engine)
@@ -149,6 +151,7 @@ def check_context(cfg: Config, splits: dict, images: dict[str, bytes]) -> None:
             f"plus {budget} {cfg.rollout.response_tokens} "
             f"that is {total}, more than max_model_len {max_len} ({source}): {', or '.join(knobs)}"
         )
+    return longest
 
 
 def check_teacher_prompts(cfg: Config, train: list[dict], pictures: Callable[[str], object] | None = None) -> None:
@@ -237,7 +240,7 @@ def init_run(url: str, cfg: Config) -> Run:
         splits[split] = with_image_ids(table, images, f"data.{split}")
     check_prompt_count(cfg, len(splits["train"]))
     check_images(cfg, bool(images))
-    check_context(cfg, splits, images)
+    check_round_fits(url, cfg, check_context(cfg, splits, images))
     check_rewards(cfg, splits["train"].row(0, named=True))
     check_tools(cfg, splits["train"].row(0, named=True))
     check_routes(cfg, splits["train"].to_dicts())

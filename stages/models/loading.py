@@ -13,6 +13,7 @@ out-of-memory, a library bug, an unsupported architecture) is a GndpoError raise
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -78,6 +79,20 @@ def check_safetensors_files(folder: Path) -> None:
         except Exception as exc:  # safetensors' own error type: a header it cannot read
             raise GndpoError(f"{file} cannot be loaded ({_first_line(exc)}): the file is truncated or corrupt; "
                              "download or convert it again") from None
+
+
+def parameter_count(path: str) -> int | None:
+    """The number of weights in ``path``'s safetensors files, read from their headers (milliseconds at
+    any size); None for a folder without safetensors weights."""
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
 
 
 def load_tokenizer(path: str):

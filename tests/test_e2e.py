@@ -84,15 +84,16 @@ def test_status_phases_account_for_each_stage_and_its_bytes(run_dir):
     table = gndpo("status", run_dir, "--phases").stdout
     assert "export MB" in table and table.count("train") == 2
 
-    # What `gndpo init` estimated for a round (gndpo.pipeline.apps.round_size): the weights file and the
-    # optimizer state to 1%, and at least the shards' bytes (written compressed).
+    # What `gndpo init` estimated for a round (gndpo.pipeline.apps.round_size): the weights file to 1%,
+    # the optimizer state to 3% (DeepSpeed's checkpoint adds some 17 kB of its own, 2% of the toy's),
+    # and at least the shards' bytes (written compressed).
     from gndpo.pipeline.apps.round_size import estimate_round
 
     longest = max(len(r["prompt_token_ids"]) for r in committed_rows(run_dir))
     size = estimate_round(run.cfg, longest)
     weights_file = (run_dir / commit["model_dir"] / "model.safetensors").stat().st_size
     assert size.export_bytes == pytest.approx(weights_file, rel=0.01)
-    assert size.state_bytes == pytest.approx(on_disk("optimizer"), rel=0.01)
+    assert size.state_bytes == pytest.approx(on_disk("optimizer"), rel=0.03)
     shards = sum(u["bytes"] for s in ("rollout", "score") for u in run.records(0, s).manifest()["units"] if u["unit"] != "eval-heldout")
     assert shards <= size.shard_bytes, (shards, size)
 

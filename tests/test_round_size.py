@@ -31,7 +31,8 @@ def test_the_estimate_is_the_rows_weights_and_state_a_round_writes(tiny_assets, 
     rows, tokens = 16 * 2, 16 * 2 * 5  # prompts_per_round x n, x max_tokens
     # rollout: per prompt token its 4-byte id and 4 bytes of text; per response token its id (4), loss
     # mask (1), sampler log-prob (4) and text (4)
-    assert size.shard_bytes == rows * 11 * (4 + 4) + tokens * (9 + 4) + tokens * per_token
+    # and a footer per shard: a rollout and a score shard for each of the 2 units (8 prompts each)
+    assert size.shard_bytes == rows * 11 * (4 + 4) + tokens * (9 + 4) + tokens * per_token + 4 * 10_000
     weights = toy_weights(tiny_assets)
     assert size.weights == weights and size.export_bytes == 4 * weights  # fp32 on a CPU
     # AdamW's state: fp32 weights and two fp32 moments; two in-round checkpoints (after steps 3 and 6)

@@ -2,8 +2,8 @@
 
 The estimate comes from the config and the prompts, sized up: every prompt as long as the longest,
 every response as long as ``rollout.max_tokens``, Parquet before compression (zstd shrinks the shards,
-not the weights), and the rows' text at ``TEXT_BYTES_PER_TOKEN`` (English BPE tokens average about 4
-characters). Per round a run writes
+not the weights, and each shard's footer is counted at ``SHARD_OVERHEAD``), and the rows' text at
+``TEXT_BYTES_PER_TOKEN`` (English BPE tokens average about 4 characters). Per round a run writes
 
 * rollout's rows: per row the prompt's ids and text, per sampled token its id, loss mask, sampler
   log-prob and text (the held-out evaluation's greedy answers, one per held-out prompt, are left out);
@@ -23,6 +23,7 @@ memory, is refused; one that takes more than half of either gets a warning.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ EXTRA_COLUMNS = {TOPK: ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_re
                  TEACHER_ENTROPY: ("teacher_entropy",), STUDENT_ENTROPY: ("student_entropy",), TOKEN_KL: ("token_kl",)}
 ADAM_MOMENT_BYTES = 8  # AdamW's two fp32 moments per weight
 TEXT_BYTES_PER_TOKEN = 4  # the prompt and response text each rollout row keeps beside the ids
+SHARD_OVERHEAD = 10_000  # a Parquet shard's footer (schema, column statistics): 7-10 kB on the toy's
 SHARE = 0.5  # more than this share of free space or memory for one round: a warning
 
 
@@ -84,6 +86,7 @@ def estimate_round(cfg: Config, longest_prompt: int) -> RoundSize:
         token_bytes(ROLLOUTS, ["response_token_ids", "loss_mask", "sampler_logprobs"]) + TEXT_BYTES_PER_TOKEN)
     extras = [c for need in score_needs(cfg.method) for c in EXTRA_COLUMNS[need]]
     score = tokens * token_bytes(scores_schema(max(cfg.score.teacher_topk, 1)), ["teacher_logprobs", "student_logprobs", *extras])
+    shards = 2 * math.ceil(rc.prompts_per_round / rc.prompts_per_unit)  # a rollout and a score shard per unit
     weights = parameter_count(cfg.student)
     export = state = 0
     if weights:
@@ -94,7 +97,7 @@ def estimate_round(cfg: Config, longest_prompt: int) -> RoundSize:
             one_state = weights * (width + ADAM_MOMENT_BYTES + (4 if width < 4 else 0))
             checkpoints = (tc.optimizer_steps - 1) // tc.checkpoint_every if tc.checkpoint_every else 0
             state = one_state * (1 + checkpoints)
-    return RoundSize(rows, tokens, rollout + score, weights, export, state)
+    return RoundSize(rows, tokens, rollout + score + shards * SHARD_OVERHEAD, weights, export, state)
 
 
 def free_bytes(url: str) -> int | None:

@@ -19,9 +19,11 @@ ranks): :func:`common.run_measured`.
 Workloads: ``demo`` (1024 prompts x 8 samples, 8 tokens, 32 steps of 256 sequences, lr 1e-4), ``w``
 (:mod:`bench.workload`: 64 prompts x 4 samples x 64 tokens on CPU, one step), and ``smollm2``
 (SmolLM2-135M-Instruct as student and, the same folder, as teacher; 32 short chat questions x 2 samples
-x 24 tokens, 2 steps of 32 sequences, lr 1e-6). Run standalone or from ``run_all.py``; writes
+x 24 tokens, 2 steps of 32 sequences, lr 1e-6), and ``smollm2-seeds``, the seeds' shape on the same
+model: 8 of those questions, each behind an eight-example few-shot preamble (about 5x the response's
+length), x 8 samples x 24 tokens, 2 steps of 32 sequences. Run standalone or from ``run_all.py``; writes
 ``results/round_vs_trl.json`` (demo, w) and the ``round`` entry of ``results/smollm2.json`` (smollm2,
-whose run folder ``smollm2_throughput.py`` then reads).
+whose run folder ``smollm2_throughput.py`` then reads) or its ``round_seeds_shape`` entry.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from pathlib import Path
 
 import yaml
 
+from gndpo.pipeline.exec.status import phase_rows
 from gndpo.pipeline.run.run import open_run
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import RESULTS, gndpo_cmd, run_measured, save_json  # noqa: E402
-from workload import (CPU_SCALE, FULL_SCALE, SMOLLM2_SCALE, SMOLLM2_STEPS, build_smollm2_workload,  # noqa: E402
-                      build_workload, smollm2_config, workload_config, write_config)
+from workload import (CPU_SCALE, FULL_SCALE, SEEDS_SCALE, SEEDS_STEPS, SMOLLM2_SCALE, SMOLLM2_STEPS,  # noqa: E402
+                      build_seeds_workload, build_smollm2_workload, build_workload, smollm2_config, workload_config,
+                      write_config)
 
 
 def demo_workload(folder: Path) -> dict:
@@ -69,11 +73,13 @@ def w_workload(scale) -> dict:
     return {"config": cfg, "trl": trl, "heldout": None, "eval_tokens": scale.max_tokens}
 
 
-def smollm2_workload() -> dict:
-    """SmolLM2-135M-Instruct against itself on 32 chat questions (:func:`workload.build_smollm2_workload`)."""
-    assets = build_smollm2_workload()
-    cfg = smollm2_config(assets)
-    scale, steps = SMOLLM2_SCALE, SMOLLM2_STEPS
+def smollm2_workload(seeds_shape: bool = False) -> dict:
+    """SmolLM2-135M-Instruct against itself on 32 chat questions (:func:`workload.build_smollm2_workload`),
+    or, with ``seeds_shape``, on 8 of them behind a few-shot preamble, 8 samples each
+    (:func:`workload.build_seeds_workload`)."""
+    assets = build_seeds_workload() if seeds_shape else build_smollm2_workload()
+    scale, steps = (SEEDS_SCALE, SEEDS_STEPS) if seeds_shape else (SMOLLM2_SCALE, SMOLLM2_STEPS)
+    cfg = smollm2_config(assets, scale, steps)
     batch = scale.prompts * scale.n // steps
     trl = {"student": cfg["student"], "teacher": cfg["teacher"], "prompts": cfg["data"]["train"], "count": scale.prompts,
            "n": scale.n, "max-new-tokens": scale.max_tokens, "steps": steps, "batch": batch,
@@ -98,7 +104,9 @@ def gndpo_round(work: dict, folder: Path) -> dict:
     seconds, _, memory = run_measured(gndpo_cmd("run", str(run), "--rounds", "1"), folder / "gndpo-run.log")
     stages = {m["stage"]: m.get("seconds") for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     tokens = open_run(str(run)).records(0, "rollout").manifest()["metrics"]["tokens"]
-    return {"wall_s": round(seconds, 2), "stage_compute_s": stages, "response_tokens": tokens, "memory": memory,
+    # Where each stage's time went (`gndpo status --phases`): seconds per phase, MB written.
+    phases = {row.pop("stage"): {k: v for k, v in row.items() if k != "round" and v} for row in phase_rows(open_run(str(run)))}
+    return {"wall_s": round(seconds, 2), "stage_compute_s": stages, "phases": phases, "response_tokens": tokens, "memory": memory,
             "heldout_acc": heldout_accuracy(run, work["heldout"], work["eval_tokens"], folder / "eval-gndpo")}
 
 
@@ -121,7 +129,7 @@ def round_brief(r: dict) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", action="append", choices=["demo", "w", "smollm2"], help="default: w and demo")
+    ap.add_argument("--workload", action="append", choices=["demo", "w", "smollm2", "smollm2-seeds"], help="default: w and demo")
     ap.add_argument("--full", action="store_true", help="W at its full size (256 x 4 x 256): for a GPU machine")
     ap.add_argument("--work-dir", default="/tmp/gndpo-bench/round_vs_trl")
     a = ap.parse_args(argv)
@@ -130,7 +138,7 @@ def main(argv=None) -> dict:
         folder = Path(a.work_dir) / name
         subprocess.run(["rm", "-rf", str(folder)], check=True)
         folder.mkdir(parents=True)
-        work = {"demo": lambda: demo_workload(folder), "smollm2": smollm2_workload,
+        work = {"demo": lambda: demo_workload(folder), "smollm2": smollm2_workload, "smollm2-seeds": lambda: smollm2_workload(True),
                 "w": lambda: w_workload(FULL_SCALE if a.full else CPU_SCALE)}[name]()
         t0 = time.time()
         g = gndpo_round(work, folder / "gndpo")
@@ -139,7 +147,7 @@ def main(argv=None) -> dict:
                          "workload": {k: work["trl"][k] for k in ("count", "n", "max-new-tokens", "steps", "batch", "lr")},
                          "bench_s": round(time.time() - t0, 1)}
         print(name, json.dumps(results[name]), flush=True)
-    toys = {k: v for k, v in results.items() if k != "smollm2"}
+    toys = {k: v for k, v in results.items() if not k.startswith("smollm2")}
     if toys:
         save_json(RESULTS / "round_vs_trl.json", toys)
     if "smollm2" in results:
@@ -151,6 +159,10 @@ def main(argv=None) -> dict:
         save_json(path, {**previous, "earlier_rounds": earlier,
                          "round": {**results["smollm2"], "measured_at": time.strftime("%Y-%m-%d %H:%M"),
                                    "run": str(Path(a.work_dir) / "smollm2" / "gndpo" / "run")}})
+    if "smollm2-seeds" in results:
+        path = RESULTS / "smollm2.json"
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        save_json(path, {**previous, "round_seeds_shape": {**results["smollm2-seeds"], "measured_at": time.strftime("%Y-%m-%d %H:%M")}})
     return results
 
 

@@ -7,7 +7,8 @@ Runs, in order: the demo timing (``gndpo demo`` with venv and toy models cached)
 (demo workload and W), ``rollout_speed.py``, ``flops.py``, ``shard_bytes.py`` (on the W round's shards),
 ``scaling.py``, ``normalize_scale.py`` (100M and 1B token rows), ``tool_rollout.py``,
 ``score_backend.py``, and the SmolLM2 workload (``round_vs_trl.py --workload smollm2``, then
-``smollm2_throughput.py`` on that round). Each writes its own JSON under
+``smollm2_throughput.py`` on that round), and the seeds' shape on SmolLM2 (``--workload smollm2-seeds``).
+Each writes its own JSON under
 ``bench/results/``; this script then writes ``results/summary.json`` and ``results/summary.md``: one row
 per goal of the performance issue with the measured figure and whether it meets the goal.
 """
@@ -37,6 +38,7 @@ STEPS = {
     "tool_rollout": ["tool_rollout.py"],
     "score_backend": ["score_backend.py"],
     "smollm2": [["round_vs_trl.py", "--workload", "smollm2"], ["smollm2_throughput.py"]],  # one after the other
+    "smollm2_seeds": [["round_vs_trl.py", "--workload", "smollm2-seeds"]],
 }
 
 
@@ -134,6 +136,18 @@ def summary_rows(demo: dict | None) -> list[dict]:
         add("SmolLM2-135M round vs TRL GKD (32 prompts x 2 x 24 tokens, 2 steps), wall time and peak memory", "measured",
             f"TRL {t['wall_s']:.0f} s / gndpo {g['wall_s']:.0f} s = {r['speedup']:.2f}x{busy}{spread}; peak PSS gndpo "
             f"{g['memory']['peak_tree_pss_gib']:.1f} GiB, TRL {t['memory']['peak_tree_pss_gib']:.1f} GiB", None)
+    seeds = sm.get("round_seeds_shape")
+    if seeds:
+        g, t = seeds["gndpo"], seeds["trl"]
+        w = seeds["workload"]
+        # "setup s": 41.2 -> "setup 41 s"; what rounds to nothing is left out
+        phases = "; ".join(f"{stage} " + ", ".join(f"{k.rsplit(' ', 1)[0]} {v:.0f} {k.rsplit(' ', 1)[1]}" for k, v in spent.items() if v >= 0.5)
+                           for stage, spent in g.get("phases", {}).items() if stage != "normalize")
+        add(f"SmolLM2-135M round vs TRL GKD, the seeds' shape ({w['count']} prompts behind a few-shot preamble x {w['n']} x "
+            f"{w['max-new-tokens']} tokens, {w['steps']} steps), wall time and peak memory", ">= 1.2x TRL over one round",
+            f"TRL {t['wall_s']:.0f} s / gndpo {g['wall_s']:.0f} s = {seeds['speedup']:.2f}x; peak PSS gndpo "
+            f"{g['memory']['peak_tree_pss_gib']:.1f} GiB, TRL {t['memory']['peak_tree_pss_gib']:.1f} GiB; gndpo's phases: {phases}",
+            seeds["speedup"] >= 1.2)
     if tp:
         s_, t_ = tp["score"], tp["train"]
         add("SmolLM2-135M score / train tokens/s vs plain transformers, same batches", "measured",

@@ -148,6 +148,36 @@ def build_smollm2_workload(folder: Path = CACHE / "smollm2") -> dict:
     return {"model": model, "train": folder / "train.jsonl", "heldout": folder / "heldout.jsonl"}
 
 
+# The seeds' shape on SmolLM2 (GNDPO's geo3k script: n = 16, prompts up to 8k tokens; OPSD's teacher
+# reading a privileged context longer than the question): 8 samples per prompt, and each prompt a
+# few-shot preamble several times the response's length.
+SEEDS_SCALE = Scale(prompts=8, n=8, max_tokens=24)
+SEEDS_STEPS = 2
+FEW_SHOT = [("What is the capital of Peru?", "Lima."), ("How many legs does a cat have?", "Four."),
+            ("What color is a ripe orange?", "Orange."), ("Which language is mostly spoken in France?", "French."),
+            ("What is the opposite of cold?", "Hot."), ("What do you call a baby dog?", "A puppy."),
+            ("On which continent is Japan?", "Asia."), ("What is 4 plus 4?", "8.")]
+
+
+def few_shot(question: str) -> str:
+    """``question`` after eight worked examples and an instruction: the seeds' long-prompt shape."""
+    shots = "\n".join(f"Q: {q}\nA: {a}" for q, a in FEW_SHOT)
+    return f"Answer the last question in the style of these examples: one short sentence.\n{shots}\nQ: {question}\nA:"
+
+
+def build_seeds_workload(folder: Path = CACHE / "smollm2-seeds") -> dict:
+    """:func:`build_smollm2_workload`'s questions, each behind the few-shot preamble (:func:`few_shot`),
+    the first ``SEEDS_SCALE.prompts`` as the round's prompts."""
+    base = build_smollm2_workload()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("train", "heldout"):
+        rows = [json.loads(line) for line in base[name].read_text().splitlines()]
+        lines = [json.dumps({**row, "prompt": few_shot(row["prompt"])}) for row in rows]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return {"model": base["model"], "train": folder / "train.jsonl", "heldout": folder / "heldout.jsonl"}
+
+
 def smollm2_config(assets: dict, scale: Scale = SMOLLM2_SCALE, steps: int = SMOLLM2_STEPS, lr: float = 1e-6) -> dict:
     """One gndpo round on SmolLM2: ``reverse_kl`` on the teacher's top-16, temperature 1, ``steps``
     optimizer steps of micro-batches of 16 sequences, fp32, the teacher the same folder as the student."""

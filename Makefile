@@ -56,7 +56,7 @@ slurm:
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) \
 		|| echo "warning: slurm-wlm and munge could not be installed; the Slurm test (tests/test_slurm.py) will be skipped"
 
-# Every performance figure of README (bench/run_all.py; about 35 minutes on 2 CPU cores).
+# Every performance figure of README (bench/run_all.py; about 43 minutes on 2 CPU cores).
 bench: setup real-models
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),bench]"
 	if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi

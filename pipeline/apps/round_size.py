@@ -15,9 +15,8 @@ not the weights, and each shard's footer is counted at ``SHARD_OVERHEAD``), and 
   (``train.checkpoint_every``) is another such state.
 
 Train reads the round's rollout and score rows into memory (its ranks on one node together hold all of
-them). A round
-that does not fit the run folder's free space, or whose rows do not fit this machine's available
-memory, is refused; one that takes more than half of either gets a warning.
+them). A round that does not fit the run folder's free space, or whose rows do not fit this machine's
+available memory, is refused; one that takes more than half of either gets a warning.
 """
 
 from __future__ import annotations
@@ -48,8 +47,8 @@ SHARE = 0.5  # more than this share of free space or memory for one round: a war
 
 @dataclass(frozen=True)
 class RoundSize:
-    """One round's sizes (sized up: see the module's docstring). ``weights`` is None where the student has no safetensors
-    files to count (its export and state are then left out)."""
+    """One round's sizes (sized up: see the module's docstring). ``weights`` is None where the student
+    has no safetensors files to count (its export and state are then left out)."""
 
     rows: int  # sampled responses
     sampled_tokens: int
@@ -121,7 +120,7 @@ def available_memory() -> int | None:
         return None
 
 
-def check_round_size(cfg: Config, size: RoundSize, free: int | None, memory: int | None) -> None:
+def check_round_size(size: RoundSize, free: int | None, memory: int | None) -> None:
     """Refuse a round that cannot fit ``free`` bytes of disk or ``memory`` bytes of memory (None: not
     known here); warn about one that takes more than half of either."""
     knobs = "lower rollout.prompts_per_round, rollout.n or rollout.max_tokens"
@@ -146,5 +145,5 @@ def check_round_size(cfg: Config, size: RoundSize, free: int | None, memory: int
 def check_round_fits(url: str, cfg: Config, longest_prompt: int) -> RoundSize:
     """:func:`check_round_size` against this machine, where ``gndpo init`` runs; returns the estimate."""
     size = estimate_round(cfg, longest_prompt)
-    check_round_size(cfg, size, free_bytes(url), available_memory())
+    check_round_size(size, free_bytes(url), available_memory())
     return size

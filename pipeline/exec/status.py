@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from gndpo.pipeline.observe.metrics import committed_rounds
-from gndpo.pipeline.exec.units import lease_state
+from gndpo.pipeline.exec.units import lease_state, sum_phases
 from gndpo.storage.records import STAGES
 
 
@@ -66,15 +66,9 @@ def phase_rows(run) -> list[dict]:
     for r in range(committed_rounds(run) + 1):
         for stage in STAGES:
             rec = run.records(r, stage)
-            phases = [c.get("phases", {}) for c in (rec.done(u) for u in sorted(rec.done_units())) if c is not None]
-            seconds: dict[str, float] = {}
-            written: dict[str, int] = {}
-            for unit in phases:
-                for name, spent in unit.items():
-                    seconds[name] = seconds.get(name, 0.0) + spent["seconds"]
-                    written[name] = written.get(name, 0) + spent["bytes"]
-            if seconds:
-                rows.append((r, stage, seconds, written))
+            spent = sum_phases([c for c in (rec.done(u) for u in sorted(rec.done_units())) if c is not None])
+            if spent:
+                rows.append((r, stage, {n: p["seconds"] for n, p in spent.items()}, {n: p["bytes"] for n, p in spent.items()}))
     order = lambda n: (PHASE_ORDER.index(n) if n in PHASE_ORDER else len(PHASE_ORDER), n)  # noqa: E731
     timed = sorted({n for *_, seconds, _ in rows for n in seconds}, key=order)
     writing = sorted({n for *_, written in rows for n, b in written.items() if b}, key=order)

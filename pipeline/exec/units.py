@@ -273,16 +273,22 @@ class Worker:
         return manifest
 
 
-def phase_totals(commits: list[dict]) -> dict:
-    """A stage's ``phase_<name>_seconds`` and ``phase_<name>_bytes`` metrics: its units' phases summed
-    (seconds of work: units that ran side by side on several workers add up)."""
-    totals: dict[str, float] = {}
+def sum_phases(commits: list[dict]) -> dict[str, dict[str, float]]:
+    """``{phase: {"seconds": s, "bytes": b}}`` over ``commits``' units (seconds of work: units that ran
+    side by side on several workers add up)."""
+    totals: dict[str, dict[str, float]] = {}
     for commit in commits:
         for name, spent in commit.get("phases", {}).items():
-            for unit_of_measure in ("seconds", "bytes"):
-                key = f"phase_{name}_{unit_of_measure}"
-                totals[key] = totals.get(key, 0) + spent[unit_of_measure]
-    return {k: round(v, 3) if isinstance(v, float) else v for k, v in sorted(totals.items())}
+            total = totals.setdefault(name, {"seconds": 0.0, "bytes": 0})
+            total["seconds"] += spent["seconds"]
+            total["bytes"] += spent["bytes"]
+    return totals
+
+
+def phase_totals(commits: list[dict]) -> dict:
+    """A stage's ``phase_<name>_seconds`` and ``phase_<name>_bytes`` metrics (:func:`sum_phases`)."""
+    return {f"phase_{name}_{measure}": round(value, 3) if measure == "seconds" else value
+            for name, spent in sorted(sum_phases(commits).items()) for measure, value in sorted(spent.items())}
 
 
 def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=info, on_manifest=None) -> dict:

@@ -45,11 +45,14 @@ class _Engine:
     weights: str  # the folder whose weights it holds now
     asleep: bool = False
     processes: frozenset = field(init=False)  # its engine-core and worker pids once started (engine_alive)
-    in_process: bool = field(init=False)  # engine.in_process: vLLM runs inside this process
 
     def __post_init__(self):
         self.processes = engine_processes(self.llm)
-        self.in_process = in_process_engine(self.llm)
+
+    @property
+    def in_process(self) -> bool:
+        """engine.in_process: vLLM runs inside this process."""
+        return in_process_engine(self.llm)
 
 
 @dataclass

@@ -105,7 +105,7 @@ class ScoreJob:
         return StudentForward(
             student, logits_chunk([student, *teacher_modules], cfg.model), pad_id, device,
             cfg.score.max_tokens_per_batch, cfg.score.rows_per_chunk, frozenset(score_needs(cfg.method)), cfg.logging.entropy_metrics,
-            self.images, self._teacher_images(teacher_path) if teacher_modules else None,
+            self.images, self._teacher_images(teacher_path) if teacher_modules else None, cfg.model.shared_prompts,
         )
 
     def _own_image_processing(self, teacher_path: str) -> bool:

@@ -103,7 +103,8 @@ def schedule_steps(share: RoundShare, tc, chunk: int) -> list[Step]:
     """The round's optimizer steps from this rank's share (``tc``: the train settings; ``chunk``:
     positions per output-layer chunk); collective, every rank calls it."""
     micros = [
-        [[rows[i] for i in idx] for idx in token_budget_batches(np.array([r.tokens for r in rows]), tc.max_tokens_per_batch, tc.micro_batch_size)]
+        [[rows[i] for i in idx] for idx in token_budget_batches(np.array([r.tokens for r in rows]), tc.max_tokens_per_batch, tc.micro_batch_size,
+                                                                [r.prompt_id for r in rows])]
         for rows in share.steps
     ]
     n_tokens = all_reduce(np.array([sum(float(r.mask.sum()) for r in rows) for rows in share.steps]))
@@ -143,6 +144,12 @@ class Objective:
         divergence = divergence_of(cfg.method, round_idx) if TOPK in score_needs(cfg.method) else None
         return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images)
 
+    @property
+    def share_prompts(self) -> bool:
+        """Whether a micro-batch reads each distinct prompt once (model.shared_prompts). Not under
+        gradient checkpointing: a checkpointed layer drops the prompt's keys and values."""
+        return self.cfg.model.shared_prompts and not self.cfg.train.gradient_checkpointing
+
     def micro_batch_loss(self, model, micro: list[TrainRow], min_chunks: int, n_seqs: int, n_tokens: int, weight_sum: float):
         """(this micro-batch's share of the step loss, [loss, clipped tokens, sum of ratios]).
 
@@ -150,12 +157,14 @@ class Objective:
         zero, so every rank calls every module (and ZeRO-3 gathers) the same number of times."""
         cfg, device = self.cfg, self.device
         if not micro:
-            batch = make_batch([[self.pad_id]], [[self.pad_id]], self.pad_id, device)
+            batch = make_batch([[self.pad_id]], [[self.pad_id]], self.pad_id, device, self.share_prompts)
             logp, _, pad_term = policy_token_logprobs(model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, None, min_chunks)
             return logp.sum() * 0.0 + pad_term, (0.0, 0.0, 0.0)
-        batch = make_batch([r.prompt for r in micro], [r.response for r in micro], self.pad_id, device)
+        prompt_ids = [r.prompt_id for r in micro]
+        batch = make_batch([r.prompt for r in micro], [r.response for r in micro], self.pad_id, device, self.share_prompts,
+                           image_keys=prompt_ids if self.images is not None else None)
         if self.images is not None:
-            batch.images = self.images.inputs([r.prompt_id for r in micro], device)
+            batch.images = self.images.inputs([prompt_ids[i] for i in batch.prefix_rows], device)
         topk_ids = None
         if self.divergence is not None:
             topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro])).to(device)

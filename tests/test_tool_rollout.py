@@ -7,6 +7,7 @@ rows. The train loss on the reference's rows must have exactly zero gradient at 
 predicts a prompt, tool or template token.
 """
 
+import dataclasses
 import signal
 
 import numpy as np
@@ -164,7 +165,9 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
     micro = [row for step in share.steps for row in step]
     assert any((row.mask == 0).any() for row in micro)
     policy_loss, loss_agg = policy_settings(run.cfg.method)
-    objective = Objective(run.cfg, policy_loss, loss_agg, divergence=None, pad_id=0, device=torch.device("cpu"))
+    # Whole sequences, so that the captured hidden states are one [B, T] grid of prompt + response.
+    cfg = dataclasses.replace(run.cfg, model=dataclasses.replace(run.cfg.model, shared_prompts=False))
+    objective = Objective(cfg, policy_loss, loss_agg, divergence=None, pad_id=0, device=torch.device("cpu"))
     model = AutoModelForCausalLM.from_pretrained(str(tool_assets / "student"))
 
     captured = {}

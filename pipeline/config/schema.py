@@ -280,6 +280,13 @@ class ModelConfig:
     # Vision-language students: train the language model only (the vision tower and the connector that
     # maps its features stay as they are), the common choice; false trains the whole model.
     freeze_vision: bool = True
+    # Score's and train's forward passes read a prompt once for all the responses in a batch that share
+    # it (rollout.n samples of a prompt; a teacher context), the responses attending to its keys and
+    # values: the prompt's share of the compute is divided by the number of its responses in the batch,
+    # with the same log-probs and gradients up to float rounding. False runs each prompt + response as
+    # one sequence. Train reads whole sequences under train.gradient_checkpointing, which cannot keep
+    # a prompt's keys and values for the responses.
+    shared_prompts: bool = True
 
 
 @dataclass(frozen=True)

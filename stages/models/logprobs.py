@@ -16,6 +16,10 @@ model alive (:func:`pair_token_stats`).
 
 Batches are formed by :func:`token_budget_batches`: responses grouped by length, each batch holding at
 most ``max_tokens`` padded tokens, so a batch of short answers is large and one long answer is alone.
+
+A prompt sampled n times is read once per batch (:func:`make_batch` with ``share_prompts``): the
+backbone runs over the batch's distinct prompts, then over the responses against their prompt's keys
+and values (:func:`response_hidden`).
 """
 
 from __future__ import annotations
@@ -33,20 +37,33 @@ from gndpo.pipeline.methods.losses import LOGP_FLOOR
 
 @dataclass
 class TokenBatch:
-    """Right-padded prompt + response ids on the model's device, and where the responses are.
+    """A batch of (prompt, response) rows on the model's device, laid out for the backbone, and where
+    its response tokens are.
 
-    ``rows``/``cols`` index, for each response token in order (response 0's tokens, then response 1's,
-    ...), the position whose logits predict it (start + t - 1); ``targets`` are those tokens."""
+    Two layouts. Whole sequences (``prefix_ids`` is None): each row's prompt + response, right-padded,
+    in ``ids``; ``cols`` is the position whose hidden state predicts each response token. Shared
+    prompts: every distinct prompt once in ``prefix_ids`` (left-padded, so each ends in the last column),
+    and each row's response, right-padded, in ``ids``, read against its prompt's keys and values
+    (``prefix_of``); see :func:`response_hidden`.
+
+    ``rows``/``offsets`` give, for each response token in order (response 0's tokens, then response
+    1's, ...), its row and its index within the response; ``targets`` are those tokens."""
 
     ids: torch.Tensor  # [B, W] long
     attention_mask: torch.Tensor  # [B, W]
     lengths: torch.Tensor  # [B] response lengths (on the CPU)
     rows: torch.Tensor  # [N]
-    cols: torch.Tensor  # [N]
+    cols: torch.Tensor | None  # [N] (whole sequences only)
     offsets: torch.Tensor  # [N] index of each token within its response
     targets: torch.Tensor  # [N]
-    # A vision-language model's image tensors for these rows (gndpo.stages.models.vision.image_inputs);
-    # empty for text.
+    prefix_ids: torch.Tensor | None = None  # [P, Wp] long, the distinct prompts (shared prompts only)
+    prefix_mask: torch.Tensor | None = None  # [P, Wp]
+    prefix_of: torch.Tensor | None = None  # [B] which prompt row each response reads
+    # The batch row whose prompt (and pictures) each prefix row holds: the rows a caller takes image
+    # tensors from; every row for whole sequences.
+    prefix_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # A vision-language model's image tensors for the prompt rows (the prefix rows when prompts are
+    # shared; gndpo.stages.models.vision.image_inputs); empty for text.
     images: dict = field(default_factory=dict)
 
     @property
@@ -65,34 +82,74 @@ class TokenBatch:
         return self.padded(torch.ones(self.n_tokens, device=self.ids.device))
 
 
-def make_batch(prompts: list, responses: list, pad_id: int, device: torch.device) -> TokenBatch:
-    """Pad a group of (prompt ids, response ids) on ``device``; sequences may be lists or numpy arrays."""
-    seqs = [np.concatenate([np.asarray(p, dtype=np.int64), np.asarray(r, dtype=np.int64)]) for p, r in zip(prompts, responses)]
-    width = max(len(s) for s in seqs)
+def padded_ids(seqs: list[np.ndarray], pad_id: int, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [n, longest], attention mask [n, longest]) of ``seqs`` padded on the right (or left)."""
+    width = max((len(s) for s in seqs), default=0)
     ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
     attn = np.zeros((len(seqs), width), dtype=np.int64)
     for i, s in enumerate(seqs):
-        ids[i, : len(s)] = s
-        attn[i, : len(s)] = 1
-    starts = np.array([len(p) for p in prompts], dtype=np.int64)
+        where = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, where] = s
+        attn[i, where] = 1
+    return ids, attn
+
+
+def make_batch(prompts: list, responses: list, pad_id: int, device: torch.device, share_prompts: bool = False,
+               image_keys: list | None = None) -> TokenBatch:
+    """Lay out (prompt ids, response ids) rows on ``device``; sequences may be lists or numpy arrays.
+
+    ``share_prompts``: rows whose prompt ids are equal (and, with ``image_keys``, whose pictures are:
+    one key per row) share one prompt row, which the backbone reads once for all of them."""
+    prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+    responses = [np.asarray(r, dtype=np.int64) for r in responses]
     lengths = np.array([len(r) for r in responses], dtype=np.int64)
-    rows = np.repeat(np.arange(len(seqs)), lengths)
+    rows = np.repeat(np.arange(len(responses)), lengths)
     # Offsets of each token within its response: 0..len-1 for every response, concatenated.
     offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    cols = np.repeat(starts, lengths) + offsets - 1
+    rows_t, offsets_t = torch.from_numpy(rows).to(device), torch.from_numpy(offsets).to(device)
+    if not share_prompts:
+        ids, attn = padded_ids([np.concatenate([p, r]) for p, r in zip(prompts, responses)], pad_id)
+        cols = np.repeat([len(p) for p in prompts], lengths) + offsets - 1
+        ids_t, cols_t = torch.from_numpy(ids).to(device), torch.from_numpy(cols).to(device)
+        return TokenBatch(
+            ids=ids_t, attention_mask=torch.from_numpy(attn).to(device), lengths=torch.from_numpy(lengths),
+            rows=rows_t, cols=cols_t, offsets=offsets_t, targets=ids_t[rows_t, cols_t + 1],
+            prefix_rows=np.arange(len(prompts)),
+        )
+    keys = [p.tobytes() for p in prompts] if image_keys is None else [(p.tobytes(), k) for p, k in zip(prompts, image_keys)]
+    first_row: dict = {}
+    for i, key in enumerate(keys):
+        first_row.setdefault(key, i)
+    index = {key: j for j, key in enumerate(first_row)}
+    prefix_of = np.array([index[key] for key in keys], dtype=np.int64)
+    prefix_rows = np.array(list(first_row.values()), dtype=np.int64)
+    prefix_ids, prefix_attn = padded_ids([prompts[i] for i in prefix_rows], pad_id, left=True)
+    ids, attn = padded_ids(responses, pad_id)
     ids_t = torch.from_numpy(ids).to(device)
-    rows_t, cols_t = torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device)
     return TokenBatch(
         ids=ids_t, attention_mask=torch.from_numpy(attn).to(device), lengths=torch.from_numpy(lengths),
-        rows=rows_t, cols=cols_t, offsets=torch.from_numpy(offsets).to(device), targets=ids_t[rows_t, cols_t + 1],
+        rows=rows_t, cols=None, offsets=offsets_t, targets=ids_t[rows_t, offsets_t],
+        prefix_ids=torch.from_numpy(prefix_ids).to(device), prefix_mask=torch.from_numpy(prefix_attn).to(device),
+        prefix_of=torch.from_numpy(prefix_of).to(device), prefix_rows=prefix_rows,
     )
 
 
-def token_budget_batches(lengths: np.ndarray, max_tokens: int, max_rows: int) -> list[np.ndarray]:
+def token_budget_batches(lengths: np.ndarray, max_tokens: int, max_rows: int, prompt_keys: list | None = None) -> list[np.ndarray]:
     """Group sequence indices by length into batches of at most ``max_tokens`` padded tokens (rows x the
     longest sequence) and ``max_rows`` rows. A sequence longer than the budget gets a batch of its own.
-    The grouping depends only on the lengths, so every worker forms the same batches."""
-    order = np.argsort(-np.asarray(lengths), kind="stable")
+
+    ``prompt_keys`` (one per sequence; equal keys, one prompt): the sequences of a prompt stay next to
+    each other, its longest first, prompts ordered by their longest sequence, so a batch that reads
+    shared prompts once holds as many of a prompt's responses as fit. The grouping depends only on the
+    lengths and keys, so every worker forms the same batches."""
+    lengths = np.asarray(lengths)
+    order = np.argsort(-lengths, kind="stable")
+    if prompt_keys is not None:
+        group_of: dict = {}
+        groups = np.array([group_of.setdefault(prompt_keys[i], len(group_of)) for i in order])
+        # Groups are numbered in order of their longest sequence: a stable sort by group keeps each
+        # group's own order (longest first) and the groups' order by their longest.
+        order = order[np.argsort(groups, kind="stable")]
     batches, current, width = [], [], 0
     for i in order:
         w = max(width, int(lengths[i]))
@@ -106,17 +163,43 @@ def token_budget_batches(lengths: np.ndarray, max_tokens: int, max_rows: int) ->
     return batches
 
 
+def backbone(model, ids: torch.Tensor, attention_mask: torch.Tensor, images: dict | None = None, **kwargs):
+    """The model's backbone (no output layer) over ``ids``: its output, whose ``last_hidden_state`` is
+    [B, W, H] (and ``past_key_values`` the keys and values, with ``use_cache=True``). With images the
+    backbone is the VLM's base model, which puts the vision tower's features at the image tokens; the
+    image tensors enter in the model's dtype."""
+    if images:
+        images = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in images.items()}
+        return model.base_model(input_ids=ids, attention_mask=attention_mask, **images, **kwargs)
+    return model.get_decoder()(input_ids=ids, attention_mask=attention_mask, **kwargs)
+
+
 def response_hidden(model, batch: TokenBatch) -> torch.Tensor:
-    """The backbone's last hidden state at every response-predicting position, as [N, H]. With images
-    the backbone is the VLM's base model, which puts the vision tower's features at the image tokens;
-    the image tensors enter in the model's dtype."""
-    if batch.images:
-        images = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in batch.images.items()}
-        out = model.base_model(input_ids=batch.ids, attention_mask=batch.attention_mask, use_cache=False, **images)
-    else:
-        out = model.get_decoder()(input_ids=batch.ids, attention_mask=batch.attention_mask, use_cache=False)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    return hidden[batch.rows, batch.cols]
+    """The backbone's last hidden state at every response-predicting position, as [N, H].
+
+    With shared prompts the backbone runs twice: over the distinct prompts (left-padded, positions
+    counted from each prompt's first token), keeping their keys and values; then over the responses,
+    each attending to its own prompt's keys and values (a row index into the cache, so under autograd
+    the gradient through a prompt's positions sums over every response that read it, as separate
+    forward passes would give it) with positions that continue its prompt's. A response's first token
+    is predicted by its prompt's last position, its t-th by the response pass at t - 1. Both passes run
+    for every batch, so ranks of one ZeRO-3 group call each module equally often."""
+    if batch.prefix_ids is None:
+        out = backbone(model, batch.ids, batch.attention_mask, batch.images, use_cache=False)
+        return out.last_hidden_state[batch.rows, batch.cols]
+    prefix_mask = batch.prefix_mask
+    prefix_positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+    prefix = backbone(model, batch.prefix_ids, prefix_mask, batch.images, position_ids=prefix_positions, use_cache=True)
+    cache = prefix.past_key_values
+    cache.reorder_cache(batch.prefix_of)
+    prompt_lengths = prefix_mask.sum(-1)[batch.prefix_of]
+    width = batch.ids.shape[1]
+    positions = prompt_lengths.unsqueeze(-1) + torch.arange(width, device=batch.ids.device)
+    mask = torch.cat([prefix_mask[batch.prefix_of], batch.attention_mask], dim=-1)
+    out = backbone(model, batch.ids, mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    first = prefix.last_hidden_state[batch.prefix_of, -1]
+    hidden = torch.cat([first.unsqueeze(1), out.last_hidden_state[:, :-1]], dim=1)
+    return hidden[batch.rows, batch.offsets]
 
 
 def output_width(model) -> int:

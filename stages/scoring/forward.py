@@ -18,7 +18,7 @@ import torch
 
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL
-from gndpo.stages.models.logprobs import make_batch, pair_token_stats, token_budget_batches
+from gndpo.stages.models.logprobs import TokenBatch, make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.models.vision import BatchImages
 from gndpo.storage.shards import flat_values, read_shard
 
@@ -93,6 +93,7 @@ class StudentForward:
     images: BatchImages | None = None  # a run whose prompts show pictures: the forward's image tensors
     # ... and the teacher's, where it reads its own prompts (its own processor, or a teacher context)
     teacher_images: BatchImages | None = None
+    share_prompts: bool = True  # model.shared_prompts: a batch reads each distinct prompt once
 
     def columns(self, rows: UnitRows, groups, topk: int, teacher_prompts: list | None = None) -> dict[str, np.ndarray]:
         """{column: values flat over the unit's response tokens}. ``groups``: (teacher module(s) or None,
@@ -103,7 +104,8 @@ class StudentForward:
         with progress.task("score: forward passes", total=rows.n, unit="responses", transient=True) as bar:
             for teacher, members in groups:
                 members = np.asarray(members)
-                for batch_rows in token_budget_batches(rows.spans[members], self.max_tokens, self.max_rows):
+                keys = [rows.prompt_ids[i] for i in members]
+                for batch_rows in token_budget_batches(rows.spans[members], self.max_tokens, self.max_rows, keys):
                     batch = members[batch_rows]
                     stats = self.batch_columns(rows, batch, teacher, topk, teacher_prompts)
                     place(per_token, stats, rows.token_positions(batch), len(rows.responses))
@@ -113,22 +115,31 @@ class StudentForward:
     def batch_columns(self, rows: UnitRows, batch_rows, teacher, topk: int, teacher_prompts: list | None) -> dict[str, torch.Tensor]:
         """One batch's columns ([N] or [N, k] over its response tokens, on the CPU)."""
         responses = [rows.response(i) for i in batch_rows]
-        batch = make_batch([rows.prompt(i) for i in batch_rows], responses, self.pad_id, self.device)
-        if self.images is not None:
-            batch.images = self.images.inputs([rows.prompt_ids[i] for i in batch_rows], self.device)
+        prompt_ids = [rows.prompt_ids[i] for i in batch_rows]
+        batch = self.batch([rows.prompt(i) for i in batch_rows], responses, prompt_ids, self.images)
         teacher_batch = None
         if teacher_prompts is not None and teacher is not None:
-            teacher_batch = make_batch([teacher_prompts[i] for i in batch_rows], responses, self.pad_id, self.device)
-            if self.teacher_images is self.images:
-                teacher_batch.images = batch.images
-            elif self.teacher_images is not None:
-                teacher_batch.images = self.teacher_images.inputs([rows.prompt_ids[i] for i in batch_rows], self.device)
+            reuse = batch if self.teacher_images is self.images else None  # the student's image tensors serve
+            teacher_batch = self.batch([teacher_prompts[i] for i in batch_rows], responses, prompt_ids, self.teacher_images, reuse)
         # The round's entropy metrics need both entropies even where the method stores no entropy
         # column (logging.entropy_metrics: one more pass over each chunk's log-probs).
         metric = self.entropy_metrics
         entropies = ((metric and teacher is not None) or TEACHER_ENTROPY in self.needs, metric or STUDENT_ENTROPY in self.needs)
         return pair_token_stats(teacher, self.student, batch, self.chunk, rows.temperature, topk, entropies, TOKEN_KL in self.needs,
                                 teacher_batch=teacher_batch)
+
+    def batch(self, prompts: list, responses: list, prompt_ids: list, images: BatchImages | None,
+              reuse: TokenBatch | None = None) -> TokenBatch:
+        """A forward batch of these rows (``prompt_ids``: their prompts' ids); with ``images``, the
+        tensors of its prompts' pictures, taken from ``reuse`` where its prompt rows show the same."""
+        # Prompts that show pictures share a prompt row only within one prompt id (its pictures).
+        keys = prompt_ids if self.images is not None else None
+        batch = make_batch(prompts, responses, self.pad_id, self.device, self.share_prompts, image_keys=keys)
+        if reuse is not None and np.array_equal(batch.prefix_rows, reuse.prefix_rows):
+            batch.images = reuse.images
+        elif images is not None:
+            batch.images = images.inputs([prompt_ids[i] for i in batch.prefix_rows], self.device)
+        return batch
 
 
 def place(per_token: dict[str, np.ndarray], stats: dict[str, torch.Tensor], where: np.ndarray, n_tokens: int) -> None:

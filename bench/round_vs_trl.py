@@ -144,8 +144,12 @@ def main(argv=None) -> dict:
         g = gndpo_round(work, folder / "gndpo")
         t = trl_round(work, folder / "trl")
         results[name] = {"gndpo": g, "trl": t, "speedup": round(t["wall_s"] / g["wall_s"], 2),
-                         "workload": {k: work["trl"][k] for k in ("count", "n", "max-new-tokens", "steps", "batch", "lr")},
-                         "bench_s": round(time.time() - t0, 1)}
+                         "workload": {k: work["trl"][k] for k in ("count", "n", "max-new-tokens", "steps", "batch", "lr")}}
+        if name == "smollm2-seeds":  # the same round reading every prompt + response whole: what shared prompts save
+            whole = {**work, "config": {**work["config"], "model": {**work["config"].get("model", {}), "shared_prompts": False}}}
+            w = gndpo_round(whole, folder / "gndpo-whole-sequences")
+            results[name].update(gndpo_whole_sequences=w, shared_prompts_speedup=round(w["wall_s"] / g["wall_s"], 2))
+        results[name]["bench_s"] = round(time.time() - t0, 1)
         print(name, json.dumps(results[name]), flush=True)
     toys = {k: v for k, v in results.items() if not k.startswith("smollm2")}
     if toys:

@@ -90,7 +90,8 @@ def test_make_llm_passes_the_settings_to_vllm(tiny_assets, monkeypatch):
     monkeypatch.setattr(engine, "cuda_available", lambda: False)
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL"):  # restored after the test
         monkeypatch.delenv(name, raising=False)
-    assert isinstance(engine.make_llm(str(tiny_assets / "student"), EngineConfig(max_model_len=32, kv_cache_gib=3), seed=5), FakeLLM)
+    cfg = EngineConfig(max_model_len=32, kv_cache_gib=3, in_process=False)  # the in-process start is the next test's
+    assert isinstance(engine.make_llm(str(tiny_assets / "student"), cfg, seed=5), FakeLLM)
     assert seen["max_model_len"] == 32 and seen["seed"] == 5 and seen["enable_chunked_prefill"] is False
     assert seen["kv_cache_memory_bytes"] == 3 * 2**30 and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
 
@@ -111,8 +112,8 @@ def test_an_in_process_engine_is_built_with_vllms_in_process_settings(tiny_asset
     fake.LLM, fake.envs = FakeLLM, types.SimpleNamespace(disable_envs_cache=lambda: released.append(True))
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    engine.make_llm(student, EngineConfig(max_model_len=32, in_process=True))
-    engine.make_llm(student, EngineConfig(max_model_len=32))
+    engine.make_llm(student, EngineConfig(max_model_len=32))  # the CPU default
+    engine.make_llm(student, EngineConfig(max_model_len=32, in_process=False))
     assert built == [("uni", "0"), (None, None)] and released == [True]
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     fake_gpu(monkeypatch)

@@ -352,13 +352,14 @@ class EngineConfig:
     gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.85
     max_num_seqs: Count = 256
     tensor_parallel_size: Count = 1
-    # CPU build only: the engine runs inside the gndpo process that uses it (vLLM's uniprocess executor and
-    # in-process engine core) instead of in an engine-core process and a worker process of its own. Each
-    # of those is a fresh interpreter that imports torch and vLLM again: about 20 s of a 30 s start on 2
-    # cores, and 4 s of the stop. The engine then computes with this process's torch threads (a separate
-    # worker takes one core less: vLLM reserves one for its engine core), and no engine process exists to
-    # die or to be killed on its own.
-    in_process: bool = False
+    # CPU build only (the default there): the engine runs inside the gndpo process that uses it (vLLM's
+    # uniprocess executor and in-process engine core) instead of in an engine-core process and a worker
+    # process of its own. Each of those is a fresh interpreter that imports torch and vLLM again: about
+    # 25 s of a 38 s start on 2 cores, and 4 s of the stop. The engine then computes with this process's
+    # torch threads (a separate worker takes one core less: vLLM reserves one for its engine core), and
+    # no engine process exists to die or to be killed on its own. False: processes of its own, as on GPUs,
+    # where engines always run in their own processes.
+    in_process: bool = True
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,12 @@
 
 from __future__ import annotations
 
+import filecmp
 import logging
 import math
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,10 +47,11 @@ from gndpo.stages.models.loading import load_tokenizer
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
 from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
-from gndpo.stages.training.checkpoint import Start, carry_state, save_checkpoint, start_update
+from gndpo.stages.training.checkpoint import (Start, carried_state, carry_state, last_carried_state, load_state, newest_checkpoint,
+                                             save_checkpoint, start_update)
 from gndpo.stages.training.deepspeed_engine import init_distributed, isolate_extension_builds, quiet_deepspeed_import
 from gndpo.stages.training.ema import EmaWeights
-from gndpo.stages.training.export import export_ema, export_student
+from gndpo.stages.training.export import export_ema, export_student, save_hf_folder
 from gndpo.storage.meter import phase
 
 
@@ -245,6 +249,13 @@ def round_lr(tc, round_idx: int, step: int, n_steps: int) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * step / (n_steps - 1)))
 
 
+def take_step(engine, objective: Objective, steps: list[Step], i: int, tc, round_idx: int, world: int) -> dict:
+    """Optimizer step ``i`` of round ``round_idx`` at its scheduled learning rate; its numbers."""
+    lr = round_lr(tc, round_idx, i, len(steps))
+    set_learning_rate(engine, lr)
+    return {**optimizer_step(engine, objective, steps[i], world, tc.zero_stage), "lr": lr}
+
+
 def set_learning_rate(engine, lr: float) -> None:
     """Every parameter group of the engine's optimizer steps at ``lr`` from now on (DeepSpeed's own
     schedulers set ``param_groups`` the same way; its ZeRO optimizers pass them to the wrapped one)."""
@@ -310,18 +321,16 @@ class TrainJob:
         every rank plans its steps with depends on the model, so the engine comes before the schedule,
         and the schedule (collective) before what the update continues from."""
         cfg, dist = self.cfg, self.dist
-        device = local_device()
-        share = load_share(self.run, self.round, dist.rank, dist.world)
         policy = self.run.policy_path(self.round)
         self.live.release_engine()
         self.live.release_modules()
         # By URL, not run-relative: an engine kept across runs (`gndpo compare`) must not pass for this run's.
         exported = self.run.policy_dir(self.round)
         engine, continued = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world)
-        # Positions per output-layer chunk: model.logits_budget_mib over the vocabulary.
-        steps = schedule_steps(share, cfg.train, logits_chunk(engine.module, cfg.model))
-        torch.manual_seed(cfg.train.seed)
-        objective = Objective.of(cfg, self.round, load_tokenizer(policy).pad_token_id or 0, device, BatchImages.of_run(self.run, policy))
+        if not continued and self.state_was_not_written():
+            del engine  # freed before the replay builds its own
+            engine, continued = self.replayed_engine(policy)
+        share, steps, objective = self.round_work(self.round, engine, policy)
         # With an EMA self-teacher, the average the previous round exported (the initial student in
         # round 0), continued from a checkpoint below when the update resumes.
         ema = self._start_ema(engine.module)
@@ -329,6 +338,60 @@ class TrainJob:
         # steps already taken are not repeated (the mini-batch order is seeded by round, not attempt).
         start = start_update(engine, self.run, self.round, dist, ema, continued, self.log)
         return Update(policy, share, engine, steps, objective, ema, start)
+
+    def round_work(self, round_idx: int, engine, policy: str) -> tuple[RoundShare, list[Step], Objective]:
+        """Round ``round_idx``'s rows for this rank, its optimizer steps and its loss, for ``engine``
+        on ``policy`` (the round's starting weights)."""
+        cfg, dist = self.cfg, self.dist
+        share = load_share(self.run, round_idx, dist.rank, dist.world)
+        # Positions per output-layer chunk: model.logits_budget_mib over the vocabulary.
+        steps = schedule_steps(share, cfg.train, logits_chunk(engine.module, cfg.model))
+        torch.manual_seed(cfg.train.seed)
+        pad_id = load_tokenizer(policy).pad_token_id or 0
+        return share, steps, Objective.of(cfg, round_idx, pad_id, local_device(), BatchImages.of_run(self.run, policy))
+
+    def state_was_not_written(self) -> bool:
+        """Whether the previous round kept its optimizer state in memory only (train.state_every) and no
+        attempt of this round left a checkpoint to resume from: the state must then be replayed."""
+        tc = self.cfg.train
+        if self.round == 0 or not tc.carry_optimizer_state or tc.state_every == 1:
+            return False
+        return carried_state(self.run, self.round - 1) is None and newest_checkpoint(self.run, self.round, self.dist) is None
+
+    def replayed_engine(self, policy: str):
+        """(the engine this round starts from, whether its optimizer state continues), rebuilt where the
+        previous round did not write its state: from the newest written state (or round 0's start), the
+        train stages since then run again from their committed rows, as they ran. The replay must end
+        on the weights the previous round exported, byte for byte; otherwise (or where the state was
+        written by another number of ranks) the round starts a fresh optimizer on ``policy``."""
+        cfg, dist = self.cfg, self.dist
+        base, state = last_carried_state(self.run, self.round)
+        start = self.run.policy_path(base + 1)
+        engine, _ = self.live.train_engine(cfg, start, None, dist.world)
+        if state is None or load_state(engine, self.run.fs, state, dist.world):
+            with phase("replay"):
+                for round_idx in range(base + 1, self.round):
+                    _, steps, objective = self.round_work(round_idx, engine, start)
+                    for i in range(len(steps)):
+                        take_step(engine, objective, steps, i, cfg.train, round_idx, dist.world)
+                    start = self.run.policy_path(round_idx + 1)
+            if self.exports_equal(engine, start):
+                self.log(f"train r{self.round}: optimizer state replayed from round {base + 1} to round {self.round - 1}")
+                return engine, True
+            self.log(f"train r{self.round}: the replayed rounds did not end on round {self.round - 1}'s export; starting a fresh optimizer")
+        else:
+            self.log(f"train r{self.round}: round {base}'s optimizer state was written by {state['world']} ranks; starting a fresh optimizer")
+        del engine
+        return self.live.train_engine(cfg, policy, None, dist.world)[0], False
+
+    def exports_equal(self, engine, policy: str) -> bool:
+        """Whether ``engine``'s weights, exported as train exports them, are byte for byte the weight
+        files of ``policy`` (a committed export); collective."""
+        with tempfile.TemporaryDirectory() as tmp:
+            save_hf_folder(engine, policy, tmp, self.cfg.train.zero_stage, self.dist.rank)  # rank 0 writes
+            weights = sorted(Path(tmp).glob("*.safetensors"))
+            same = not self.dist.main or (bool(weights) and all(filecmp.cmp(f, Path(policy) / f.name, shallow=False) for f in weights))
+        return bool(all_reduce(np.array([0.0 if same else 1.0]), "max")[0] == 0.0)
 
     def _start_ema(self, module) -> EmaWeights | None:
         if not (self.cfg.teacher == SELF_TEACHER and self.cfg.self_teacher.weights == "ema"):
@@ -343,10 +406,8 @@ class TrainJob:
         with progress.task(f"train r{self.round}", total=len(update.steps), unit="steps") as bar:
             bar.advance(len(history))
             for i in range(len(history), len(update.steps)):
-                lr = round_lr(self.cfg.train, self.round, i, len(update.steps))
-                set_learning_rate(update.engine, lr)
-                step = optimizer_step(update.engine, update.objective, update.steps[i], self.dist.world, self.cfg.train.zero_stage)
-                history.append({**step, "lr": lr})
+                step = take_step(update.engine, update.objective, update.steps, i, self.cfg.train, self.round, self.dist.world)
+                history.append(step)
                 if update.ema is not None:
                     update.ema.update(update.engine.module)
                 logging.getLogger(__name__).debug(
@@ -380,11 +441,12 @@ class TrainJob:
                 files += export_ema(update.ema, update.engine.module, update.policy, self.run.fs, out_dir)
                 summary["ema_dir"] = f"{out_dir}/ema"
         if tc.carry_optimizer_state:
-            with phase("state"):
-                state = carry_state(update.engine, self.run.fs, out_dir, dist)
-            if dist.main:
-                files += state["files"]
-                summary["optimizer_state"] = state
+            if (self.round + 1) % tc.state_every == 0:
+                with phase("state"):
+                    state = carry_state(update.engine, self.run.fs, out_dir, dist)
+                if dist.main:
+                    files += state["files"]
+                    summary["optimizer_state"] = state
             # Without the carry the next round starts a fresh optimizer, so the engine is not kept.
             self.live.trained(update.engine, self.cfg, dist.world, self.run.fs.uri(summary["model_dir"]))
         return files, summary

@@ -336,6 +336,13 @@ class TrainConfig:
     zero_stage: Annotated[int, Range(ge=0, le=3)] = 0  # 0-3; with 3 the model is built partitioned and the export gathers it
     gradient_checkpointing: bool = False
     carry_optimizer_state: bool = True  # keep AdamW moments across rounds
+    # Write the carried optimizer state (AdamW's moments, and the fp32 master weights in bf16: about 3x
+    # the exported policy's bytes) after every state_every-th round only. A process that keeps its
+    # DeepSpeed engine (`gndpo run`) carries the state in memory between writes; a train that starts
+    # without it (after a crash, or stages run one process each) rebuilds it by replaying the train
+    # stages since the last written state from their committed rows, deterministically, and checks
+    # that the replay ends on the previous round's exported weights, byte for byte.
+    state_every: Count = 1
     checkpoint_every: NonNegativeInt = 8  # optimizer steps between in-round checkpoints a retry resumes from (0 = none)
     num_processes: NonNegativeInt = 0  # train ranks on this node; 0 = one per visible GPU (1 on CPU)
     seed: NonNegativeInt = 0

@@ -132,13 +132,29 @@ def continue_optimizer(engine, run: Run, round_idx: int, world: int, log) -> boo
     if round_idx == 0 or not run.cfg.train.carry_optimizer_state:
         return False
     records = run.records(round_idx - 1, "train")  # the parent's, for a forked run's first round
-    state = records.require_manifest()["units"][0].get("optimizer_state")
-    if not state or "files" not in state:
+    state = carried_state(run, round_idx - 1)
+    if state is None:
         return False
     if not load_state(engine, records.run, state, world):
         log(f"train r{round_idx}: optimizer state of round {round_idx - 1} was written by {state['world']} ranks; starting a fresh one")
         return False
     return True
+
+
+def carried_state(run: Run, round_idx: int) -> dict | None:
+    """The optimizer state round ``round_idx``'s train carried ({world, files}), None if it wrote none."""
+    state = run.records(round_idx, "train").require_manifest()["units"][0].get("optimizer_state")
+    return state if state and "files" in state else None
+
+
+def last_carried_state(run: Run, round_idx: int) -> tuple[int, dict | None]:
+    """(k, state): the newest round before ``round_idx`` whose train wrote its optimizer state
+    (``train.state_every``), with that state; (-1, None) if none did, the optimizer having started
+    fresh on the initial student in round 0."""
+    for k in range(round_idx - 1, -1, -1):
+        if (state := carried_state(run, k)) is not None:
+            return k, state
+    return -1, None
 
 
 def carry_state(engine, fs, out_dir: str, dist: Dist) -> dict | None:

@@ -1,0 +1,72 @@
+"""train.state_every: the optimizer state written after every N-th round only, and replayed where a
+train starts without it.
+
+Two toy runs of 3 rounds with ``state_every: 3`` (rounds 0 and 1 write no optimizer state, round 2
+does). The first is one `gndpo run --rounds 3`, whose kept DeepSpeed engine carries the state in memory.
+The second stops after 2 rounds and a new process goes on to round 3, as after a crash: its round-2
+train starts without the state and rebuilds it by replaying rounds 0 and 1 from their committed rows.
+Both must commit the same rows and the same weights, byte for byte.
+"""
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from gndpo.pipeline.run.run import open_run
+from tests.conftest import committed_rows, gndpo, tiny_config_dict, write_config
+
+pytestmark = pytest.mark.slow
+ROUNDS = 3
+
+
+def new_run(folder, assets):
+    run = folder / "run"
+    config = write_config(folder, tiny_config_dict(assets, train={"state_every": 3}, rollout={"eval_heldout": False}))
+    gndpo("init", run, "--config", config)
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_assets):
+    """(the uninterrupted run, the run continued by a new process after round 1, its second log)."""
+    whole = new_run(tmp_path_factory.mktemp("whole"), tiny_assets)
+    gndpo("run", whole, "--rounds", ROUNDS)
+    resumed = new_run(tmp_path_factory.mktemp("resumed"), tiny_assets)
+    gndpo("run", resumed, "--rounds", ROUNDS - 1)
+    log = gndpo("run", resumed, "--rounds", ROUNDS).stderr
+    return whole, resumed, log
+
+
+def weights(run, round_idx: int) -> dict:
+    model_dir = open_run(str(run)).records(round_idx, "train").manifest()["metrics"]["model_dir"]
+    return load_file(str(run / model_dir / "model.safetensors"))
+
+
+def train_commit(run, round_idx: int) -> dict:
+    return open_run(str(run)).records(round_idx, "train").manifest()["units"][0]
+
+
+def test_only_every_third_round_writes_the_optimizer_state(runs):
+    whole, resumed, _ = runs
+    for run in (whole, resumed):
+        for round_idx in range(ROUNDS):
+            commit = train_commit(run, round_idx)
+            state_files = [f for f in commit["files"] if "/optimizer/" in f["path"]]
+            assert bool(state_files) == (round_idx == 2), (run.name, round_idx)
+            if round_idx < 2:  # what such a round writes is its export: no more than the policy's bytes
+                assert commit["bytes"] == sum(f["bytes"] for f in commit["files"] if "/model/" in f["path"])
+
+
+def test_a_replayed_state_gives_the_rows_and_weights_of_the_uninterrupted_run(runs):
+    whole, resumed, log = runs
+    assert "optimizer state replayed from round 0 to round 1" in log, log[-3000:]
+    assert "replay" in train_commit(resumed, 2)["phases"] and "replay" not in train_commit(whole, 2)["phases"]
+    for run in (whole, resumed):  # the state continued in every round after the first, replayed or kept
+        assert [train_commit(run, r)["optimizer_state_resumed"] for r in range(ROUNDS)] == [False, True, True]
+    for round_idx in range(ROUNDS):
+        for stage in ("rollout", "score"):
+            assert committed_rows(resumed, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
+        got, want = weights(resumed, round_idx), weights(whole, round_idx)
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")

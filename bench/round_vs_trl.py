@@ -73,18 +73,20 @@ def w_workload(scale) -> dict:
     return {"config": cfg, "trl": trl, "heldout": None, "eval_tokens": scale.max_tokens}
 
 
-def smollm2_workload(seeds_shape: bool = False) -> dict:
+def smollm2_workload(seeds_shape: bool = False, rounds: int = 1) -> dict:
     """SmolLM2-135M-Instruct against itself on 32 chat questions (:func:`workload.build_smollm2_workload`),
     or, with ``seeds_shape``, on 8 of them behind a few-shot preamble, 8 samples each
-    (:func:`workload.build_seeds_workload`)."""
+    (:func:`workload.build_seeds_workload`). Over ``rounds`` rounds gndpo writes its optimizer state
+    once (``train.state_every``), and TRL takes the rounds' steps over their prompts in one run."""
     assets = build_seeds_workload() if seeds_shape else build_smollm2_workload()
     scale, steps = (SEEDS_SCALE, SEEDS_STEPS) if seeds_shape else (SMOLLM2_SCALE, SMOLLM2_STEPS)
     cfg = smollm2_config(assets, scale, steps)
+    cfg["train"]["state_every"] = rounds
     batch = scale.prompts * scale.n // steps
-    trl = {"student": cfg["student"], "teacher": cfg["teacher"], "prompts": cfg["data"]["train"], "count": scale.prompts,
-           "n": scale.n, "max-new-tokens": scale.max_tokens, "steps": steps, "batch": batch,
+    trl = {"student": cfg["student"], "teacher": cfg["teacher"], "prompts": cfg["data"]["train"], "count": scale.prompts * rounds,
+           "n": scale.n, "max-new-tokens": scale.max_tokens, "steps": steps * rounds, "batch": batch,
            "micro": cfg["train"]["micro_batch_size"], "lr": cfg["train"]["lr"], "check-prompts": True}
-    return {"config": cfg, "trl": trl, "heldout": None, "eval_tokens": scale.max_tokens}
+    return {"config": cfg, "trl": trl, "heldout": None, "eval_tokens": scale.max_tokens, "rounds": rounds}
 
 
 def heldout_accuracy(target: Path, heldout: str | None, max_tokens: int, out: Path) -> float | None:
@@ -101,12 +103,15 @@ def gndpo_round(work: dict, folder: Path) -> dict:
     run = folder / "run"
     subprocess.run(gndpo_cmd("init", str(run), "--config", str(write_config(folder / "config.yaml", work["config"]))),
                    check=True, capture_output=True)
-    seconds, _, memory = run_measured(gndpo_cmd("run", str(run), "--rounds", "1"), folder / "gndpo-run.log")
+    rounds = work.get("rounds", 1)
+    seconds, _, memory = run_measured(gndpo_cmd("run", str(run), "--rounds", str(rounds)), folder / "gndpo-run.log")
     stages = {m["stage"]: m.get("seconds") for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-    tokens = open_run(str(run)).records(0, "rollout").manifest()["metrics"]["tokens"]
+    tokens = sum(open_run(str(run)).records(r, "rollout").manifest()["metrics"]["tokens"] for r in range(rounds))
+    written = [open_run(str(run)).records(r, "train").manifest()["units"][0]["bytes"] for r in range(rounds)]
     # Where each stage's time went (`gndpo status --phases`): seconds per phase, MB written.
     phases = {row.pop("stage"): {k: v for k, v in row.items() if k != "round" and v} for row in phase_rows(open_run(str(run)))}
     return {"wall_s": round(seconds, 2), "stage_compute_s": stages, "phases": phases, "response_tokens": tokens, "memory": memory,
+            "train_mb_written_per_round": [round(b / 1e6, 1) for b in written],
             "heldout_acc": heldout_accuracy(run, work["heldout"], work["eval_tokens"], folder / "eval-gndpo")}
 
 
@@ -129,7 +134,8 @@ def round_brief(r: dict) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", action="append", choices=["demo", "w", "smollm2", "smollm2-seeds"], help="default: w and demo")
+    ap.add_argument("--workload", action="append", choices=["demo", "w", "smollm2", "smollm2-seeds", "smollm2-seeds-3-rounds"],
+                    help="default: w and demo")
     ap.add_argument("--full", action="store_true", help="W at its full size (256 x 4 x 256): for a GPU machine")
     ap.add_argument("--work-dir", default="/tmp/gndpo-bench/round_vs_trl")
     a = ap.parse_args(argv)
@@ -139,6 +145,7 @@ def main(argv=None) -> dict:
         subprocess.run(["rm", "-rf", str(folder)], check=True)
         folder.mkdir(parents=True)
         work = {"demo": lambda: demo_workload(folder), "smollm2": smollm2_workload, "smollm2-seeds": lambda: smollm2_workload(True),
+                "smollm2-seeds-3-rounds": lambda: smollm2_workload(True, rounds=3),
                 "w": lambda: w_workload(FULL_SCALE if a.full else CPU_SCALE)}[name]()
         t0 = time.time()
         g = gndpo_round(work, folder / "gndpo")
@@ -163,10 +170,11 @@ def main(argv=None) -> dict:
         save_json(path, {**previous, "earlier_rounds": earlier,
                          "round": {**results["smollm2"], "measured_at": time.strftime("%Y-%m-%d %H:%M"),
                                    "run": str(Path(a.work_dir) / "smollm2" / "gndpo" / "run")}})
-    if "smollm2-seeds" in results:
-        path = RESULTS / "smollm2.json"
-        previous = json.loads(path.read_text()) if path.exists() else {}
-        save_json(path, {**previous, "round_seeds_shape": {**results["smollm2-seeds"], "measured_at": time.strftime("%Y-%m-%d %H:%M")}})
+    for name, key in (("smollm2-seeds", "round_seeds_shape"), ("smollm2-seeds-3-rounds", "rounds_3_seeds_shape")):
+        if name in results:
+            path = RESULTS / "smollm2.json"
+            previous = json.loads(path.read_text()) if path.exists() else {}
+            save_json(path, {**previous, key: {**results[name], "measured_at": time.strftime("%Y-%m-%d %H:%M")}})
     return results
 
 

@@ -38,7 +38,7 @@ STEPS = {
     "tool_rollout": ["tool_rollout.py"],
     "score_backend": ["score_backend.py"],
     "smollm2": [["round_vs_trl.py", "--workload", "smollm2"], ["smollm2_throughput.py"]],  # one after the other
-    "smollm2_seeds": [["round_vs_trl.py", "--workload", "smollm2-seeds"]],
+    "smollm2_seeds": [["round_vs_trl.py", "--workload", "smollm2-seeds", "--workload", "smollm2-seeds-3-rounds"]],
 }
 
 

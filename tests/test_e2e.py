@@ -131,11 +131,12 @@ def student_weights(run_dir):
 
 
 def test_kept_engines_give_the_rows_and_weights_of_fresh_processes(run_dir, kept_runs):
-    """Round 1 on the kept vLLM engine (new weights loaded into it), the kept teacher and the kept
-    DeepSpeed engine equals round 1 on engines built from the run folder; so does a run killed during
-    the kept engine's update and resumed."""
+    """Round 1 on the kept vLLM engine (the new weights handed over from the kept DeepSpeed engine's
+    memory), the kept teacher and the kept DeepSpeed engine equals round 1 on engines built from the
+    run folder's exported files; so does a run killed during the kept engine's update and resumed."""
     kept, crashed, log = kept_runs
-    assert log.count("engine: loaded the weights of") == 1  # round 1's rollout reused round 0's engine
+    # Round 1's rollout reused round 0's engine, the weights handed over from the kept DeepSpeed engine's memory.
+    assert log.count("engine: loaded the weights of") == 1 and "from the trainer's memory" in log, log[-3000:]
     reference = student_weights(run_dir)
     for other in (kept, crashed):
         for stage in ("rollout", "score"):

@@ -83,7 +83,9 @@ class RolloutJob:
         policy = self.run.policy_path(self.round)
         self.tok = load_tokenizer(policy)
         self.images = RunImages(self.run.fs)
-        self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed, images=self.run.images_per_prompt())
+        exported = self.run.policy_dir(self.round)
+        self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed, images=self.run.images_per_prompt(),
+                                            exported=exported and self.run.fs.uri(exported))
         self.rewards = run_rewards(self.cfg)
         self.stop_ids = stop_token_ids(self.tok, self.cfg.data)
         self.banned = unsampleable(policy)  # a VLM's image placeholders

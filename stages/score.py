@@ -65,7 +65,8 @@ class ScoreJob:
         # A run whose prompts show pictures: the student's image tensors, and the pictures by prompt.
         self.images = BatchImages.of_run(self.run, self.cfg.student)
         self.live.release_engine()
-        student = self.live.causal_lm(policy, self.cfg.model, device, fixed=False)
+        # score.student_logprobs engine: the rollout engine's log-probs stand in for the student's forward.
+        student = self.live.causal_lm(policy, self.cfg.model, device, fixed=False) if self.cfg.score.student_logprobs == "recompute" else None
         # At most the vocabulary: the HF backend's torch.topk and vLLM both stop there.
         first = next(iter(teachers.values()))
         self.topk = min(self.cfg.score.teacher_topk, vocabulary_size(first)) if TOPK in score_needs(self.cfg.method) else 0
@@ -91,7 +92,8 @@ class ScoreJob:
             return EngineTeacher(self._student_forward(student, [], pad_id, device), engine, name, context)
         # A live self-teacher is the round's policy: the student module scores as both.
         fixed = not self.run.teacher_changes()
-        modules = {n: student if p == policy else self.live.causal_lm(p, cfg.model, device, fixed=fixed) for n, p in teachers.items()}
+        modules = {n: student if p == policy and student is not None else self.live.causal_lm(p, cfg.model, device, fixed=fixed and p != policy)
+                   for n, p in teachers.items()}
         routes = {}
         if cfg.teachers and sc.teacher_mix == "route":
             routes = {p["prompt_id"]: p["teacher"] for p in self.run.prompts("train")}
@@ -102,8 +104,9 @@ class ScoreJob:
         """The student's forward, with the teacher modules of ``teacher_path`` beside it (init checked
         that several teachers process pictures alike: one set of teacher image tensors serves them all)."""
         cfg = self.cfg
+        modules = [m for m in (student, *teacher_modules) if m is not None]
         return StudentForward(
-            student, logits_chunk([student, *teacher_modules], cfg.model), pad_id, device,
+            student, logits_chunk(modules, cfg.model) if modules else 1, pad_id, device,
             cfg.score.max_tokens_per_batch, cfg.score.rows_per_chunk, frozenset(score_needs(cfg.method)), cfg.logging.entropy_metrics,
             self.images, self._teacher_images(teacher_path) if teacher_modules else None, cfg.model.shared_prompts,
         )

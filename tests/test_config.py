@@ -89,6 +89,11 @@ REFUSED = [
      "method.outcome.weights must be 1 numbers, one per reward, got [1, 2]"),
     (("method.name=grpo", "method.outcome.rewards=[]"), "method.outcome.rewards is empty"),
     ("method.stats_scope=teacher", "method.stats_scope teacher needs several teachers routed by prompt"),
+    # The rollout engine's log-probs stand in for the student's forward only where they are the same numbers.
+    (["score.student_logprobs=engine", "rollout.temperature=0.7"],
+     "score.student_logprobs engine cannot be used with rollout.temperature 0.7 (vLLM returns the temperature-1"),
+    (["score.student_logprobs=engine", "method.tip.enabled=true"], "score.student_logprobs engine cannot be used with method gndpo (it reads the student"),
+    (["score.student_logprobs=engine", "rollout.guided_fraction=0.5"], "score.student_logprobs engine cannot be used with rollout.guided_fraction"),
 ]
 
 

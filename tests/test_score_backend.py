@@ -20,26 +20,52 @@ from tests.conftest import committed_rows, invoke_ok, run_stages
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def scored(tmp_path_factory, rolled_out):
-    """Round 0's rollouts scored by the HF backend through the stage, and the same rollouts scored again
-    in this process by the vLLM backend; (HF rows, vLLM rows) by rollout id."""
-    run_dir = tmp_path_factory.mktemp("backends") / "run"
-    # forward_kl needs the teacher's top-k.
-    invoke_ok("fork", rolled_out, run_dir, "--from-round", "0", "method.name=forward_kl", "score.teacher_topk=4")
-    run_stages(run_dir, "score")
+def score_in_process(run_dir, name: str, **settings) -> tuple[dict, ScoreJob]:
+    """Round 0's rollouts of ``run_dir`` scored again in this process with other ``score`` settings,
+    into the folder ``name`` (nothing committed): ({rollout id: score row}, the job)."""
     run = open_run(str(run_dir))
-    run.cfg = dataclasses.replace(run.cfg, score=dataclasses.replace(run.cfg.score, backend="vllm"))
+    run.cfg = dataclasses.replace(run.cfg, score=dataclasses.replace(run.cfg.score, **settings))
     job = ScoreJob(run, 0)
     units, _ = job.plan()
     job.setup()
     rows = []
     for unit in units:
-        files, _ = job.run_unit(unit, f"vllm-backend/{unit['unit']}")
+        files, _ = job.run_unit(unit, f"{name}/{unit['unit']}")
         rows += pa.concat_tables([read_shard(run.fs, f) for f in files]).to_pylist()
+    return {r["rollout_id"]: r for r in rows}, job
+
+
+@pytest.fixture(scope="module")
+def backends_run(tmp_path_factory, rolled_out):
+    """A fork of the rolled-out run whose round 0 the HF backend scored through the stage."""
+    run_dir = tmp_path_factory.mktemp("backends") / "run"
+    # forward_kl needs the teacher's top-k.
+    invoke_ok("fork", rolled_out, run_dir, "--from-round", "0", "method.name=forward_kl", "score.teacher_topk=4")
+    run_stages(run_dir, "score")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def scored(backends_run):
+    """(HF rows, the same rollouts scored by the vLLM backend), by rollout id."""
+    rows, job = score_in_process(backends_run, "vllm-backend", backend="vllm")
     shutdown_llm(job.teacher.engine)  # before pytest closes the streams its exit handler logs to
-    hf = {r["rollout_id"]: r for r in committed_rows(run_dir, "score")}
-    return hf, {r["rollout_id"]: r for r in rows}
+    return {r["rollout_id"]: r for r in committed_rows(backends_run, "score")}, rows
+
+
+def test_engine_student_logprobs_are_the_samplers_and_skip_the_students_forward(backends_run):
+    """score.student_logprobs engine: the student's column is the rollout engine's log-probs, no student
+    module is loaded, the teacher's columns are the recomputing run's, and engine and forward agree."""
+    recomputed = {r["rollout_id"]: r for r in committed_rows(backends_run, "score")}
+    rollouts = {r["rollout_id"]: r for r in committed_rows(backends_run, "rollout")}
+    rows, job = score_in_process(backends_run, "engine-student", student_logprobs="engine")
+    assert job.teacher.forward.student is None
+    assert rows.keys() == recomputed.keys() and len(rows) == 32
+    for key, row in rows.items():
+        np.testing.assert_array_equal(row["student_logprobs"], np.float32(rollouts[key]["sampler_logprobs"]))
+        np.testing.assert_allclose(row["teacher_logprobs"], recomputed[key]["teacher_logprobs"], rtol=1e-6, atol=1e-6)
+        assert row["teacher_topk_ids"] == recomputed[key]["teacher_topk_ids"]
+        np.testing.assert_allclose(row["student_logprobs"], recomputed[key]["student_logprobs"], atol=1e-4)
 
 
 def test_teacher_logprobs_agree_within_1e_4(scored):

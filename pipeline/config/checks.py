@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods import score_needs
-from gndpo.pipeline.methods.base import TEACHER_ENTROPY, TOKEN_KL, TOPK
+from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
 
 ENGINE_CANNOT = {TEACHER_ENTROPY: "the teacher's entropy", TOKEN_KL: "the full-vocabulary KL"}
 
@@ -21,6 +21,7 @@ def check_backend(cfg) -> None:
             f"score.cross_tokenizer maps the teacher's sampled-token log-probs only; method {cfg.method.name} needs "
             f"{', '.join(over_vocabulary)} over one vocabulary: use a teacher with the student's tokenizer"
         )
+    check_student_logprobs(cfg)
     if cfg.score.backend != "vllm":
         return
     missing = [what for need, what in ENGINE_CANNOT.items() if need in score_needs(cfg.method)]
@@ -29,3 +30,21 @@ def check_backend(cfg) -> None:
             f"score.backend vllm gives the teacher's sampled-token and top-k log-probs only; method {cfg.method.name} "
             f"also needs {' and '.join(missing)}: use score.backend hf"
         )
+
+
+def check_student_logprobs(cfg) -> None:
+    """A GndpoError (one line) when ``score.student_logprobs: engine`` cannot stand in for the student's
+    forward: the sampler's log-probs are of the temperature-1 distribution, exist only for tokens the
+    student sampled, and are not the student's whole distribution."""
+    if cfg.score.student_logprobs != "engine":
+        return
+    rc = cfg.rollout
+    reasons = [
+        (rc.temperature != 1.0, f"rollout.temperature {rc.temperature} (vLLM returns the temperature-1 distribution's log-probs)"),
+        (bool(rc.tools), "rollout.tools (tool turns are not sampled by the student)"),
+        (rc.guided_fraction > 0, "rollout.guided_fraction (a guided prefix is not sampled by the student)"),
+        (bool(score_needs(cfg.method) & {STUDENT_ENTROPY, TOKEN_KL}), f"method {cfg.method.name} (it reads the student's distribution)"),
+    ]
+    for clash, why in reasons:
+        if clash:
+            raise GndpoError(f"score.student_logprobs engine cannot be used with {why}: use score.student_logprobs recompute")

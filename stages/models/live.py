@@ -60,6 +60,7 @@ class _Trainer:
     engine: object
     key: tuple
     exported_to: str | None = None  # the model folder (run-relative) of the update this engine finished
+    partitioned: bool = False  # ZeRO-3: the module holds this rank's partitions, not the weights
 
 
 @dataclass
@@ -76,9 +77,12 @@ class LiveModels:
     probe: dict | None = None  # the latest student engine's gap to its exported model (stages.probe)
 
     # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
-    def student_engine(self, policy: str, cfg, seed: int, images: int = 0):
+    def student_engine(self, policy: str, cfg, seed: int, images: int = 0, exported: str | None = None):
         """A vLLM engine holding ``policy``'s weights. Kept: the running engine when it was built with
-        the same settings, after loading ``policy``'s weights into it if it holds another folder's.
+        the same settings, after loading ``policy``'s weights into it if it holds another folder's:
+        from the kept DeepSpeed engine's memory when that engine exported ``policy`` (``exported``: the
+        URL of the committed folder ``policy`` was taken from) and vLLM runs in this process, else
+        from ``policy``'s files.
         ``seed`` is the engine's default seed, used by requests without their own; gndpo's requests all
         carry one (or are greedy), so a kept engine is reused whatever seed it was started with.
         ``images``: the most pictures one prompt shows (0 for text).
@@ -100,13 +104,7 @@ class LiveModels:
             live.asleep = False
         restarted = 0
         if live is not None and live.weights != policy:
-            live.llm.collective_rpc("reload_policy", kwargs={"weights_path": policy})
-            # Cached KV blocks and image features were computed by the previous weights (a VLM's engine
-            # fails with "Encoder cache miss" if only the prefix cache is reset).
-            live.llm.reset_prefix_cache()
-            if images:
-                live.llm.llm_engine.reset_encoder_cache()
-            live.weights = policy
+            memory = self._load_policy(live, policy, exported, images)
             self.probe = self._measure_probe(live.llm, policy, reloaded=True)
             tolerance = TOLERANCE[engine_dtype(cfg)]
             if self.probe is not None and self.probe["engine_probe_gap_mean"] > tolerance:
@@ -117,12 +115,26 @@ class LiveModels:
                 self.close_engine()
                 live, restarted = None, 1
             else:
-                self.log(f"engine: loaded the weights of {policy}")
+                self.log(f"engine: loaded the weights of {policy}" + (" from the trainer's memory" if memory else ""))
         if live is None:
             sleep_mode = cuda_available()
             self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode, images=images), key, policy)
             self.probe = self._measure_probe(self._engine.llm, policy, reloaded=False, restarted=restarted)
         return self._engine.llm
+
+    def _load_policy(self, live: _Engine, policy: str, exported: str | None, images: int) -> bool:
+        """Load ``policy``'s weights into the kept engine ``live``: handed over from the kept trainer's
+        memory where that works (a text model's engine in this process; a VLM's checkpoint names are
+        its files'), else read from ``policy``'s files. Returns whether the memory served."""
+        weights = self._trained_weights(exported) if live.in_process and not images else None
+        live.llm.collective_rpc("reload_policy", kwargs={"weights_path": policy} if weights is None else {"weights": weights})
+        # Cached KV blocks and image features were computed by the previous weights (a VLM's engine
+        # fails with "Encoder cache miss" if only the prefix cache is reset).
+        live.llm.reset_prefix_cache()
+        if images:
+            live.llm.llm_engine.reset_encoder_cache()
+        live.weights = policy
+        return weights is not None
 
     @staticmethod
     def _alive(live: _Engine | None, name: str) -> _Engine | None:
@@ -248,11 +260,20 @@ class LiveModels:
         engine, _ = build_engine(cfg, policy, world)
         return engine, False
 
+    def _trained_weights(self, exported: str | None) -> dict | None:
+        """{checkpoint name: tensor} of the kept DeepSpeed engine if it exported exactly ``exported``
+        (the weights it holds are then that folder's), else None. Not under ZeRO-3, whose module
+        holds partitions only."""
+        live = self._trainer
+        if live is None or exported is None or live.exported_to != exported or live.partitioned:
+            return None
+        return {name: tensor.detach() for name, tensor in live.engine.module.state_dict().items()}
+
     def trained(self, engine, cfg, world: int, model_dir: str) -> None:
         """Record that ``engine`` finished an update and exported it to ``model_dir`` (a URL); kept for
         the next round if this process keeps models (one rank only)."""
         if self.keep and world == 1:
-            self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir)
+            self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir, cfg.train.zero_stage == 3)
 
     def close(self) -> None:
         while (live := self._engine or self._teacher_engine) is not None:

@@ -291,8 +291,9 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
                      teacher_batch: TokenBatch | None = None) -> dict:
     """Score's per-token numbers for one batch, flat over response tokens ([N] or [N, k], on the CPU).
 
-    Always: ``student_logprobs`` (the sampling temperature) and, unless ``teacher`` is None (its numbers
-    come from elsewhere), ``teacher_logprobs`` (temperature 1). On request: the teacher's top-``topk``
+    ``student_logprobs`` (the sampling temperature) unless ``student`` is None (they come from the
+    rollout engine), and ``teacher_logprobs`` (temperature 1) unless ``teacher`` is None (its numbers
+    come from elsewhere). On request: the teacher's top-``topk``
     ids and log-probs with ``teacher_rest_logprob``, the log of the teacher's mass outside those ids (a
     logsumexp over the other ids' log-probs, floored at LOGP_FLOOR when k is the vocabulary; never
     1 - sum(p), which is rounding noise below ~1e-7), the teacher's / student's entropy and the
@@ -311,15 +312,16 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
     if t_batch is not batch and (t_batch.n_tokens != batch.n_tokens or not torch.equal(t_batch.targets, batch.targets)):
         raise ValueError("teacher_batch must hold the student batch's response tokens, in the same order")
     h_teachers = [response_hidden(t, t_batch) for t in teachers]
-    h_student = response_hidden(student, batch)
+    h_student = response_hidden(student, batch) if student is not None else None
     want_teacher_entropy, want_student_entropy = entropies
     parts: dict[str, list] = {}
     scratch = None
     for sl in chunks(batch.n_tokens, token_chunk):
-        s_all = head_logprobs(student, h_student[sl], student_temperature)
         targets = batch.targets[sl].unsqueeze(-1)
-        out = {"student_logprobs": s_all.gather(-1, targets).squeeze(-1)}
-        t_all = ids = None
+        out, s_all, t_all, ids = {}, None, None, None
+        if student is not None:
+            s_all = head_logprobs(student, h_student[sl], student_temperature)
+            out["student_logprobs"] = s_all.gather(-1, targets).squeeze(-1)
         if teachers:
             t_all = mean_teacher_logprobs(teachers, h_teachers, sl)
             out["teacher_logprobs"] = t_all.gather(-1, targets).squeeze(-1)
@@ -327,15 +329,16 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
                 values, ids = t_all.topk(min(topk, t_all.shape[-1]), dim=-1)
                 out["teacher_topk_logprobs"], out["teacher_topk_ids"] = values, ids.int()
         rows: dict[str, list] = {}
-        block = max(1, REDUCE_BLOCK_BYTES // (s_all.shape[-1] * 4))
+        either = s_all if s_all is not None else t_all
+        block = max(1, REDUCE_BLOCK_BYTES // (either.shape[-1] * 4))
         if scratch is None:  # two [block, V] buffers the reductions write into, reused for every block
-            scratch = s_all.new_empty((2, min(block, s_all.shape[0]), s_all.shape[-1]))
-        for bl in chunks(s_all.shape[0], block):
-            s, t = s_all[bl], (t_all[bl] if t_all is not None else None)
-            a, b = scratch[0, : s.shape[0]], scratch[1, : s.shape[0]]
+            scratch = either.new_empty((2, min(block, either.shape[0]), either.shape[-1]))
+        for bl in chunks(either.shape[0], block):
+            s, t = (s_all[bl] if s_all is not None else None), (t_all[bl] if t_all is not None else None)
+            a, b = scratch[0, : bl.stop - bl.start], scratch[1, : bl.stop - bl.start]
             if want_teacher_entropy and t is not None:  # -(exp(t) * t).sum(-1), as entropy() computes it
                 rows.setdefault("teacher_entropy", []).append(-torch.mul(torch.exp(t, out=a), t, out=a).sum(-1))
-            if want_student_entropy or (kl and t is not None):
+            if s is not None and (want_student_entropy or (kl and t is not None)):
                 s_prob = torch.exp(s, out=a)  # one exp shared by the entropy and the KL
                 if want_student_entropy:
                     rows.setdefault("student_entropy", []).append(-torch.mul(s_prob, s, out=b).sum(-1))

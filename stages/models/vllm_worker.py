@@ -23,12 +23,16 @@ follow_owner()
 class GndpoWorker:
     """Mixed into vLLM's worker class: ``self`` is the worker (``self.model_runner`` holds the model)."""
 
-    def reload_policy(self, weights_path: str) -> int:
-        """Load ``weights_path`` into the running model, tied output layers included; returns how many
-        output layers were tied to the new embedding again (0 for an untied model)."""
+    def reload_policy(self, weights_path: str | None = None, weights: dict | None = None) -> int:
+        """Load ``weights_path``'s checkpoint, or ``weights`` ({checkpoint name: tensor}, handed over in
+        memory by an in-process caller), into the running model, tied output layers included; returns
+        how many output layers were tied to the new embedding again (0 for an untied model)."""
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-        self.model_runner.reload_weights(weights_path=weights_path)
+        if weights is not None:
+            self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+        else:
+            self.model_runner.reload_weights(weights_path=weights_path)
         model = self.model_runner.get_model()
         config = getattr(model, "config", None)
         if not getattr(getattr(config, "text_config", None) or config, "tie_word_embeddings", False):

@@ -51,6 +51,11 @@ class UnitRows:
         return np.diff(self.offsets)
 
     @property
+    def sampler_logprobs(self) -> np.ndarray:
+        """The rollout engine's log-prob of each response token (temperature 1), flat, float32."""
+        return flat_values(self.table.column("sampler_logprobs"))[0].astype(np.float32)
+
+    @property
     def spans(self) -> np.ndarray:
         """Prompt + response tokens per row: what a row costs in a padded batch."""
         return np.diff(self.prompt_offsets) + self.lengths
@@ -80,9 +85,11 @@ class UnitRows:
 class StudentForward:
     """The student's forward over a unit's rows in token-budgeted batches. A teacher given as a module
     (or a list of modules: their mean) reads the same batches beside it, so both backbones run once per
-    batch and the teacher's columns come out of the same pass; without one only the student's do."""
+    batch and the teacher's columns come out of the same pass; without one only the student's do.
+    Without a student module (``score.student_logprobs: engine``) the student's log-probs are the
+    rollout engine's and only a teacher module runs."""
 
-    student: object
+    student: object | None
     chunk: int  # positions per output-layer chunk, planned over the student and every teacher module
     pad_id: int
     device: torch.device
@@ -103,6 +110,9 @@ class StudentForward:
         # A unit's forward passes can take minutes: its own progress moves batch by batch.
         with progress.task("score: forward passes", total=rows.n, unit="responses", transient=True) as bar:
             for teacher, members in groups:
+                if teacher is None and self.student is None:  # no module to run for these rows
+                    bar.advance(len(members))
+                    continue
                 members = np.asarray(members)
                 keys = [rows.prompt_ids[i] for i in members]
                 for batch_rows in token_budget_batches(rows.spans[members], self.max_tokens, self.max_rows, keys):
@@ -110,6 +120,8 @@ class StudentForward:
                     stats = self.batch_columns(rows, batch, teacher, topk, teacher_prompts)
                     place(per_token, stats, rows.token_positions(batch), len(rows.responses))
                     bar.advance(len(batch), tokens=int(rows.lengths[batch].sum()))
+        if self.student is None:
+            per_token["student_logprobs"] = rows.sampler_logprobs
         return per_token
 
     def batch_columns(self, rows: UnitRows, batch_rows, teacher, topk: int, teacher_prompts: list | None) -> dict[str, torch.Tensor]:
@@ -124,7 +136,8 @@ class StudentForward:
         # The round's entropy metrics need both entropies even where the method stores no entropy
         # column (logging.entropy_metrics: one more pass over each chunk's log-probs).
         metric = self.entropy_metrics
-        entropies = ((metric and teacher is not None) or TEACHER_ENTROPY in self.needs, metric or STUDENT_ENTROPY in self.needs)
+        entropies = ((metric and teacher is not None) or TEACHER_ENTROPY in self.needs,
+                     (metric or STUDENT_ENTROPY in self.needs) and self.student is not None)
         return pair_token_stats(teacher, self.student, batch, self.chunk, rows.temperature, topk, entropies, TOKEN_KL in self.needs,
                                 teacher_batch=teacher_batch)
 

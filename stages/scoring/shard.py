@@ -35,8 +35,10 @@ def score_shard(rows: UnitRows, scored: Scored, cfg) -> tuple[pa.Table, dict]:
     """(the unit's score table, its commit counts: the metric sums and the token counts)."""
     per_token, aligned = dict(scored.per_token), scored.aligned
     student_mask, _ = flat_values(rows.table.column("loss_mask"))
-    # vLLM's sampler log-probs are of the raw distribution: comparable with ours at temperature 1 only.
-    sampler = flat_values(rows.table.column("sampler_logprobs"))[0] if rows.temperature == 1.0 else None
+    # vLLM's sampler log-probs are of the raw distribution: comparable with ours at temperature 1 only
+    # (and no comparison at all where they are the student's log-probs, score.student_logprobs engine).
+    recomputed = rows.temperature == 1.0 and cfg.score.student_logprobs == "recompute"
+    sampler = flat_values(rows.table.column("sampler_logprobs"))[0] if recomputed else None
     counts = token_metric_sums(per_token, sampler, student_mask > 0)
     per_token = stored_columns(per_token, score_needs(cfg.method), cfg.score.dtype)
     c = clamped_score(per_token["teacher_logprobs"], per_token["student_logprobs"], cfg.method.clamp)

@@ -53,11 +53,11 @@ def scored(backends_run):
     return {r["rollout_id"]: r for r in committed_rows(backends_run, "score")}, rows
 
 
-def test_engine_student_logprobs_are_the_samplers_and_skip_the_students_forward(backends_run):
+def test_engine_student_logprobs_are_the_samplers_and_skip_the_students_forward(backends_run, rolled_out):
     """score.student_logprobs engine: the student's column is the rollout engine's log-probs, no student
     module is loaded, the teacher's columns are the recomputing run's, and engine and forward agree."""
     recomputed = {r["rollout_id"]: r for r in committed_rows(backends_run, "score")}
-    rollouts = {r["rollout_id"]: r for r in committed_rows(backends_run, "rollout")}
+    rollouts = {r["rollout_id"]: r for r in committed_rows(rolled_out, "rollout")}  # the fork's round 0 is its parent's
     rows, job = score_in_process(backends_run, "engine-student", student_logprobs="engine")
     assert job.teacher.forward.student is None
     assert rows.keys() == recomputed.keys() and len(rows) == 32

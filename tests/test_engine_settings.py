@@ -164,8 +164,8 @@ def test_each_engine_gets_its_own_kv_cache_size(tiny_assets, monkeypatch, caplog
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
     with caplog.at_level(logging.WARNING, logger="gndpo"):
-        engine.make_llm(student, EngineConfig(max_model_len=32, kv_cache_gib=1))
-        engine.make_llm(teacher, EngineConfig(max_model_len=32, kv_cache_gib=3), max_logprobs=64)
+        engine.make_llm(student, EngineConfig(max_model_len=32, kv_cache_gib=1, in_process=False))
+        engine.make_llm(teacher, EngineConfig(max_model_len=32, kv_cache_gib=3, in_process=False), max_logprobs=64)
     assert started == [(student, 2**30, None), (teacher, 3 * 2**30, None)]
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "7"
     assert "VLLM_CPU_KVCACHE_SPACE=7 is ignored: engine.kv_cache_gib (3)" in caplog.text

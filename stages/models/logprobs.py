@@ -354,7 +354,7 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
         out.update({name: torch.cat(values) for name, values in rows.items()})
         for name, value in out.items():
             parts.setdefault(name, []).append(value.cpu())
-        del t_all, s_all
+        del t_all, s_all, either  # the next chunk allocates its own [chunk, V] buffers
     return {name: torch.cat(values) for name, values in parts.items()}
 
 

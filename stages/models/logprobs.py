@@ -313,7 +313,6 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
         raise ValueError("teacher_batch must hold the student batch's response tokens, in the same order")
     h_teachers = [response_hidden(t, t_batch) for t in teachers]
     h_student = response_hidden(student, batch) if student is not None else None
-    want_teacher_entropy, want_student_entropy = entropies
     parts: dict[str, list] = {}
     scratch = None
     for sl in chunks(batch.n_tokens, token_chunk):
@@ -328,34 +327,50 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
             if topk:
                 values, ids = t_all.topk(min(topk, t_all.shape[-1]), dim=-1)
                 out["teacher_topk_logprobs"], out["teacher_topk_ids"] = values, ids.int()
-        rows: dict[str, list] = {}
-        either = s_all if s_all is not None else t_all
-        block = max(1, REDUCE_BLOCK_BYTES // (either.shape[-1] * 4))
-        if scratch is None:  # two [block, V] buffers the reductions write into, reused for every block
-            scratch = either.new_empty((2, min(block, either.shape[0]), either.shape[-1]))
-        for bl in chunks(either.shape[0], block):
-            s, t = (s_all[bl] if s_all is not None else None), (t_all[bl] if t_all is not None else None)
-            a, b = scratch[0, : bl.stop - bl.start], scratch[1, : bl.stop - bl.start]
-            if want_teacher_entropy and t is not None:  # -(exp(t) * t).sum(-1), as entropy() computes it
-                rows.setdefault("teacher_entropy", []).append(-torch.mul(torch.exp(t, out=a), t, out=a).sum(-1))
-            if s is not None and (want_student_entropy or (kl and t is not None)):
-                s_prob = torch.exp(s, out=a)  # one exp shared by the entropy and the KL
-                if want_student_entropy:
-                    rows.setdefault("student_entropy", []).append(-torch.mul(s_prob, s, out=b).sum(-1))
-                if kl and t is not None:  # sum p_S (s - t), the product in the other order (exact either way)
-                    rows.setdefault("token_kl", []).append(torch.sub(s, t, out=b).mul_(s_prob).sum(-1))
-            if ids is not None:  # last use of these teacher rows: mask the top-k ids in place
-                t.scatter_(-1, ids[bl], -math.inf)
-                top = t.amax(-1, keepdim=True)
-                top = torch.where(torch.isfinite(top), top, 0.0)  # k = vocabulary: nothing left (log 0)
-                rest = torch.sub(t, top, out=a).exp_().sum(-1).log_() + top.squeeze(-1)
-                rows.setdefault("teacher_rest_logprob", []).append(rest.clamp(min=LOGP_FLOOR))
-            del s, t, a, b  # views: they would keep buffers alive into the next chunk
-        out.update({name: torch.cat(values) for name, values in rows.items()})
+        if scratch is None:
+            scratch = reduction_scratch(s_all if s_all is not None else t_all)
+        out.update(vocabulary_reductions(s_all, t_all, ids, scratch, entropies, kl))
         for name, value in out.items():
             parts.setdefault(name, []).append(value.cpu())
-        del t_all, s_all, either  # the next chunk allocates its own [chunk, V] buffers
+        del t_all, s_all  # the next chunk allocates its own [chunk, V] buffers
     return {name: torch.cat(values) for name, values in parts.items()}
+
+
+def reduction_scratch(like: torch.Tensor) -> torch.Tensor:
+    """Two [block, V] buffers (REDUCE_BLOCK_BYTES each at most) that the per-position reductions over
+    the vocabulary write into, reused for every block of every chunk shaped like ``like``."""
+    block = max(1, REDUCE_BLOCK_BYTES // (like.shape[-1] * 4))
+    return like.new_empty((2, min(block, like.shape[0]), like.shape[-1]))
+
+
+def vocabulary_reductions(s_all: torch.Tensor | None, t_all: torch.Tensor | None, ids: torch.Tensor | None, scratch: torch.Tensor,
+                          entropies: tuple[bool, bool], kl: bool) -> dict[str, torch.Tensor]:
+    """One chunk's per-position reductions over the vocabulary ([n] each), block by block into
+    ``scratch`` (:func:`reduction_scratch`): the teacher's / student's entropy as ``entropies`` asks,
+    the KL(p_S || p_T) with ``kl``, and with the teacher's top-k ``ids`` its rest log-prob, for which
+    the teacher's rows ``t_all`` are overwritten (their last use)."""
+    want_teacher_entropy, want_student_entropy = entropies
+    rows: dict[str, list] = {}
+    n = (s_all if s_all is not None else t_all).shape[0]
+    for bl in chunks(n, scratch.shape[1]):
+        s, t = (s_all[bl] if s_all is not None else None), (t_all[bl] if t_all is not None else None)
+        a, b = scratch[0, : bl.stop - bl.start], scratch[1, : bl.stop - bl.start]
+        if want_teacher_entropy and t is not None:  # -(exp(t) * t).sum(-1), as entropy() computes it
+            rows.setdefault("teacher_entropy", []).append(-torch.mul(torch.exp(t, out=a), t, out=a).sum(-1))
+        if s is not None and (want_student_entropy or (kl and t is not None)):
+            s_prob = torch.exp(s, out=a)  # one exp shared by the entropy and the KL
+            if want_student_entropy:
+                rows.setdefault("student_entropy", []).append(-torch.mul(s_prob, s, out=b).sum(-1))
+            if kl and t is not None:  # sum p_S (s - t), the product in the other order (exact either way)
+                rows.setdefault("token_kl", []).append(torch.sub(s, t, out=b).mul_(s_prob).sum(-1))
+        if ids is not None:  # last use of these teacher rows: mask the top-k ids in place
+            t.scatter_(-1, ids[bl], -math.inf)
+            top = t.amax(-1, keepdim=True)
+            top = torch.where(torch.isfinite(top), top, 0.0)  # k = vocabulary: nothing left (log 0)
+            rest = torch.sub(t, top, out=a).exp_().sum(-1).log_() + top.squeeze(-1)
+            rows.setdefault("teacher_rest_logprob", []).append(rest.clamp(min=LOGP_FLOOR))
+        del s, t, a, b  # views: they would keep buffers alive into the next block
+    return {name: torch.cat(values) for name, values in rows.items()}
 
 
 def policy_token_logprobs(model, batch: TokenBatch, token_chunk: int, temperature: float,

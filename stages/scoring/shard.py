@@ -38,7 +38,7 @@ def score_shard(rows: UnitRows, scored: Scored, cfg) -> tuple[pa.Table, dict]:
     # vLLM's sampler log-probs are of the raw distribution: comparable with ours at temperature 1 only
     # (and no comparison at all where they are the student's log-probs, score.student_logprobs engine).
     recomputed = rows.temperature == 1.0 and cfg.score.student_logprobs == "recompute"
-    sampler = flat_values(rows.table.column("sampler_logprobs"))[0] if recomputed else None
+    sampler = rows.sampler_logprobs if recomputed else None
     counts = token_metric_sums(per_token, sampler, student_mask > 0)
     per_token = stored_columns(per_token, score_needs(cfg.method), cfg.score.dtype)
     c = clamped_score(per_token["teacher_logprobs"], per_token["student_logprobs"], cfg.method.clamp)

@@ -82,18 +82,20 @@ def test_make_llm_passes_the_settings_to_vllm(tiny_assets, monkeypatch):
 
     class FakeLLM:
         def __init__(self, **kw):
-            seen.update(kw)
+            seen.update(kw, compile_disable=os.environ.get("TORCH_COMPILE_DISABLE"))
 
     fake = types.ModuleType("vllm")
     fake.LLM = FakeLLM
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setattr(engine, "cuda_available", lambda: False)
-    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL"):  # restored after the test
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL", "TORCH_COMPILE_DISABLE"):  # restored after the test
         monkeypatch.delenv(name, raising=False)
     cfg = EngineConfig(max_model_len=32, kv_cache_gib=3, in_process=False)  # the in-process start is the next test's
     assert isinstance(engine.make_llm(str(tiny_assets / "student"), cfg, seed=5), FakeLLM)
     assert seen["max_model_len"] == 32 and seen["seed"] == 5 and seen["enable_chunked_prefill"] is False
     assert seen["kv_cache_memory_bytes"] == 3 * 2**30 and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    # The engine's own processes inherit it while it starts: vLLM's compiled sampler helpers run eagerly.
+    assert seen["compile_disable"] == "1" and "TORCH_COMPILE_DISABLE" not in os.environ
 
 
 def test_an_in_process_engine_is_built_with_vllms_in_process_settings(tiny_assets, monkeypatch):
@@ -177,7 +179,12 @@ def test_each_engine_gets_its_own_kv_cache_size(tiny_assets, monkeypatch, caplog
 @pytest.mark.slow
 def test_a_real_engine_has_the_configured_kv_cache(tiny_assets, monkeypatch):
     """One real CPU engine, started while VLLM_CPU_KVCACHE_SPACE says 2 GiB (as an earlier engine's or
-    the user's environment would): it has the 1 GiB its config asks for, as many blocks as 1 GiB holds."""
+    the user's environment would): it has the 1 GiB its config asks for, as many blocks as 1 GiB holds.
+    Sampling with log-probs from it (in this process) compiles nothing: vLLM's compiled sampler helpers
+    run eagerly on CPU."""
+    from torch._dynamo.utils import counters
+    from vllm import SamplingParams
+
     if torch.cuda.is_available():
         pytest.skip("the KV cache size is a CPU engine's setting")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -189,6 +196,10 @@ def test_a_real_engine_has_the_configured_kv_cache(tiny_assets, monkeypatch):
         per_token = 2 * model.get_num_kv_heads(config.parallel_config) * model.get_head_size() * torch.finfo(model.dtype).bits // 8
         per_block = cache.block_size * per_token * model.get_num_layers(config.parallel_config)
         assert cache.num_gpu_blocks == 2**30 // per_block
+        frames = dict(counters["frames"])
+        out = engine.generate(llm, [[1, 3, 4]], [SamplingParams(max_tokens=3, logprobs=2, seed=0)])
+        assert len(out[0].token_ids) == 3 and all(lp < 0 for lp in out[0].logprobs)
+        assert dict(counters["frames"]) == frames
     finally:
         engine.shutdown_llm(llm)
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"

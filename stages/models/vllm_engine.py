@@ -13,7 +13,8 @@ here from ``engine`` (:class:`gndpo.pipeline.config.schema.EngineConfig`):
   a step's prompts are split while requests carry their own seeds;
 * the context: ``engine.max_model_len``, 0 meaning the model's own (``max_position_embeddings``);
 * where the engine runs: in processes of its own, or with ``engine.in_process`` (CPU only) inside the
-  caller's process (:func:`runs_in_process`).
+  caller's process (:func:`runs_in_process`);
+* vLLM's ``torch.compile``d sampler helpers: eager on CPU (:func:`_eager_helpers`).
 
 Prompts are passed as token ids, so what is generated is exactly what score and train see.
 """
@@ -26,10 +27,12 @@ import logging
 import os
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
+
+import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
@@ -43,14 +46,14 @@ GIB = 1 << 30
 LEGACY_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 # vLLM: 0 runs the engine core in the calling process (engine.in_process).
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# torch: 1 makes every torch.compile of the process run eagerly (read when torch._dynamo is imported).
+COMPILE_DISABLE_ENV = "TORCH_COMPILE_DISABLE"
 # Keys under which Hugging Face configs store the context length, in the order they are tried.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
 
 def cuda_available() -> bool:
     try:
-        import torch
-
         return torch.cuda.is_available()
     except Exception:
         return False
@@ -74,8 +77,6 @@ def resolve_max_model_len(model_path: str, cfg: EngineConfig) -> int:
 
 def engine_dtype(cfg: EngineConfig, cuda: bool | None = None) -> str:
     """The precision an engine with ``cfg`` runs in ("float32", "bfloat16", "float16")."""
-    import torch
-
     cuda = cuda_available() if cuda is None else cuda
     # The device type only: resolving against local_device() would select a GPU in this process.
     return dtype_name(resolve_dtype(cfg.dtype, torch.device("cuda" if cuda else "cpu")))
@@ -121,11 +122,12 @@ def runs_in_process(kwargs: dict) -> bool:
 
 
 @contextmanager
-def _engine_start_env(in_process: bool = False):
+def _engine_start_env(in_process: bool = False, cuda: bool = True):
     """The environment an engine is configured and its processes start in, restored after: this
     process's pid as the engine's owner (:func:`gndpo.pipeline.exec.signals.follow_owner`: the
-    engine's processes die with it), without ``VLLM_CPU_KVCACHE_SPACE``, and for an ``in_process``
-    engine ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (read while the engine is built: it picks the client).
+    engine's processes die with it), without ``VLLM_CPU_KVCACHE_SPACE``, for an ``in_process``
+    engine ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (read while the engine is built: it picks the client),
+    and for a CPU engine in processes of its own ``TORCH_COMPILE_DISABLE=1`` (:func:`_eager_helpers`).
 
     vllm-cpu 0.32's ``CpuPlatform.check_and_update_config`` (vllm/platforms/cpu.py, "Legacy setting")
     reads ``os.environ`` directly (not ``vllm.envs``, so no cached value is involved) each time an engine
@@ -136,6 +138,8 @@ def _engine_start_env(in_process: bool = False):
     env = {LEGACY_KV_CACHE_ENV: None, ENGINE_OWNER_ENV: str(os.getpid())}
     if in_process:
         env[MULTIPROCESSING_ENV] = "0"
+    elif not cuda:
+        env[COMPILE_DISABLE_ENV] = "1"
     with scoped_environ(env):
         yield legacy
 
@@ -162,7 +166,7 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
         # torch.distributed group of the process when it is collected: collected now, before this
         # engine sets up its own, not in the middle of this engine's life.
         gc.collect()
-    with _engine_start_env(in_process) as legacy:
+    with _engine_start_env(in_process, cuda_available()) as legacy:
         if legacy is not None and "kv_cache_memory_bytes" in kwargs:
             logging.getLogger("gndpo").warning(
                 f"{LEGACY_KV_CACHE_ENV}={legacy} is ignored: engine.kv_cache_gib ({cfg.kv_cache_gib}) sets the KV cache "
@@ -264,10 +268,22 @@ def _generate(llm, requests: list, params, on_finished: Callable[[int], None] | 
 
     use_tqdm = partial(_progress_bar, on_finished) if on_finished else False
     try:
-        return llm.generate(requests, params, use_tqdm=use_tqdm)
+        with _eager_helpers(llm):
+            return llm.generate(requests, params, use_tqdm=use_tqdm)
     except EngineDeadError as exc:  # the cause stays visible at --log-level debug
         raise GndpoError("the vLLM engine process stopped during generation (a signal sent to this process group, or the "
                          "machine's memory); rerun the same command to resume") from exc
+
+
+def _eager_helpers(llm):
+    """Where ``llm``'s steps run in this process (an in-process engine: CPU only), every
+    ``torch.compile`` runs eagerly while they do; a CPU engine in processes of its own gets the same
+    through ``TORCH_COMPILE_DISABLE`` (:func:`_engine_start_env`). vLLM compiles a few sampler helpers
+    even when the model runs eagerly, among them the rank count behind every returned log-prob
+    (``batched_count_greater_than``): Dynamo and Inductor take 4 s of a CPU core in each new process
+    for it, to save a temporary tensor of one byte per vocabulary entry. The values are the same
+    (integer counts)."""
+    return torch.compiler.set_stance("force_eager") if in_process_engine(llm) else nullcontext()
 
 
 def token_prompt(ids: list[int], images: list | None = None):

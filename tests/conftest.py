@@ -153,7 +153,7 @@ def roll_out_round_0(folder: Path, tiny_assets: Path) -> None:
     train.write_text("".join(json.dumps({**r, "teacher": "ab"[i % 2]}) + "\n" for i, r in enumerate(rows)))
     cfg = tiny_config_dict(tiny_assets, rollout={"eval_heldout": False})
     cfg["data"]["train"] = str(train)
-    gndpo("init", folder / "run", "--config", write_config(folder, cfg))
+    invoke_ok("init", folder / "run", "--config", write_config(folder, cfg))
     gndpo("rollout", folder / "run", "--round", 0)
 
 

@@ -83,7 +83,7 @@ def chat_config(folder, assets, **sections):
 @pytest.fixture(scope="module")
 def chat_rollout(tmp_path_factory, chat_assets):
     folder = tmp_path_factory.mktemp("chat-rollout")
-    gndpo("init", folder / "run", "--config", chat_config(folder, chat_assets))
+    invoke_ok("init", folder / "run", "--config", chat_config(folder, chat_assets))
     gndpo("rollout", folder / "run", "--round", 0)
     return folder / "run"
 

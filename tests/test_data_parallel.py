@@ -19,7 +19,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import gndpo
+from tests.conftest import gndpo, invoke_ok, run_stages
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +29,8 @@ def normalized_run(request, tmp_path_factory, rolled_out):
     """GNDPO (policy gradient, seq-mean-token-mean) and JSD on the teacher top-k (divergence, global
     token mean), each a fork of the shared rolled-out round, scored and normalized."""
     run = tmp_path_factory.mktemp(f"dp-{request.param}") / "run"
-    gndpo("fork", rolled_out, run, "--from-round", "0", f"method.name={request.param}", "train.optimizer_steps=2", "train.micro_batch_size=4")
-    for stage in ("score", "normalize"):
-        gndpo(stage, run, "--round", 0)
+    invoke_ok("fork", rolled_out, run, "--from-round", "0", f"method.name={request.param}", "train.optimizer_steps=2", "train.micro_batch_size=4")
+    run_stages(run, "score", "normalize")
     return run
 
 
@@ -52,10 +51,11 @@ def torchrun_train(run, ranks: int, env=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def one_rank(normalized_run, tmp_path_factory):
-    """The uninterrupted 1-rank ZeRO-0 train of the round: the reference of every other layout."""
+    """The uninterrupted 1-rank ZeRO-0 train of the round (in this process): the reference of every
+    other layout."""
     one = tmp_path_factory.mktemp("one") / "run"
     shutil.copytree(normalized_run, one)
-    gndpo("train", one, "--round", 0)
+    run_stages(one, "train")
     return one
 
 

@@ -15,7 +15,7 @@ import yaml
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import EVAL_UNIT, STAGES, manifest_files, rollout_shards
-from tests.conftest import ARTIFACTS, committed_rows, gndpo, gndpo_killed, open_in_chromium, tiny_config_dict
+from tests.conftest import ARTIFACTS, committed_rows, gndpo, gndpo_killed, invoke_ok, open_in_chromium, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 PROMPTS, N = 16, 2
@@ -112,7 +112,7 @@ def kept_runs(tmp_path_factory, tiny_assets):
     config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
     kept, crashed = folder / "kept", folder / "crashed"
     for run in (kept, crashed):
-        gndpo("init", run, "--config", config)
+        invoke_ok("init", run, "--config", config)
     log = gndpo("run", kept, "--rounds", 2).stderr
     # Round 0 takes 2 optimizer steps, so the 3rd pass of train.step is round 1's first.
     crash_log = folder / "crash.log"

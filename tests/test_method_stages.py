@@ -38,7 +38,7 @@ def write_config(folder, assets, method, score=None):
 def rollout_dir(tmp_path_factory, tiny_assets):
     folder = tmp_path_factory.mktemp("methods-rollout")
     run = folder / "run"
-    gndpo("init", run, "--config", write_config(folder, tiny_assets, {"name": "gndpo"}))
+    invoke_ok("init", run, "--config", write_config(folder, tiny_assets, {"name": "gndpo"}))
     gndpo("rollout", run, "--round", 0)
     return run / "rounds" / "r0000" / "rollout"
 

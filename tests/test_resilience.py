@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.exec.status import stage_rows
 from gndpo.storage.records import rollout_shards
-from tests.conftest import committed_rows, gndpo, gndpo_killed, tiny_config_dict, write_config
+from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, run_stages, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
@@ -54,12 +54,11 @@ def reference(tmp_path_factory, tiny_assets):
     run = folder / "run"
     # The engine in processes of its own here, in the stage's process in the crashed run: the two
     # layouts must commit the same rows and weights.
-    gndpo("init", run, "--config", make_config(folder, tiny_assets, in_process=False))
+    invoke_ok("init", run, "--config", make_config(folder, tiny_assets, in_process=False))
     gndpo("rollout", run, *ROUND)
     # Keep a copy with only the rollouts committed, for the concurrency and lease tests.
     shutil.copytree(run, folder / "after-rollout")
-    for stage in ("score", "normalize", "train"):
-        gndpo(stage, run, *ROUND)
+    run_stages(run, "score", "normalize", "train")  # in this process: the crashed run tests the processes
     return folder
 
 
@@ -67,7 +66,7 @@ def reference(tmp_path_factory, tiny_assets):
 def crashed_run(tmp_path_factory, tiny_assets):
     folder = tmp_path_factory.mktemp("crashed")
     run = folder / "run"
-    gndpo("init", run, "--config", make_config(folder, tiny_assets, in_process=True))
+    invoke_ok("init", run, "--config", make_config(folder, tiny_assets, in_process=True))
     crashed(run, "rollout", "rollout.generate", after=1)  # u00000 committed, dies generating u00001
     gndpo("rollout", run, *ROUND)
     crashed(run, "score", "storage.write")  # dies with half of u00000's score shard on disk

@@ -29,7 +29,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import free_ports, gndpo, tiny_config_dict, write_config
+from tests.conftest import free_ports, gndpo, invoke_ok, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -234,7 +234,7 @@ def slurm(tmp_path_factory):
 def new_run(folder: Path, tiny_assets: Path) -> Path:
     """A run created with `gndpo init` from the toy config (3 rollout units: 2 of 8 prompts, held-out eval)."""
     folder.mkdir(parents=True, exist_ok=True)
-    gndpo("init", folder / "run", "--config", write_config(folder, tiny_config_dict(tiny_assets)))
+    invoke_ok("init", folder / "run", "--config", write_config(folder, tiny_config_dict(tiny_assets)))
     return folder / "run"
 
 

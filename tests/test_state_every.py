@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import committed_rows, gndpo, tiny_config_dict, write_config
+from tests.conftest import committed_rows, gndpo, invoke_ok, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 ROUNDS = 3
@@ -22,7 +22,7 @@ ROUNDS = 3
 def new_run(folder, assets):
     run = folder / "run"
     config = write_config(folder, tiny_config_dict(assets, train={"state_every": 3}, rollout={"eval_heldout": False}))
-    gndpo("init", run, "--config", config)
+    invoke_ok("init", run, "--config", config)
     return run
 
 

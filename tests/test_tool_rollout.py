@@ -17,7 +17,7 @@ import torch
 from gndpo.pipeline.tasks.rewards import math_answer, tool_correctness, tool_format
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.toys.arithmetic import ModelSpec
-from tests.conftest import committed_rows, gndpo, gndpo_killed, write_config
+from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, write_config
 
 pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
@@ -54,7 +54,7 @@ def tool_config(folder, assets):
 def reference(tmp_path_factory, tool_assets):
     folder = tmp_path_factory.mktemp("tools-reference")
     run = folder / "run"
-    gndpo("init", run, "--config", tool_config(folder, tool_assets))
+    invoke_ok("init", run, "--config", tool_config(folder, tool_assets))
     for stage in ("rollout", "score", "normalize"):
         gndpo(stage, run, *ROUND)
     return run
@@ -142,7 +142,7 @@ def test_scores_and_statistics_cover_student_tokens_only(reference):
 
 def test_sigkill_mid_conversation_then_rerun_gives_identical_rows(reference, tool_assets, tmp_path):
     run = tmp_path / "run"
-    gndpo("init", run, "--config", tool_config(tmp_path, tool_assets))
+    invoke_ok("init", run, "--config", tool_config(tmp_path, tool_assets))
     code = gndpo_killed("rollout", run, *ROUND, env={"GNDPO_CRASH_AT": "agent.turn", "GNDPO_CRASH_AFTER": "1"}, log=tmp_path / "crash.log")
     assert code == -signal.SIGKILL, (tmp_path / "crash.log").read_text()[-2000:]
     assert open_run(str(run)).records(0, "rollout").manifest() is None

@@ -163,13 +163,45 @@ class RunFS:
         charge_write(len(data), time.perf_counter() - start)
         return {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
-    def upload_dir(self, local_dir: str | Path, rel: str) -> list[dict]:
-        """Copy a local folder (a model export) into the run; returns the file records."""
-        records = []
+    def staging_dir(self, rel: str) -> tempfile.TemporaryDirectory:
+        """A temporary local folder to write files into (a model export, an engine's state) that
+        :meth:`move_dir_in` then makes ``rel``'s: beside ``rel`` when the run is local, so that the
+        move renames each file into place instead of writing it a second time; the system's temporary
+        folder otherwise. Removed when the context exits; a process killed before that leaves it in the
+        folder above ``rel`` (an attempt's folder, which `gndpo gc` removes once nothing refers to it)."""
+        if not self.is_local:
+            return tempfile.TemporaryDirectory(prefix="gndpo-staging-")
+        parent = os.path.dirname(self.path(rel))
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.TemporaryDirectory(dir=parent, prefix=f".{os.path.basename(rel)}.staging-")
+
+    def move_dir_in(self, local_dir: str | Path, rel: str) -> list[dict]:
+        """Make every file under a local folder an immutable file of the run under ``rel``, moved where
+        it can be (:meth:`move_in`); returns their records."""
         local_dir = Path(local_dir)
-        for f in sorted(p for p in local_dir.rglob("*") if p.is_file()):
-            records.append(self.write_new(f"{rel}/{f.relative_to(local_dir).as_posix()}", f.read_bytes()))
-        return records
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        return [self.move_in(f"{rel}/{f.relative_to(local_dir).as_posix()}", f) for f in files]
+
+    def move_in(self, rel: str, local: Path) -> dict:
+        """:meth:`write_new` for a file on local disk, never read whole into memory: on a local run's own
+        filesystem it is made durable and renamed into place (``local`` is gone after), on another one
+        copied, to an object store uploaded. Returns its record (path, bytes, sha256)."""
+        target = self.path(rel)
+        start = time.perf_counter()
+        size, digest = local.stat().st_size, file_sha256(local)
+        if self.is_local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if os.stat(local).st_dev != os.stat(os.path.dirname(target)).st_dev:
+                copied = Path(f"{target}.{uuid.uuid4().hex}.tmp")
+                shutil.copyfile(local, copied)
+                local = copied
+            with open(local, "rb") as f:
+                os.fsync(f.fileno())  # its bytes on disk before its name is: a crash never leaves a short file
+            os.replace(local, target)
+        else:
+            self.fs.put_file(str(local), target)
+        charge_write(size, time.perf_counter() - start)
+        return {"path": rel, "bytes": size, "sha256": digest}
 
     def local_dir(self, rel: str, cache_root: str | Path) -> str:
         """A local path holding ``rel``: itself for local runs, else a cached download."""
@@ -203,3 +235,9 @@ def _protocols(fs) -> tuple[str, ...]:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read in blocks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -1,6 +1,7 @@
 """The storage protocol on a local run folder: exclusive create, verified shards, the unit executor."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,6 +22,39 @@ def test_create_is_exclusive_and_never_empty(tmp_path):
     with pytest.raises(ValueError):
         fs.create("a/c.json", b"")
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.json"]  # no temp files left
+
+
+def test_a_staged_folder_is_moved_into_a_local_run_and_copied_elsewhere(tmp_path):
+    """A local run stages big files (a model, an engine state) beside their final place and renames them
+    in: the same inode, no copy, nothing left of the staging folder; the records hash what was written.
+    A file on another filesystem (RAM's, where the machine has one) is copied and stays."""
+    import hashlib
+    import os
+    import tempfile
+
+    fs = RunFS(str(tmp_path / "run"))
+    content = {"model.safetensors": os.urandom(1 << 20), "sub/config.json": b'{"a": 1}'}
+    with fs.staging_dir("attempt/model") as staged:
+        assert os.path.dirname(staged) == str(tmp_path / "run" / "attempt")
+        for name, data in content.items():
+            (Path(staged) / name).parent.mkdir(parents=True, exist_ok=True)
+            (Path(staged) / name).write_bytes(data)
+        inode = (Path(staged) / "model.safetensors").stat().st_ino
+        records = fs.move_dir_in(staged, "attempt/model")
+        assert not any(p.is_file() for p in Path(staged).rglob("*"))
+    assert os.listdir(tmp_path / "run" / "attempt") == ["model"]
+    assert (tmp_path / "run" / "attempt" / "model" / "model.safetensors").stat().st_ino == inode
+    want = [{"path": f"attempt/model/{name}", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            for name, data in sorted(content.items())]
+    assert records == want
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        return
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as elsewhere:
+        (Path(elsewhere) / "state.pt").write_bytes(b"state")
+        record = fs.move_in("attempt/optimizer/state.pt", Path(elsewhere) / "state.pt")
+        assert (Path(elsewhere) / "state.pt").read_bytes() == b"state"
+    assert record["sha256"] == hashlib.sha256(b"state").hexdigest() and fs.read_bytes("attempt/optimizer/state.pt") == b"state"
+    assert sorted(os.listdir(tmp_path / "run" / "attempt" / "optimizer")) == ["state.pt"]  # no temporary copy left
 
 
 def test_shard_roundtrip_and_corruption_is_named(tmp_path):

@@ -37,12 +37,12 @@ UNIT = "update"  # train's one work unit, whose attempts leave the checkpoints
 def save_state(engine, fs, rel: str, dist: Dist) -> list[dict] | None:
     """Write the engine's full state (module, optimizer, its partitions) under ``rel``; collective.
     Returns, on rank 0, the file records of all ranks (None elsewhere)."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with fs.staging_dir(rel) as tmp:
         engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
+        # Each rank's staging folder holds exactly the files that rank wrote (its partitions; rank 0
+        # also the module file below ZeRO-3), and names carry the rank, so uploads never collide.
         folder = Path(tmp) / CHECKPOINT_TAG
-        # Each rank's local folder holds exactly the files that rank wrote (its partitions; rank 0 also
-        # the module file below ZeRO-3), and names carry the rank, so uploads never collide.
-        records = [fs.write_new(f"{rel}/{p.name}", p.read_bytes()) for p in sorted(folder.iterdir()) if p.is_file()]
+        records = [fs.move_in(f"{rel}/{p.name}", p) for p in sorted(folder.iterdir()) if p.is_file()]
     if dist.world > 1:
         import torch.distributed as torch_dist
 

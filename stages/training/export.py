@@ -8,8 +8,6 @@ takes part in what is collective (the ZeRO-3 gather, the probe's forward).
 
 from __future__ import annotations
 
-import tempfile
-
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.stages.models.loading import is_vision_model, load_tokenizer
 from gndpo.stages.models.logprobs import output_width
@@ -22,13 +20,13 @@ def export_student(engine, policy: str, fs, out_dir: str, zero_stage: int, dist:
     """``out_dir/model``: the trained student with its probe; collective. Returns the file records on
     rank 0, [] elsewhere."""
     files = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with fs.staging_dir(f"{out_dir}/model") as tmp:
         save_hf_folder(engine, policy, tmp, zero_stage, dist.rank)
         # Every rank runs the probe's forward, as ZeRO-3 gathers weights collectively.
         probe = probe_student(engine.module, policy, pad_id)
         if dist.main:
             write_probe(tmp, probe)
-            files = fs.upload_dir(tmp, f"{out_dir}/model")
+            files = fs.move_dir_in(tmp, f"{out_dir}/model")
     return files
 
 
@@ -64,7 +62,7 @@ def probe_student(model, policy: str, pad_id: int) -> dict:
 
 def export_ema(ema: EmaWeights, module, policy: str, fs, out_dir: str) -> list[dict]:
     """``out_dir/ema``: the average as a Hugging Face folder, the next round's EMA teacher (rank 0 only)."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with fs.staging_dir(f"{out_dir}/ema") as tmp:
         ema.export(module, tmp)
         save_preprocessing(policy, tmp)
-        return fs.upload_dir(tmp, f"{out_dir}/ema")
+        return fs.move_dir_in(tmp, f"{out_dir}/ema")

@@ -162,4 +162,6 @@ class ScoreJob:
             unaligned = sum(c["unaligned_tokens"] for c in commits)
             metrics["cross_tokenizer/unaligned_tokens"] = unaligned
             metrics["cross_tokenizer/unaligned_fraction"] = unaligned / max(unaligned + metrics["tokens"], 1)
+            # Tokens whose teacher value is a share of a span of several student tokens (stages/text/align.py).
+            metrics["cross_tokenizer/split_span_fraction"] = sum(c.get("split_span_tokens", 0) for c in commits) / max(metrics["tokens"], 1)
         return metrics

@@ -1,7 +1,9 @@
 """score.cross_tokenizer: a teacher whose tokenizer merges doubled digits ("11", "22", ...) scores the
 character-level student's round-0 rollouts (a fork of the shared rolled-out run). The stored teacher
-values are re-derived here from the teacher model and its tokenizer's own offsets; unaligned tokens are
-flagged, counted, and out of normalize's statistics and train's loss."""
+values are re-derived here from the teacher model and its tokenizer's own offsets: every student token
+gets one, a merged pair's two digits sharing its log-ratio, and the student's EOS gets the teacher's EOS
+after the same text. The mask that would leave unaligned tokens out of normalize's statistics and train's
+loss is checked too."""
 
 import json
 
@@ -41,19 +43,21 @@ def crossed(rolled_out, pair_teacher, tmp_path_factory):
     return new
 
 
-def teacher_view(tok, model, prompt_text, text):
-    """The teacher's (char offsets, log-probs) of its own tokens of ``text`` after its prompt."""
+def teacher_view(tok, model, prompt_text, text, eos: bool):
+    """The teacher's (char offsets, log-probs) of its own tokens of ``text`` after its prompt, and with
+    ``eos`` the log-prob of its EOS after them (the toy's template closes no turn: EOS ends it)."""
     prompt = tok.apply_chat_template([{"role": "user", "content": prompt_text}], tokenize=False, add_generation_prompt=True)
     p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor([p_ids + enc["input_ids"]])
+    own = enc["input_ids"] + ([tok.eos_token_id] if eos else [])
+    ids = torch.tensor([p_ids + own])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
-    lps = [float(logp[len(p_ids) + k - 1, t]) for k, t in enumerate(enc["input_ids"])]
-    return enc["offset_mapping"], lps
+    lps = [float(logp[len(p_ids) + k - 1, t]) for k, t in enumerate(own)]
+    return enc["offset_mapping"], lps[: len(enc["input_ids"])], (lps[-1] if eos else None)
 
 
-def test_teacher_values_are_its_own_log_probs_where_a_student_token_is_covered(crossed, rolled_out, pair_teacher):
+def test_every_student_token_gets_its_share_of_its_spans_teacher_log_ratio(crossed, rolled_out, pair_teacher):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(pair_teacher))
@@ -61,28 +65,33 @@ def test_teacher_values_are_its_own_log_probs_where_a_student_token_is_covered(c
     student_tok = AutoTokenizer.from_pretrained(str(open_run(str(rolled_out)).cfg.student))
     rollouts = {r["rollout_id"]: r for r in committed_rows(rolled_out)}
     prompts = {p["prompt_id"]: p for p in open_run(str(crossed)).prompts("train")}
-    merged = unaligned = 0
+    split = ends = tokens = inside = 0
     for s in committed_rows(crossed, "score"):
         r = rollouts[s["rollout_id"]]
         ids = r["response_token_ids"]
         pieces = [student_tok.decode([t], skip_special_tokens=True) for t in ids]  # one character or none
-        text = "".join(pieces)
-        offsets, lps = teacher_view(tok, model, prompts[r["prompt_id"]]["prompt"], text)
-        single = {start: lp for (start, end), lp in zip(offsets, lps) if end - start == 1}
-        at = 0
-        for j, piece in enumerate(pieces):
-            covered = len(piece) == 1 and at in single
-            assert s["aligned"][j] == int(covered)
-            if covered:
-                assert s["teacher_logprobs"][j] == pytest.approx(single[at], abs=1e-4)
-            else:
-                assert s["teacher_logprobs"][j] == s["student_logprobs"][j]
-                unaligned += 1
-                merged += len(piece) == 1
-            at += len(piece)
-    assert merged > 0, "some doubled digits should have been merged by the teacher"
+        eos = ids[-1] == student_tok.eos_token_id
+        offsets, lps, eos_lp = teacher_view(tok, model, prompts[r["prompt_id"]]["prompt"], "".join(pieces), eos)
+        student = np.asarray(s["student_logprobs"], np.float64)
+        want, aligned = student.copy(), np.zeros(len(ids), int)  # special tokens inside keep their own
+        token_at = [j for j, piece in enumerate(pieces) if piece]  # the student token of each character
+        # The student's tokens are single characters, so each teacher token is a span of its own.
+        for (start, end), lp in zip(offsets, lps):
+            js = token_at[start:end]
+            want[js] = student[js] + (lp - student[js].sum()) / len(js)
+            aligned[js] = 1
+            split += len(js) if len(js) > 1 else 0
+        if eos:
+            want[-1], aligned[-1] = eos_lp, 1
+            ends += 1
+        np.testing.assert_allclose(s["teacher_logprobs"], want, atol=1e-4)
+        assert list(s["aligned"]) == aligned.tolist()
+        inside += int((aligned == 0).sum())
+        tokens += len(ids)
+    assert split > 0 and ends > 0, "some doubled digits should have been merged, some responses ended"
     metrics = open_run(str(crossed)).records(0, "score").manifest()["metrics"]
-    assert metrics["cross_tokenizer/unaligned_tokens"] == unaligned
+    assert metrics["cross_tokenizer/unaligned_tokens"] == inside  # special tokens the student sampled mid-response
+    assert metrics["cross_tokenizer/split_span_fraction"] == pytest.approx(split / (tokens - inside))
 
 
 def test_statistics_and_loss_leave_unaligned_tokens_out(crossed, rolled_out):

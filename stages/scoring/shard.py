@@ -52,6 +52,7 @@ def score_shard(rows: UnitRows, scored: Scored, cfg) -> tuple[pa.Table, dict]:
     counts["tokens"] = int(sum(p["n_valid"] for p in partial))
     if aligned is not None:
         counts["unaligned_tokens"] = int(len(aligned) - aligned.sum())
+        counts["split_span_tokens"] = int((scored.split * student_mask * aligned > 0).sum())
     return table, counts
 
 

@@ -15,7 +15,7 @@ and adds the teacher's columns its own way:
   1 - sum(top-k p) (:func:`rest_logprob_from_topk`).
 * :class:`OtherTokenizerTeacher` (``score.cross_tokenizer``): a teacher with its own tokenizer scores its
   own tokens of each response's text, mapped onto the student's tokens by character offsets
-  (:mod:`gndpo.stages.text.cross_tokenizer`); student tokens it does not cover exactly are unaligned.
+  (:mod:`gndpo.stages.text.cross_tokenizer`), its log-probs given to the student's tokens span by span.
 
 With a teacher context (``teacher_context.messages``), or pictures the teacher's processor expands its
 own way, the teacher reads a prompt of its own before the same response ids
@@ -39,12 +39,14 @@ from gndpo.stages.text.teacher_context import TeacherPrompts
 @dataclass
 class Scored:
     """A unit's per-token columns, the student's and the teacher's, flat over its response tokens; the
-    teacher recorded per row; and, for a cross-tokenizer teacher, 1 where its tokens cover a student
-    token exactly (None: every token counts)."""
+    teacher recorded per row; and, for a cross-tokenizer teacher, 1 where a student token has a teacher
+    value (``aligned``; None: every token counts) and 1 where that value is a share of a span of several
+    student tokens (``split``; :mod:`gndpo.stages.text.align`)."""
 
     per_token: dict[str, np.ndarray]
     labels: list[str]
     aligned: np.ndarray | None = None
+    split: np.ndarray | None = None
 
 
 def context_prompts(context: TeacherPrompts | None, rows: UnitRows) -> list[list[int]] | None:
@@ -127,10 +129,10 @@ class OtherTokenizerTeacher:
         every = list(range(rows.n))
         per_token = self.forward.columns(rows, [(None, every)], topk)
         prompt_rows = [self.teacher.prompts.by_id[pid] for pid in rows.prompt_ids]
-        per_token["teacher_logprobs"], aligned = self.teacher.score(
+        per_token["teacher_logprobs"], aligned, split = self.teacher.score(
             prompt_rows, [rows.response(i) for i in every], per_token["student_logprobs"]
         )
-        return Scored(per_token, [self.name] * rows.n, aligned)
+        return Scored(per_token, [self.name] * rows.n, aligned, split)
 
 
 def rest_logprob_from_topk(topk_logprobs: np.ndarray) -> np.ndarray:

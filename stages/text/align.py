@@ -1,61 +1,91 @@
-"""Aligning a teacher's tokens with the student's by character offsets (a teacher with another tokenizer).
+"""Aligning a teacher's tokens with the student's over the same text (a teacher with another tokenizer).
 
-Both tokenizers cut the same response text. For each student token the teacher tokens that lie inside
-its character span are found; when they cover the span exactly (first starts where it starts, last ends
-where it ends, no gap) the student token is *aligned* and its teacher log-prob is their sum (the chain
-rule: the teacher's probability of that piece of text). Otherwise, a teacher token that crosses the
-student token's edges, or a student token with no text (a special token), it is not aligned: score
-gives it no teacher value and train no policy-gradient signal, and the count is reported. Teacher tokens
-with no text (its template's special tokens) never align with anything.
+Both tokenizers cut the same response text. The text is split into the smallest **spans** whose edges
+are token boundaries of both tokenizations: a span holds one or more student tokens and one or more
+teacher tokens, and no token of either side crosses its edges. By the chain rule the teacher's
+log-probability of a span's text is the sum ``T`` of its teacher tokens' log-probs in context, the
+student's the sum ``S`` of its own. Each of the span's ``k`` student tokens gets the teacher value
+
+    teacher_j = student_j + (T - S) / k
+
+so the per-token differences ``teacher_j - student_j`` (the score every method reads) add up, over the
+span, to the span's log-ratio ``T - S``, and over a response to the sequence's: no student token is
+left without a signal, and a span of one student token (most of them) gets ``T`` itself. Merging the
+tokens of a span so that none is dropped follows TRL's GOLD trainer (its span alignment for teachers of
+another tokenizer); sharing the span's log-ratio equally among its student tokens is gndpo's choice
+(the chain rule fixes only the sum).
+
+A token with no text has no span: the student's end-of-turn or EOS is matched by the caller with the
+teacher's own (:mod:`gndpo.stages.text.cross_tokenizer`), teacher tokens with no text (its template's
+special tokens) are never part of a span, and any other student token without text stays unaligned.
+A span with no teacher token (a teacher text that stops early) leaves its student tokens unaligned.
 
 Offsets are (start, end) character positions in the response text, as fast tokenizers return them with
-``return_offsets_mapping``. Score uses it with ``score.cross_tokenizer: true``.
+``return_offsets_mapping``. Tokens are placed in spans by where they end, which tolerates tokenizers
+whose offsets leave gaps (a leading space outside a SentencePiece token's offsets).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Alignment:
-    """Per student token: the indices of the teacher tokens whose log-probs sum to its teacher value,
-    or None where it does not align."""
+class Span:
+    """The student tokens and the teacher tokens (indices) of one span of the text."""
 
-    groups: list[tuple[int, ...] | None]
+    student: tuple[int, ...]
+    teacher: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """The spans of one response, and per student token the index of its span (None: unaligned)."""
+
+    spans: list[Span]
+    span_of: list[int | None]
 
     @property
     def aligned(self) -> int:
-        return sum(g is not None for g in self.groups)
+        return sum(s is not None for s in self.span_of)
 
-    def teacher_values(self, teacher_logprobs: list[float]) -> list[float | None]:
-        """The teacher's log-prob of each student token (the sum over its group), None where unaligned."""
-        return [None if g is None else float(sum(teacher_logprobs[i] for i in g)) for g in self.groups]
+    @property
+    def in_split_spans(self) -> int:
+        """Student tokens that share their span with other student tokens (their value is a share)."""
+        return sum(len(self.spans[s].student) > 1 for s in self.span_of if s is not None)
+
+    def teacher_values(self, teacher_logprobs: list[float], student_logprobs: list[float]) -> list[float | None]:
+        """Each student token's teacher value (module docstring), None where it is unaligned."""
+        shift = []
+        for span in self.spans:
+            teacher = sum(teacher_logprobs[i] for i in span.teacher)
+            student = sum(student_logprobs[j] for j in span.student)
+            shift.append((teacher - student) / len(span.student))
+        return [None if s is None else float(student_logprobs[j] + shift[s]) for j, s in enumerate(self.span_of)]
 
 
-def align_by_offsets(student: list[tuple[int, int]], teacher: list[tuple[int, int]]) -> Alignment:
-    """The alignment of ``student`` token spans with ``teacher`` token spans over the same text."""
-    spans = [(start, end, i) for i, (start, end) in enumerate(teacher) if end > start]
-    spans.sort()
-    groups: list[tuple[int, ...] | None] = []
-    k = 0  # first teacher span that may still start inside the current student token
-    for start, end in student:
-        if end <= start:
-            groups.append(None)
-            continue
-        while k < len(spans) and spans[k][1] <= start:
-            k += 1
-        inside, position, j = [], start, k
-        while j < len(spans) and spans[j][0] < end:
-            t_start, t_end, index = spans[j]
-            if t_start != position or t_end > end:  # a gap, or a teacher token crossing the edge
-                inside = None
-                break
-            inside.append(index)
-            position = t_end
-            j += 1
-        groups.append(tuple(inside) if inside and position == end else None)
-    return Alignment(groups)
+def align_spans(student: list[tuple[int, int]], teacher: list[tuple[int, int]]) -> Alignment:
+    """The spans shared by ``student`` and ``teacher`` token offsets over the same text."""
+    student_ends = [end for start, end in student if end > start]
+    teacher_ends = [end for start, end in teacher if end > start]
+    if not student_ends or not teacher_ends:
+        return Alignment([], [None] * len(student))
+    edges = sorted(set(student_ends) & set(teacher_ends))
+    if edges[-1] < max(student_ends):  # the student's tail past the teacher's last shared boundary
+        edges.append(max(student_ends))
+    members: list[tuple[list[int], list[int]]] = [([], []) for _ in edges]
+    for side, offsets in enumerate((student, teacher)):
+        for i, (start, end) in enumerate(offsets):
+            if end > start and (k := bisect_left(edges, end)) < len(edges):
+                members[k][side].append(i)
+    spans, span_of = [], [None] * len(student)
+    for student_tokens, teacher_tokens in members:
+        if student_tokens and teacher_tokens:
+            for j in student_tokens:
+                span_of[j] = len(spans)
+            spans.append(Span(tuple(student_tokens), tuple(teacher_tokens)))
+    return Alignment(spans, span_of)
 
 
 def token_offsets(tok, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:

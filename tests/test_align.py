@@ -25,14 +25,14 @@ def test_teacher_tokens_inside_a_student_token_are_summed():
 
 def test_one_to_one_tokens_are_their_own_spans():
     a = align_spans(spans(["a", "b", "c"]), spans(["a", "b", "c"]))
-    assert a.span_of == [0, 1, 2] and a.aligned == 3 and a.in_split_spans == 0
+    assert a.span_of == [0, 1, 2] and a.aligned == 3 and sum(a.split) == 0
     assert a.teacher_values([-1.0, -2.0, -3.0], [-9.0, -9.0, -9.0]) == [-1.0, -2.0, -3.0]
 
 
 def test_a_teacher_token_across_student_tokens_makes_one_span_whose_ratio_they_share():
     # Student "1","2","3","4"; teacher "12","34": spans "12" and "34", two student tokens each.
     a = align_spans(spans(["1", "2", "3", "4"]), spans(["12", "34"]))
-    assert a.spans == [Span((0, 1), (0,)), Span((2, 3), (1,))] and a.in_split_spans == 4
+    assert a.spans == [Span((0, 1), (0,)), Span((2, 3), (1,))] and sum(a.split) == 4
     student, teacher = [-1.0, -0.5, -2.0, -0.25], [-1.0, -3.0]
     values = a.teacher_values(teacher, student)
     # span "12": T = -1.0, S = -1.5, each token + 0.25; span "34": T = -3.0, S = -2.25, each - 0.375

@@ -31,6 +31,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.tasks.plugins import first_line
 from gndpo.pipeline.toys.build import cache_root, cached_build
+from gndpo.storage.runfs import file_sha256
 
 # The packaged models: name -> (the module that ships or assembles the GGUF file, how to get its path).
 PACKAGED = {
@@ -145,7 +146,7 @@ def convert_gguf(path: Path, out: Path, log=info) -> dict:
     tokenizer.save_pretrained(out)
     details = {
         "source": path.name,
-        "source_sha256": _sha256(path),
+        "source_sha256": file_sha256(path),
         "converter_version": CONVERTER_VERSION,
         "architecture": config.architectures[0] if config.architectures else type(model).__name__,
         "vocab_size": config.vocab_size,
@@ -162,11 +163,3 @@ def convert_gguf(path: Path, out: Path, log=info) -> dict:
 
 def _adds_bos(tokenizer) -> bool:
     return tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -51,9 +51,9 @@ class Alignment:
         return sum(s is not None for s in self.span_of)
 
     @property
-    def in_split_spans(self) -> int:
-        """Student tokens that share their span with other student tokens (their value is a share)."""
-        return sum(len(self.spans[s].student) > 1 for s in self.span_of if s is not None)
+    def split(self) -> list[bool]:
+        """Per student token: whether it shares its span with other student tokens (its value is a share)."""
+        return [s is not None and len(self.spans[s].student) > 1 for s in self.span_of]
 
     def teacher_values(self, teacher_logprobs: list[float], student_logprobs: list[float]) -> list[float | None]:
         """Each student token's teacher value (module docstring), None where it is unaligned."""

@@ -96,7 +96,7 @@ def response_values(alignment: Alignment, teacher_lp: list[float], student_lp: n
     for j, value in enumerate(alignment.teacher_values(text_lp, student_lp.tolist())):
         if value is not None:
             values[j], aligned[j] = value, 1
-            split[j] = len(alignment.spans[alignment.span_of[j]].student) > 1
+    split[: len(alignment.span_of)] = alignment.split
     if ended:  # the student's end-of-turn: the teacher's own, after the same text
         values[-1], aligned[-1] = teacher_lp[-1], 1
     return values, aligned, split

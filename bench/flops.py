@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
         def train():
             student.train()
             student.zero_grad(set_to_none=True)
-            logp, _, extra = policy_token_logprobs(student, batch, 1024, 1.0)
+            logp, _, extra, _ = policy_token_logprobs(student, batch, 1024, 1.0)
             (-(logp.float().mean()) + extra).backward()
 
         score_s, train_s = best_time(score, a.repeats), best_time(train, a.repeats)

@@ -63,7 +63,7 @@ def smolvlm_sized_check(device: torch.device, dtype: torch.dtype, rows: int = 4,
     kept = {}
 
     def step():
-        kept["logp"], _, _ = policy_token_logprobs(model, batch, chunk, 1.0)
+        kept["logp"] = policy_token_logprobs(model, batch, chunk, 1.0).sampled
         kept["logp"].sum().backward()
 
     out["train_extra_gib"], out["train_seconds"] = peak(step)

@@ -60,7 +60,7 @@ def measure(student, teacher, prompts, responses, pad, topk: int, repeats: int) 
 
     def train_step(divergence):
         student.zero_grad()
-        flat, at_ids, _ = policy_token_logprobs(student, batch, chunk, 1.0, ids if divergence else None)
+        flat, at_ids, _, _ = policy_token_logprobs(student, batch, chunk, 1.0, ids if divergence else None)
         logp = batch.padded(flat)
         adv = torch.randn_like(logp)
         s_topk = batch.padded(at_ids, -float(torch.log(torch.tensor(topk + 1.0)))) if divergence else None

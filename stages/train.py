@@ -37,7 +37,7 @@ from gndpo.pipeline.config.schema import SELF_TEACHER
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
-from gndpo.pipeline.methods.losses import aggregate, combined_token_losses
+from gndpo.pipeline.methods.losses import LOGP_FLOOR, NO_ENTRY_ID, OtherVocabulary, aggregate, combined_token_losses
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import adopt_library_loggers, info
 from gndpo.pipeline.run.run import Run
@@ -46,6 +46,7 @@ from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
 from gndpo.stages.models.vision import BatchImages
+from gndpo.stages.text.vocabulary import match_vocabularies
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
 from gndpo.stages.training.checkpoint import (Start, carried_state, carry_state, last_carried_state, load_state, newest_checkpoint,
                                              save_checkpoint, start_update)
@@ -140,13 +141,18 @@ class Objective:
     pad_id: int
     device: torch.device
     images: BatchImages | None = None  # a run whose prompts show pictures: the forward's image tensors
+    # A teacher of another vocabulary (score.cross_tokenizer) with a top-k divergence: [V] True at the
+    # student's tokens without a teacher twin (stages/text/vocabulary.py), on the device.
+    student_unmatched: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, cfg, round_idx: int, pad_id: int, device: torch.device, images: BatchImages | None = None) -> Objective:
+    def of(cls, cfg, round_idx: int, pad_id: int, device: torch.device, images: BatchImages | None = None,
+           student_unmatched: np.ndarray | None = None) -> Objective:
         policy_loss, loss_agg = policy_settings(cfg.method)
         # A div term is computed only where the method stored the teacher top-k for one.
         divergence = divergence_of(cfg.method, round_idx) if TOPK in score_needs(cfg.method) else None
-        return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images)
+        unmatched = torch.from_numpy(student_unmatched).to(device) if divergence and student_unmatched is not None else None
+        return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images, unmatched)
 
     @property
     def share_prompts(self) -> bool:
@@ -162,8 +168,8 @@ class Objective:
         cfg, device = self.cfg, self.device
         if not micro:
             batch = make_batch([[self.pad_id]], [[self.pad_id]], self.pad_id, device, self.share_prompts)
-            logp, _, pad_term = policy_token_logprobs(model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, None, min_chunks)
-            return logp.sum() * 0.0 + pad_term, (0.0, 0.0, 0.0)
+            out = policy_token_logprobs(model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, None, min_chunks)
+            return out.sampled.sum() * 0.0 + out.pad_term, (0.0, 0.0, 0.0)
         prompt_ids = [r.prompt_id for r in micro]
         batch = make_batch([r.prompt for r in micro], [r.response for r in micro], self.pad_id, device, self.share_prompts,
                            image_keys=prompt_ids if self.images is not None else None)
@@ -172,8 +178,8 @@ class Objective:
         topk_ids = None
         if self.divergence is not None:
             topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro])).to(device)
-        flat_logp, flat_topk, pad_term = policy_token_logprobs(
-            model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, topk_ids, min_chunks
+        flat_logp, flat_topk, pad_term, flat_unmatched = policy_token_logprobs(
+            model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, topk_ids, min_chunks, self.student_unmatched
         )
         logp = batch.padded(flat_logp)
         width = logp.shape[1]
@@ -181,7 +187,7 @@ class Objective:
         mask = resp_mask * padded(micro, "mask", width, device)
         pg_mask = resp_mask * padded(micro, "pg_mask", width, device)
         old = padded(micro, "old_logp", width, device)
-        student_topk = teacher_topk = teacher_rest = None
+        student_topk = teacher_topk = teacher_rest = other = None
         if self.divergence is not None:
             # Padding positions get a uniform (k+1)-bucket distribution for both models, so every
             # divergence form is finite there (then masked out): a NaN times 0 would still be NaN.
@@ -193,12 +199,15 @@ class Objective:
             if all(r.topk_rest is not None for r in micro):  # else (older shards) the loss recomputes it
                 teacher_rest = padded(micro, "topk_rest", width, device)
                 teacher_rest[resp_mask == 0] = fill
+            if self.student_unmatched is not None:  # padding positions: no entry, no divergence
+                other = OtherVocabulary(batch.padded(topk_ids, NO_ENTRY_ID), batch.padded(flat_unmatched, LOGP_FLOOR), cfg.method.uld_weight)
         losses, was_clipped = combined_token_losses(
             self.policy_loss, self.divergence, logp, old, padded(micro, "adv", width, device), pg_mask,
             padded(micro, "div", width, device), student_topk, teacher_topk,
             cfg.method.clip_low, cfg.method.clip_high, cfg.method.jsd_beta, topk_form=cfg.method.topk_form,
             teacher_rest_logp=teacher_rest, pointwise_clip=cfg.method.pointwise_clip,
             covers_vocabulary=topk_ids is not None and topk_ids.shape[-1] >= model.get_output_embeddings().out_features,
+            other_vocabulary=other,
         )
         weights = torch.tensor([r.weight for r in micro], dtype=torch.float32, device=device).unsqueeze(-1)
         loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens, weight_sum)
@@ -348,7 +357,18 @@ class TrainJob:
         steps = schedule_steps(share, cfg.train, logits_chunk(engine.module, cfg.model))
         torch.manual_seed(cfg.train.seed)
         pad_id = load_tokenizer(policy).pad_token_id or 0
-        return share, steps, Objective.of(cfg, round_idx, pad_id, local_device(), BatchImages.of_run(self.run, policy))
+        unmatched = self.student_unmatched(round_idx, policy, engine.module.get_output_embeddings().out_features)
+        return share, steps, Objective.of(cfg, round_idx, pad_id, local_device(), BatchImages.of_run(self.run, policy), unmatched)
+
+    def student_unmatched(self, round_idx: int, policy: str, vocabulary: int) -> np.ndarray | None:
+        """With a top-k divergence against a teacher of another vocabulary: [vocabulary] True at the
+        student's tokens that have no teacher token of the same text (the ones the divergence compares
+        by sorted probabilities); None otherwise."""
+        if not (self.cfg.score.cross_tokenizer and TOPK in score_needs(self.cfg.method)):
+            return None
+        teacher = next(iter(self.run.teacher_models(round_idx).values()))
+        matched = match_vocabularies(load_tokenizer(policy), load_tokenizer(teacher), self.cfg.data).student_matched
+        return ~np.pad(matched[:vocabulary], (0, max(0, vocabulary - len(matched))))
 
     def state_was_not_written(self) -> bool:
         """Whether the previous round kept its optimizer state in memory only (train.state_every) and no

@@ -114,11 +114,81 @@ def test_statistics_and_loss_leave_unaligned_tokens_out(crossed, rolled_out):
     assert run.records(0, "train").manifest() is not None
 
 
+@pytest.fixture(scope="module")
+def crossed_topk(rolled_out, pair_teacher, tmp_path_factory):
+    """The same fork with reverse KL on the teacher's top-8, through train."""
+    new = tmp_path_factory.mktemp("cross-topk") / "run"
+    invoke_ok("fork", rolled_out, new, "--from-round", "0", f"teacher={pair_teacher}", "score.cross_tokenizer=true",
+              "method.name=reverse_kl", "score.teacher_topk=8")
+    run_stages(new, "score", "normalize", "train")
+    return new
+
+
+def test_the_stored_top_k_is_the_teachers_after_the_same_text_in_the_students_vocabulary(crossed_topk, rolled_out, pair_teacher):
+    """Re-derived from the teacher's own forward: each span's first student token holds the teacher's
+    top-8 at the span's first teacher token, a merged "dd" as a token without a student twin, other
+    characters as the student's id of that character, the teacher's EOS as the student's; the second
+    digit of a merged pair holds no entry; an ended response's EOS the teacher's top-8 after the text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gndpo.pipeline.methods.losses import NO_ENTRY_ID, UNMATCHED_ID
+
+    tok = AutoTokenizer.from_pretrained(str(pair_teacher))
+    model = AutoModelForCausalLM.from_pretrained(str(pair_teacher)).eval()
+    student_tok = AutoTokenizer.from_pretrained(str(open_run(str(rolled_out)).cfg.student))
+    student_vocab = student_tok.get_vocab()
+
+    def twin(t: int) -> int:
+        if t == tok.eos_token_id:
+            return student_tok.eos_token_id
+        piece = tok.convert_ids_to_tokens(t)
+        return student_vocab[piece] if t not in tok.all_special_ids and piece in student_vocab else UNMATCHED_ID
+
+    rollouts = {r["rollout_id"]: r for r in committed_rows(rolled_out)}
+    prompts = {p["prompt_id"]: p for p in open_run(str(crossed_topk)).prompts("train")}
+    seen = {"entry": 0, "none": 0, "unmatched": 0}
+    for s in committed_rows(crossed_topk, "score"):
+        r = rollouts[s["rollout_id"]]
+        ids = r["response_token_ids"]
+        if any(t in student_tok.all_special_ids for t in ids[:-1]):
+            continue  # special tokens mid-response: the first test covers them
+        text = student_tok.decode(ids, skip_special_tokens=True)
+        eos = ids[-1] == student_tok.eos_token_id
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompts[r["prompt_id"]]["prompt"]}], tokenize=False, add_generation_prompt=True)
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        own = enc["input_ids"] + ([tok.eos_token_id] if eos else [])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([p_ids + own])).logits[0].double(), -1)[len(p_ids) - 1 :]
+        top = logp.topk(8, -1)
+        want_ids = np.full((len(ids), 8), NO_ENTRY_ID)
+        want_lp = np.zeros((len(ids), 8))
+        for k, (start, _) in enumerate(enc["offset_mapping"]):  # one character per student token
+            want_ids[start] = [twin(int(t)) for t in top.indices[k]]
+            want_lp[start] = top.values[k].numpy()
+        if eos:
+            want_ids[-1] = [twin(int(t)) for t in top.indices[len(own) - 1]]
+            want_lp[-1] = top.values[len(own) - 1].numpy()
+        got_ids = np.asarray(s["teacher_topk_ids"])
+        assert got_ids.tolist() == want_ids.tolist()
+        entries = want_ids[:, 0] != NO_ENTRY_ID
+        np.testing.assert_allclose(np.asarray(s["teacher_topk_logprobs"])[entries], want_lp[entries], atol=1e-4)
+        seen["entry"] += int(entries.sum())
+        seen["none"] += int((~entries).sum())
+        seen["unmatched"] += int((got_ids == UNMATCHED_ID).sum())
+    assert min(seen.values()) > 0, seen
+    steps = open_run(str(crossed_topk)).records(0, "train").done("update")["steps"]
+    assert steps and all(np.isfinite(s["loss"]) and s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)
+
+
 def test_methods_that_need_one_vocabulary_are_refused():
-    for method in ({"name": "forward_kl"}, {"name": "eopd"}, {"name": "gndpo", "tip": {"enabled": True}}):
-        with pytest.raises(GndpoError, match="score.cross_tokenizer maps the teacher's sampled-token log-probs only"):
+    for method in ({"name": "eopd"}, {"name": "gndpo", "tip": {"enabled": True}}):
+        with pytest.raises(GndpoError, match="defined at every position over one vocabulary"):
             check_backend(config_from_dict({"method": method, "score": {"cross_tokenizer": True}}))
-    check_backend(config_from_dict({"method": {"name": "reopold"}, "score": {"cross_tokenizer": True}}))
+    for method in ({"name": "reopold"}, {"name": "forward_kl"}, {"name": "tropd"}):
+        check_backend(config_from_dict({"method": method, "score": {"cross_tokenizer": True}}))
+    with pytest.raises(GndpoError, match="method.topk_form bucket only"):
+        check_backend(config_from_dict({"method": {"name": "jsd", "topk_form": "renormalized"}, "score": {"cross_tokenizer": True}}))
     with pytest.raises(GndpoError, match="cannot be combined with rollout.tools"):
         config_from_dict({"score": {"cross_tokenizer": True}, "rollout": {"tools": ["calculator"]}})
 

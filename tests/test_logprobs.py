@@ -73,7 +73,7 @@ def test_train_logprobs_and_gradients_match_reference(pair):
     weights_k = torch.randn(batch.n_tokens, 4)
 
     student.zero_grad()
-    sampled, at_ids, pad_term = policy_token_logprobs(student, batch, token_chunk=16, temperature=0.7, topk_ids=topk_ids, min_chunks=20)
+    sampled, at_ids, pad_term, _ = policy_token_logprobs(student, batch, token_chunk=16, temperature=0.7, topk_ids=topk_ids, min_chunks=20)
     ((sampled * weights).sum() + (at_ids * weights_k).sum() + pad_term).backward()
     chunked = {n: p.grad.clone() for n, p in student.named_parameters()}
 
@@ -132,7 +132,7 @@ del teacher
 score_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 opt = torch.optim.AdamW(student.parameters(), lr=1e-6)
 ids = stats["teacher_topk_ids"].long()
-flat, at_ids, pad = policy_token_logprobs(student, batch, chunk, 1.0, ids)
+flat, at_ids, pad, _ = policy_token_logprobs(student, batch, chunk, 1.0, ids)
 logp, mask = batch.padded(flat), batch.mask()
 t_topk = batch.padded(stats["teacher_topk_logprobs"])
 losses, _ = combined_token_losses("gspo", "reverse_kl", logp, batch.padded(stats["student_logprobs"]), torch.ones_like(logp), mask, mask, batch.padded(at_ids), t_topk)

@@ -118,7 +118,7 @@ def test_train_logprobs_and_gradients_equal_separate_forwards(rows, name):
     weights, weights_k = torch.randn(batch.n_tokens), torch.randn(batch.n_tokens, 4)
 
     model.zero_grad()
-    sampled, at_ids, pad_term = policy_token_logprobs(model, batch, token_chunk=7, temperature=0.7, topk_ids=topk_ids, min_chunks=12)
+    sampled, at_ids, pad_term, _ = policy_token_logprobs(model, batch, token_chunk=7, temperature=0.7, topk_ids=topk_ids, min_chunks=12)
     ((sampled * weights).sum() + (at_ids * weights_k).sum() + pad_term).backward()
     shared = {n: p.grad.clone() for n, p in model.named_parameters()}
 

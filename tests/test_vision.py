@@ -374,7 +374,7 @@ with torch.no_grad():
 freeze_all_but_language_model(model)
 model.train()
 def step():
-    logp, _, _ = policy_token_logprobs(model, batch, chunk, 1.0)
+    logp = policy_token_logprobs(model, batch, chunk, 1.0).sampled
     logp.sum().backward()
     out["language_model_grads"] = all(p.grad is not None for p in model.get_decoder().parameters())
     out["vision_grads"] = any(p.grad is not None for p in model.model.vision_model.parameters())

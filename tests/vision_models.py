@@ -89,7 +89,7 @@ def check_forward(family: str, device: torch.device, dtype: torch.dtype, rows: i
     batch = make_batch(prompts, responses, tok.pad_token_id, device)
     batch.images = image_inputs(processor, images, device)
     frozen = freeze_all_but_language_model(model)
-    logp, _, _ = policy_token_logprobs(model, batch, 64, 1.0)
+    logp = policy_token_logprobs(model, batch, 64, 1.0).sampled
     logp.sum().backward()
     want = []
     with torch.no_grad():

@@ -14,13 +14,17 @@ ENGINE_CANNOT = {TEACHER_ENTROPY: "the teacher's entropy", TOKEN_KL: "the full-v
 def check_backend(cfg) -> None:
     """A GndpoError (one line) when the scoring set-up cannot give what the run's method needs:
     ``score.backend: vllm`` returns the teacher's sampled-token and top-k log-probs, not its whole
-    distribution; ``score.cross_tokenizer`` maps sampled-token log-probs only (no shared vocabulary)."""
-    over_vocabulary = sorted(score_needs(cfg.method) & {TOPK, TEACHER_ENTROPY, TOKEN_KL})
-    if cfg.score.cross_tokenizer and over_vocabulary:
+    distribution; ``score.cross_tokenizer`` maps log-probs and top-k by token text, so nothing defined over one
+    vocabulary at every position (the teacher's entropy, the full KL)."""
+    one_vocabulary = sorted(score_needs(cfg.method) & {TEACHER_ENTROPY, TOKEN_KL})
+    if cfg.score.cross_tokenizer and one_vocabulary:
         raise GndpoError(
-            f"score.cross_tokenizer maps the teacher's sampled-token log-probs only; method {cfg.method.name} needs "
-            f"{', '.join(over_vocabulary)} over one vocabulary: use a teacher with the student's tokenizer"
+            f"score.cross_tokenizer compares the teacher's top-k token by token text; method {cfg.method.name} also needs "
+            f"{', '.join(one_vocabulary)}, defined at every position over one vocabulary: use a teacher with the student's tokenizer"
         )
+    if cfg.score.cross_tokenizer and TOPK in score_needs(cfg.method) and cfg.method.topk_form != "bucket":
+        raise GndpoError("score.cross_tokenizer compares top-k divergences in method.topk_form bucket only (the teacher's "
+                         "tokens without a student twin join its rest bucket)")
     check_student_logprobs(cfg)
     if cfg.score.backend != "vllm":
         return

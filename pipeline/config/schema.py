@@ -177,6 +177,10 @@ class MethodConfig:
     # so a few tokens (style words) cannot dominate the loss; 0 = off. Sampled-token methods have
     # method.clamp, the same idea on lpT - lpS.
     pointwise_clip: NonNegative = 0.0
+    # Top-k divergences against a teacher of another tokenizer (score.cross_tokenizer): the weight of
+    # the term that compares, sorted, the probabilities of teacher and student tokens with no twin of
+    # the same text in the other vocabulary (ULD's distance), beside the bucket divergence on the rest.
+    uld_weight: NonNegative = 1.0
     tip: TipConfig = field(default_factory=TipConfig)
     paced: PacedConfig = field(default_factory=PacedConfig)
     tropd: TropdConfig = field(default_factory=TropdConfig)

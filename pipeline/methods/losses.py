@@ -8,6 +8,7 @@ gradient accumulation and data parallelism do not change the objective (docs/met
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -191,6 +192,58 @@ def topk_divergence(
     return _divergence(kind, log_ps, log_pt, beta, clip)
 
 
+# Teacher top-k ids of another vocabulary, as score stores them (score.cross_tokenizer): an entry is
+# the student id of the same text (>= 0), a teacher token with no student twin, or no entry at all
+# (a position with no teacher distribution after the same text, or padding).
+UNMATCHED_ID = -1
+NO_ENTRY_ID = -2
+
+
+@dataclass(frozen=True)
+class OtherVocabulary:
+    """What the divergence needs when the teacher's top-k comes from another vocabulary: ``ids`` [..., k]
+    as score stored them (student ids, UNMATCHED_ID, NO_ENTRY_ID), the student's own largest log-probs
+    over its unmatched tokens (those with no teacher twin) [..., k], sorted descending, and the weight
+    of the sorted-probability term (``method.uld_weight``)."""
+
+    ids: torch.Tensor
+    student_unmatched_logp: torch.Tensor
+    uld_weight: float = 1.0
+
+
+def other_vocabulary_divergence(
+    kind: str, student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tensor, teacher_rest_logp: torch.Tensor,
+    other: OtherVocabulary, beta: float = 0.5, clip: float = 0.0,
+) -> torch.Tensor:
+    """Per-token divergence [..., k] -> [...] with a teacher of another vocabulary (docs/methods.md,
+    "Top-k divergences across vocabularies").
+
+    Matched part: the bucket divergence (:func:`topk_divergence`) on the teacher's top-k tokens that
+    have a student twin, each model's rest bucket holding everything else, the teacher's unmatched
+    top-k mass included: exact for both models coarsened to {each shared token text, all else}.
+    ``student_topk_logp`` holds the student's log-probs at the stored ids (any value where an id is
+    negative). Unmatched part (ULD, Boizard et al. 2024, as TRL's GOLD uses it for tokens without a
+    twin): the L1 distance between the teacher's unmatched top-k probabilities and the student's
+    largest unmatched probabilities, both sorted, over as many entries as the teacher has, times
+    ``other.uld_weight``. A position whose entries are all NO_ENTRY_ID costs exactly 0, no gradient."""
+    matched, unmatched = other.ids >= 0, other.ids == UNMATCHED_ID
+    dtype = torch.promote_types(student_topk_logp.dtype, torch.float32)
+    floor = torch.full_like(teacher_topk_logp, LOGP_FLOOR, dtype=dtype)
+    log_ps = torch.where(matched, student_topk_logp.to(dtype), floor)
+    log_pt = torch.where(matched, teacher_topk_logp.to(dtype), floor)
+    # The teacher's rest bucket: its mass outside the top-k plus its unmatched top-k entries.
+    rest_parts = torch.cat([teacher_rest_logp.to(dtype).unsqueeze(-1), torch.where(unmatched, teacher_topk_logp.to(dtype), floor)], dim=-1)
+    teacher_rest = torch.logsumexp(rest_parts, dim=-1)
+    matched_part = topk_divergence(kind, log_ps, log_pt, beta, "bucket", teacher_rest, clip)
+    teacher_unmatched = torch.where(unmatched, teacher_topk_logp.to(dtype).exp(), torch.zeros_like(floor)).sort(dim=-1, descending=True).values
+    student_unmatched = other.student_unmatched_logp.to(dtype).clamp(min=LOGP_FLOOR).exp()
+    compared = torch.arange(teacher_unmatched.shape[-1], device=teacher_unmatched.device) < unmatched.sum(-1, keepdim=True)
+    uld = ((teacher_unmatched - student_unmatched).abs() * compared).sum(-1)
+    # Whatever rest is stored beside a position without entries, it has nothing to compare.
+    has_entry = (other.ids != NO_ENTRY_ID).any(-1)
+    return torch.where(has_entry, matched_part, torch.zeros_like(matched_part)) + other.uld_weight * uld
+
+
 def combined_token_losses(
     policy_loss: str,
     divergence: str | None,
@@ -208,17 +261,23 @@ def combined_token_losses(
     teacher_rest_logp: torch.Tensor | None = None,
     pointwise_clip: float = 0.0,
     covers_vocabulary: bool = False,
+    other_vocabulary: OtherVocabulary | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A method's per-token loss: L_t = pg_mask_t L_pg_t + div_t D_t (policy_loss "none": no PG term,
     divergence None: no D term), and the 0/1 clipped-branch marker of the PG term. ``topk_form`` is
     :func:`topk_divergence`'s ``form`` ("bucket" | "renormalized"), ``teacher_rest_logp`` its stored
-    teacher rest (None: recomputed from the top-k), ``covers_vocabulary`` whether k is the vocabulary."""
+    teacher rest (None: recomputed from the top-k), ``covers_vocabulary`` whether k is the vocabulary;
+    ``other_vocabulary``: the teacher's top-k is of another vocabulary (:func:`other_vocabulary_divergence`)."""
     losses = torch.zeros_like(logp)
     clipped = torch.zeros_like(logp)
     if policy_loss != "none":
         pg, clipped = token_losses(policy_loss, logp, old_logp, adv, pg_mask, clip_low, clip_high)
         losses = losses + pg * pg_mask
-    if divergence is not None:
+    if divergence is not None and other_vocabulary is not None:
+        losses = losses + div_weight * other_vocabulary_divergence(
+            divergence, student_topk_logp, teacher_topk_logp, teacher_rest_logp, other_vocabulary, jsd_beta, pointwise_clip,
+        )
+    elif divergence is not None:
         losses = losses + div_weight * topk_divergence(
             divergence, student_topk_logp, teacher_topk_logp, jsd_beta, form=topk_form, teacher_rest_logp=teacher_rest_logp,
             clip=pointwise_clip, covers_vocabulary=covers_vocabulary,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -373,37 +374,60 @@ def vocabulary_reductions(s_all: torch.Tensor | None, t_all: torch.Tensor | None
     return {name: torch.cat(values) for name, values in rows.items()}
 
 
+class PolicyLogprobs(NamedTuple):
+    """Train's differentiable log-probs of a batch, flat over its response tokens."""
+
+    sampled: torch.Tensor  # [N]: each sampled token's
+    at_ids: torch.Tensor | None  # [N, k]: at the teacher's top-k ids (None: no ids asked for)
+    pad_term: torch.Tensor  # a zero scalar to add to the loss (see policy_token_logprobs)
+    # [N, k]: the largest log-probs over the ids ``largest_among`` allows, sorted descending (None: not asked)
+    largest: torch.Tensor | None = None
+
+
 def policy_token_logprobs(model, batch: TokenBatch, token_chunk: int, temperature: float,
-                          topk_ids: torch.Tensor | None = None, min_chunks: int = 0):
-    """Train's differentiable log-probs, flat over response tokens: (the sampled token's [N]; with
-    ``topk_ids`` [N, k], the student's full-softmax log-probs at those ids [N, k], else None; a zero
-    scalar to add to the loss).
+                          topk_ids: torch.Tensor | None = None, min_chunks: int = 0,
+                          largest_among: torch.Tensor | None = None) -> PolicyLogprobs:
+    """Train's differentiable log-probs, flat over response tokens (:class:`PolicyLogprobs`): the
+    sampled token's; with ``topk_ids`` [N, k], the student's full-softmax log-probs at those ids (a
+    negative id, a teacher token of another vocabulary with no student twin, reads id 0: the caller
+    masks it); with ``largest_among`` too ([V] bool), the k largest log-probs over the ids it marks
+    (a teacher of another vocabulary: the student's tokens without a twin), -inf where fewer exist.
 
     Each chunk's lm_head + log-softmax is checkpointed: its [chunk, V] activations are freed after the
     forward and recomputed during backward, so peak memory holds one chunk's logits, not N positions'.
     With ``min_chunks`` more than the batch needs, the output layer also runs on that many one-position
-    zero chunks, whose outputs enter the loss times zero (the returned scalar): ranks of one ZeRO-3
-    group must call every module equally often, since each call gathers its partitioned weights."""
+    zero chunks, whose outputs enter the loss times zero (``pad_term``): ranks of one ZeRO-3 group must
+    call every module equally often, since each call gathers its partitioned weights."""
     hidden = response_hidden(model, batch)
+    k = topk_ids.shape[-1] if topk_ids is not None else 0
 
     def chunk_fn(h, targets, ids):
         logp_all = head_logprobs(model, h, temperature)
         sampled = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return sampled, (logp_all.gather(-1, ids) if ids is not None else sampled.new_zeros(0))
+        at_ids = logp_all.gather(-1, ids.clamp(min=0)) if ids is not None else sampled.new_zeros(0)
+        if largest_among is None or ids is None:
+            return sampled, at_ids, sampled.new_zeros(0)
+        among = logp_all.masked_fill(~largest_among[: logp_all.shape[-1]], -math.inf)
+        top = among.topk(min(k, among.shape[-1]), dim=-1).values
+        return sampled, at_ids, torch.nn.functional.pad(top, (0, k - top.shape[-1]), value=-math.inf)
 
     def run(h, targets, ids):
         if torch.is_grad_enabled():
             return checkpoint(chunk_fn, h, targets, ids, use_reentrant=False)
         return chunk_fn(h, targets, ids)
 
-    sampled, at_ids = [], []
+    parts: list[tuple[torch.Tensor, ...]] = []
     for sl in chunks(batch.n_tokens, token_chunk):
-        s, k = run(hidden[sl], batch.targets[sl], topk_ids[sl] if topk_ids is not None else None)
-        sampled.append(s)
-        at_ids.append(k)
+        parts.append(run(hidden[sl], batch.targets[sl], topk_ids[sl] if topk_ids is not None else None))
     pad_term = hidden.new_zeros((), dtype=torch.float32)
-    for _ in range(max(0, min_chunks - len(sampled))):
+    for _ in range(max(0, min_chunks - len(parts))):
         zeros = hidden.new_zeros((1, hidden.shape[-1]))
-        s, _ = run(zeros, batch.targets.new_zeros(1), None)
+        s, _, _ = run(zeros, batch.targets.new_zeros(1), None)
         pad_term = pad_term + s.sum() * 0.0
-    return torch.cat(sampled), (torch.cat(at_ids) if topk_ids is not None else None), pad_term
+    sampled, at_ids, largest = (list(column) for column in zip(*parts)) if parts else ([], [], [])
+    return PolicyLogprobs(
+        torch.cat(sampled) if sampled else hidden.new_zeros(0, dtype=torch.float32),
+        torch.cat(at_ids) if topk_ids is not None else None,
+        pad_term,
+        torch.cat(largest) if topk_ids is not None and largest_among is not None else None,
+    )

@@ -64,7 +64,7 @@ def probe_logprobs(model, vocabulary: int, pad_id: int, processor=None) -> dict:
     ids = probe_token_ids(vocabulary, avoid=placeholder_ids(model.config.to_dict()))
     device = next(model.parameters()).device
     batch = make_batch([s[:1] for s in ids], [s[1:] for s in ids], pad_id, device)
-    logprobs, _, _ = policy_token_logprobs(model, batch, batch.n_tokens, 1.0)
+    logprobs = policy_token_logprobs(model, batch, batch.n_tokens, 1.0).sampled
     probe = {"token_ids": ids, "logprobs": logprobs.float().cpu().view(len(ids), -1).tolist()}
     if processor is not None:
         probe["image"] = image_probe(model, processor, ids[0][1:], pad_id, device)
@@ -78,7 +78,7 @@ def image_probe(model, processor, response: list[int], pad_id: int, device) -> d
     placeholder = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     batch = make_batch([expanded_prompt_ids(processor, processor.image_token, [picture])], [response], pad_id, device)
     batch.images = image_inputs(processor, [[picture]], device)
-    logprobs, _, _ = policy_token_logprobs(model, batch, batch.n_tokens, 1.0)
+    logprobs = policy_token_logprobs(model, batch, batch.n_tokens, 1.0).sampled
     return {"prompt_ids": [placeholder], "response": response, "logprobs": logprobs.float().cpu().tolist()}
 
 

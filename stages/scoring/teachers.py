@@ -15,7 +15,8 @@ and adds the teacher's columns its own way:
   1 - sum(top-k p) (:func:`rest_logprob_from_topk`).
 * :class:`OtherTokenizerTeacher` (``score.cross_tokenizer``): a teacher with its own tokenizer scores its
   own tokens of each response's text, mapped onto the student's tokens by character offsets
-  (:mod:`gndpo.stages.text.cross_tokenizer`), its log-probs given to the student's tokens span by span.
+  (:mod:`gndpo.stages.text.cross_tokenizer`), its log-probs given to the student's tokens span by span
+  and its top-k stored in the student's vocabulary where a token of the same text exists.
 
 With a teacher context (``teacher_context.messages``), or pictures the teacher's processor expands its
 own way, the teacher reads a prompt of its own before the same response ids
@@ -129,10 +130,10 @@ class OtherTokenizerTeacher:
         every = list(range(rows.n))
         per_token = self.forward.columns(rows, [(None, every)], topk)
         prompt_rows = [self.teacher.prompts.by_id[pid] for pid in rows.prompt_ids]
-        per_token["teacher_logprobs"], aligned, split = self.teacher.score(
-            prompt_rows, [rows.response(i) for i in every], per_token["student_logprobs"]
-        )
-        return Scored(per_token, [self.name] * rows.n, aligned, split)
+        cross = self.teacher.score(prompt_rows, [rows.response(i) for i in every], per_token["student_logprobs"], topk)
+        per_token["teacher_logprobs"] = cross.values
+        per_token.update(cross.topk)
+        return Scored(per_token, [self.name] * rows.n, cross.aligned, cross.split)
 
 
 def rest_logprob_from_topk(topk_logprobs: np.ndarray) -> np.ndarray:

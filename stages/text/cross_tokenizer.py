@@ -11,6 +11,12 @@ left without a value (another special token, text the teacher's rendering lost) 
 log-prob as their teacher value (a score of 0) and are left out of every statistic and loss by the
 ``aligned`` mask score stores beside them.
 
+With a top-k divergence, the teacher's top-k at each span's first position (its next-token
+distribution after the same text as the student's at the span's first token) is stored with the student
+id of each token's text (:mod:`gndpo.stages.text.vocabulary`), or as a token without a student twin;
+positions inside a span of several student tokens have no teacher distribution after the same text and
+store no entry (their divergence is 0: docs/methods.md, "Top-k divergences across vocabularies").
+
 With images, a vision-language teacher of another family reads each picture through its own processor
 (its expansion in the prompt, its image tensors in the forward); a text-only teacher reads the
 picture's information as text from its teacher context (:mod:`gndpo.stages.text.teacher_context`).
@@ -18,23 +24,32 @@ picture's information as text from its teacher context (:mod:`gndpo.stages.text.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
+
+from gndpo.pipeline.methods.losses import LOGP_FLOOR, NO_ENTRY_ID, UNMATCHED_ID
 from gndpo.stages.text.align import Alignment, align_spans, token_offsets
 from gndpo.stages.text.chat import end_of_turn_ids, stop_token_ids
-from gndpo.stages.models.logprobs import chunks, head_logprobs, make_batch, response_hidden, token_budget_batches
+from gndpo.stages.text.vocabulary import VocabularyMatch, match_vocabularies
+from gndpo.stages.models.logprobs import make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.models.vision import image_inputs
 from gndpo.stages.text.teacher_context import TeacherPrompts
 
+TOPK_COLUMNS = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_rest_logprob")
 
-@torch.no_grad()
-def token_logprobs(model, batch, token_chunk: int) -> torch.Tensor:
-    """The model's temperature-1 log-prob of every response token of ``batch``, flat [N], on the CPU."""
-    hidden = response_hidden(model, batch)
-    parts = [head_logprobs(model, hidden[sl]).gather(-1, batch.targets[sl].unsqueeze(-1)).squeeze(-1).cpu()
-             for sl in chunks(batch.n_tokens, token_chunk)]
-    return torch.cat(parts) if parts else torch.zeros(0)
+
+@dataclass
+class CrossScores:
+    """Flat over the student's response tokens: each token's teacher value, 1 where it has one
+    (``aligned``), 1 where that value is a share of a span of several student tokens (``split``), and
+    with a top-k the teacher's top-k columns (``topk``: TOPK_COLUMNS, ids in the student's vocabulary)."""
+
+    values: np.ndarray
+    aligned: np.ndarray
+    split: np.ndarray
+    topk: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class CrossTokenizerTeacher:
@@ -47,10 +62,15 @@ class CrossTokenizerTeacher:
         self.student_stops = set(stop_token_ids(student_tok, prompts.data))
         self.teacher_end = (end_of_turn_ids(self.teacher_tok, prompts.data) or [self.teacher_tok.eos_token_id])[0]
 
-    def score(self, rows: list[dict], responses: list[np.ndarray], student_lp: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(teacher value per student token, aligned 0/1, in a span of several student tokens 0/1), flat
-        over ``responses`` in order; ``rows`` are their prompts' rows, ``student_lp`` the student's flat
-        log-probs."""
+    @cached_property
+    def vocabulary(self) -> VocabularyMatch:
+        """The two vocabularies' shared tokens (built on first use: seconds for a 262k vocabulary)."""
+        return match_vocabularies(self.student_tok, self.teacher_tok, self.prompts.data)
+
+    def score(self, rows: list[dict], responses: list[np.ndarray], student_lp: np.ndarray, topk: int = 0) -> CrossScores:
+        """The teacher's columns of ``responses`` (:class:`CrossScores`), flat in order; ``rows`` are
+        their prompts' rows, ``student_lp`` the student's flat log-probs, ``topk`` the teacher top-k
+        to store (0: none)."""
         prompts, teacher_ids, alignments, ends = [], [], [], []
         for row, ids in zip(rows, responses):
             text, spans = token_offsets(self.student_tok, ids)
@@ -60,36 +80,43 @@ class CrossTokenizerTeacher:
             teacher_ids.append(list(enc["input_ids"]) + ([self.teacher_end] if ended else []))
             alignments.append(align_spans(spans[:-1] if ended else spans, [tuple(o) for o in enc["offset_mapping"]]))
             ends.append(ended)
-        teacher_lp = self._teacher_logprobs(prompts, teacher_ids, [self.prompts.images(row) for row in rows])
+        teacher = self._teacher_columns(prompts, teacher_ids, [self.prompts.images(row) for row in rows], topk)
         offsets = np.cumsum([0] + [len(ids) for ids in responses])
-        parts = [response_values(alignment, lps, student_lp[offsets[i] : offsets[i + 1]], ended)
-                 for i, (alignment, lps, ended) in enumerate(zip(alignments, teacher_lp, ends))]
+        parts = [response_values(alignment, columns["teacher_logprobs"], student_lp[offsets[i] : offsets[i + 1]], ended)
+                 for i, (alignment, columns, ended) in enumerate(zip(alignments, teacher, ends))]
         if not parts:
-            return np.zeros(0, np.float32), np.zeros(0, np.int8), np.zeros(0, np.int8)
-        values, aligned, split = (np.concatenate(column) for column in zip(*parts))
-        return values, aligned, split
+            return CrossScores(np.zeros(0, np.float32), np.zeros(0, np.int8), np.zeros(0, np.int8))
+        scores = CrossScores(*(np.concatenate(column) for column in zip(*parts)))
+        if topk:
+            tops = [response_topk(alignment, columns, len(responses[i]), ended, self.vocabulary)
+                    for i, (alignment, columns, ended) in enumerate(zip(alignments, teacher, ends))]
+            scores.topk = {name: np.concatenate(column) for name, column in zip(TOPK_COLUMNS, zip(*tops))}
+        return scores
 
-    def _teacher_logprobs(self, prompts: list[list[int]], responses: list[list[int]], pictures: list[list]) -> list[list[float]]:
-        """Per response, the teacher's log-prob of each of its own tokens, in token-budget batches;
+    def _teacher_columns(self, prompts: list[list[int]], responses: list[list[int]], pictures: list[list], topk: int) -> list[dict]:
+        """Per response, the teacher's numbers at each of its own tokens ({teacher_logprobs [n]} and,
+        with ``topk``, its top-k ids and log-probs [n, k] and rest [n]), in token-budget batches;
         ``pictures[i]``: what response ``i``'s prompt shows the teacher (empty for a text teacher)."""
-        out: list[list[float]] = [[] for _ in responses]
+        out: list[dict] = [{} for _ in responses]
         pad = self.teacher_tok.pad_token_id or 0
         spans = np.array([len(p) + len(r) for p, r in zip(prompts, responses)])
         for rows in token_budget_batches(spans, self.max_tokens, self.max_rows):
             batch = make_batch([prompts[i] for i in rows], [responses[i] for i in rows], pad, self.device)
             if self.prompts.processor is not None:
                 batch.images = image_inputs(self.prompts.processor, [pictures[i] for i in rows], self.device)
-            flat = token_logprobs(self.model, batch, self.token_chunk).double().numpy()
+            flat = {name: values.double().numpy() if values.is_floating_point() else values.numpy()
+                    for name, values in pair_token_stats(self.model, None, batch, self.token_chunk, 1.0, topk).items()}
             at = 0
             for i in rows:
-                out[i] = flat[at : at + len(responses[i])].tolist()
+                out[i] = {name: values[at : at + len(responses[i])] for name, values in flat.items()}
                 at += len(responses[i])
         return out
 
 
-def response_values(alignment: Alignment, teacher_lp: list[float], student_lp: np.ndarray, ended: bool) -> tuple[np.ndarray, ...]:
+def response_values(alignment: Alignment, teacher_lp, student_lp: np.ndarray, ended: bool) -> tuple[np.ndarray, ...]:
     """One response's (teacher value, aligned, in a split span) per student token, from its alignment
     and the teacher's log-probs of its own tokens (the last one its end-of-turn where ``ended``)."""
+    teacher_lp = [float(v) for v in teacher_lp]
     text_lp = teacher_lp[:-1] if ended else teacher_lp
     values = np.array(student_lp, dtype=np.float32)  # an unaligned token's score is 0
     aligned, split = np.zeros(len(values), dtype=np.int8), np.zeros(len(values), dtype=np.int8)
@@ -100,3 +127,28 @@ def response_values(alignment: Alignment, teacher_lp: list[float], student_lp: n
     if ended:  # the student's end-of-turn: the teacher's own, after the same text
         values[-1], aligned[-1] = teacher_lp[-1], 1
     return values, aligned, split
+
+
+def response_topk(alignment: Alignment, teacher: dict, n_student: int, ended: bool, vocabulary: VocabularyMatch) -> tuple[np.ndarray, ...]:
+    """One response's teacher top-k per student token ([n, k] ids in the student's vocabulary, [n, k]
+    log-probs, [n] rest), from the teacher's own top-k at its tokens (``teacher``: _teacher_columns'):
+    each span's first student token gets the teacher's distribution at the span's first teacher token
+    (both predict the text after the same prefix), the ended response's last token the teacher's at
+    its end token; every other token no entry."""
+    k = teacher["teacher_topk_ids"].shape[-1]
+    ids = np.full((n_student, k), NO_ENTRY_ID, dtype=np.int32)
+    logprobs = np.full((n_student, k), LOGP_FLOOR, dtype=np.float32)
+    rest = np.zeros(n_student, dtype=np.float32)  # no entry: all of the mass in the rest (log 1)
+    pairs = [(span.student[0], span.teacher[0]) for span in alignment.spans]
+    if ended:
+        pairs.append((n_student - 1, len(teacher["teacher_logprobs"]) - 1))
+    if not pairs:
+        return ids, logprobs, rest
+    students, teachers = (np.array(side) for side in zip(*pairs))
+    teacher_ids = teacher["teacher_topk_ids"][teachers].astype(np.int64)
+    known = teacher_ids < len(vocabulary.student_of)  # an output row past the tokenizer's ids has no text
+    twin = vocabulary.student_of[np.where(known, teacher_ids, 0)]
+    ids[students] = np.where(known & (twin >= 0), twin, UNMATCHED_ID)
+    logprobs[students] = teacher["teacher_topk_logprobs"][teachers]
+    rest[students] = teacher["teacher_rest_logprob"][teachers]
+    return ids, logprobs, rest

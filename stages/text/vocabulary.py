@@ -1,0 +1,73 @@
+"""Which tokens two vocabularies share (a teacher with another tokenizer, top-k divergences).
+
+Two tokens match when they stand for the same text: each token's text is read by decoding it after a
+fixed anchor token and cutting the anchor's text off, so that a leading space survives tokenizers whose
+decoders strip one at the start of a text (SentencePiece) and byte-level vocabularies (GPT-2's ``Ġ``)
+meet SentencePiece ones (``▁``) on the text itself, not on their internal spellings. Special tokens,
+tokens with no text and tokens that decode to part of a character (a byte of a multi-byte UTF-8
+sequence) match nothing, except that the teacher's end-of-turn and EOS match the student's: the two
+models' ways to say "the response ends here". Where several tokens of one vocabulary share a text, the
+lowest id matches, so the match is one-to-one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gndpo.stages.text.chat import end_of_turn_ids
+
+UNDECODABLE = "\ufffd"  # what a decoder writes for a byte that is only part of a character
+
+
+@dataclass(frozen=True)
+class VocabularyMatch:
+    """``student_of[t]``: the student id with teacher token ``t``'s text, or -1; ``student_matched[s]``:
+    whether student id ``s`` has a teacher twin (the rest of the student's vocabulary is its
+    "unmatched" part, compared by sorted probabilities)."""
+
+    student_of: np.ndarray  # [teacher vocabulary] int64
+    student_matched: np.ndarray  # [student vocabulary] bool
+
+    @property
+    def matched(self) -> int:
+        return int(self.student_matched.sum())
+
+
+def token_texts(tok) -> list[str | None]:
+    """Each id's text (None: a special token, no text, or part of a character), by decoding it after an
+    anchor token."""
+    anchor = tok("a", add_special_tokens=False)["input_ids"][:1]
+    prefix = tok.decode(anchor)
+    special = set(tok.all_special_ids) | {i for i, t in (getattr(tok, "added_tokens_decoder", {}) or {}).items() if t.special}
+    texts: list[str | None] = []
+    for i, text in enumerate(tok.batch_decode([anchor + [i] for i in range(len(tok))])):
+        text = text[len(prefix):] if text.startswith(prefix) else ""
+        texts.append(None if i in special or not text or UNDECODABLE in text else text)
+    return texts
+
+
+def match_vocabularies(student_tok, teacher_tok, data) -> VocabularyMatch:
+    """The one-to-one match of the two tokenizers' tokens by text, end tokens paired (module docstring);
+    ``data`` is the run's data config (which chat template, hence which end-of-turn token)."""
+    first_student: dict[str, int] = {}
+    for s, text in enumerate(token_texts(student_tok)):
+        if text is not None:
+            first_student.setdefault(text, s)
+    student_of = np.full(len(teacher_tok), -1, dtype=np.int64)
+    taken: set[int] = set()
+    for t, text in enumerate(token_texts(teacher_tok)):
+        s = first_student.get(text) if text is not None else None
+        if s is not None and s not in taken:
+            student_of[t] = s
+            taken.add(s)
+    for ends in ((end_of_turn_ids(teacher_tok, data), end_of_turn_ids(student_tok, data)),
+                 ([teacher_tok.eos_token_id], [student_tok.eos_token_id])):
+        t, s = (ids[0] if ids and ids[0] is not None else None for ids in ends)
+        if t is not None and s is not None and student_of[t] < 0 and s not in taken:
+            student_of[t] = s
+            taken.add(s)
+    student_matched = np.zeros(len(student_tok), dtype=bool)
+    student_matched[list(taken)] = True
+    return VocabularyMatch(student_of, student_matched)

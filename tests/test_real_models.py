@@ -298,17 +298,30 @@ def test_an_ema_top_k_self_distillation_round_on_smollm2(smollm2_round, tmp_path
     assert all(np.isfinite(s["teacher_rest_logprob"]).all() for s in scores)
 
 
-def test_gemma_scores_smollm2_responses_across_tokenizers(smollm2_round, gemma3, tmp_path):
+def test_gemma_teaches_smollm2_across_tokenizers(smollm2_round, gemma3, tmp_path):
     """Gemma 3 (another tokenizer, no chat template: it reads the plain question after <bos>) as the
-    teacher of SmolLM2's rollouts: every student token gets a value from Gemma's log-probs, the
-    responses' <|im_end|> among them (Gemma's <eos> after the same text)."""
+    teacher of SmolLM2's rollouts, in a reverse-KL round on its top-16: every student token gets a value
+    from Gemma's log-probs, the responses' <|im_end|> among them (Gemma's <eos> after the same text);
+    the first token of every span holds Gemma's top-16 in SmolLM2's vocabulary (most entries spelled
+    by a SmolLM2 token too), the others none; train steps on them."""
     from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.pipeline.methods.losses import NO_ENTRY_ID, UNMATCHED_ID
     from gndpo.pipeline.run.run import open_run
 
     url = str(tmp_path / "cross")
-    fork_run(str(smollm2_round / "run"), url, 0, [f"teacher={gemma3}", "score.cross_tokenizer=true", "teacher_context.messages=[]"])
-    run_stages(url, "score")
+    fork_run(str(smollm2_round / "run"), url, 0, [f"teacher={gemma3}", "score.cross_tokenizer=true", "teacher_context.messages=[]",
+                                                  "method.name=reverse_kl"])
+    run_stages(url, "score", "normalize", "train")
     scores = committed_rows(tmp_path / "cross", "score", 0)
+    ids = np.concatenate([np.asarray(s["teacher_topk_ids"]) for s in scores])
+    rest = np.concatenate([s["teacher_rest_logprob"] for s in scores])
+    entries = ids[:, 0] != NO_ENTRY_ID
+    assert np.all((ids != NO_ENTRY_ID) == entries[:, None]) and np.all(rest[~entries] == 0)
+    matched = float((ids[entries] >= 0).mean())
+    print(f"Gemma's top-16 entries with a SmolLM2 twin: {matched:.3f} ({int((ids == UNMATCHED_ID).sum())} without)")
+    assert matched > 0.5
+    steps = open_run(url).records(0, "train").done("update")["steps"]
+    assert steps and all(np.isfinite(s["loss"]) and s["grad_norm"] > 0 for s in steps)
     aligned = np.concatenate([s["aligned"] for s in scores])
     assert aligned.all(), f"{int((aligned == 0).sum())} of {aligned.size} student tokens got no teacher value"
     values = np.concatenate([s["teacher_logprobs"] for s in scores])

@@ -39,13 +39,22 @@ def token_texts(tok) -> list[str | None]:
     """Each id's text (None: a special token, no text, or part of a character), by decoding it after an
     anchor token."""
     anchor = tok("a", add_special_tokens=False)["input_ids"][:1]
-    prefix = tok.decode(anchor)
     special = set(tok.all_special_ids) | {i for i, t in (getattr(tok, "added_tokens_decoder", {}) or {}).items() if t.special}
+    prefix, *decoded = raw_decode(tok, [anchor] + [anchor + [i] for i in range(len(tok))])
     texts: list[str | None] = []
-    for i, text in enumerate(tok.batch_decode([anchor + [i] for i in range(len(tok))])):
+    for i, text in enumerate(decoded):
         text = text[len(prefix):] if text.startswith(prefix) else ""
         texts.append(None if i in special or not text or UNDECODABLE in text else text)
     return texts
+
+
+def raw_decode(tok, sequences: list[list[int]]) -> list[str]:
+    """``sequences`` decoded by the tokenizer's own (Rust) decoder where it has one: 4x faster than
+    the Python wrapper at 262k sequences, and no clean-up of spaces around punctuation."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return tok.batch_decode(sequences, clean_up_tokenization_spaces=False)
+    return backend.decode_batch(sequences, skip_special_tokens=False)
 
 
 def match_vocabularies(student_tok, teacher_tok, data) -> VocabularyMatch:

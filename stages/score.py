@@ -29,8 +29,8 @@ from gndpo.stages.models.logprobs import logits_chunk
 from gndpo.stages.models.vision import BatchImages, load_processor, same_image_processing
 from gndpo.stages.scoring.forward import StudentForward, UnitRows
 from gndpo.stages.scoring.shard import refuse_non_finite, score_shard
-from gndpo.stages.scoring.teachers import EngineTeacher, ModuleTeachers, OtherTokenizerTeacher
-from gndpo.stages.text.cross_tokenizer import CrossTokenizerTeacher
+from gndpo.stages.scoring.teachers import EngineTeacher, ModuleTeachers, OtherTokenizerTeacher, TeacherEngineColumns
+from gndpo.stages.text.cross_tokenizer import CrossTokenizerTeacher, TeacherModule
 from gndpo.stages.text.teacher_context import TeacherPrompts
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import write_shard
@@ -77,13 +77,15 @@ class ScoreJob:
         cfg, sc = self.cfg, self.cfg.score
         name, path = next(iter(teachers.items()))
         pad_id = load_tokenizer(policy).pad_token_id or 0
-        if sc.cross_tokenizer:
-            module = self.live.causal_lm(path, cfg.model, device, fixed=True)
-            teacher = CrossTokenizerTeacher(
-                module, self._teacher_prompts(path), load_tokenizer(policy), device,
-                logits_chunk(module, cfg.model), sc.max_tokens_per_batch, sc.rows_per_chunk,
-            )
-            return OtherTokenizerTeacher(self._student_forward(student, [], pad_id, device), teacher, name)
+        routes = {}
+        if cfg.teachers and sc.teacher_mix == "route":
+            routes = {p["prompt_id"]: p["teacher"] for p in self.run.prompts("train")}
+        if sc.cross_tokenizer:  # each teacher with its own tokenizer
+            cross, student_tok = {}, load_tokenizer(policy)
+            for n, p in teachers.items():
+                prompts = self._teacher_prompts(p)
+                cross[n] = CrossTokenizerTeacher(self._teacher_columns(p, prompts, device), prompts, student_tok)
+            return OtherTokenizerTeacher(self._student_forward(student, [], pad_id, device), cross, routes)
         if sc.backend == "vllm":
             shows = self.run.images_per_prompt() if is_vision_model(path) else 0
             engine = self.live.teacher_engine(path, sc.engine, sc.teacher_topk, images=shows)
@@ -94,11 +96,18 @@ class ScoreJob:
         fixed = not self.run.teacher_changes()
         modules = {n: student if p == policy and student is not None else self.live.causal_lm(p, cfg.model, device, fixed=fixed and p != policy)
                    for n, p in teachers.items()}
-        routes = {}
-        if cfg.teachers and sc.teacher_mix == "route":
-            routes = {p["prompt_id"]: p["teacher"] for p in self.run.prompts("train")}
         forward = self._student_forward(student, list(modules.values()), pad_id, device, path)
         return ModuleTeachers(forward, modules, routes, self._teacher_context(path))
+
+    def _teacher_columns(self, teacher_path: str, prompts: TeacherPrompts, device):
+        """Where a cross-tokenizer teacher's numbers come from: its vLLM engine (score.backend vllm) or
+        its module; ``prompts``: how it renders each prompt."""
+        sc = self.cfg.score
+        if sc.backend == "vllm":
+            shows = self.run.images_per_prompt() if is_vision_model(teacher_path) else 0
+            return TeacherEngineColumns(self.live.teacher_engine(teacher_path, sc.engine, sc.teacher_topk, images=shows), prompts)
+        module = self.live.causal_lm(teacher_path, self.cfg.model, device, fixed=True)
+        return TeacherModule(module, prompts, device, logits_chunk(module, self.cfg.model), sc.max_tokens_per_batch, sc.rows_per_chunk)
 
     def _student_forward(self, student, teacher_modules: list, pad_id: int, device, teacher_path: str | None = None) -> StudentForward:
         """The student's forward, with the teacher modules of ``teacher_path`` beside it (init checked

@@ -36,6 +36,20 @@ def pair_teacher(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def other_teacher(tmp_path_factory):
+    """A second teacher with a tokenizer of its own: the toy's characters plus "12", "34" and "=1"."""
+    from gndpo.pipeline.toys.arithmetic import ModelSpec, build_tokenizer, new_model
+
+    path = tmp_path_factory.mktemp("other-teacher")
+    tok = build_tokenizer()
+    tok.add_tokens(["12", "34", "=1"])
+    torch.manual_seed(6)
+    new_model(ModelSpec(layers=1, hidden=64, heads=2, max_steps=0, lr=0.0), len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def crossed(rolled_out, pair_teacher, tmp_path_factory):
     new = tmp_path_factory.mktemp("cross") / "run"
     invoke_ok("fork", rolled_out, new, "--from-round", "0", f"teacher={pair_teacher}", "score.cross_tokenizer=true")
@@ -181,12 +195,62 @@ def test_the_stored_top_k_is_the_teachers_after_the_same_text_in_the_students_vo
     assert steps and all(np.isfinite(s["loss"]) and s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)
 
 
+def test_a_teacher_engine_gives_the_modules_numbers(crossed_topk, rolled_out, pair_teacher, tmp_path):
+    """score.backend vllm: the teacher's vLLM engine reads its own rendering and tokens, and the stored
+    columns equal the module's (the top-k's rest from 1 - sum p there)."""
+    url = tmp_path / "engine"
+    invoke_ok("fork", rolled_out, url, "--from-round", "0", f"teacher={pair_teacher}", "score.cross_tokenizer=true",
+              "method.name=reverse_kl", "score.teacher_topk=8", "score.backend=vllm")
+    run_stages(url, "score")
+    module = {s["rollout_id"]: s for s in committed_rows(crossed_topk, "score")}
+    for s in committed_rows(url, "score"):
+        want = module[s["rollout_id"]]
+        assert s["aligned"] == want["aligned"] and s["teacher_topk_ids"] == want["teacher_topk_ids"]
+        for column in ("teacher_logprobs", "teacher_topk_logprobs", "teacher_rest_logprob"):
+            np.testing.assert_allclose(np.asarray(s[column]), np.asarray(want[column]), atol=1e-4, err_msg=column)
+
+
+def scored_fork(rolled_out, folder, *settings, stages=("score",)):
+    invoke_ok("fork", rolled_out, folder, "--from-round", "0", "score.cross_tokenizer=true", "teacher=", *settings)
+    run_stages(folder, *stages)
+    return {s["rollout_id"]: s for s in committed_rows(folder, "score")}
+
+
+def test_several_teachers_each_with_its_own_tokenizer(crossed_topk, rolled_out, pair_teacher, other_teacher, tmp_path):
+    """Routed: each row's columns are those its teacher alone gives (a reverse-KL round, through train);
+    mixed (score.teacher_mix mean): each token's teacher value is log((p_a + p_b) / 2) of the two
+    teachers' own values, and a token counts where both aligned it."""
+    alone = {"a": {s["rollout_id"]: s for s in committed_rows(crossed_topk, "score")},
+             "b": scored_fork(rolled_out, tmp_path / "b", f"teacher={other_teacher}", "method.name=reverse_kl", "score.teacher_topk=8")}
+    teachers = f"teachers={{a: {pair_teacher}, b: {other_teacher}}}"
+    routed = scored_fork(rolled_out, tmp_path / "route", teachers, "method.name=reverse_kl", "score.teacher_topk=8",
+                         stages=("score", "normalize", "train"))
+    prompts = {p["prompt_id"]: p["teacher"] for p in open_run(str(tmp_path / "route")).prompts("train")}
+    rollouts = {r["rollout_id"]: r for r in committed_rows(rolled_out)}
+    assert {s["teacher"] for s in routed.values()} == {"a", "b"}
+    for rid, s in routed.items():
+        assert s["teacher"] == prompts[rollouts[rid]["prompt_id"]]
+        want = alone[s["teacher"]][rid]
+        for column in ("teacher_logprobs", "aligned", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_rest_logprob"):
+            assert s[column] == want[column], column
+    assert open_run(str(tmp_path / "route")).records(0, "train").manifest() is not None
+    mixed = scored_fork(rolled_out, tmp_path / "mean", teachers, "score.teacher_mix=mean")
+    for rid, s in mixed.items():
+        a, b = (np.asarray(alone[t][rid]["teacher_logprobs"], np.float64) for t in "ab")
+        np.testing.assert_allclose(s["teacher_logprobs"], np.log((np.exp(a) + np.exp(b)) / 2), atol=1e-5)
+        assert s["aligned"] == np.minimum(alone["a"][rid]["aligned"], alone["b"][rid]["aligned"]).tolist()
+        assert s["teacher"] == "mean(a,b)"
+
+
 def test_methods_that_need_one_vocabulary_are_refused():
     for method in ({"name": "eopd"}, {"name": "gndpo", "tip": {"enabled": True}}):
         with pytest.raises(GndpoError, match="defined at every position over one vocabulary"):
             check_backend(config_from_dict({"method": method, "score": {"cross_tokenizer": True}}))
     for method in ({"name": "reopold"}, {"name": "forward_kl"}, {"name": "tropd"}):
         check_backend(config_from_dict({"method": method, "score": {"cross_tokenizer": True}}))
+    with pytest.raises(GndpoError, match="score.teacher_mix mean with score.cross_tokenizer mixes sampled-token log-probs only"):
+        check_backend(config_from_dict({"method": {"name": "jsd"}, "score": {"cross_tokenizer": True, "teacher_mix": "mean"},
+                                        "teachers": {"a": "x", "b": "y"}}))
     with pytest.raises(GndpoError, match="method.topk_form bucket only"):
         check_backend(config_from_dict({"method": {"name": "jsd", "topk_form": "renormalized"}, "score": {"cross_tokenizer": True}}))
     with pytest.raises(GndpoError, match="cannot be combined with rollout.tools"):

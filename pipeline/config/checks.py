@@ -22,6 +22,10 @@ def check_backend(cfg) -> None:
             f"score.cross_tokenizer compares the teacher's top-k token by token text; method {cfg.method.name} also needs "
             f"{', '.join(one_vocabulary)}, defined at every position over one vocabulary: use a teacher with the student's tokenizer"
         )
+    if cfg.score.cross_tokenizer and TOPK in score_needs(cfg.method) and cfg.teachers and cfg.score.teacher_mix == "mean":
+        raise GndpoError("score.teacher_mix mean with score.cross_tokenizer mixes sampled-token log-probs only: each teacher's "
+                         "top-k sits at its own spans' first tokens, in its own vocabulary; route each prompt to one teacher "
+                         "(score.teacher_mix route) for a top-k method")
     if cfg.score.cross_tokenizer and TOPK in score_needs(cfg.method) and cfg.method.topk_form != "bucket":
         raise GndpoError("score.cross_tokenizer compares top-k divergences in method.topk_form bucket only (the teacher's "
                          "tokens without a student twin join its rest bucket)")

@@ -155,10 +155,14 @@ class StudentForward:
         return batch
 
 
-def place(per_token: dict[str, np.ndarray], stats: dict[str, torch.Tensor], where: np.ndarray, n_tokens: int) -> None:
-    """Put a batch's columns at its tokens' places (``where``) in the unit's flat token order."""
+def place(per_token: dict[str, np.ndarray], stats: dict[str, torch.Tensor | np.ndarray], where: np.ndarray, n_tokens: int) -> None:
+    """Put a batch's columns at its tokens' places (``where``) in the unit's flat token order (floats
+    as float32)."""
     for name, values in stats.items():
-        values = values.float().numpy() if values.is_floating_point() else values.numpy()
+        if isinstance(values, torch.Tensor):  # bfloat16 has no numpy type: through float32
+            values = values.float() if values.is_floating_point() else values
+        values = np.asarray(values)
+        values = values.astype(np.float32, copy=False) if np.issubdtype(values.dtype, np.floating) else values
         if name not in per_token:
             per_token[name] = np.zeros((n_tokens, *values.shape[1:]), dtype=values.dtype)
         per_token[name][where] = values

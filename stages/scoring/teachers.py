@@ -16,7 +16,8 @@ and adds the teacher's columns its own way:
 * :class:`OtherTokenizerTeacher` (``score.cross_tokenizer``): a teacher with its own tokenizer scores its
   own tokens of each response's text, mapped onto the student's tokens by character offsets
   (:mod:`gndpo.stages.text.cross_tokenizer`), its log-probs given to the student's tokens span by span
-  and its top-k stored in the student's vocabulary where a token of the same text exists.
+  and its top-k stored in the student's vocabulary where a token of the same text exists; the teacher
+  scores with its module or, with ``score.backend: vllm``, its engine (:class:`TeacherEngineColumns`).
 
 With a teacher context (``teacher_context.messages``), or pictures the teacher's processor expands its
 own way, the teacher reads a prompt of its own before the same response ids
@@ -32,7 +33,7 @@ import numpy as np
 
 from gndpo.pipeline.methods.losses import REST_MASS_FLOOR
 from gndpo.stages.models.vllm_engine import response_logprobs
-from gndpo.stages.scoring.forward import StudentForward, UnitRows
+from gndpo.stages.scoring.forward import StudentForward, UnitRows, place
 from gndpo.stages.text.cross_tokenizer import CrossTokenizerTeacher
 from gndpo.stages.text.teacher_context import TeacherPrompts
 
@@ -121,19 +122,80 @@ class EngineTeacher:
 
 
 class OtherTokenizerTeacher:
-    """``score.cross_tokenizer``: the student's forward runs alone; the teacher scores its own tokens."""
+    """``score.cross_tokenizer``: the student's forward runs alone; each teacher scores its own tokens.
 
-    def __init__(self, forward: StudentForward, teacher: CrossTokenizerTeacher, name: str):
-        self.forward, self.teacher, self.name = forward, teacher, name
+    Several teachers (each with its own tokenizer) are routed (each prompt to the teacher its row
+    names) or mixed: with ``score.teacher_mix: mean`` a student token's teacher value is the log of the
+    mean of the teachers' probabilities of it, ``log (1/n) sum_i exp(lpT_i)``, each teacher's value
+    from its own spans (a token counts where every teacher aligned it)."""
+
+    def __init__(self, forward: StudentForward, teachers: dict[str, CrossTokenizerTeacher], routes: dict[str, str]):
+        """``teachers``: {name recorded per row: teacher}; ``routes``: {prompt id: teacher name} for
+        ``score.teacher_mix: route`` (empty: every row to the one teacher, or to the mean of several)."""
+        self.forward, self.teachers, self.routes = forward, teachers, routes
 
     def score(self, rows: UnitRows, topk: int) -> Scored:
         every = list(range(rows.n))
         per_token = self.forward.columns(rows, [(None, every)], topk)
-        prompt_rows = [self.teacher.prompts.by_id[pid] for pid in rows.prompt_ids]
-        cross = self.teacher.score(prompt_rows, [rows.response(i) for i in every], per_token["student_logprobs"], topk)
-        per_token["teacher_logprobs"] = cross.values
-        per_token.update(cross.topk)
-        return Scored(per_token, [self.name] * rows.n, cross.aligned, cross.split)
+        student_lp = per_token["student_logprobs"]
+        n_tokens = len(student_lp)
+        aligned, split = np.zeros(n_tokens, np.int8), np.zeros(n_tokens, np.int8)
+        labels = [""] * rows.n
+        for label, names, members in self.groups(rows.prompt_ids):
+            where = rows.token_positions(members)
+            crosses = [self.teachers[name].score([self.teachers[name].prompts.by_id[rows.prompt_ids[i]] for i in members],
+                                                 [rows.response(i) for i in members], student_lp[where], topk) for name in names]
+            columns = {"teacher_logprobs": mean_logprob([c.values for c in crosses]), **crosses[0].topk}
+            place(per_token, columns, where, n_tokens)
+            aligned[where] = np.min([c.aligned for c in crosses], axis=0)
+            split[where] = np.max([c.split for c in crosses], axis=0)
+            for i in members:
+                labels[i] = label
+        return Scored(per_token, labels, aligned, split)
+
+    def groups(self, prompt_ids: list[str]) -> list[tuple[str, list[str], list[int]]]:
+        """(label recorded per row, the teachers that score those rows, the rows): each row's routed
+        teacher, or every row to the one teacher or to the mean of all."""
+        if self.routes:
+            members: dict[str, list[int]] = {}
+            for i, pid in enumerate(prompt_ids):
+                members.setdefault(self.routes[pid], []).append(i)
+            return [(name, [name], rows) for name, rows in members.items()]
+        names = list(self.teachers)
+        label = names[0] if len(names) == 1 else f"mean({','.join(names)})"
+        return [(label, names, list(range(len(prompt_ids))))]
+
+
+def mean_logprob(values: list[np.ndarray]) -> np.ndarray:
+    """log of the mean of exp(values) over the list (one array: itself), in float64, as float32."""
+    if len(values) == 1:
+        return values[0]
+    stacked = np.stack([np.asarray(v, np.float64) for v in values])
+    return (np.logaddexp.reduce(stacked, axis=0) - np.log(len(values))).astype(np.float32)
+
+
+class TeacherEngineColumns:
+    """A cross-tokenizer teacher's numbers from its vLLM engine (``score.backend: vllm``): prompt
+    log-probs over its own rendering of each prompt and its own tokens of the response; the rest mass
+    beside the top-k is 1 - sum(top-k p), as with :class:`EngineTeacher`."""
+
+    def __init__(self, engine, prompts: TeacherPrompts):
+        self.engine, self.prompts = engine, prompts
+
+    def columns(self, rows: list[dict], responses: list[list[int]], topk: int) -> list[dict]:
+        """See :class:`gndpo.stages.text.cross_tokenizer.TeacherColumns`. vLLM expands each picture's
+        placeholder itself: with pictures the prompt is the teacher's unexpanded rendering."""
+        if self.prompts.pictures is None:
+            prompts, images = [self.prompts.token_ids(row) for row in rows], None
+        else:
+            prompts, images = [self.prompts.unexpanded(row)[1] for row in rows], [self.prompts.images(row) for row in rows]
+        flat = response_logprobs(self.engine, prompts, responses, topk, images)
+        named = {"teacher_logprobs": flat["logprobs"].astype(np.float64)}
+        if topk:
+            named.update(teacher_topk_ids=flat["topk_ids"], teacher_topk_logprobs=flat["topk_logprobs"],
+                         teacher_rest_logprob=rest_logprob_from_topk(flat["topk_logprobs"]))
+        offsets = np.cumsum([0] + [len(r) for r in responses])
+        return [{name: values[offsets[i] : offsets[i + 1]] for name, values in named.items()} for i in range(len(responses))]
 
 
 def rest_logprob_from_topk(topk_logprobs: np.ndarray) -> np.ndarray:

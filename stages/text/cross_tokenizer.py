@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 
@@ -52,35 +53,43 @@ class CrossScores:
     topk: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-class CrossTokenizerTeacher:
-    """A teacher module with its own tokenizer, scoring responses written in the student's tokens."""
+class TeacherColumns(Protocol):
+    """Where a cross-tokenizer teacher's numbers come from: its module (:class:`TeacherModule`) or its
+    vLLM engine (gndpo.stages.scoring.teachers)."""
 
-    def __init__(self, model, prompts: TeacherPrompts, student_tok, device, token_chunk: int, max_tokens: int, max_rows: int):
+    def columns(self, rows: list[dict], responses: list[list[int]], topk: int) -> list[dict]:
+        """Per response (in the teacher's own tokens, after prompt row ``rows[i]`` as the teacher
+        renders it), the teacher's numbers at each of its tokens: ``teacher_logprobs`` [n] and, with
+        ``topk``, ``teacher_topk_ids`` / ``teacher_topk_logprobs`` [n, k] and ``teacher_rest_logprob`` [n]."""
+
+
+class CrossTokenizerTeacher:
+    """A teacher with its own tokenizer, scoring responses written in the student's tokens."""
+
+    def __init__(self, teacher: TeacherColumns, prompts: TeacherPrompts, student_tok):
         """``prompts`` renders each prompt row as the teacher reads it (its chat template, its context)."""
-        self.model, self.prompts, self.teacher_tok, self.student_tok = model, prompts, prompts.tok, student_tok
-        self.device, self.token_chunk, self.max_tokens, self.max_rows = device, token_chunk, max_tokens, max_rows
+        self.teacher, self.prompts, self.teacher_tok, self.student_tok = teacher, prompts, prompts.tok, student_tok
         self.student_stops = set(stop_token_ids(student_tok, prompts.data))
         self.teacher_end = (end_of_turn_ids(self.teacher_tok, prompts.data) or [self.teacher_tok.eos_token_id])[0]
 
     @cached_property
     def vocabulary(self) -> VocabularyMatch:
-        """The two vocabularies' shared tokens (built on first use: seconds for a 262k vocabulary)."""
+        """The two vocabularies' shared tokens (built on first use: about a second for a 262k vocabulary)."""
         return match_vocabularies(self.student_tok, self.teacher_tok, self.prompts.data)
 
     def score(self, rows: list[dict], responses: list[np.ndarray], student_lp: np.ndarray, topk: int = 0) -> CrossScores:
         """The teacher's columns of ``responses`` (:class:`CrossScores`), flat in order; ``rows`` are
         their prompts' rows, ``student_lp`` the student's flat log-probs, ``topk`` the teacher top-k
         to store (0: none)."""
-        prompts, teacher_ids, alignments, ends = [], [], [], []
-        for row, ids in zip(rows, responses):
+        teacher_ids, alignments, ends = [], [], []
+        for ids in responses:
             text, spans = token_offsets(self.student_tok, ids)
             enc = self.teacher_tok(text, add_special_tokens=False, return_offsets_mapping=True)
             ended = len(ids) > 0 and int(ids[-1]) in self.student_stops and self.teacher_end is not None
-            prompts.append(self.prompts.token_ids(row))
             teacher_ids.append(list(enc["input_ids"]) + ([self.teacher_end] if ended else []))
             alignments.append(align_spans(spans[:-1] if ended else spans, [tuple(o) for o in enc["offset_mapping"]]))
             ends.append(ended)
-        teacher = self._teacher_columns(prompts, teacher_ids, [self.prompts.images(row) for row in rows], topk)
+        teacher = self.teacher.columns(rows, teacher_ids, topk)
         offsets = np.cumsum([0] + [len(ids) for ids in responses])
         parts = [response_values(alignment, columns["teacher_logprobs"], student_lp[offsets[i] : offsets[i + 1]], ended)
                  for i, (alignment, columns, ended) in enumerate(zip(alignments, teacher, ends))]
@@ -93,21 +102,30 @@ class CrossTokenizerTeacher:
             scores.topk = {name: np.concatenate(column) for name, column in zip(TOPK_COLUMNS, zip(*tops))}
         return scores
 
-    def _teacher_columns(self, prompts: list[list[int]], responses: list[list[int]], pictures: list[list], topk: int) -> list[dict]:
-        """Per response, the teacher's numbers at each of its own tokens ({teacher_logprobs [n]} and,
-        with ``topk``, its top-k ids and log-probs [n, k] and rest [n]), in token-budget batches;
-        ``pictures[i]``: what response ``i``'s prompt shows the teacher (empty for a text teacher)."""
+
+class TeacherModule:
+    """A cross-tokenizer teacher's numbers from its Hugging Face module (``score.backend: hf``), in
+    token-budget batches."""
+
+    def __init__(self, model, prompts: TeacherPrompts, device, token_chunk: int, max_tokens: int, max_rows: int):
+        self.model, self.prompts, self.device = model, prompts, device
+        self.token_chunk, self.max_tokens, self.max_rows = token_chunk, max_tokens, max_rows
+
+    def columns(self, rows: list[dict], responses: list[list[int]], topk: int) -> list[dict]:
+        """See :class:`TeacherColumns`. Each prompt shows the teacher its pictures, through its own
+        processor (none for a text teacher)."""
+        prompts = [self.prompts.token_ids(row) for row in rows]
         out: list[dict] = [{} for _ in responses]
-        pad = self.teacher_tok.pad_token_id or 0
+        pad = self.prompts.tok.pad_token_id or 0
         spans = np.array([len(p) + len(r) for p, r in zip(prompts, responses)])
-        for rows in token_budget_batches(spans, self.max_tokens, self.max_rows):
-            batch = make_batch([prompts[i] for i in rows], [responses[i] for i in rows], pad, self.device)
+        for batch_rows in token_budget_batches(spans, self.max_tokens, self.max_rows):
+            batch = make_batch([prompts[i] for i in batch_rows], [responses[i] for i in batch_rows], pad, self.device)
             if self.prompts.processor is not None:
-                batch.images = image_inputs(self.prompts.processor, [pictures[i] for i in rows], self.device)
+                batch.images = image_inputs(self.prompts.processor, [self.prompts.images(rows[i]) for i in batch_rows], self.device)
             flat = {name: values.double().numpy() if values.is_floating_point() else values.numpy()
                     for name, values in pair_token_stats(self.model, None, batch, self.token_chunk, 1.0, topk).items()}
             at = 0
-            for i in rows:
+            for i in batch_rows:
                 out[i] = {name: values[at : at + len(responses[i])] for name, values in flat.items()}
                 at += len(responses[i])
         return out
@@ -131,7 +149,7 @@ def response_values(alignment: Alignment, teacher_lp, student_lp: np.ndarray, en
 
 def response_topk(alignment: Alignment, teacher: dict, n_student: int, ended: bool, vocabulary: VocabularyMatch) -> tuple[np.ndarray, ...]:
     """One response's teacher top-k per student token ([n, k] ids in the student's vocabulary, [n, k]
-    log-probs, [n] rest), from the teacher's own top-k at its tokens (``teacher``: _teacher_columns'):
+    log-probs, [n] rest), from the teacher's own top-k at its tokens (``teacher``: one response's :meth:`TeacherColumns.columns`):
     each span's first student token gets the teacher's distribution at the span's first teacher token
     (both predict the text after the same prefix), the ended response's last token the teacher's at
     its end token; every other token no entry."""

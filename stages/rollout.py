@@ -31,6 +31,7 @@ from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, unsampleable
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
+from gndpo.stages.text.guide import TeacherGuide
 from gndpo.stages.text.heldout_eval import greedy_eval
 
 def sample_seed(base: int, round_idx: int, prompt_id: str, sample_idx: int) -> int:
@@ -91,35 +92,20 @@ class RolloutJob:
         self.banned = unsampleable(policy)  # a VLM's image placeholders
         self.reward = self.rewards[self.cfg.reward]
         self.tool_use = ToolUse.from_config(self.cfg.rollout)
-        self.teacher = None
+        self.guide = None
         if self.cfg.rollout.guided_fraction > 0:
-            check_same_tokenizer(policy, self.cfg.teacher)
-            self.teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, local_device(), fixed=True)
+            rc, cross = self.cfg.rollout, self.cfg.score.cross_tokenizer
+            if not cross:
+                check_same_tokenizer(policy, self.cfg.teacher)
+            teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, local_device(), fixed=True)
+            self.guide = TeacherGuide(teacher, self.tok, load_tokenizer(self.cfg.teacher) if cross else None, self.cfg.data,
+                                      min(rc.guide_prefix_tokens, rc.max_tokens - 1), rc.temperature)
 
     def is_guided(self, prompt_id: str) -> bool:
         """A seeded, worker-independent choice of the round's guided prompts."""
         rc = self.cfg.rollout
         u = sample_seed(rc.seed, self.round, f"guide:{prompt_id}", 0) / 2**32
         return u < rc.guided_fraction
-
-    def teacher_prefix(self, ids: list[int], seed: int) -> list[int]:
-        """Up to ``guide_prefix_tokens`` tokens sampled from the teacher after the rendered prompt ``ids``
-        (stops after EOS or the end-of-turn token)."""
-        import torch
-
-        rc = self.cfg.rollout
-        gen = torch.Generator().manual_seed(seed)
-        out: list[int] = []
-        with torch.no_grad():
-            for _ in range(min(rc.guide_prefix_tokens, rc.max_tokens - 1)):
-                context = torch.tensor([ids + out], device=self.teacher.device)
-                logits = self.teacher(input_ids=context, logits_to_keep=1).logits[0, -1].float()
-                # Sampled on the CPU with the request's own generator, wherever the teacher runs.
-                probs = torch.softmax(logits / max(rc.temperature, 1e-6), dim=-1).cpu()
-                out.append(int(torch.multinomial(probs, 1, generator=gen)))
-                if out[-1] in self.stop_ids:
-                    break
-        return out
 
     def sampling(self, seed: int, max_tokens: int, extra_stops: list[str]):
         """One student turn's SamplingParams: the run's sampling settings with this turn's seed."""
@@ -141,13 +127,12 @@ class RolloutJob:
         for pid in unit["prompt_ids"]:
             prompt = by_id[pid]
             rendered = render_prompt(self.tok, prompt, self.cfg.data)
-            guided = self.teacher is not None and self.is_guided(pid)
+            guided = self.guide is not None and self.is_guided(pid)
             pictures = [self.images.get(i) for i in rendered.images]
             for s in range(rc.n):
                 c = Conversation(prompt, rendered.token_ids, sample_seed(rc.seed, self.round, pid, s), pictures)
                 if guided:
-                    prefix = self.teacher_prefix(rendered.token_ids, c.seed)
-                    c.add_prefix(prefix, ended=bool(prefix) and prefix[-1] in self.stop_ids)
+                    c.add_prefix(*self.guide.prefix(prompt, rendered.token_ids, c.seed))
                 conversations.append(c)
                 meta.append((rendered.text, s))
         # A unit can take minutes: its own progress moves as responses finish inside vLLM's loop. With
@@ -173,7 +158,7 @@ class RolloutJob:
         """The stored row of one finished conversation."""
         rc = self.cfg.rollout
         pid = c.row["prompt_id"]
-        prefix_len = len(c.response_ids) - sum(c.loss_mask) if self.teacher is not None else 0
+        prefix_len = len(c.response_ids) - sum(c.loss_mask) if self.guide is not None else 0
         return {
             "rollout_id": f"r{self.round:04d}-{pid}-{sample_idx:03d}",
             "prompt_id": pid,

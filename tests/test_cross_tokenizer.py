@@ -242,6 +242,43 @@ def test_several_teachers_each_with_its_own_tokenizer(crossed_topk, rolled_out, 
         assert s["teacher"] == "mean(a,b)"
 
 
+def test_a_guided_prefix_is_the_teachers_text_in_the_students_tokens(pair_teacher, tiny_assets, tmp_path):
+    """rollout.guided_fraction with a teacher of another tokenizer: the teacher reads the prompt through
+    its own template and samples its own tokens with the request's seed (re-derived here); the prefix
+    is their text in the student's tokens, masked out of the loss, and the round scores across tokenizers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gndpo.stages.rollout import sample_seed
+    from tests.conftest import tiny_config_dict, write_config
+
+    cfg = tiny_config_dict(tiny_assets, teacher=str(pair_teacher), score={"cross_tokenizer": True},
+                           rollout={"guided_fraction": 0.5, "guide_prefix_tokens": 3, "prompts_per_round": 8, "eval_heldout": False})
+    run = tmp_path / "run"
+    invoke_ok("init", run, "--config", write_config(tmp_path, cfg))
+    run_stages(run, "rollout", "score")
+    tok = AutoTokenizer.from_pretrained(str(pair_teacher))
+    model = AutoModelForCausalLM.from_pretrained(str(pair_teacher)).eval()
+    student_tok = AutoTokenizer.from_pretrained(str(tiny_assets / "student"))
+    prompts = {p["prompt_id"]: p for p in open_run(str(run)).prompts("train")}
+    guided = [r for r in committed_rows(run) if r["teacher_prefix_len"] > 0]
+    assert 0 < len(guided) < 16
+    for r in guided:
+        gen = torch.Generator().manual_seed(sample_seed(0, 0, r["prompt_id"], r["sample_idx"]))
+        text = tok.apply_chat_template([{"role": "user", "content": prompts[r["prompt_id"]]["prompt"]}], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        own = []
+        with torch.no_grad():
+            while len(own) < 3 and (not own or own[-1] != tok.eos_token_id):
+                probs = torch.softmax(model(input_ids=torch.tensor([ids + own])).logits[0, -1].float(), -1)
+                own.append(int(torch.multinomial(probs, 1, generator=gen)))
+        ended = own[-1] == tok.eos_token_id
+        want = student_tok(tok.decode(own, skip_special_tokens=True), add_special_tokens=False)["input_ids"][: 3 - ended]
+        want += [student_tok.eos_token_id] if ended else []
+        k = r["teacher_prefix_len"]
+        assert r["response_token_ids"][:k] == want and r["loss_mask"][:k] == [0] * k
+    assert open_run(str(run)).records(0, "score").manifest() is not None
+
+
 def test_methods_that_need_one_vocabulary_are_refused():
     for method in ({"name": "eopd"}, {"name": "gndpo", "tip": {"enabled": True}}):
         with pytest.raises(GndpoError, match="defined at every position over one vocabulary"):

@@ -279,6 +279,27 @@ def test_a_guided_prefix_is_the_teachers_text_in_the_students_tokens(pair_teache
     assert open_run(str(run)).records(0, "score").manifest() is not None
 
 
+def test_a_privileged_context_reaches_a_teacher_of_another_tokenizer(rolled_out, pair_teacher, tmp_path):
+    """teacher_context.messages (self-distillation's privileged context, here the answer before the
+    question) with a teacher of another tokenizer: the teacher reads the context through its own
+    template; each response's values add up to its log-prob of the text (and EOS) after that prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    scores = scored_fork(rolled_out, tmp_path / "context", f"teacher={pair_teacher}",
+                         'teacher_context.messages=[{role: user, content: "{answer}={prompt}"}]')
+    tok = AutoTokenizer.from_pretrained(str(pair_teacher))
+    model = AutoModelForCausalLM.from_pretrained(str(pair_teacher)).eval()
+    student_tok = AutoTokenizer.from_pretrained(str(open_run(str(rolled_out)).cfg.student))
+    prompts = {p["prompt_id"]: p for p in open_run(str(tmp_path / "context")).prompts("train")}
+    for r in committed_rows(rolled_out)[:8]:
+        s, ids, row = scores[r["rollout_id"]], r["response_token_ids"], prompts[r["prompt_id"]]
+        eos = ids[-1] == student_tok.eos_token_id
+        _, lps, eos_lp = teacher_view(tok, model, f"{row['answer']}={row['prompt']}", student_tok.decode(ids, skip_special_tokens=True), eos)
+        aligned = np.asarray(s["aligned"]) == 1
+        want = sum(lps) + (eos_lp if eos else 0.0)
+        assert float(np.sum(np.asarray(s["teacher_logprobs"], np.float64)[aligned])) == pytest.approx(want, abs=1e-4 * len(ids))
+
+
 def test_methods_that_need_one_vocabulary_are_refused():
     for method in ({"name": "eopd"}, {"name": "gndpo", "tip": {"enabled": True}}):
         with pytest.raises(GndpoError, match="defined at every position over one vocabulary"):
@@ -290,8 +311,9 @@ def test_methods_that_need_one_vocabulary_are_refused():
                                         "teachers": {"a": "x", "b": "y"}}))
     with pytest.raises(GndpoError, match="method.topk_form bucket only"):
         check_backend(config_from_dict({"method": {"name": "jsd", "topk_form": "renormalized"}, "score": {"cross_tokenizer": True}}))
-    with pytest.raises(GndpoError, match="cannot be combined with rollout.tools"):
-        config_from_dict({"score": {"cross_tokenizer": True}, "rollout": {"tools": ["calculator"]}})
+    for combination in ({"rollout": {"tools": ["calculator"]}}, {"rollout": {"guided_fraction": 0.5}},
+                        {"teachers": {"a": "x", "b": "y"}}, {"score": {"cross_tokenizer": True, "backend": "vllm"}}):
+        config_from_dict({"score": {"cross_tokenizer": True}, **combination})  # each formerly refused
 
 
 def test_the_toy_builder_makes_a_teacher_with_its_own_tokenizer(tiny_assets, cache_dir):

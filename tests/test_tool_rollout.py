@@ -140,6 +140,70 @@ def test_scores_and_statistics_cover_student_tokens_only(reference):
     assert stats["token_count"] == n_valid
 
 
+def test_a_teacher_of_another_tokenizer_reads_each_tool_answer_through_its_own_template(reference, tool_assets, tok, tmp_path):
+    """score.cross_tokenizer on the tool rollouts: the teacher (the toy's template, its tokenizer with
+    merged "12", "34", "56", random weights) reads its own rendering of the prompt, its own tokens of
+    each student turn and each tool answer through its own template; re-derived here, each student
+    turn's values (special tokens sampled mid-turn aside: they have none) add up to the teacher's
+    log-prob of the turn's text in that context (its end token for the last), and the tool turns'
+    tokens stay masked with no value."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gndpo.pipeline.toys.arithmetic import new_model
+    from tests.conftest import run_stages
+
+    path = tmp_path / "cross-teacher"
+    teacher_tok = AutoTokenizer.from_pretrained(str(tool_assets / "teacher"))
+    teacher_tok.add_tokens(["12", "34", "56"])
+    torch.manual_seed(7)
+    new_model(ModelSpec(layers=1, hidden=64, heads=2, max_steps=0, lr=0.0), len(teacher_tok), context=256).save_pretrained(path)
+    teacher_tok.save_pretrained(path)
+    run = tmp_path / "run"
+    invoke_ok("fork", reference, run, "--from-round", "0", f"teacher={path}", "score.cross_tokenizer=true")
+    run_stages(run, "score")
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    prompts = {p["prompt_id"]: p for p in open_run(str(run)).prompts("train")}
+    rollouts = {r["rollout_id"]: r for r in committed_rows(reference)}
+    end = teacher_tok.convert_tokens_to_ids("<|end|>")
+    multi = 0
+    for s in committed_rows(run, "score"):
+        r = rollouts[s["rollout_id"]]
+        user = [{"role": "user", "content": prompts[r["prompt_id"]]["prompt"]}]
+        rendered = teacher_tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        sequence = teacher_tok(rendered, add_special_tokens=False)["input_ids"]
+        answers = iter(c["result"] for c in r["tool_calls"] if c["result"] is not None)
+        pieces = []  # (student token range, teacher token range) of each student turn
+        for start, stop in turn_runs(r["loss_mask"]):
+            if r["loss_mask"][start] == 0:  # a tool turn: the teacher's template around the tool's answer
+                probe = teacher_tok.apply_chat_template(user + [{"role": "assistant", "content": "PROBE"}, {"role": "tool", "content": next(answers)}],
+                                                        tokenize=False, add_generation_prompt=True)
+                sequence += teacher_tok(probe[probe.rfind("PROBE") + 5:], add_special_tokens=False)["input_ids"]
+                continue
+            ids = r["response_token_ids"][start:stop]
+            own = teacher_tok(tok.decode(ids, skip_special_tokens=True), add_special_tokens=False)["input_ids"]
+            own += [end] if stop == len(r["loss_mask"]) and ids[-1] in (tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")) else []
+            pieces.append((range(start, stop), range(len(sequence), len(sequence) + len(own))))
+            sequence += own
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([sequence])).logits[0].double(), -1)
+        lp = [0.0] + [float(logp[i - 1, t]) for i, t in enumerate(sequence) if i > 0]
+        for students, teachers in pieces:
+            aligned = np.asarray(s["aligned"][students.start : students.stop]) == 1  # special tokens mid-turn have no value
+            got = float(np.sum(np.asarray(s["teacher_logprobs"], np.float64)[students.start : students.stop][aligned]))
+            assert got == pytest.approx(sum(lp[i] for i in teachers), abs=1e-4 * len(students))
+        masked = np.asarray(r["loss_mask"]) == 0
+        if r["num_turns"] > 1:
+            multi += 1
+            assert not np.asarray(s["aligned"])[masked][r["teacher_prefix_len"]:].any()
+    assert multi > 0
+
+
+def turn_runs(mask):
+    """[start, end) of each run of equal loss-mask values."""
+    edges = [0, *(np.flatnonzero(np.diff(np.asarray(mask))) + 1), len(mask)]
+    return list(zip(edges, edges[1:]))
+
+
 def test_sigkill_mid_conversation_then_rerun_gives_identical_rows(reference, tool_assets, tmp_path):
     run = tmp_path / "run"
     invoke_ok("init", run, "--config", tool_config(tmp_path, tool_assets))

@@ -201,12 +201,19 @@ def check_routes(cfg: Config, train: list[dict]) -> None:
 
 def check_tools(cfg: Config, row: dict) -> None:
     """Every tool the config names imports, and the student's chat template renders a tool turn (on
-    ``row``), so tool use is refused at init rather than in the middle of a rollout."""
+    ``row``), so tool use is refused at init rather than in the middle of a rollout; so does each
+    teacher's with ``score.cross_tokenizer`` (it reads each tool's answer through its own template)."""
     if not cfg.rollout.tools:
         return
 
     ToolUse.from_config(cfg.rollout)
     tool_turn_ids(load_tokenizer(cfg.student), row, cfg.data, "gndpo-probe-result")
+    if cfg.score.cross_tokenizer:
+        for name, path in cfg.teacher_models().items():
+            try:
+                tool_turn_ids(load_tokenizer(path), row, cfg.data, "gndpo-probe-result")
+            except GndpoError as exc:
+                raise GndpoError(f"teacher {name}: {exc}") from None
 
 
 def check_metrics_backends(cfg: Config) -> None:

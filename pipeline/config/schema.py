@@ -564,9 +564,6 @@ def _check_combinations(cfg: Config) -> None:
         if cfg.score.backend == "vllm":
             raise GndpoError("several teachers are scored with score.backend hf only (one teacher per vLLM engine is not built yet)")
     _check_self_distillation(cfg)
-    if cfg.score.cross_tokenizer:
-        if rc.tools:
-            raise GndpoError("score.cross_tokenizer cannot be combined with rollout.tools yet")
     if cfg.method.stats_scope == "teacher" and not (cfg.teachers and cfg.score.teacher_mix == "route"):
         raise GndpoError("method.stats_scope teacher needs several teachers routed by prompt (teachers, score.teacher_mix route)")
     if not all(rc.tools):

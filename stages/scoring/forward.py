@@ -76,6 +76,20 @@ class UnitRows:
     def response(self, i: int) -> np.ndarray:
         return self.responses[self.offsets[i] : self.offsets[i + 1]]
 
+    @cached_property
+    def loss_masks(self) -> np.ndarray:
+        """Every response token's loss mask, flat (1: sampled by the student and trained)."""
+        return flat_values(self.table.column("loss_mask"))[0]
+
+    def loss_mask(self, i: int) -> np.ndarray:
+        return self.loss_masks[self.offsets[i] : self.offsets[i + 1]]
+
+    def tool_results(self, i: int) -> list[str]:
+        """Row ``i``'s executed tool calls' answers, in order (none without tools)."""
+        if "tool_calls" not in self.table.column_names:
+            return []
+        return [call["result"] for call in self.table.column("tool_calls")[i].as_py() or [] if call["result"] is not None]
+
     def token_positions(self, rows) -> np.ndarray:
         """Where the response tokens of ``rows``, in that order, are in the unit's flat token order."""
         return np.concatenate([np.arange(self.offsets[i], self.offsets[i + 1]) for i in rows] + [np.zeros(0, np.int64)])

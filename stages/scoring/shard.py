@@ -51,7 +51,8 @@ def score_shard(rows: UnitRows, scored: Scored, cfg) -> tuple[pa.Table, dict]:
     table = score_table(rows, per_token, scored.labels, partial, cfg.score.teacher_topk)
     counts["tokens"] = int(sum(p["n_valid"] for p in partial))
     if aligned is not None:
-        counts["unaligned_tokens"] = int(len(aligned) - aligned.sum())
+        # Among the tokens the student sampled: tool turns are masked out, not unaligned.
+        counts["unaligned_tokens"] = int(((aligned == 0) & (student_mask > 0)).sum())
         counts["split_span_tokens"] = int((scored.split * student_mask * aligned > 0).sum())
     return table, counts
 

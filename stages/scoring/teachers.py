@@ -143,8 +143,10 @@ class OtherTokenizerTeacher:
         labels = [""] * rows.n
         for label, names, members in self.groups(rows.prompt_ids):
             where = rows.token_positions(members)
+            masks, answers = [rows.loss_mask(i) for i in members], [rows.tool_results(i) for i in members]
             crosses = [self.teachers[name].score([self.teachers[name].prompts.by_id[rows.prompt_ids[i]] for i in members],
-                                                 [rows.response(i) for i in members], student_lp[where], topk) for name in names]
+                                                 [rows.response(i) for i in members], student_lp[where], topk, masks, answers)
+                       for name in names]
             columns = {"teacher_logprobs": mean_logprob([c.values for c in crosses]), **crosses[0].topk}
             place(per_token, columns, where, n_tokens)
             aligned[where] = np.min([c.aligned for c in crosses], axis=0)

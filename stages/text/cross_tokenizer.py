@@ -30,9 +30,10 @@ from typing import Protocol
 
 import numpy as np
 
+from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.losses import LOGP_FLOOR, NO_ENTRY_ID, UNMATCHED_ID
 from gndpo.stages.text.align import Alignment, align_spans, token_offsets
-from gndpo.stages.text.chat import end_of_turn_ids, stop_token_ids
+from gndpo.stages.text.chat import end_of_turn_ids, stop_token_ids, tool_turn_ids
 from gndpo.stages.text.vocabulary import VocabularyMatch, match_vocabularies
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.models.vision import image_inputs
@@ -77,30 +78,85 @@ class CrossTokenizerTeacher:
         """The two vocabularies' shared tokens (built on first use: about a second for a 262k vocabulary)."""
         return match_vocabularies(self.student_tok, self.teacher_tok, self.prompts.data)
 
-    def score(self, rows: list[dict], responses: list[np.ndarray], student_lp: np.ndarray, topk: int = 0) -> CrossScores:
+    def score(self, rows: list[dict], responses: list[np.ndarray], student_lp: np.ndarray, topk: int = 0,
+              masks: list[np.ndarray] | None = None, tool_results: list[list[str]] | None = None) -> CrossScores:
         """The teacher's columns of ``responses`` (:class:`CrossScores`), flat in order; ``rows`` are
         their prompts' rows, ``student_lp`` the student's flat log-probs, ``topk`` the teacher top-k
-        to store (0: none)."""
-        teacher_ids, alignments, ends = [], [], []
-        for ids in responses:
-            text, spans = token_offsets(self.student_tok, ids)
-            enc = self.teacher_tok(text, add_special_tokens=False, return_offsets_mapping=True)
-            ended = len(ids) > 0 and int(ids[-1]) in self.student_stops and self.teacher_end is not None
-            teacher_ids.append(list(enc["input_ids"]) + ([self.teacher_end] if ended else []))
-            alignments.append(align_spans(spans[:-1] if ended else spans, [tuple(o) for o in enc["offset_mapping"]]))
-            ends.append(ended)
-        teacher = self.teacher.columns(rows, teacher_ids, topk)
+        to store (0: none). Multi-turn responses: ``masks`` (each response's loss mask) and
+        ``tool_results`` (the text of each executed tool call) say where the tool turns are."""
+        pieces = [self.pieces(row, np.asarray(ids), masks[i] if masks else None, tool_results[i] if tool_results else [])
+                  for i, (row, ids) in enumerate(zip(rows, responses))]
+        teacher = self.teacher.columns(rows, [[t for piece in p for t in piece.teacher] for p in pieces], topk)
         offsets = np.cumsum([0] + [len(ids) for ids in responses])
-        parts = [response_values(alignment, columns["teacher_logprobs"], student_lp[offsets[i] : offsets[i + 1]], ended)
-                 for i, (alignment, columns, ended) in enumerate(zip(alignments, teacher, ends))]
+        parts = [piece_columns(p, columns, student_lp[offsets[i] : offsets[i + 1]], topk and self.vocabulary)
+                 for i, (p, columns) in enumerate(zip(pieces, teacher))]
         if not parts:
             return CrossScores(np.zeros(0, np.float32), np.zeros(0, np.int8), np.zeros(0, np.int8))
-        scores = CrossScores(*(np.concatenate(column) for column in zip(*parts)))
-        if topk:
-            tops = [response_topk(alignment, columns, len(responses[i]), ended, self.vocabulary)
-                    for i, (alignment, columns, ended) in enumerate(zip(alignments, teacher, ends))]
-            scores.topk = {name: np.concatenate(column) for name, column in zip(TOPK_COLUMNS, zip(*tops))}
-        return scores
+        values, aligned, split, *top = (np.concatenate(column) for column in zip(*parts))
+        return CrossScores(values, aligned, split, dict(zip(TOPK_COLUMNS, top)))
+
+    def pieces(self, row: dict, ids: np.ndarray, mask: np.ndarray | None, tool_results: list[str]) -> list[Piece]:
+        """One response cut into the student's own text (a guided prefix included) and the tool turns
+        (the loss-masked runs after its first trained token), each with the teacher tokens that stand
+        for it: the teacher's tokens of the same text, closed by its end token where the student's end
+        token closed the response, or the teacher's own rendering of the tool's answer."""
+        mask = np.ones(len(ids), np.int8) if mask is None else np.asarray(mask)
+        trained = np.flatnonzero(mask)
+        tool = np.zeros(len(ids), bool)
+        if len(trained):
+            tool[trained[0]:] = mask[trained[0]:] == 0
+        edges = [0, *np.flatnonzero(np.diff(tool.astype(np.int8))) + 1, len(ids)]
+        runs = [range(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+        # A tool turn cut to nothing by the response budget leaves a result without a run: the last one.
+        if sum(tool[r.start] for r in runs) > len(tool_results):
+            raise GndpoError(f"a response has {sum(tool[r.start] for r in runs)} tool turns but {len(tool_results)} tool results")
+        answers = iter(tool_results)
+        out = []
+        for k, run in enumerate(runs):
+            if tool[run.start]:
+                out.append(Piece(run, tool_turn_ids(self.teacher_tok, row, self.prompts.data, next(answers)), None))
+                continue
+            text, spans = token_offsets(self.student_tok, ids[run.start : run.stop])
+            enc = self.teacher_tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            ended = k == len(runs) - 1 and int(ids[run.stop - 1]) in self.student_stops and self.teacher_end is not None
+            alignment = align_spans(spans[:-1] if ended else spans, [tuple(o) for o in enc["offset_mapping"]])
+            out.append(Piece(run, list(enc["input_ids"]) + ([self.teacher_end] if ended else []), alignment, ended))
+        return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of a response's student tokens and the teacher tokens that stand for it: the student's own
+    text (``alignment``: its spans; ``ended``: closed by the student's end token, the teacher's after
+    it) or a tool turn (``alignment`` None: loss-masked, no teacher values)."""
+
+    student: range
+    teacher: list[int]
+    alignment: Alignment | None
+    ended: bool = False
+
+
+def piece_columns(pieces: list[Piece], teacher: dict, student_lp: np.ndarray, vocabulary: VocabularyMatch | None) -> tuple[np.ndarray, ...]:
+    """One response's (teacher value, aligned, split) per student token, and with ``vocabulary`` its
+    top-k columns, from its pieces and the teacher's numbers at the pieces' teacher tokens in order."""
+    n = len(student_lp)
+    values, aligned, split = np.array(student_lp, dtype=np.float32), np.zeros(n, np.int8), np.zeros(n, np.int8)
+    top = None
+    if vocabulary:
+        k = teacher["teacher_topk_ids"].shape[-1]
+        top = [np.full((n, k), NO_ENTRY_ID, np.int32), np.full((n, k), LOGP_FLOOR, np.float32), np.zeros(n, np.float32)]
+    at = 0
+    for piece in pieces:
+        own = {name: column[at : at + len(piece.teacher)] for name, column in teacher.items()}
+        at += len(piece.teacher)
+        if piece.alignment is None:  # a tool turn: masked, no values
+            continue
+        where = slice(piece.student.start, piece.student.stop)
+        values[where], aligned[where], split[where] = response_values(piece.alignment, own["teacher_logprobs"], student_lp[where], piece.ended)
+        if top is not None:
+            for column, part in zip(top, response_topk(piece.alignment, own, len(piece.student), piece.ended, vocabulary)):
+                column[where] = part
+    return (values, aligned, split, *(top or ()))
 
 
 class TeacherModule:

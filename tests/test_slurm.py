@@ -22,14 +22,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import free_ports, gndpo, invoke_ok, tiny_config_dict, write_config
+from tests.conftest import free_ports, invoke_ok, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -178,8 +180,6 @@ def slurm(tmp_path_factory):
         pytest.skip(f"slurm is not installed (no {', '.join(missing)}); `make test` installs Debian's slurm-wlm and munge")
     if os.geteuid() != 0:
         pytest.skip("the test cluster runs its daemons as root (SlurmUser=root), and this is not root")
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("the test runs the script's CPU path (a CPU-only node), and this machine's vLLM and torch use its GPUs")
     folder = tmp_path_factory.mktemp("slurm")
@@ -240,9 +240,13 @@ def new_run(folder: Path, tiny_assets: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_assets) -> Path:
-    """Round 0 of the toy run through `gndpo run --rounds 1` on this machine."""
+    """Round 0 of the toy run through `gndpo run --rounds 1` on this machine, in this process (with the
+    job's one thread: float reductions depend on the thread count)."""
     run = new_run(tmp_path_factory.mktemp("slurm-reference"), tiny_assets)
-    gndpo("run", run, "--rounds", 1, env=THREADS)
+    threads = torch.get_num_threads()
+    with mock.patch.dict(os.environ, THREADS):
+        invoke_ok("run", run, "--rounds", 1)
+    torch.set_num_threads(threads)
     return run
 
 

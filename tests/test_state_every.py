@@ -2,8 +2,8 @@
 train starts without it.
 
 Two toy runs of 3 rounds with ``state_every: 3`` (rounds 0 and 1 write no optimizer state, round 2
-does). The first is one `gndpo run --rounds 3`, whose kept DeepSpeed engine carries the state in memory.
-The second stops after 2 rounds and a new process goes on to round 3, as after a crash: its round-2
+does). The first is one `gndpo run --rounds 3` (in the test's process), whose kept DeepSpeed engine carries the
+state in memory. The second stops after 2 rounds and a new process goes on to round 3, as after a crash: its round-2
 train starts without the state and rebuilds it by replaying rounds 0 and 1 from their committed rows.
 Both must commit the same rows and the same weights, byte for byte.
 """
@@ -29,10 +29,12 @@ def new_run(folder, assets):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_assets):
     """(the uninterrupted run, the run continued by a new process after round 1, its second log)."""
+    # In this process, each run's rounds with one kept DeepSpeed engine, as `gndpo run` keeps it; only
+    # the resumed run's last round needs a process of its own (one that never held the state).
     whole = new_run(tmp_path_factory.mktemp("whole"), tiny_assets)
-    gndpo("run", whole, "--rounds", ROUNDS)
+    invoke_ok("run", whole, "--rounds", ROUNDS)
     resumed = new_run(tmp_path_factory.mktemp("resumed"), tiny_assets)
-    gndpo("run", resumed, "--rounds", ROUNDS - 1)
+    invoke_ok("run", resumed, "--rounds", ROUNDS - 1)
     log = gndpo("run", resumed, "--rounds", ROUNDS).stderr
     return whole, resumed, log
 

@@ -9,7 +9,9 @@ end-of-turn or EOS token ends, for the teacher, on the teacher's own (its chat t
 else its EOS), scored in context after the same text: the teacher teaches when to stop. Student tokens
 left without a value (another special token, text the teacher's rendering lost) keep the student's own
 log-prob as their teacher value (a score of 0) and are left out of every statistic and loss by the
-``aligned`` mask score stores beside them.
+``aligned`` mask score stores beside them. A multi-turn response is cut into pieces: each student turn
+is aligned on its own, and between turns the teacher reads each tool's answer through its own chat
+template (those tokens stay masked, with no value).
 
 With a top-k divergence, the teacher's top-k at each span's first position (its next-token
 distribution after the same text as the student's at the span's first token) is stored with the student

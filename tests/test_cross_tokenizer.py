@@ -201,7 +201,7 @@ def test_a_teacher_engine_gives_the_modules_numbers(crossed_topk, rolled_out, pa
     url = tmp_path / "engine"
     invoke_ok("fork", rolled_out, url, "--from-round", "0", f"teacher={pair_teacher}", "score.cross_tokenizer=true",
               "method.name=reverse_kl", "score.teacher_topk=8", "score.backend=vllm")
-    run_stages(url, "score")
+    run_stages(url, "score", "normalize", "train")
     module = {s["rollout_id"]: s for s in committed_rows(crossed_topk, "score")}
     for s in committed_rows(url, "score"):
         want = module[s["rollout_id"]]
@@ -234,7 +234,7 @@ def test_several_teachers_each_with_its_own_tokenizer(crossed_topk, rolled_out, 
         for column in ("teacher_logprobs", "aligned", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_rest_logprob"):
             assert s[column] == want[column], column
     assert open_run(str(tmp_path / "route")).records(0, "train").manifest() is not None
-    mixed = scored_fork(rolled_out, tmp_path / "mean", teachers, "score.teacher_mix=mean")
+    mixed = scored_fork(rolled_out, tmp_path / "mean", teachers, "score.teacher_mix=mean", stages=("score", "normalize", "train"))
     for rid, s in mixed.items():
         a, b = (np.asarray(alone[t][rid]["teacher_logprobs"], np.float64) for t in "ab")
         np.testing.assert_allclose(s["teacher_logprobs"], np.log((np.exp(a) + np.exp(b)) / 2), atol=1e-5)
@@ -255,7 +255,7 @@ def test_a_guided_prefix_is_the_teachers_text_in_the_students_tokens(pair_teache
                            rollout={"guided_fraction": 0.5, "guide_prefix_tokens": 3, "prompts_per_round": 8, "eval_heldout": False})
     run = tmp_path / "run"
     invoke_ok("init", run, "--config", write_config(tmp_path, cfg))
-    run_stages(run, "rollout", "score")
+    run_stages(run, "rollout", "score", "normalize", "train")
     tok = AutoTokenizer.from_pretrained(str(pair_teacher))
     model = AutoModelForCausalLM.from_pretrained(str(pair_teacher)).eval()
     student_tok = AutoTokenizer.from_pretrained(str(tiny_assets / "student"))
@@ -276,7 +276,7 @@ def test_a_guided_prefix_is_the_teachers_text_in_the_students_tokens(pair_teache
         want += [student_tok.eos_token_id] if ended else []
         k = r["teacher_prefix_len"]
         assert r["response_token_ids"][:k] == want and r["loss_mask"][:k] == [0] * k
-    assert open_run(str(run)).records(0, "score").manifest() is not None
+    assert open_run(str(run)).records(0, "train").manifest() is not None
 
 
 def test_a_privileged_context_reaches_a_teacher_of_another_tokenizer(rolled_out, pair_teacher, tmp_path):
@@ -286,7 +286,7 @@ def test_a_privileged_context_reaches_a_teacher_of_another_tokenizer(rolled_out,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     scores = scored_fork(rolled_out, tmp_path / "context", f"teacher={pair_teacher}",
-                         'teacher_context.messages=[{role: user, content: "{answer}={prompt}"}]')
+                         'teacher_context.messages=[{role: user, content: "{answer}={prompt}"}]', stages=("score", "normalize", "train"))
     tok = AutoTokenizer.from_pretrained(str(pair_teacher))
     model = AutoModelForCausalLM.from_pretrained(str(pair_teacher)).eval()
     student_tok = AutoTokenizer.from_pretrained(str(open_run(str(rolled_out)).cfg.student))

@@ -160,7 +160,7 @@ def test_a_teacher_of_another_tokenizer_reads_each_tool_answer_through_its_own_t
     teacher_tok.save_pretrained(path)
     run = tmp_path / "run"
     invoke_ok("fork", reference, run, "--from-round", "0", f"teacher={path}", "score.cross_tokenizer=true")
-    run_stages(run, "score")
+    run_stages(run, "score", "normalize", "train")
     model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
     prompts = {p["prompt_id"]: p for p in open_run(str(run)).prompts("train")}
     rollouts = {r["rollout_id"]: r for r in committed_rows(reference)}
@@ -196,6 +196,7 @@ def test_a_teacher_of_another_tokenizer_reads_each_tool_answer_through_its_own_t
             multi += 1
             assert not np.asarray(s["aligned"])[masked][r["teacher_prefix_len"]:].any()
     assert multi > 0
+    assert open_run(str(run)).records(0, "train").manifest() is not None
 
 
 def turn_runs(mask):

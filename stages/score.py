@@ -84,7 +84,7 @@ class ScoreJob:
             cross, student_tok = {}, load_tokenizer(policy)
             for n, p in teachers.items():
                 prompts = self._teacher_prompts(p)
-                cross[n] = CrossTokenizerTeacher(self._teacher_columns(p, prompts, device), prompts, student_tok)
+                cross[n] = CrossTokenizerTeacher(self._teacher_columns(p, prompts, device), prompts, student_tok, sc.teacher_end_text)
             return OtherTokenizerTeacher(self._student_forward(student, [], pad_id, device), cross, routes)
         if sc.backend == "vllm":
             shows = self.run.images_per_prompt() if is_vision_model(path) else 0

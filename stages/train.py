@@ -367,7 +367,7 @@ class TrainJob:
         if not (self.cfg.score.cross_tokenizer and TOPK in score_needs(self.cfg.method)):
             return None
         teacher = next(iter(self.run.teacher_models(round_idx).values()))
-        matched = match_vocabularies(load_tokenizer(policy), load_tokenizer(teacher), self.cfg.data).student_matched
+        matched = match_vocabularies(load_tokenizer(policy), load_tokenizer(teacher), self.cfg.data, self.cfg.score.teacher_end_text).student_matched
         return ~np.pad(matched[:vocabulary], (0, max(0, vocabulary - len(matched))))
 
     def state_was_not_written(self) -> bool:

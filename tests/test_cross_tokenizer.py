@@ -57,18 +57,21 @@ def crossed(rolled_out, pair_teacher, tmp_path_factory):
     return new
 
 
-def teacher_view(tok, model, prompt_text, text, eos: bool):
+def teacher_view(tok, model, prompt_text, text, eos: bool, end_ids=None):
     """The teacher's (char offsets, log-probs) of its own tokens of ``text`` after its prompt, and with
-    ``eos`` the log-prob of its EOS after them (the toy's template closes no turn: EOS ends it)."""
+    ``eos`` the log-prob of its end after them: its EOS (the toy's template closes no turn), or the
+    tokens ``end_ids`` (summed)."""
     prompt = tok.apply_chat_template([{"role": "user", "content": prompt_text}], tokenize=False, add_generation_prompt=True)
     p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    own = enc["input_ids"] + ([tok.eos_token_id] if eos else [])
+    end = (end_ids or [tok.eos_token_id]) if eos else []
+    own = enc["input_ids"] + end
     ids = torch.tensor([p_ids + own])
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
     lps = [float(logp[len(p_ids) + k - 1, t]) for k, t in enumerate(own)]
-    return enc["offset_mapping"], lps[: len(enc["input_ids"])], (lps[-1] if eos else None)
+    n = len(enc["input_ids"])
+    return enc["offset_mapping"], lps[:n], (sum(lps[n:]) if eos else None)
 
 
 def test_every_student_token_gets_its_share_of_its_spans_teacher_log_ratio(crossed, rolled_out, pair_teacher):
@@ -282,22 +285,35 @@ def test_a_guided_prefix_is_the_teachers_text_in_the_students_tokens(pair_teache
 def test_a_privileged_context_reaches_a_teacher_of_another_tokenizer(rolled_out, pair_teacher, tmp_path):
     """teacher_context.messages (self-distillation's privileged context, here the answer before the
     question) with a teacher of another tokenizer: the teacher reads the context through its own
-    template; each response's values add up to its log-prob of the text (and EOS) after that prompt."""
+    template; each response's values add up to its log-prob of the text after that prompt, and of its
+    end of turn, here the text "=1" (score.teacher_end_text, as for a base model whose turns end with
+    a separator), whose first token stands for the student's EOS in the top-k."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    scores = scored_fork(rolled_out, tmp_path / "context", f"teacher={pair_teacher}",
-                         'teacher_context.messages=[{role: user, content: "{answer}={prompt}"}]', stages=("score", "normalize", "train"))
+    from gndpo.pipeline.methods.losses import NO_ENTRY_ID
+
+    scores = scored_fork(rolled_out, tmp_path / "context", f"teacher={pair_teacher}", "score.teacher_end_text='=1'",
+                         'teacher_context.messages=[{role: user, content: "{answer}={prompt}"}]', "method.name=forward_kl",
+                         "score.teacher_topk=8", stages=("score", "normalize", "train"))
     tok = AutoTokenizer.from_pretrained(str(pair_teacher))
     model = AutoModelForCausalLM.from_pretrained(str(pair_teacher)).eval()
     student_tok = AutoTokenizer.from_pretrained(str(open_run(str(rolled_out)).cfg.student))
     prompts = {p["prompt_id"]: p for p in open_run(str(tmp_path / "context")).prompts("train")}
+    ends = 0
     for r in committed_rows(rolled_out)[:8]:
         s, ids, row = scores[r["rollout_id"]], r["response_token_ids"], prompts[r["prompt_id"]]
         eos = ids[-1] == student_tok.eos_token_id
-        _, lps, eos_lp = teacher_view(tok, model, f"{row['answer']}={row['prompt']}", student_tok.decode(ids, skip_special_tokens=True), eos)
+        end_ids = tok("=1", add_special_tokens=False)["input_ids"]
+        _, lps, end_lp = teacher_view(tok, model, f"{row['answer']}={row['prompt']}", student_tok.decode(ids, skip_special_tokens=True), eos, end_ids)
         aligned = np.asarray(s["aligned"]) == 1
-        want = sum(lps) + (eos_lp if eos else 0.0)
+        want = sum(lps) + (end_lp if eos else 0.0)
         assert float(np.sum(np.asarray(s["teacher_logprobs"], np.float64)[aligned])) == pytest.approx(want, abs=1e-4 * len(ids))
+        if eos:
+            assert s["teacher_logprobs"][-1] == pytest.approx(end_lp, abs=1e-4)
+            top = s["teacher_topk_ids"][-1]
+            assert top[0] != NO_ENTRY_ID and student_tok.convert_tokens_to_ids("=") not in top  # "=" is the end here
+            ends += 1
+    assert ends > 0
 
 
 def test_methods_that_need_one_vocabulary_are_refused():

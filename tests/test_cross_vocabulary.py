@@ -98,6 +98,12 @@ def test_matching_a_byte_level_bpe_and_a_sentencepiece_style_vocabulary():
     paired = match.student_of[match.student_of >= 0]
     assert len(set(paired.tolist())) == len(paired) == match.matched
     assert match.student_matched[paired].all()
+    # A base-model teacher whose turns end with a text (score.teacher_end_text): its first token is the
+    # student's end of turn, and the student's token of that text is left without a twin.
+    ended = match_vocabularies(student, teacher, DataConfig(), teacher_end_text=" the")
+    assert ended.student_of[teacher.convert_tokens_to_ids("▁the")] == student.eos_token_id
+    assert not ended.student_matched[student.convert_tokens_to_ids("Ġthe")]
+    assert ended.student_of[teacher.eos_token_id] == -1 and ended.matched == match.matched - 1
 
 
 def test_a_spans_first_student_token_gets_the_teachers_top_k_at_its_first_teacher_token():
@@ -108,7 +114,7 @@ def test_a_spans_first_student_token_gets_the_teachers_top_k_at_its_first_teache
     teacher = {"teacher_logprobs": np.zeros(4), "teacher_topk_ids": np.array([[0, 5], [1, 2], [3, 4], [6, 0]]),
                "teacher_topk_logprobs": -np.arange(8, dtype=np.float64).reshape(4, 2) - 1, "teacher_rest_logprob": np.array([-5.0, -6, -7, -8])}
     vocabulary = VocabularyMatch(np.array([10, -1, 12, 13, -1, 15, 16]), np.zeros(20, dtype=bool))
-    ids, logprobs, rest = response_topk(alignment, teacher, 5, True, vocabulary)
+    ids, logprobs, rest = response_topk(alignment, teacher, 5, 1, vocabulary)
     assert ids.tolist() == [[10, 15], [NO_ENTRY_ID] * 2, [UNMATCHED_ID, 12], [NO_ENTRY_ID] * 2, [16, 10]]
     assert logprobs[[0, 2, 4]].tolist() == [[-1, -2], [-3, -4], [-7, -8]]
     assert rest.tolist() == [-5, 0, -6, 0, -8]

@@ -323,10 +323,14 @@ class ScoreConfig:
     # or mean (every token scored by all of them: log of the mean probability, over the vocabulary).
     teacher_mix: Literal["route", "mean"] = "route"
     # A teacher whose tokenizer differs from the student's (refused unless this is true): the response
-    # is re-tokenized by the teacher after its own rendering of the prompt, and teacher log-probs are
-    # mapped onto the student's tokens by character offsets (gndpo.stages.text.align); student tokens that
-    # do not align get no signal. Sampled-token methods only (top-k needs one vocabulary).
+    # is re-tokenized by the teacher after its own rendering of the prompt, and its log-probs and top-k
+    # reach the student's tokens span by span (gndpo.stages.text.align, gndpo.stages.text.vocabulary).
     cross_tokenizer: bool = False
+    # With cross_tokenizer: the text that ends a turn for the teacher, for a base model without a chat
+    # template (its demonstrations separated by "\n\n", say). The student's end token is then scored as
+    # that text, and the text's first teacher token stands for the student's end token in the top-k.
+    # Empty: the teacher's end-of-turn token, else its EOS.
+    teacher_end_text: str = ""
     engine: EngineConfig = field(default_factory=lambda: EngineConfig())
 
 
@@ -564,6 +568,8 @@ def _check_combinations(cfg: Config) -> None:
         if cfg.score.backend == "vllm":
             raise GndpoError("several teachers are scored with score.backend hf only (one teacher per vLLM engine is not built yet)")
     _check_self_distillation(cfg)
+    if cfg.score.teacher_end_text and not cfg.score.cross_tokenizer:
+        raise GndpoError("score.teacher_end_text is for a teacher of another tokenizer (score.cross_tokenizer true)")
     if cfg.method.stats_scope == "teacher" and not (cfg.teachers and cfg.score.teacher_mix == "route"):
         raise GndpoError("method.stats_scope teacher needs several teachers routed by prompt (teachers, score.teacher_mix route)")
     if not all(rc.tools):

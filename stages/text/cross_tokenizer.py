@@ -69,16 +69,23 @@ class TeacherColumns(Protocol):
 class CrossTokenizerTeacher:
     """A teacher with its own tokenizer, scoring responses written in the student's tokens."""
 
-    def __init__(self, teacher: TeacherColumns, prompts: TeacherPrompts, student_tok):
-        """``prompts`` renders each prompt row as the teacher reads it (its chat template, its context)."""
+    def __init__(self, teacher: TeacherColumns, prompts: TeacherPrompts, student_tok, end_text: str = ""):
+        """``prompts`` renders each prompt row as the teacher reads it (its chat template, its context);
+        ``end_text`` (score.teacher_end_text): the text that ends a turn for the teacher, if not its
+        end-of-turn token (else EOS)."""
         self.teacher, self.prompts, self.teacher_tok, self.student_tok = teacher, prompts, prompts.tok, student_tok
         self.student_stops = set(stop_token_ids(student_tok, prompts.data))
-        self.teacher_end = (end_of_turn_ids(self.teacher_tok, prompts.data) or [self.teacher_tok.eos_token_id])[0]
+        self.end_text = end_text
+        if end_text:
+            self.teacher_end = list(self.teacher_tok(end_text, add_special_tokens=False)["input_ids"])
+        else:
+            end = (end_of_turn_ids(self.teacher_tok, prompts.data) or [self.teacher_tok.eos_token_id])[0]
+            self.teacher_end = [end] if end is not None else []
 
     @cached_property
     def vocabulary(self) -> VocabularyMatch:
         """The two vocabularies' shared tokens (built on first use: about a second for a 262k vocabulary)."""
-        return match_vocabularies(self.student_tok, self.teacher_tok, self.prompts.data)
+        return match_vocabularies(self.student_tok, self.teacher_tok, self.prompts.data, self.end_text)
 
     def score(self, rows: list[dict], responses: list[np.ndarray], student_lp: np.ndarray, topk: int = 0,
               masks: list[np.ndarray] | None = None, tool_results: list[list[str]] | None = None) -> CrossScores:
@@ -120,22 +127,24 @@ class CrossTokenizerTeacher:
                 continue
             text, spans = token_offsets(self.student_tok, ids[run.start : run.stop])
             enc = self.teacher_tok(text, add_special_tokens=False, return_offsets_mapping=True)
-            ended = k == len(runs) - 1 and int(ids[run.stop - 1]) in self.student_stops and self.teacher_end is not None
+            ended = k == len(runs) - 1 and int(ids[run.stop - 1]) in self.student_stops and bool(self.teacher_end)
             alignment = align_spans(spans[:-1] if ended else spans, [tuple(o) for o in enc["offset_mapping"]])
-            out.append(Piece(run, list(enc["input_ids"]) + ([self.teacher_end] if ended else []), alignment, ended))
+            end = self.teacher_end if ended else []
+            out.append(Piece(run, list(enc["input_ids"]) + end, alignment, len(end)))
         return out
 
 
 @dataclass(frozen=True)
 class Piece:
     """A run of a response's student tokens and the teacher tokens that stand for it: the student's own
-    text (``alignment``: its spans; ``ended``: closed by the student's end token, the teacher's after
-    it) or a tool turn (``alignment`` None: loss-masked, no teacher values)."""
+    text (``alignment``: its spans; ``end_tokens``: how many teacher tokens at the end stand for the
+    student's end token that closed the response, 0 if none did) or a tool turn (``alignment`` None:
+    loss-masked, no teacher values)."""
 
     student: range
     teacher: list[int]
     alignment: Alignment | None
-    ended: bool = False
+    end_tokens: int = 0
 
 
 def piece_columns(pieces: list[Piece], teacher: dict, student_lp: np.ndarray, vocabulary: VocabularyMatch | None) -> tuple[np.ndarray, ...]:
@@ -154,9 +163,9 @@ def piece_columns(pieces: list[Piece], teacher: dict, student_lp: np.ndarray, vo
         if piece.alignment is None:  # a tool turn: masked, no values
             continue
         where = slice(piece.student.start, piece.student.stop)
-        values[where], aligned[where], split[where] = response_values(piece.alignment, own["teacher_logprobs"], student_lp[where], piece.ended)
+        values[where], aligned[where], split[where] = response_values(piece.alignment, own["teacher_logprobs"], student_lp[where], piece.end_tokens)
         if top is not None:
-            for column, part in zip(top, response_topk(piece.alignment, own, len(piece.student), piece.ended, vocabulary)):
+            for column, part in zip(top, response_topk(piece.alignment, own, len(piece.student), piece.end_tokens, vocabulary)):
                 column[where] = part
     return (values, aligned, split, *(top or ()))
 
@@ -189,35 +198,37 @@ class TeacherModule:
         return out
 
 
-def response_values(alignment: Alignment, teacher_lp, student_lp: np.ndarray, ended: bool) -> tuple[np.ndarray, ...]:
+def response_values(alignment: Alignment, teacher_lp, student_lp: np.ndarray, end_tokens: int) -> tuple[np.ndarray, ...]:
     """One response's (teacher value, aligned, in a split span) per student token, from its alignment
-    and the teacher's log-probs of its own tokens (the last one its end-of-turn where ``ended``)."""
+    and the teacher's log-probs of its own tokens, the last ``end_tokens`` of them its end of the turn
+    (0: the response did not end on the student's end token)."""
     teacher_lp = [float(v) for v in teacher_lp]
-    text_lp = teacher_lp[:-1] if ended else teacher_lp
+    text_lp = teacher_lp[: len(teacher_lp) - end_tokens]
     values = np.array(student_lp, dtype=np.float32)  # an unaligned token's score is 0
     aligned, split = np.zeros(len(values), dtype=np.int8), np.zeros(len(values), dtype=np.int8)
     for j, value in enumerate(alignment.teacher_values(text_lp, student_lp.tolist())):
         if value is not None:
             values[j], aligned[j] = value, 1
     split[: len(alignment.span_of)] = alignment.split
-    if ended:  # the student's end-of-turn: the teacher's own, after the same text
-        values[-1], aligned[-1] = teacher_lp[-1], 1
+    if end_tokens:  # the student's end-of-turn: the teacher's own, after the same text
+        values[-1], aligned[-1] = sum(teacher_lp[len(text_lp):]), 1
     return values, aligned, split
 
 
-def response_topk(alignment: Alignment, teacher: dict, n_student: int, ended: bool, vocabulary: VocabularyMatch) -> tuple[np.ndarray, ...]:
+def response_topk(alignment: Alignment, teacher: dict, n_student: int, end_tokens: int, vocabulary: VocabularyMatch) -> tuple[np.ndarray, ...]:
     """One response's teacher top-k per student token ([n, k] ids in the student's vocabulary, [n, k]
-    log-probs, [n] rest), from the teacher's own top-k at its tokens (``teacher``: one response's :meth:`TeacherColumns.columns`):
+    log-probs, [n] rest), from the teacher's own top-k at its tokens (``teacher``: one response's
+    :meth:`TeacherColumns.columns`, the last ``end_tokens`` standing for the student's end token):
     each span's first student token gets the teacher's distribution at the span's first teacher token
-    (both predict the text after the same prefix), the ended response's last token the teacher's at
-    its end token; every other token no entry."""
+    (both predict the text after the same prefix), an ended response's last token the teacher's at its
+    first end token; every other token no entry."""
     k = teacher["teacher_topk_ids"].shape[-1]
     ids = np.full((n_student, k), NO_ENTRY_ID, dtype=np.int32)
     logprobs = np.full((n_student, k), LOGP_FLOOR, dtype=np.float32)
     rest = np.zeros(n_student, dtype=np.float32)  # no entry: all of the mass in the rest (log 1)
     pairs = [(span.student[0], span.teacher[0]) for span in alignment.spans]
-    if ended:
-        pairs.append((n_student - 1, len(teacher["teacher_logprobs"]) - 1))
+    if end_tokens:
+        pairs.append((n_student - 1, len(teacher["teacher_logprobs"]) - end_tokens))
     if not pairs:
         return ids, logprobs, rest
     students, teachers = (np.array(side) for side in zip(*pairs))

@@ -6,8 +6,9 @@ decoders strip one at the start of a text (SentencePiece) and byte-level vocabul
 meet SentencePiece ones (``▁``) on the text itself, not on their internal spellings. Special tokens,
 tokens with no text and tokens that decode to part of a character (a byte of a multi-byte UTF-8
 sequence) match nothing, except that the teacher's end-of-turn and EOS match the student's: the two
-models' ways to say "the response ends here". Where several tokens of one vocabulary share a text, the
-lowest id matches, so the match is one-to-one.
+models' ways to say "the response ends here" (for a base-model teacher, the first token of the text
+that ends its turns, ``score.teacher_end_text``, matches the student's end-of-turn instead). Where
+several tokens of one vocabulary share a text, the lowest id matches, so the match is one-to-one.
 """
 
 from __future__ import annotations
@@ -57,18 +58,25 @@ def raw_decode(tok, sequences: list[list[int]]) -> list[str]:
     return backend.decode_batch(sequences, skip_special_tokens=False)
 
 
-def match_vocabularies(student_tok, teacher_tok, data) -> VocabularyMatch:
+def match_vocabularies(student_tok, teacher_tok, data, teacher_end_text: str = "") -> VocabularyMatch:
     """The one-to-one match of the two tokenizers' tokens by text, end tokens paired (module docstring);
-    ``data`` is the run's data config (which chat template, hence which end-of-turn token)."""
+    ``data`` is the run's data config (which chat template, hence which end-of-turn token).
+    ``teacher_end_text`` (score.teacher_end_text): the first teacher token of that text is the
+    teacher's end of a turn, paired with the student's end-of-turn (else EOS) instead of its text twin."""
     first_student: dict[str, int] = {}
     for s, text in enumerate(token_texts(student_tok)):
         if text is not None:
             first_student.setdefault(text, s)
     student_of = np.full(len(teacher_tok), -1, dtype=np.int64)
     taken: set[int] = set()
+    student_turn_end = end_of_turn_ids(student_tok, data) or [student_tok.eos_token_id]
+    text_end = teacher_tok(teacher_end_text, add_special_tokens=False)["input_ids"][:1] if teacher_end_text else []
+    if text_end and student_turn_end[0] is not None:
+        student_of[text_end[0]] = student_turn_end[0]
+        taken.add(student_turn_end[0])
     for t, text in enumerate(token_texts(teacher_tok)):
         s = first_student.get(text) if text is not None else None
-        if s is not None and s not in taken:
+        if s is not None and s not in taken and student_of[t] < 0:
             student_of[t] = s
             taken.add(s)
     for ends in ((end_of_turn_ids(teacher_tok, data), end_of_turn_ids(student_tok, data)),

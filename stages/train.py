@@ -141,18 +141,22 @@ class Objective:
     pad_id: int
     device: torch.device
     images: BatchImages | None = None  # a run whose prompts show pictures: the forward's image tensors
-    # A teacher of another vocabulary (score.cross_tokenizer) with a top-k divergence: [V] True at the
-    # student's tokens without a teacher twin (stages/text/vocabulary.py), on the device.
-    student_unmatched: torch.Tensor | None = None
+    # Teachers of another vocabulary (score.cross_tokenizer) with a top-k divergence: their names (as
+    # score records them per row) and, row for row, [V] True at the student's tokens without a twin in
+    # that teacher's vocabulary (stages/text/vocabulary.py), on the device.
+    teacher_names: tuple[str, ...] = ()
+    student_unmatched: torch.Tensor | None = None  # [teachers, V]
 
     @classmethod
     def of(cls, cfg, round_idx: int, pad_id: int, device: torch.device, images: BatchImages | None = None,
-           student_unmatched: np.ndarray | None = None) -> Objective:
+           student_unmatched: dict[str, np.ndarray] | None = None) -> Objective:
         policy_loss, loss_agg = policy_settings(cfg.method)
         # A div term is computed only where the method stored the teacher top-k for one.
         divergence = divergence_of(cfg.method, round_idx) if TOPK in score_needs(cfg.method) else None
-        unmatched = torch.from_numpy(student_unmatched).to(device) if divergence and student_unmatched is not None else None
-        return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images, unmatched)
+        if not (divergence and student_unmatched):
+            return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images)
+        masks = torch.from_numpy(np.stack(list(student_unmatched.values()))).to(device)
+        return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images, tuple(student_unmatched), masks)
 
     @property
     def share_prompts(self) -> bool:
@@ -175,11 +179,14 @@ class Objective:
                            image_keys=prompt_ids if self.images is not None else None)
         if self.images is not None:
             batch.images = self.images.inputs([prompt_ids[i] for i in batch.prefix_rows], device)
-        topk_ids = None
+        topk_ids = teacher_of_token = None
         if self.divergence is not None:
             topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro])).to(device)
+        if self.student_unmatched is not None:
+            teacher_of_token = torch.tensor(np.repeat([self.teacher_names.index(r.teacher) for r in micro], [len(r.response) for r in micro]),
+                                            device=device)
         flat_logp, flat_topk, pad_term, flat_unmatched = policy_token_logprobs(
-            model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, topk_ids, min_chunks, self.student_unmatched
+            model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, topk_ids, min_chunks, self.student_unmatched, teacher_of_token
         )
         logp = batch.padded(flat_logp)
         width = logp.shape[1]
@@ -360,15 +367,19 @@ class TrainJob:
         unmatched = self.student_unmatched(round_idx, policy, engine.module.get_output_embeddings().out_features)
         return share, steps, Objective.of(cfg, round_idx, pad_id, local_device(), BatchImages.of_run(self.run, policy), unmatched)
 
-    def student_unmatched(self, round_idx: int, policy: str, vocabulary: int) -> np.ndarray | None:
-        """With a top-k divergence against a teacher of another vocabulary: [vocabulary] True at the
-        student's tokens that have no teacher token of the same text (the ones the divergence compares
-        by sorted probabilities); None otherwise."""
-        if not (self.cfg.score.cross_tokenizer and TOPK in score_needs(self.cfg.method)):
+    def student_unmatched(self, round_idx: int, policy: str, vocabulary: int) -> dict[str, np.ndarray] | None:
+        """With a top-k divergence against teachers of another vocabulary: {teacher name: [vocabulary]
+        True at the student's tokens that have no token of the same text in that teacher's vocabulary
+        (the ones the divergence compares by sorted probabilities)}; None otherwise."""
+        cfg = self.cfg
+        if not (cfg.score.cross_tokenizer and TOPK in score_needs(cfg.method)):
             return None
-        teacher = next(iter(self.run.teacher_models(round_idx).values()))
-        matched = match_vocabularies(load_tokenizer(policy), load_tokenizer(teacher), self.cfg.data, self.cfg.score.teacher_end_text).student_matched
-        return ~np.pad(matched[:vocabulary], (0, max(0, vocabulary - len(matched))))
+        student_tok = load_tokenizer(policy)
+        out = {}
+        for name, path in self.run.teacher_models(round_idx).items():
+            matched = match_vocabularies(student_tok, load_tokenizer(path), cfg.data, cfg.score.teacher_end_text).student_matched
+            out[name] = ~np.pad(matched[:vocabulary], (0, max(0, vocabulary - len(matched))))
+        return out
 
     def state_was_not_written(self) -> bool:
         """Whether the previous round kept its optimizer state in memory only (train.state_every) and no

@@ -134,3 +134,13 @@ def test_the_students_largest_log_probs_over_its_unmatched_tokens():
         full = policy_token_logprobs(model, batch, 4, 1.0, torch.arange(40).expand(batch.n_tokens, 40)).at_ids
     torch.testing.assert_close(out.largest, full[:, among].sort(-1, descending=True).values[:, :3])
     torch.testing.assert_close(out.at_ids[0, 1], full[0, 0])  # a negative id reads id 0; the loss masks it
+    # Rows scored by two teachers (routed): each token's largest over its own teacher's unmatched ids,
+    # two of them only for the second (the third entry is -inf).
+    other = torch.zeros(40, dtype=torch.bool)
+    other[[5, 30]] = True
+    which = torch.tensor([0, 1, 1, 0, 1, 0])
+    both = policy_token_logprobs(model, batch, 4, 1.0, ids, largest_among=torch.stack([among, other]), among_row=which).largest
+    for t, m in enumerate(which.tolist()):
+        want = full[t, [among, other][m]].sort(descending=True).values[:3]
+        torch.testing.assert_close(both[t, : len(want)], want)
+        assert torch.all(both[t, len(want):] == -math.inf)

@@ -386,12 +386,13 @@ class PolicyLogprobs(NamedTuple):
 
 def policy_token_logprobs(model, batch: TokenBatch, token_chunk: int, temperature: float,
                           topk_ids: torch.Tensor | None = None, min_chunks: int = 0,
-                          largest_among: torch.Tensor | None = None) -> PolicyLogprobs:
+                          largest_among: torch.Tensor | None = None, among_row: torch.Tensor | None = None) -> PolicyLogprobs:
     """Train's differentiable log-probs, flat over response tokens (:class:`PolicyLogprobs`): the
     sampled token's; with ``topk_ids`` [N, k], the student's full-softmax log-probs at those ids (a
     negative id, a teacher token of another vocabulary with no student twin, reads id 0: the caller
-    masks it); with ``largest_among`` too ([V] bool), the k largest log-probs over the ids it marks
-    (a teacher of another vocabulary: the student's tokens without a twin), -inf where fewer exist.
+    masks it); with ``largest_among`` too ([M, V] bool, and ``among_row`` [N]: which of its M rows
+    each token uses, row 0 for all where None), the k largest log-probs over the ids that row marks
+    (a teacher of another vocabulary: the student's tokens without a twin in it), -inf where fewer exist.
 
     Each chunk's lm_head + log-softmax is checkpointed: its [chunk, V] activations are freed after the
     forward and recomputed during backward, so peak memory holds one chunk's logits, not N positions'.
@@ -401,28 +402,39 @@ def policy_token_logprobs(model, batch: TokenBatch, token_chunk: int, temperatur
     hidden = response_hidden(model, batch)
     k = topk_ids.shape[-1] if topk_ids is not None else 0
 
-    def chunk_fn(h, targets, ids):
+    masks = largest_among.view(-1, largest_among.shape[-1]) if largest_among is not None else None
+    rows = among_row if among_row is not None else batch.targets.new_zeros(batch.n_tokens)
+
+    def chunk_fn(h, targets, ids, row):
         logp_all = head_logprobs(model, h, temperature)
         sampled = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         at_ids = logp_all.gather(-1, ids.clamp(min=0)) if ids is not None else sampled.new_zeros(0)
-        if largest_among is None or ids is None:
+        if masks is None or ids is None:
             return sampled, at_ids, sampled.new_zeros(0)
-        among = logp_all.masked_fill(~largest_among[: logp_all.shape[-1]], -math.inf)
-        top = among.topk(min(k, among.shape[-1]), dim=-1).values
-        return sampled, at_ids, torch.nn.functional.pad(top, (0, k - top.shape[-1]), value=-math.inf)
+        present = row.unique().tolist()
+        if len(present) == 1:  # one teacher vocabulary in the chunk: one more [chunk, V] buffer, not two
+            return sampled, at_ids, largest_over(logp_all, masks[present[0]])
+        largest = logp_all.new_full((len(h), k), -math.inf)
+        for m in present:
+            largest[row == m] = largest_over(logp_all[row == m], masks[m])
+        return sampled, at_ids, largest
 
-    def run(h, targets, ids):
+    def largest_over(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        top = logp.masked_fill(~mask[: logp.shape[-1]], -math.inf).topk(min(k, logp.shape[-1]), dim=-1).values
+        return torch.nn.functional.pad(top, (0, k - top.shape[-1]), value=-math.inf)
+
+    def run(h, targets, ids, row):
         if torch.is_grad_enabled():
-            return checkpoint(chunk_fn, h, targets, ids, use_reentrant=False)
-        return chunk_fn(h, targets, ids)
+            return checkpoint(chunk_fn, h, targets, ids, row, use_reentrant=False)
+        return chunk_fn(h, targets, ids, row)
 
     parts: list[tuple[torch.Tensor, ...]] = []
     for sl in chunks(batch.n_tokens, token_chunk):
-        parts.append(run(hidden[sl], batch.targets[sl], topk_ids[sl] if topk_ids is not None else None))
+        parts.append(run(hidden[sl], batch.targets[sl], topk_ids[sl] if topk_ids is not None else None, rows[sl]))
     pad_term = hidden.new_zeros((), dtype=torch.float32)
     for _ in range(max(0, min_chunks - len(parts))):
         zeros = hidden.new_zeros((1, hidden.shape[-1]))
-        s, _, _ = run(zeros, batch.targets.new_zeros(1), None)
+        s, _, _ = run(zeros, batch.targets.new_zeros(1), None, rows[:0])
         pad_term = pad_term + s.sum() * 0.0
     sampled, at_ids, largest = (list(column) for column in zip(*parts)) if parts else ([], [], [])
     return PolicyLogprobs(

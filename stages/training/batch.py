@@ -51,6 +51,7 @@ class TrainRow:
     # written before it did: the loss then recomputes it from the top-k).
     topk_rest: np.ndarray | None = None
     prompt_id: str = ""  # which prompt's images the forward shows (a vision-language run)
+    teacher: str = ""  # the teacher that scored the row, as score recorded it (its top-k's vocabulary)
 
     @property
     def tokens(self) -> int:
@@ -159,7 +160,7 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
             rollout_id=m["rollout_id"],
             prompt=view(r, "prompt_token_ids", i, np.int64), response=view(r, "response_token_ids", i, np.int64),
             old_logp=resp.sampler_lp if method.old_logprobs == "sampler" else resp.student_lp,
-            adv=t.adv, pg_mask=t.pg_mask, div=t.div, mask=t.mask, weight=t.weight, prompt_id=m["prompt_id"],
+            adv=t.adv, pg_mask=t.pg_mask, div=t.div, mask=t.mask, weight=t.weight, prompt_id=m["prompt_id"], teacher=resp.teacher,
             topk_ids=view(s, "teacher_topk_ids", j, np.int64) if needs_topk else None,
             topk_logp=view(s, "teacher_topk_logprobs", j) if needs_topk else None,
             topk_rest=rest if "teacher_rest_logprob" in present and len(rest := view(s, "teacher_rest_logprob", j)) == n else None,

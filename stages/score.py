@@ -67,9 +67,10 @@ class ScoreJob:
         self.live.release_engine()
         # score.student_logprobs engine: the rollout engine's log-probs stand in for the student's forward.
         student = self.live.causal_lm(policy, self.cfg.model, device, fixed=False) if self.cfg.score.student_logprobs == "recompute" else None
-        # At most the vocabulary: the HF backend's torch.topk and vLLM both stop there.
-        first = next(iter(teachers.values()))
-        self.topk = min(self.cfg.score.teacher_topk, vocabulary_size(first)) if TOPK in score_needs(self.cfg.method) else 0
+        # At most the smallest teacher vocabulary (teachers of other tokenizers differ): the HF backend's
+        # torch.topk and vLLM both stop there, and a shard's top-k has one width.
+        smallest = min(vocabulary_size(p) for p in teachers.values())
+        self.topk = min(self.cfg.score.teacher_topk, smallest) if TOPK in score_needs(self.cfg.method) else 0
         self.teacher = self._teacher_backend(policy, teachers, student, device)
 
     def _teacher_backend(self, policy: str, teachers: dict[str, str], student, device):

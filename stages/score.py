@@ -88,8 +88,7 @@ class ScoreJob:
                 cross[n] = CrossTokenizerTeacher(self._teacher_columns(p, prompts, device), prompts, student_tok, sc.teacher_end_text)
             return OtherTokenizerTeacher(self._student_forward(student, [], pad_id, device), cross, routes)
         if sc.backend == "vllm":
-            shows = self.run.images_per_prompt() if is_vision_model(path) else 0
-            engine = self.live.teacher_engine(path, sc.engine, sc.teacher_topk, images=shows)
+            engine = self._teacher_engine(path)
             # vLLM expands a picture's placeholder itself: with pictures it reads the teacher's own rendering.
             context = self._teacher_prompts(path) if self.images is not None else self._teacher_context(path)
             return EngineTeacher(self._student_forward(student, [], pad_id, device), engine, name, context)
@@ -105,10 +104,15 @@ class ScoreJob:
         its module; ``prompts``: how it renders each prompt."""
         sc = self.cfg.score
         if sc.backend == "vllm":
-            shows = self.run.images_per_prompt() if is_vision_model(teacher_path) else 0
-            return TeacherEngineColumns(self.live.teacher_engine(teacher_path, sc.engine, sc.teacher_topk, images=shows), prompts)
+            return TeacherEngineColumns(self._teacher_engine(teacher_path), prompts)
         module = self.live.causal_lm(teacher_path, self.cfg.model, device, fixed=True)
         return TeacherModule(module, prompts, device, logits_chunk(module, self.cfg.model), sc.max_tokens_per_batch, sc.rows_per_chunk)
+
+    def _teacher_engine(self, teacher_path: str):
+        """The teacher's vLLM engine (score.engine), sized for the run's pictures if it reads them."""
+        sc = self.cfg.score
+        shows = self.run.images_per_prompt() if is_vision_model(teacher_path) else 0
+        return self.live.teacher_engine(teacher_path, sc.engine, sc.teacher_topk, images=shows)
 
     def _student_forward(self, student, teacher_modules: list, pad_id: int, device, teacher_path: str | None = None) -> StudentForward:
         """The student's forward, with the teacher modules of ``teacher_path`` beside it (init checked

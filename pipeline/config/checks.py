@@ -16,19 +16,8 @@ def check_backend(cfg) -> None:
     ``score.backend: vllm`` returns the teacher's sampled-token and top-k log-probs, not its whole
     distribution; ``score.cross_tokenizer`` maps log-probs and top-k by token text, so nothing defined over one
     vocabulary at every position (the teacher's entropy, the full KL)."""
-    one_vocabulary = sorted(score_needs(cfg.method) & {TEACHER_ENTROPY, TOKEN_KL})
-    if cfg.score.cross_tokenizer and one_vocabulary:
-        raise GndpoError(
-            f"score.cross_tokenizer compares the teacher's top-k token by token text; method {cfg.method.name} also needs "
-            f"{', '.join(one_vocabulary)}, defined at every position over one vocabulary: use a teacher with the student's tokenizer"
-        )
-    if cfg.score.cross_tokenizer and TOPK in score_needs(cfg.method) and cfg.teachers and cfg.score.teacher_mix == "mean":
-        raise GndpoError("score.teacher_mix mean with score.cross_tokenizer mixes sampled-token log-probs only: each teacher's "
-                         "top-k sits at its own spans' first tokens, in its own vocabulary; route each prompt to one teacher "
-                         "(score.teacher_mix route) for a top-k method")
-    if cfg.score.cross_tokenizer and TOPK in score_needs(cfg.method) and cfg.method.topk_form != "bucket":
-        raise GndpoError("score.cross_tokenizer compares top-k divergences in method.topk_form bucket only (the teacher's "
-                         "tokens without a student twin join its rest bucket)")
+    if cfg.score.cross_tokenizer:
+        check_other_vocabulary(cfg)
     check_student_logprobs(cfg)
     if cfg.score.backend != "vllm":
         return
@@ -38,6 +27,26 @@ def check_backend(cfg) -> None:
             f"score.backend vllm gives the teacher's sampled-token and top-k log-probs only; method {cfg.method.name} "
             f"also needs {' and '.join(missing)}: use score.backend hf"
         )
+
+
+def check_other_vocabulary(cfg) -> None:
+    """A GndpoError (one line) for what ``score.cross_tokenizer`` cannot give the run's method: values
+    defined at every position over one vocabulary (the teacher's entropy, the full KL); a top-k mixed
+    over several teachers (each sits at its own spans' first tokens); the renormalized top-k form."""
+    needs = score_needs(cfg.method)
+    one_vocabulary = sorted(needs & {TEACHER_ENTROPY, TOKEN_KL})
+    if one_vocabulary:
+        raise GndpoError(
+            f"score.cross_tokenizer compares the teacher's top-k token by token text; method {cfg.method.name} also needs "
+            f"{', '.join(one_vocabulary)}, defined at every position over one vocabulary: use a teacher with the student's tokenizer"
+        )
+    if TOPK in needs and cfg.teachers and cfg.score.teacher_mix == "mean":
+        raise GndpoError("score.teacher_mix mean with score.cross_tokenizer mixes sampled-token log-probs only: each teacher's "
+                         "top-k sits at its own spans' first tokens, in its own vocabulary; route each prompt to one teacher "
+                         "(score.teacher_mix route) for a top-k method")
+    if TOPK in needs and cfg.method.topk_form != "bucket":
+        raise GndpoError("score.cross_tokenizer compares top-k divergences in method.topk_form bucket only (the teacher's "
+                         "tokens without a student twin join its rest bucket)")
 
 
 def check_student_logprobs(cfg) -> None:

@@ -89,17 +89,21 @@ class ModuleTeachers:
     def groups(self, prompt_ids: list[str]) -> dict[str, tuple[object, list[int]]]:
         """{label recorded per row: (the teacher module(s) that score those rows, the rows)}: each row's
         routed teacher, or all rows to the one teacher (a list of modules for the mean mix)."""
-        if self.routes:
-            groups: dict[str, tuple[object, list[int]]] = {}
-            for i, pid in enumerate(prompt_ids):
-                name = self.routes[pid]
-                groups.setdefault(name, (self.modules[name], []))[1].append(i)
-            return groups
-        rows = list(range(len(prompt_ids)))
-        if len(self.modules) > 1:  # score.teacher_mix mean
-            return {f"mean({','.join(self.modules)})": (list(self.modules.values()), rows)}
-        name, module = next(iter(self.modules.items()))
-        return {name: (module, rows)}
+        return {label: (self.modules[names[0]] if len(names) == 1 else [self.modules[n] for n in names], rows)
+                for label, names, rows in teacher_groups(prompt_ids, list(self.modules), self.routes)}
+
+
+def teacher_groups(prompt_ids: list[str], names: list[str], routes: dict[str, str]) -> list[tuple[str, list[str], list[int]]]:
+    """(label recorded per row, the names of the teachers that score those rows, the rows): with
+    ``routes`` ({prompt id: teacher name}, score.teacher_mix route) each row's routed teacher, else
+    every row to the one teacher, or to the mean of all (score.teacher_mix mean)."""
+    if routes:
+        members: dict[str, list[int]] = {}
+        for i, pid in enumerate(prompt_ids):
+            members.setdefault(routes[pid], []).append(i)
+        return [(name, [name], rows) for name, rows in members.items()]
+    label = names[0] if len(names) == 1 else f"mean({','.join(names)})"
+    return [(label, names, list(range(len(prompt_ids))))]
 
 
 class EngineTeacher:
@@ -141,7 +145,7 @@ class OtherTokenizerTeacher:
         n_tokens = len(student_lp)
         aligned, split = np.zeros(n_tokens, np.int8), np.zeros(n_tokens, np.int8)
         labels = [""] * rows.n
-        for label, names, members in self.groups(rows.prompt_ids):
+        for label, names, members in teacher_groups(rows.prompt_ids, list(self.teachers), self.routes):
             where = rows.token_positions(members)
             masks, answers = [rows.loss_mask(i) for i in members], [rows.tool_results(i) for i in members]
             crosses = [self.teachers[name].score([self.teachers[name].prompts.by_id[rows.prompt_ids[i]] for i in members],
@@ -154,18 +158,6 @@ class OtherTokenizerTeacher:
             for i in members:
                 labels[i] = label
         return Scored(per_token, labels, aligned, split)
-
-    def groups(self, prompt_ids: list[str]) -> list[tuple[str, list[str], list[int]]]:
-        """(label recorded per row, the teachers that score those rows, the rows): each row's routed
-        teacher, or every row to the one teacher or to the mean of all."""
-        if self.routes:
-            members: dict[str, list[int]] = {}
-            for i, pid in enumerate(prompt_ids):
-                members.setdefault(self.routes[pid], []).append(i)
-            return [(name, [name], rows) for name, rows in members.items()]
-        names = list(self.teachers)
-        label = names[0] if len(names) == 1 else f"mean({','.join(names)})"
-        return [(label, names, list(range(len(prompt_ids))))]
 
 
 def mean_logprob(values: list[np.ndarray]) -> np.ndarray:

@@ -80,6 +80,11 @@ def end_of_turn_ids(tok, data: DataConfig) -> list[int]:
     return [ids[0]] if ids and ids[0] in special else []
 
 
+def turn_end_id(tok, data: DataConfig) -> int | None:
+    """The one token that closes a turn: the template's end-of-turn, else EOS (None: neither)."""
+    return (end_of_turn_ids(tok, data) or [tok.eos_token_id])[0]
+
+
 def stop_token_ids(tok, data: DataConfig) -> list[int]:
     """Where a response ends: the tokenizer's EOS and the template's end-of-turn token."""
     ids = set(end_of_turn_ids(tok, data))

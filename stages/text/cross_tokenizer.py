@@ -35,7 +35,7 @@ import numpy as np
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.losses import LOGP_FLOOR, NO_ENTRY_ID, UNMATCHED_ID
 from gndpo.stages.text.align import Alignment, align_spans, token_offsets
-from gndpo.stages.text.chat import end_of_turn_ids, stop_token_ids, tool_turn_ids
+from gndpo.stages.text.chat import stop_token_ids, tool_turn_ids, turn_end_id
 from gndpo.stages.text.vocabulary import VocabularyMatch, match_vocabularies
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.models.vision import image_inputs
@@ -79,7 +79,7 @@ class CrossTokenizerTeacher:
         if end_text:
             self.teacher_end = list(self.teacher_tok(end_text, add_special_tokens=False)["input_ids"])
         else:
-            end = (end_of_turn_ids(self.teacher_tok, prompts.data) or [self.teacher_tok.eos_token_id])[0]
+            end = turn_end_id(self.teacher_tok, prompts.data)
             self.teacher_end = [end] if end is not None else []
 
     @cached_property
@@ -117,8 +117,9 @@ class CrossTokenizerTeacher:
         edges = [0, *np.flatnonzero(np.diff(tool.astype(np.int8))) + 1, len(ids)]
         runs = [range(a, b) for a, b in zip(edges, edges[1:]) if b > a]
         # A tool turn cut to nothing by the response budget leaves a result without a run: the last one.
-        if sum(tool[r.start] for r in runs) > len(tool_results):
-            raise GndpoError(f"a response has {sum(tool[r.start] for r in runs)} tool turns but {len(tool_results)} tool results")
+        tool_turns = sum(tool[r.start] for r in runs)
+        if tool_turns > len(tool_results):
+            raise GndpoError(f"a response has {tool_turns} tool turns but {len(tool_results)} tool results")
         answers = iter(tool_results)
         out = []
         for k, run in enumerate(runs):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gndpo.stages.text.chat import end_of_turn_ids, render_prompt, stop_token_ids
+from gndpo.stages.text.chat import render_prompt, stop_token_ids, turn_end_id
 
 
 class TeacherGuide:
@@ -25,7 +25,7 @@ class TeacherGuide:
         self.max_tokens, self.temperature = max_tokens, temperature
         self.student_stops = stop_token_ids(student_tok, data)
         self.teacher_stops = stop_token_ids(teacher_tok, data) if teacher_tok is not None else self.student_stops
-        self.student_end = (end_of_turn_ids(student_tok, data) or [student_tok.eos_token_id])[0]
+        self.student_end = turn_end_id(student_tok, data)
 
     def prefix(self, row: dict, student_prompt: list[int], seed: int) -> tuple[list[int], bool]:
         """(the prefix in the student's tokens, whether it ends the response) for prompt ``row``, which

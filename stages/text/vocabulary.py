@@ -69,17 +69,18 @@ def match_vocabularies(student_tok, teacher_tok, data, teacher_end_text: str = "
             first_student.setdefault(text, s)
     student_of = np.full(len(teacher_tok), -1, dtype=np.int64)
     taken: set[int] = set()
-    student_turn_end = end_of_turn_ids(student_tok, data) or [student_tok.eos_token_id]
+    student_turn_end = end_of_turn_ids(student_tok, data)  # one rendering of the chat template, used twice
+    student_end = (student_turn_end or [student_tok.eos_token_id])[0]
     text_end = teacher_tok(teacher_end_text, add_special_tokens=False)["input_ids"][:1] if teacher_end_text else []
-    if text_end and student_turn_end[0] is not None:
-        student_of[text_end[0]] = student_turn_end[0]
-        taken.add(student_turn_end[0])
+    if text_end and student_end is not None:
+        student_of[text_end[0]] = student_end
+        taken.add(student_end)
     for t, text in enumerate(token_texts(teacher_tok)):
         s = first_student.get(text) if text is not None else None
         if s is not None and s not in taken and student_of[t] < 0:
             student_of[t] = s
             taken.add(s)
-    for ends in ((end_of_turn_ids(teacher_tok, data), end_of_turn_ids(student_tok, data)),
+    for ends in ((end_of_turn_ids(teacher_tok, data), student_turn_end),
                  ([teacher_tok.eos_token_id], [student_tok.eos_token_id])):
         t, s = (ids[0] if ids and ids[0] is not None else None for ids in ends)
         if t is not None and s is not None and student_of[t] < 0 and s not in taken:

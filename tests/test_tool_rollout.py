@@ -29,7 +29,7 @@ def tool_assets(cache_dir):
     from gndpo.pipeline.toys.tool_task import ToolToySpec, ensure_tool_toy_assets
 
     spec = ToolToySpec(
-        n_train_prompts=64, n_heldout=12, student_tool_share=0.5, student_steps=60, teacher_target=0.5,
+        n_train_prompts=64, n_heldout=12, teacher_target=0.5, student_tool_share=0.5, student_call_share=0.6, student_max_steps=60,
         model=ModelSpec(layers=2, hidden=64, heads=2, max_steps=120, lr=3e-3, batch=64),
     )
     return ensure_tool_toy_assets(spec, log=lambda *_: None)

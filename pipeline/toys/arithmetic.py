@@ -167,8 +167,9 @@ def _encode_batch(tok, rows: list[dict]):
 def train_supervised(model, spec: ModelSpec, seed: int, next_batch, validate, milestones: list, on_milestone, log=info) -> int:
     """Next-token training with AdamW at a constant LR after warm-up, on the masked tokens of
     ``next_batch(rng) -> (ids, mask)``, or with a vision toy ``(ids, mask, image tensors)`` (freshly sampled, never held-out problems). ``milestones`` is a
-    list of (name, target, step cap): each is reached the first time ``validate()`` (checked every 10
-    steps) passes its target, or at its step cap, and ``on_milestone(name, step, accuracy)`` is called
+    list of (name, target, step cap): each is reached the first time ``validate(name)`` (checked every
+    10 steps; each milestone may measure something else) passes its target, or at its step cap, and
+    ``on_milestone(name, step, accuracy)`` is called
     then. Training stops after the last one (or at ``spec.max_steps``, which reaches all remaining).
     Returns the number of steps taken.
 
@@ -197,7 +198,7 @@ def train_supervised(model, spec: ModelSpec, seed: int, next_batch, validate, mi
         opt.step()
         model.eval()
         if step % 10 == 0:
-            acc = validate()
+            acc = validate(pending[0][0])
             if step % 200 == 0:
                 log(f"  step {step:5d}  loss {loss.item():.4f}  validation exact match {acc:.3f}")
         while pending and (
@@ -206,6 +207,8 @@ def train_supervised(model, spec: ModelSpec, seed: int, next_batch, validate, mi
             name = pending.pop(0)[0]
             log(f"  step {step:5d}: {name} checkpoint (validation exact match {acc:.3f})")
             on_milestone(name, step, acc)
+            if pending and step % 10 == 0:
+                acc = validate(pending[0][0])  # the next milestone may measure something else
         if not pending:
             break
     return step
@@ -306,7 +309,7 @@ def train_toy_models(spec: ToySpec, tok, milestones: list, heldout: list[dict], 
     def next_batch(rng):
         return _encode_batch(tok, toy_rows(sample_pairs(rng, m.batch, spec.digits, spec.seed, heldout=False), spec.digits))
 
-    train_supervised(model, m, spec.seed, next_batch, lambda: greedy_accuracy(model, tok, validation), milestones, save, log=log)
+    train_supervised(model, m, spec.seed, next_batch, lambda _milestone: greedy_accuracy(model, tok, validation), milestones, save, log=log)
     info["parameters"] = sum(p.numel() for p in model.parameters())
     return info
 

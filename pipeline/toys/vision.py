@@ -270,7 +270,7 @@ def build_vision_toy(spec: VisionToySpec, out: Path, log=info) -> dict:
     log(f"building the vision toy: {spec.shapes.layers} layers x {spec.shapes.hidden} wide, at most {spec.training.max_steps} steps")
     milestones = [("student", spec.student_target, spec.training.max_steps), ("teacher", spec.teacher_target, spec.training.max_steps)]
     torch.manual_seed(spec.seed)
-    train_supervised(model, spec.training, spec.seed, next_batch, lambda: charts["validation"].greedy_accuracy(model), milestones, save, log=log)
+    train_supervised(model, spec.training, spec.seed, next_batch, lambda _milestone: charts["validation"].greedy_accuracy(model), milestones, save, log=log)
     info["parameters"] = sum(p.numel() for p in model.parameters())
     (out / "info.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return info

@@ -45,7 +45,7 @@ class NormalizeJob:
         rollout_files = rollout_shards(self.run.records(self.round, "rollout").require_manifest())
         # DuckDB reads the files directly; check them against their commit records first.
         verify_shards(fs, score_files + rollout_files)
-        con = connect(fs)
+        con = connect(fs, threads=1)  # statistics with the same bits on every rerun
         all_rollouts = rollouts = parquet_source(fs, rollout_files)
         scores = parquet_source(fs, score_files)
         if self.cfg.rollout.truncated == "drop":

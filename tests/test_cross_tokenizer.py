@@ -234,8 +234,12 @@ def test_several_teachers_each_with_its_own_tokenizer(crossed_topk, rolled_out, 
     for rid, s in routed.items():
         assert s["teacher"] == prompts[rollouts[rid]["prompt_id"]]
         want = alone[s["teacher"]][rid]
-        for column in ("teacher_logprobs", "aligned", "teacher_topk_ids", "teacher_topk_logprobs", "teacher_rest_logprob"):
+        for column in ("aligned", "teacher_topk_ids"):
             assert s[column] == want[column], column
+        # Routed, a teacher scores a subset of the rows in batches of other shapes, and the matrix
+        # kernels may round the last bit otherwise (1 ulp on an AMD EPYC with AVX-512).
+        for column in ("teacher_logprobs", "teacher_topk_logprobs", "teacher_rest_logprob"):
+            np.testing.assert_allclose(np.asarray(s[column], np.float64), np.asarray(want[column], np.float64), rtol=0, atol=1e-5, err_msg=column)
     assert open_run(str(tmp_path / "route")).records(0, "train").manifest() is not None
     mixed = scored_fork(rolled_out, tmp_path / "mean", teachers, "score.teacher_mix=mean", stages=("score", "normalize", "train"))
     for rid, s in mixed.items():

@@ -62,13 +62,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="engine.gpu_memory_utilization (default: the config's default, 0.85)")
     ap.add_argument("--zero-stage", type=int, default=2, help="train.zero_stage (default: %(default)s)")
     ap.add_argument("--dtype", default="auto", help="model.dtype and engine.dtype (default: auto = bf16 on a bf16 GPU)")
-    for key in FULL:
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
-                        help=f"model shape (default: {FULL[key]}; with --dry-init {SMALL[key]})")
+    add_shape_args(ap)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override, repeatable")
     ap.add_argument("--dry-init", action="store_true",
                     help="no GPU needed: small shapes unless given, write the config, run `gndpo init` and stop")
     return ap.parse_args(argv)
+
+
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The model-shape options (``--hidden``, ``--layers``, ...), each defaulting to :data:`FULL`'s value."""
+    for key in FULL:
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                        help=f"model shape (default: {FULL[key]}; with --dry-init {SMALL[key]})")
 
 
 def shapes(args):

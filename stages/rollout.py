@@ -26,9 +26,10 @@ from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.run.seeds import derived_seed
 from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, conversation_metrics, run_conversations
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
-from gndpo.stages.models.device import local_device
+from gndpo.stages.models.device import DTYPES, local_device
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, unsampleable
+from gndpo.stages.models.vllm_engine import engine_dtype
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
 from gndpo.stages.text.guide import TeacherGuide
@@ -87,6 +88,8 @@ class RolloutJob:
         exported = self.run.policy_dir(self.round)
         self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed, images=self.run.images_per_prompt(),
                                             exported=exported and self.run.fs.uri(exported))
+        # Recorded for score, whose student_logprobs auto trusts the sampler's log-probs from fp32 engines only.
+        self.engine_bits = DTYPES[engine_dtype(self.cfg.engine)].itemsize * 8
         self.rewards = run_rewards(self.cfg)
         self.stop_ids = stop_token_ids(self.tok, self.cfg.data)
         self.banned = unsampleable(policy)  # a VLM's image placeholders
@@ -151,7 +154,7 @@ class RolloutJob:
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
         return [record], {
             "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows), "reward_sum": sum(r["reward"] for r in rows),
-            **conversation_counts(rows), **(self.live.probe or {}),
+            **conversation_counts(rows), **(self.live.probe or {}), "engine_dtype_bits": self.engine_bits,
         }
 
     def row(self, c: Conversation, prompt_text: str, sample_idx: int) -> dict:
@@ -211,7 +214,10 @@ class RolloutJob:
             **conversation_metrics(gen, responses),
         }
         metrics["tokens_per_s"] = metrics["tokens"] / max(sum(c["seconds"] for c in gen), 1e-9)
-        # The engine probe (gndpo.stages.models.probe): the worst gap of any worker's engine this round.
+        # The engine probe (gndpo.stages.models.probe): the worst gap of any worker's engine this round;
+        # the engine's precision: the least precise of any worker's.
+        if any("engine_dtype_bits" in c for c in gen):
+            metrics["engine_dtype_bits"] = min(c["engine_dtype_bits"] for c in gen if "engine_dtype_bits" in c)
         for key in ("engine_probe_gap_max", "engine_probe_gap_mean", "engine_reloaded", "engine_restarted"):
             if any(key in c for c in gen):
                 metrics[key] = max(c.get(key, 0) for c in gen)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from gndpo.pipeline.config.checks import engine_logprob_blockers
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.observe.logs import info
@@ -65,13 +66,25 @@ class ScoreJob:
         # A run whose prompts show pictures: the student's image tensors, and the pictures by prompt.
         self.images = BatchImages.of_run(self.run, self.cfg.student)
         self.live.release_engine()
-        # score.student_logprobs engine: the rollout engine's log-probs stand in for the student's forward.
-        student = self.live.causal_lm(policy, self.cfg.model, device, fixed=False) if self.cfg.score.student_logprobs == "recompute" else None
+        # The rollout engine's log-probs may stand in for the student's forward (score.student_logprobs).
+        self.from_engine = self.student_from_engine()
+        student = None if self.from_engine else self.live.causal_lm(policy, self.cfg.model, device, fixed=False)
         # At most the smallest teacher vocabulary (teachers of other tokenizers differ): the HF backend's
         # torch.topk and vLLM both stop there, and a shard's top-k has one width.
         smallest = min(vocabulary_size(p) for p in teachers.values())
         self.topk = min(self.cfg.score.teacher_topk, smallest) if TOPK in score_needs(self.cfg.method) else 0
         self.teacher = self._teacher_backend(policy, teachers, student, device)
+
+    def student_from_engine(self) -> bool:
+        """Whether the student's column is the rollout engine's sampler log-probs: score.student_logprobs
+        engine, or auto where every rollout worker's engine sampled in fp32 (engine and trainer agree to
+        about 1e-6 there), nothing rules the sampler's numbers out (init refused those cases for engine),
+        and no student metric needs the forward anyway (logging.entropy_metrics: the student's entropy)."""
+        mode = self.cfg.score.student_logprobs
+        if mode != "auto":
+            return mode == "engine"
+        bits = self.run.records(self.round, "rollout").require_manifest()["metrics"].get("engine_dtype_bits")
+        return bits == 32 and not engine_logprob_blockers(self.cfg) and not self.cfg.logging.entropy_metrics
 
     def _teacher_backend(self, policy: str, teachers: dict[str, str], student, device):
         """The backend the config names (score.cross_tokenizer, score.backend), on the student's forward."""
@@ -156,7 +169,7 @@ class ScoreJob:
         rows = UnitRows.read(self.run.fs, unit["rollout_files"])
         scored = self.teacher.score(rows, self.topk)
         refuse_non_finite(scored.per_token, rows, self.round)
-        table, counts = score_shard(rows, scored, self.cfg)
+        table, counts = score_shard(rows, scored, self.cfg, self.from_engine)
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
         return [record], counts
 
@@ -164,6 +177,8 @@ class ScoreJob:
         total = lambda key: sum(c.get(key, 0.0) for c in commits)  # noqa: E731
         seconds, student_tokens = total("seconds"), total("student_tokens")
         metrics = {"tokens": total("tokens"), "seconds": seconds, "tokens_per_s": total("tokens") / max(seconds, 1e-9)}
+        # 1: the student's column is the rollout engine's sampler log-probs (score.student_logprobs).
+        metrics["student_logprobs_from_engine"] = int(max((c.get("student_from_engine", 0) for c in commits), default=0))
         # Named after verl's actor/entropy and training/rollout_probs_diff_{max,mean} (in log-probs here).
         if all("student_entropy_sum" in c for c in commits):
             metrics["student_entropy_mean"] = total("student_entropy_sum") / max(student_tokens, 1)

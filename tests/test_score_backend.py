@@ -68,6 +68,35 @@ def test_engine_student_logprobs_are_the_samplers_and_skip_the_students_forward(
         np.testing.assert_allclose(row["student_logprobs"], recomputed[key]["student_logprobs"], atol=1e-4)
 
 
+def auto_choice(run_dir, monkeypatch, entropy_metrics: bool, engine_bits: int | None = None, **rollout) -> bool:
+    """What score.student_logprobs auto chooses for round 0 of ``run_dir`` (True: the engine's log-probs),
+    with ``logging.entropy_metrics``, ``rollout`` settings and, if given, the engine precision the
+    rollout manifest records replaced."""
+    run = open_run(str(run_dir))
+    cfg = run.cfg
+    run.cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, student_logprobs="auto"),
+                                  logging=dataclasses.replace(cfg.logging, entropy_metrics=entropy_metrics),
+                                  rollout=dataclasses.replace(cfg.rollout, **rollout))
+    if engine_bits is not None:
+        records = run.records(0, "rollout")
+        manifest = records.require_manifest()
+        manifest["metrics"]["engine_dtype_bits"] = engine_bits
+        monkeypatch.setattr(records, "require_manifest", lambda: manifest)
+        monkeypatch.setattr(run, "records", lambda round_idx, stage: records)
+    return ScoreJob(run, 0).student_from_engine()
+
+
+def test_auto_takes_the_engines_logprobs_only_where_they_are_the_fp32_students(backends_run, monkeypatch):
+    """score.student_logprobs auto: the engine's log-probs where the rollout engine sampled in fp32 and
+    nothing needs the student's forward; the forward where the engine ran in 16 bits, the student's
+    entropy metric is on, or the sampler's numbers are not the student's (a temperature other than 1)."""
+    assert open_run(str(backends_run)).records(0, "rollout").require_manifest()["metrics"]["engine_dtype_bits"] == 32
+    assert auto_choice(backends_run, monkeypatch, entropy_metrics=False) is True
+    assert auto_choice(backends_run, monkeypatch, entropy_metrics=True) is False
+    assert auto_choice(backends_run, monkeypatch, entropy_metrics=False, temperature=0.7) is False
+    assert auto_choice(backends_run, monkeypatch, entropy_metrics=False, engine_bits=16) is False
+
+
 def test_teacher_logprobs_agree_within_1e_4(scored):
     hf, engine = scored
     assert hf.keys() == engine.keys() and len(hf) == 32

@@ -49,12 +49,10 @@ def check_other_vocabulary(cfg) -> None:
                          "tokens without a student twin join its rest bucket)")
 
 
-def check_student_logprobs(cfg) -> None:
-    """A GndpoError (one line) when ``score.student_logprobs: engine`` cannot stand in for the student's
-    forward: the sampler's log-probs are of the temperature-1 distribution, exist only for tokens the
-    student sampled, and are not the student's whole distribution."""
-    if cfg.score.student_logprobs != "engine":
-        return
+def engine_logprob_blockers(cfg) -> list[str]:
+    """Why the rollout engine's sampler log-probs cannot stand in for the student's forward in score
+    (empty: they can): they are the temperature-1 distribution's, exist only for tokens the student
+    sampled, and are not the student's whole distribution."""
     rc = cfg.rollout
     reasons = [
         (rc.temperature != 1.0, f"rollout.temperature {rc.temperature} (vLLM returns the temperature-1 distribution's log-probs)"),
@@ -62,6 +60,12 @@ def check_student_logprobs(cfg) -> None:
         (rc.guided_fraction > 0, "rollout.guided_fraction (a guided prefix is not sampled by the student)"),
         (bool(score_needs(cfg.method) & {STUDENT_ENTROPY, TOKEN_KL}), f"method {cfg.method.name} (it reads the student's distribution)"),
     ]
-    for clash, why in reasons:
-        if clash:
-            raise GndpoError(f"score.student_logprobs engine cannot be used with {why}: use score.student_logprobs recompute")
+    return [why for clash, why in reasons if clash]
+
+
+def check_student_logprobs(cfg) -> None:
+    """A GndpoError (one line) when ``score.student_logprobs: engine`` cannot stand in for the student's
+    forward (:func:`engine_logprob_blockers`); ``auto`` falls back to the forward there instead."""
+    blockers = engine_logprob_blockers(cfg) if cfg.score.student_logprobs == "engine" else []
+    if blockers:
+        raise GndpoError(f"score.student_logprobs engine cannot be used with {blockers[0]}: use score.student_logprobs recompute or auto")

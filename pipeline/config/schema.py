@@ -311,14 +311,16 @@ class ScoreConfig:
     backend: Literal["hf", "vllm"] = "hf"
     # Where the student's log-prob of each sampled token comes from: recompute (a forward of the student,
     # the same function train differentiates, so a round's first importance ratio is 1 up to float
-    # rounding) or engine (the rollout engine's sampler log-probs: no student forward in score, and with
-    # score.backend vllm no student module at all). engine needs rollout.temperature 1 (vLLM returns the
-    # raw distribution's log-probs), student-sampled responses (no tools, no guided prefixes) and a
-    # method that does not read the student's distribution in score (entropies, the full KL); the
-    # round's student entropy metric is then not computed. Engine and trainer agree to about 1e-6 per
-    # token in fp32 (rollout_logprob_diff on the demo: mean 1.1e-6, max 5.7e-5); in bf16 they can differ
-    # by far more, so recompute stays the default.
-    student_logprobs: Literal["recompute", "engine"] = "recompute"
+    # rounding), engine (the rollout engine's sampler log-probs: no student forward in score, and with
+    # score.backend vllm no student module at all) or auto (engine where the round's rollout engine
+    # sampled in fp32, nothing below rules it out and logging.entropy_metrics is off, since the student's
+    # entropy needs its forward anyway; recompute otherwise). engine needs
+    # rollout.temperature 1 (vLLM returns the raw distribution's log-probs), student-sampled responses
+    # (no tools, no guided prefixes) and a method that does not read the student's distribution in score
+    # (entropies, the full KL); the round's student entropy metric is then not computed. Engine and
+    # trainer agree to about 1e-6 per token in fp32 (rollout_logprob_diff on the demo: mean 1.1e-6, max
+    # 5.7e-5); in bf16 they can differ by far more (slime's and verl's users report it), hence auto.
+    student_logprobs: Literal["auto", "recompute", "engine"] = "auto"
     # Several teachers (``teachers``): route (each prompt to the teacher its prompt-file column names)
     # or mean (every token scored by all of them: log of the mean probability, over the vocabulary).
     teacher_mix: Literal["route", "mean"] = "route"

@@ -31,14 +31,14 @@ def refuse_non_finite(per_token: dict[str, np.ndarray], rows: UnitRows, round_id
             raise GndpoError(f"non-finite {name} for rollout {rid} in round {round_idx}; refusing to score")
 
 
-def score_shard(rows: UnitRows, scored: Scored, cfg) -> tuple[pa.Table, dict]:
-    """(the unit's score table, its commit counts: the metric sums and the token counts)."""
+def score_shard(rows: UnitRows, scored: Scored, cfg, student_from_engine: bool = False) -> tuple[pa.Table, dict]:
+    """(the unit's score table, its commit counts: the metric sums and the token counts);
+    ``student_from_engine``: the student's log-probs are the rollout engine's (score.student_logprobs)."""
     per_token, aligned = dict(scored.per_token), scored.aligned
     student_mask, _ = flat_values(rows.table.column("loss_mask"))
     # vLLM's sampler log-probs are of the raw distribution: comparable with ours at temperature 1 only
-    # (and no comparison at all where they are the student's log-probs, score.student_logprobs engine).
-    recomputed = rows.temperature == 1.0 and cfg.score.student_logprobs == "recompute"
-    sampler = rows.sampler_logprobs if recomputed else None
+    # (and no comparison at all where they are the student's log-probs).
+    sampler = rows.sampler_logprobs if rows.temperature == 1.0 and not student_from_engine else None
     counts = token_metric_sums(per_token, sampler, student_mask > 0)
     per_token = stored_columns(per_token, score_needs(cfg.method), cfg.score.dtype)
     c = clamped_score(per_token["teacher_logprobs"], per_token["student_logprobs"], cfg.method.clamp)
@@ -50,6 +50,7 @@ def score_shard(rows: UnitRows, scored: Scored, cfg) -> tuple[pa.Table, dict]:
     partial = [score_partial_sums(c[offsets[i] : offsets[i + 1]], mask[offsets[i] : offsets[i + 1]].astype(np.float64)) for i in range(rows.n)]
     table = score_table(rows, per_token, scored.labels, partial, cfg.score.teacher_topk)
     counts["tokens"] = int(sum(p["n_valid"] for p in partial))
+    counts["student_from_engine"] = int(student_from_engine)
     if aligned is not None:
         # Among the tokens the student sampled: tool turns are masked out, not unaligned.
         counts["unaligned_tokens"] = int(((aligned == 0) & (student_mask > 0)).sum())

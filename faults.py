@@ -3,7 +3,8 @@ the (``GNDPO_CRASH_AFTER`` + 1)-th time execution passes that point. Nothing hap
 
 Points: ``rollout.generate`` (a unit's generation has started), ``storage.write`` (half of a data file
 is on disk), ``units.before_commit`` (a unit's files are written, its commit record is not),
-``train.step`` (an optimizer step of train has finished). ``GNDPO_PAUSE_AT=<point>`` stops the process
+``train.step`` (an optimizer step of train has finished), ``train.state_write`` (a deferred optimizer
+state's files are written, its record is not). ``GNDPO_PAUSE_AT=<point>`` stops the process
 there instead (SIGSTOP), which is how the tests make a worker miss its heartbeats.
 """
 

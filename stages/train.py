@@ -48,7 +48,7 @@ from gndpo.stages.models.logprobs import logits_chunk, make_batch, policy_token_
 from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.text.vocabulary import match_vocabularies
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
-from gndpo.stages.training.checkpoint import (Start, carried_state, carry_state, last_carried_state, load_state, newest_checkpoint,
+from gndpo.stages.training.checkpoint import (DeferredState, Start, carried_state, carry_state, last_carried_state, load_state, newest_checkpoint,
                                              save_checkpoint, start_update)
 from gndpo.stages.training.deepspeed_engine import init_distributed, isolate_extension_builds, quiet_deepspeed_import
 from gndpo.stages.training.ema import EmaWeights
@@ -382,10 +382,11 @@ class TrainJob:
         return out
 
     def state_was_not_written(self) -> bool:
-        """Whether the previous round kept its optimizer state in memory only (train.state_every) and no
-        attempt of this round left a checkpoint to resume from: the state must then be replayed."""
+        """Whether the previous round left no optimizer state to load (kept in memory only,
+        train.state_every, or its deferred write never finished, train.state_async) and no attempt of
+        this round left a checkpoint to resume from: the state must then be replayed."""
         tc = self.cfg.train
-        if self.round == 0 or not tc.carry_optimizer_state or tc.state_every == 1:
+        if self.round == 0 or not tc.carry_optimizer_state:
             return False
         return carried_state(self.run, self.round - 1) is None and newest_checkpoint(self.run, self.round, self.dist) is None
 
@@ -471,15 +472,21 @@ class TrainJob:
             if update.ema is not None and dist.main:  # the next round's EMA teacher
                 files += export_ema(update.ema, update.engine.module, update.policy, self.run.fs, out_dir)
                 summary["ema_dir"] = f"{out_dir}/ema"
+        pending = None
         if tc.carry_optimizer_state:
-            if (self.round + 1) % tc.state_every == 0:
+            # Not due: kept in memory only, and a train that starts without it replays.
+            due = (self.round + 1) % tc.state_every == 0
+            if due and tc.state_async and self.live.keeps_trainer(dist.world):
+                pending = DeferredState(update.engine, self.run.fs, out_dir, self.log)
+                summary["optimizer_state"] = {"pending": pending.record}
+            elif due:
                 with phase("state"):
                     state = carry_state(update.engine, self.run.fs, out_dir, dist)
                 if dist.main:
                     files += state["files"]
                     summary["optimizer_state"] = state
             # Without the carry the next round starts a fresh optimizer, so the engine is not kept.
-            self.live.trained(update.engine, self.cfg, dist.world, self.run.fs.uri(summary["model_dir"]))
+            self.live.trained(update.engine, self.cfg, dist.world, self.run.fs.uri(summary["model_dir"]), pending)
         return files, summary
 
     def summarize(self, commits):

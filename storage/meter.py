@@ -9,6 +9,7 @@ unit's time is ``compute``. A worker computes one unit at a time, so one clock p
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ class PhaseClock:
         self.seconds: dict[str, float] = defaultdict(float)
         self.bytes: dict[str, int] = defaultdict(int)
         self.current = COMPUTE
+        self.thread = threading.get_ident()  # the unit's own thread: a write on another one is not the unit's
         self._started = time.perf_counter()
 
     def charge_write(self, nbytes: int, seconds: float) -> None:
@@ -75,6 +77,8 @@ def phase(name: str):
 
 
 def charge_write(nbytes: int, seconds: float) -> None:
-    """Record a data file written to the run folder (called by the storage layer's writer)."""
-    if _clock is not None:
-        _clock.charge_write(nbytes, seconds)
+    """Record a data file written to the run folder (called by the storage layer's writer). Files a
+    background thread writes (an earlier round's deferred optimizer state) are not the running unit's."""
+    clock = _clock
+    if clock is not None and clock.thread == threading.get_ident():
+        clock.charge_write(nbytes, seconds)

@@ -173,6 +173,17 @@ def manifest_files(manifest: dict) -> list[dict]:
     return [f for unit in manifest["units"] for f in unit["files"]]
 
 
+def train_optimizer_state(fs, commit: dict) -> dict | None:
+    """A train commit's carried optimizer state ({world, files, ...}): the one its commit lists, or the
+    record it names as written after it (``{"pending": path}``, train.state_async); None where it has
+    none, or the named record never appeared (the writing process died first). ``fs``: the storage
+    the commit's paths are relative to."""
+    state = commit.get("optimizer_state")
+    if state and "pending" in state:
+        state = fs.read_json_or_none(state["pending"])
+    return state if state and "files" in state else None
+
+
 # The rollout stage's extra unit that measures held-out accuracy; its file is not a rollout shard.
 EVAL_UNIT = "eval-heldout"
 

@@ -8,12 +8,15 @@ train starts without the state and rebuilds it by replaying rounds 0 and 1 from 
 Both must commit the same rows and the same weights, byte for byte.
 """
 
+import hashlib
+import json
+
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import committed_rows, gndpo, invoke_ok, tiny_config_dict, write_config
+from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 ROUNDS = 3
@@ -49,14 +52,20 @@ def train_commit(run, round_idx: int) -> dict:
 
 
 def test_only_every_third_round_writes_the_optimizer_state(runs):
+    """Rounds 0 and 1 write no state; round 2 writes it after its commit (train.state_async, as `gndpo
+    run` keeps the engine): the commit names the record, which lists the files by sha256."""
     whole, resumed, _ = runs
     for run in (whole, resumed):
         for round_idx in range(ROUNDS):
             commit = train_commit(run, round_idx)
-            state_files = [f for f in commit["files"] if "/optimizer/" in f["path"]]
-            assert bool(state_files) == (round_idx == 2), (run.name, round_idx)
-            if round_idx < 2:  # what such a round writes is its export: no more than the policy's bytes
-                assert commit["bytes"] == sum(f["bytes"] for f in commit["files"] if "/model/" in f["path"])
+            # What a round commits is its export: no more than the policy's bytes; the state comes later.
+            assert not [f for f in commit["files"] if "/optimizer/" in f["path"]]
+            assert commit["bytes"] == sum(f["bytes"] for f in commit["files"] if "/model/" in f["path"])
+            assert ("optimizer_state" in commit) == (round_idx == 2), (run.name, round_idx)
+        record = json.loads((run / train_commit(run, 2)["optimizer_state"]["pending"]).read_text())
+        assert record["world"] == 1 and record["bytes"] == sum(f["bytes"] for f in record["files"]) > 0
+        for f in record["files"]:
+            assert "/optimizer/" in f["path"] and hashlib.sha256((run / f["path"]).read_bytes()).hexdigest() == f["sha256"]
 
 
 def test_a_replayed_state_gives_the_rows_and_weights_of_the_uninterrupted_run(runs):
@@ -70,5 +79,26 @@ def test_a_replayed_state_gives_the_rows_and_weights_of_the_uninterrupted_run(ru
             assert committed_rows(resumed, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
         got, want = weights(resumed, round_idx), weights(whole, round_idx)
         assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")
+
+
+def test_a_crash_before_a_deferred_state_is_recorded_costs_a_replay_not_a_wrong_state(runs, tmp_path, tiny_assets):
+    """train.state_every 1 with train.state_async: the process is killed while round 0's state is
+    being written behind round 1's rollout (its files written, its record not). The state does not
+    exist; the rerun's round-1 train replays round 0 and both rounds end on the uninterrupted run's
+    rows and weights, byte for byte."""
+    whole = runs[0]
+    run = tmp_path / "run"
+    config = write_config(tmp_path, tiny_config_dict(tiny_assets, train={"state_every": 1}, rollout={"eval_heldout": False}))
+    invoke_ok("init", run, "--config", config)
+    assert gndpo_killed("run", run, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.state_write"}, log=tmp_path / "crash.log") == -9
+    assert train_commit(run, 0)["optimizer_state"]["pending"] and not (run / train_commit(run, 0)["optimizer_state"]["pending"]).exists()
+    log = gndpo("run", run, "--rounds", 2).stderr
+    assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
+    for round_idx in range(2):
+        for stage in ("rollout", "score"):
+            assert committed_rows(run, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
+        got, want = weights(run, round_idx), weights(whole, round_idx)
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")

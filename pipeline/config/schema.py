@@ -363,6 +363,11 @@ class TrainConfig:
     # stages since the last written state from their committed rows, deterministically, and checks
     # that the replay ends on the previous round's exported weights, byte for byte.
     state_every: Count = 1
+    # Where the process keeps its one-rank DeepSpeed engine for the next round (`gndpo run`), write that
+    # state on a thread while the next round rolls out, scores and normalizes, instead of before the
+    # round commits; the next update waits for it before its first step. Until the write's record
+    # exists the state does not, so a crash meanwhile costs a replay (as above), never a wrong state.
+    state_async: bool = True
     checkpoint_every: NonNegativeInt = 8  # optimizer steps between in-round checkpoints a retry resumes from (0 = none)
     num_processes: NonNegativeInt = 0  # train ranks on this node; 0 = one per visible GPU (1 on CPU)
     seed: NonNegativeInt = 0

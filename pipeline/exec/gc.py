@@ -22,7 +22,7 @@ import time
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.metrics import committed_rounds
 from gndpo.pipeline.exec.units import lease_state
-from gndpo.storage.records import STAGES
+from gndpo.storage.records import STAGES, train_optimizer_state
 
 
 def collect_garbage(run, dry_run: bool = False) -> list[str]:
@@ -73,13 +73,15 @@ def prune_rounds(run, keep: int, dry_run: bool = False) -> list[dict]:
         if run.inherits(r, "train"):  # a fork never removes its parent's files
             continue
         commit = rec.done("update")
-        folders = exported_folders(commit)
+        state = train_optimizer_state(run.fs, commit)
+        folders = exported_folders(commit, state)
         marked = rec.pruned() is not None
         if marked:
             folders = [f for f in folders if run.fs.exists(f)]
             if not folders:
                 continue
-        size = sum(f["bytes"] for f in commit["files"] if any(f["path"].startswith(d + "/") for d in folders))
+        files = commit["files"] + [f for f in (state or {}).get("files", []) if f not in commit["files"]]
+        size = sum(f["bytes"] for f in files if any(f["path"].startswith(d + "/") for d in folders))
         pruned.append({"round": r, "folders": folders, "bytes": size})
         if not dry_run:
             if not marked:
@@ -89,9 +91,10 @@ def prune_rounds(run, keep: int, dry_run: bool = False) -> list[dict]:
     return pruned
 
 
-def exported_folders(commit: dict) -> list[str]:
-    """The run-relative folders a train commit exported: the model, its EMA, the optimizer state."""
+def exported_folders(commit: dict, state: dict | None) -> list[str]:
+    """The run-relative folders a train commit exported: the model, its EMA, the optimizer ``state``
+    (:func:`train_optimizer_state`; a deferred one's record with it, so that no record outlives its files)."""
     folders = [commit["model_dir"], *([commit["ema_dir"]] if commit.get("ema_dir") else [])]
-    state = commit.get("optimizer_state") or {}
-    folders += sorted({f["path"].rsplit("/", 1)[0] for f in state.get("files", [])})
-    return folders
+    folders += sorted({f["path"].rsplit("/", 1)[0] for f in (state or {}).get("files", [])})
+    pending = (commit.get("optimizer_state") or {}).get("pending")
+    return folders + ([pending] if state is not None and pending else [])

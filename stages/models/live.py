@@ -61,6 +61,14 @@ class _Trainer:
     key: tuple
     exported_to: str | None = None  # the model folder (run-relative) of the update this engine finished
     partitioned: bool = False  # ZeRO-3: the module holds this rank's partitions, not the weights
+    pending: object | None = None  # its optimizer state still being written (wait()), train.state_async
+
+    def settled(self) -> "_Trainer":
+        """This trainer once its pending state write has finished: before its engine changes or goes."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        return self
 
 
 @dataclass
@@ -184,7 +192,7 @@ class LiveModels:
         doomed = [live]
         if live.in_process:
             doomed += [e for e in (self._engine, self._teacher_engine) if e is not None and e is not live and e.in_process]
-            self._trainer = None
+            self.drop_trainer()
         for engine in doomed:
             shutdown_llm(engine.llm)
             if engine is self._engine:
@@ -244,7 +252,7 @@ class LiveModels:
         round 0). The kept engine is reused only if it is the one that exported exactly that folder, i.e.
         its weights and optimizer state are the committed end of the previous round of the same run."""
         key = (repr(cfg.train), repr(cfg.model), world)
-        live = self._trainer
+        live = self._trainer and self._trainer.settled()
         self._trainer = None  # an update that fails half-way must not leave a half-updated engine here
         if self.keep and world == 1 and live is not None and live.key == key and policy_dir is not None and live.exported_to == policy_dir:
             return live.engine, True
@@ -269,17 +277,30 @@ class LiveModels:
             return None
         return {name: tensor.detach() for name, tensor in live.engine.module.state_dict().items()}
 
-    def trained(self, engine, cfg, world: int, model_dir: str) -> None:
+    def keeps_trainer(self, world: int) -> bool:
+        """Whether :meth:`trained` keeps a ``world``-rank engine for the next round."""
+        return self.keep and world == 1
+
+    def trained(self, engine, cfg, world: int, model_dir: str, pending=None) -> None:
         """Record that ``engine`` finished an update and exported it to ``model_dir`` (a URL); kept for
-        the next round if this process keeps models (one rank only)."""
-        if self.keep and world == 1:
-            self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir, cfg.train.zero_stage == 3)
+        the next round if this process keeps models (one rank only). ``pending``: its optimizer state's
+        write in progress (an object with ``wait()``), waited for before the engine changes or goes."""
+        if self.keeps_trainer(world):
+            self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir, cfg.train.zero_stage == 3, pending)
+        elif pending is not None:
+            pending.wait()
+
+    def drop_trainer(self) -> None:
+        """Forget the kept DeepSpeed engine, once its pending state write (if any) has finished."""
+        if self._trainer is not None:
+            self._trainer.settled()
+        self._trainer = None
 
     def close(self) -> None:
+        self.drop_trainer()  # first: an in-process engine's shutdown destroys the groups the write may use
         while (live := self._engine or self._teacher_engine) is not None:
             self._shut_down(live)
         self._modules.clear()
-        self._trainer = None
 
 
 # Config entries that fix the shapes of a model's weights: equal ones load into a running engine.

@@ -19,13 +19,16 @@
 from __future__ import annotations
 
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gndpo.faults import crash_point
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.training.ema import EmaWeights
-from gndpo.storage.records import CHECKPOINTS
+from gndpo.storage.records import CHECKPOINTS, train_optimizer_state
 from gndpo.storage.shards import verified_bytes
 
 CHECKPOINT_TAG = "state"
@@ -142,9 +145,11 @@ def continue_optimizer(engine, run: Run, round_idx: int, world: int, log) -> boo
 
 
 def carried_state(run: Run, round_idx: int) -> dict | None:
-    """The optimizer state round ``round_idx``'s train carried ({world, files}), None if it wrote none."""
-    state = run.records(round_idx, "train").require_manifest()["units"][0].get("optimizer_state")
-    return state if state and "files" in state else None
+    """The optimizer state round ``round_idx``'s train carried ({world, files}): in its commit, or
+    written after it (``train.state_async``) and made visible by the record its commit names; None if
+    it wrote none, or that record never appeared (the process died while writing)."""
+    records = run.records(round_idx, "train")  # the parent's, for a forked run's first round
+    return train_optimizer_state(records.run, records.require_manifest()["units"][0])
 
 
 def last_carried_state(run: Run, round_idx: int) -> tuple[int, dict | None]:
@@ -162,3 +167,41 @@ def carry_state(engine, fs, out_dir: str, dist: Dist) -> dict | None:
     Returns its record ({world, files}) on rank 0, None elsewhere."""
     files = save_state(engine, fs, f"{out_dir}/optimizer", dist)
     return {"world": dist.world, "files": files} if dist.main else None
+
+
+class DeferredState:
+    """:func:`carry_state` on a thread, for a one-rank engine this process keeps for the next round
+    (``train.state_async``): the round commits without waiting, naming :attr:`record` as where its
+    state will be, and the write overlaps the next round's rollout, score and normalize, which leave
+    the engine's weights and optimizer as they are. The next update calls :meth:`wait` before its
+    first step changes them. The record is written last, so until it exists the state does not: a
+    process that dies first leaves none, and the next train replays from the last written state
+    (:func:`last_carried_state`), as after a ``train.state_every`` round."""
+
+    RECORD = "optimizer.json"
+
+    def __init__(self, engine, fs, out_dir: str, log):
+        self.record = f"{out_dir}/{self.RECORD}"
+        self._log = log
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._write, args=(engine, fs, out_dir), name="gndpo-state", daemon=True)
+        self._thread.start()
+
+    def _write(self, engine, fs, out_dir: str) -> None:
+        try:
+            t0 = time.perf_counter()
+            state = carry_state(engine, fs, out_dir, Dist())
+            written = sum(f["bytes"] for f in state["files"])
+            crash_point("train.state_write")
+            fs.create_json(self.record, {**state, "seconds": round(time.perf_counter() - t0, 3), "bytes": written})
+        except BaseException as exc:  # noqa: BLE001 - reported by wait(), on the thread that can act on it
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until the state and its record are written. A failed write is logged, not raised: the
+        round is committed, and a train that later needs the state replays without it."""
+        self._thread.join()
+        if self._error is not None:
+            self._log(f"train: writing the optimizer state to {self.record} failed ({self._error!r}); "
+                      "a restart will replay the rounds since the last written state")
+            self._error = None

@@ -314,6 +314,11 @@ class TrainJob:
         self.live = live or LiveModels()
         self.dist = dist or Dist.from_env()
 
+    @property
+    def base(self) -> str:
+        """The initial student: with model.lora, the weights under the adapters in every round."""
+        return self.run.policy_path(0)
+
     def plan(self):
         normalize = self.run.records(self.round, "normalize").require_manifest()
         return [{"unit": "update"}], {"normalize_manifest_finished_at": normalize["finished_at"], "method": self.cfg.method.name}
@@ -342,7 +347,7 @@ class TrainJob:
         self.live.release_modules()
         # By URL, not run-relative: an engine kept across runs (`gndpo compare`) must not pass for this run's.
         exported = self.run.policy_dir(self.round)
-        engine, continued = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world)
+        engine, continued = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world, self.base)
         if not continued and self.state_was_not_written():
             del engine  # freed before the replay builds its own
             engine, continued = self.replayed_engine(policy)
@@ -399,7 +404,7 @@ class TrainJob:
         cfg, dist = self.cfg, self.dist
         base, state = last_carried_state(self.run, self.round)
         start = self.run.policy_path(base + 1)
-        engine, _ = self.live.train_engine(cfg, start, None, dist.world)
+        engine, _ = self.live.train_engine(cfg, start, None, dist.world, self.base)
         if state is None or load_state(engine, self.run.fs, state, dist.world):
             with phase("replay"):
                 for round_idx in range(base + 1, self.round):
@@ -414,7 +419,7 @@ class TrainJob:
         else:
             self.log(f"train r{self.round}: round {base}'s optimizer state was written by {state['world']} ranks; starting a fresh optimizer")
         del engine
-        return self.live.train_engine(cfg, policy, None, dist.world)[0], False
+        return self.live.train_engine(cfg, policy, None, dist.world, self.base)[0], False
 
     def exports_equal(self, engine, policy: str) -> bool:
         """Whether ``engine``'s weights, exported as train exports them, are byte for byte the weight

@@ -262,6 +262,25 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (the ``peft`` package's LoRA) instead of training every weight: the student's
+    weights stay as they are and each target linear layer gains ``alpha / rank * B @ A``, with A and B
+    the only trained parameters (and the output layer / embeddings where asked). The optimizer state
+    then covers the adapters alone. Each round exports the merged weights (what rollout and score read)
+    and the adapters beside them (``model/adapter/``, PEFT's format), and a later train continues from
+    the initial student plus those adapters, so the run trains one adapter throughout."""
+
+    enabled: bool = False
+    rank: Count = 16
+    alpha: Positive = 32.0
+    dropout: Annotated[float, Range(ge=0.0, lt=1.0)] = 0.0
+    # Module names as PEFT matches them ("q_proj", ...), or ["all-linear"]: every linear layer but the output layer.
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    train_output_layer: bool = False  # the output layer trains in full beside the adapters
+    train_embeddings: bool = False  # the input embeddings train in full (tied to the output layer where the model ties them)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """How score and train place and run the student and teacher (resolved in gndpo.stages.models.device)."""
 
@@ -291,6 +310,7 @@ class ModelConfig:
     # one sequence. Train reads whole sequences under train.gradient_checkpointing, which cannot keep
     # a prompt's keys and values for the responses.
     shared_prompts: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train low-rank adapters only (model.lora.enabled)
 
 
 @dataclass(frozen=True)
@@ -575,6 +595,7 @@ def _check_combinations(cfg: Config) -> None:
         if cfg.score.backend == "vllm":
             raise GndpoError("several teachers are scored with score.backend hf only (one teacher per vLLM engine is not built yet)")
     _check_self_distillation(cfg)
+    _check_lora(cfg)
     if cfg.score.teacher_end_text and not cfg.score.cross_tokenizer:
         raise GndpoError("score.teacher_end_text is for a teacher of another tokenizer (score.cross_tokenizer true)")
     if cfg.method.stats_scope == "teacher" and not (cfg.teachers and cfg.score.teacher_mix == "route"):
@@ -590,6 +611,19 @@ def _check_combinations(cfg: Config) -> None:
             f"config key rollout.guide_prefix_tokens ({rc.guide_prefix_tokens}) must be below rollout.max_tokens "
             f"({rc.max_tokens}) when rollout.guided_fraction > 0: the student must write part of each response"
         )
+
+
+def _check_lora(cfg: Config) -> None:
+    """``model.lora`` with what it is not built for yet: ZeRO-3 (partitioned base weights under the
+    adapters) and an EMA self-teacher (an average of the merged weights)."""
+    if not cfg.model.lora.enabled:
+        return
+    if not cfg.model.lora.target_modules or not all(cfg.model.lora.target_modules):
+        raise GndpoError("config key model.lora.target_modules must name modules (or all-linear)")
+    if cfg.train.zero_stage == 3:
+        raise GndpoError("model.lora trains under train.zero_stage 0-2 (ZeRO-3 with adapters is not built yet)")
+    if cfg.teacher == SELF_TEACHER and cfg.self_teacher.weights == "ema":
+        raise GndpoError("model.lora cannot be combined with self_teacher.weights ema (the average of merged weights is not built yet)")
 
 
 def _check_self_distillation(cfg: Config) -> None:

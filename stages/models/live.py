@@ -35,6 +35,7 @@ from gndpo.stages.models.vllm_engine import (cuda_available, engine_alive, engin
                                              shutdown_llm)
 from gndpo.stages.models.probe import TOLERANCE, probe_gap
 from gndpo.stages.models.loading import load_causal_lm, model_config
+from gndpo.stages.models.lora import policy_state_dict
 from gndpo.stages.training.deepspeed_engine import build_engine
 
 
@@ -245,7 +246,7 @@ class LiveModels:
         torch.cuda.empty_cache()
 
     # -- train: the DeepSpeed engine -----------------------------------------------------------------
-    def train_engine(self, cfg, policy: str, policy_dir: str | None, world: int):
+    def train_engine(self, cfg, policy: str, policy_dir: str | None, world: int, base: str | None = None):
         """(DeepSpeed engine on ``policy``, whether it continues from the previous round as it is).
 
         ``policy_dir`` is the URL of the committed model folder ``policy`` was downloaded from (None in
@@ -265,7 +266,7 @@ class LiveModels:
             import torch
 
             torch.cuda.empty_cache()
-        engine, _ = build_engine(cfg, policy, world)
+        engine, _ = build_engine(cfg, policy, world, base)
         return engine, False
 
     def _trained_weights(self, exported: str | None) -> dict | None:
@@ -275,7 +276,7 @@ class LiveModels:
         live = self._trainer
         if live is None or exported is None or live.exported_to != exported or live.partitioned:
             return None
-        return {name: tensor.detach() for name, tensor in live.engine.module.state_dict().items()}
+        return {name: tensor.detach() for name, tensor in policy_state_dict(live.engine.module).items()}
 
     def keeps_trainer(self, world: int) -> bool:
         """Whether :meth:`trained` keeps a ``world``-rank engine for the next round."""

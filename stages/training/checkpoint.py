@@ -27,6 +27,7 @@ from pathlib import Path
 from gndpo.faults import crash_point
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.run.run import Run
+from gndpo.stages.models.lora import has_adapters
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.storage.records import CHECKPOINTS, train_optimizer_state
 from gndpo.storage.shards import verified_bytes
@@ -41,7 +42,8 @@ def save_state(engine, fs, rel: str, dist: Dist) -> list[dict] | None:
     """Write the engine's full state (module, optimizer, its partitions) under ``rel``; collective.
     Returns, on rank 0, the file records of all ranks (None elsewhere)."""
     with fs.staging_dir(rel) as tmp:
-        engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
+        # With adapters (model.lora) the frozen base is the initial student's, not state to carry.
+        engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG, exclude_frozen_parameters=has_adapters(engine.module))
         # Each rank's staging folder holds exactly the files that rank wrote (its partitions; rank 0
         # also the module file below ZeRO-3), and names carry the rank, so uploads never collide.
         folder = Path(tmp) / CHECKPOINT_TAG
@@ -66,7 +68,8 @@ def load_state(engine, fs, state: dict, world: int) -> bool:
         folder.mkdir()
         for record in state["files"]:
             (folder / Path(record["path"]).name).write_bytes(verified_bytes(fs, record))
-        engine.load_checkpoint(tmp, tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+        engine.load_checkpoint(tmp, tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+                               load_module_strict=not has_adapters(engine.module))
     return True
 
 

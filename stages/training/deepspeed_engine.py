@@ -25,6 +25,7 @@ import torch
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.stages.models.device import local_device, resolve_dtype
 from gndpo.stages.models.loading import is_vision_model, load_causal_lm
+from gndpo.stages.models.lora import adapted_student
 from gndpo.stages.models.vision import freeze_all_but_language_model
 
 
@@ -128,8 +129,9 @@ def deepspeed_config(cfg, world: int, dtype: torch.dtype) -> dict:
     return config
 
 
-def build_engine(cfg, policy: str, world: int):
-    """A DeepSpeed engine on the round's policy; returns (engine, config dict)."""
+def build_engine(cfg, policy: str, world: int, base: str | None = None):
+    """A DeepSpeed engine on the round's policy; returns (engine, config dict). With ``model.lora`` the
+    model is ``base`` (the initial student) with the adapters ``policy`` carries (fresh ones in round 0)."""
     import deepspeed
 
     device = local_device()
@@ -144,7 +146,10 @@ def build_engine(cfg, policy: str, world: int):
     torch.manual_seed(cfg.train.seed)
     # Built in the training dtype and left where it was built: DeepSpeed moves it to the device, or
     # under ZeRO-3 zero.Init already put each rank's partition there.
-    model = load_causal_lm(policy, cfg.model, device=device, dtype=dtype, place=False)
+    if cfg.model.lora.enabled:  # seeded above: the same fresh adapters in every process
+        model = adapted_student(policy, base, cfg.model, device=device, dtype=dtype)
+    else:
+        model = load_causal_lm(policy, cfg.model, device=device, dtype=dtype, place=False)
     model.config.use_cache = False
     if cfg.model.freeze_vision and is_vision_model(policy):
         freeze_all_but_language_model(model)

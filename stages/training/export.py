@@ -11,6 +11,7 @@ from __future__ import annotations
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.stages.models.loading import is_vision_model, load_tokenizer
 from gndpo.stages.models.logprobs import output_width
+from gndpo.stages.models.lora import ADAPTER_DIR, has_adapters, policy_state_dict, save_adapter
 from gndpo.stages.models.vision import load_processor
 from gndpo.stages.models.probe import probe_logprobs, write_probe
 from gndpo.stages.training.ema import EmaWeights
@@ -36,11 +37,13 @@ def save_hf_folder(engine, policy: str, folder: str, zero_stage: int, rank: int)
     if zero_stage == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank must call it
     else:
-        state = engine.module.state_dict() if rank == 0 else None
+        state = policy_state_dict(engine.module) if rank == 0 else None
     if rank == 0:
         state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         engine.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
         save_preprocessing(policy, folder)
+        if has_adapters(engine.module):  # what a later train continues (model.lora)
+            save_adapter(engine.module, f"{folder}/{ADAPTER_DIR}")
 
 
 def save_preprocessing(policy: str, folder: str) -> None:

@@ -1,0 +1,108 @@
+"""LoRA students (``model.lora``): low-rank adapters injected into the student, and its weights merged.
+
+The adapters are injected in place (PEFT's ``inject_adapter_in_model``), so the model stays the
+transformers class every forward of gndpo already runs (the chunked output layer, shared prompts,
+DeepSpeed), with each target linear layer computing ``W x + alpha / rank * B A x``. What leaves train:
+
+* the merged weights, ``W + alpha / rank * B A`` in the base layer's own names
+  (:func:`merged_state_dict`): the round's policy folder, which rollout's engine and score load like any
+  other model;
+* the adapters (:func:`save_adapter`), in PEFT's own format (``adapter_config.json``,
+  ``adapter_model.safetensors``), which a later train loads onto the initial student
+  (:func:`load_adapter`) to continue the same adapters, and which ``PeftModel.from_pretrained`` reads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, save_file
+
+from gndpo.stages.models.loading import load_causal_lm
+
+ADAPTER_DIR = "adapter"  # inside an exported policy folder
+ADAPTER_NAME = "default"  # PEFT's name for a model's one adapter
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PeftModel's path to the wrapped model: its files' key prefix
+
+
+def has_adapters(model) -> bool:
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def add_adapters(model, lc, base_path: str) -> None:
+    """Inject ``model.lora``'s adapters into ``model`` (B starts at zero, so the model computes what it
+    did) and leave trainable only them, plus the output layer and embeddings where ``lc`` asks."""
+    config = LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, bias="none", base_model_name_or_path=base_path,
+                        target_modules=lc.target_modules[0] if lc.target_modules == ["all-linear"] else list(lc.target_modules))
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+    full = [model.get_output_embeddings()] * lc.train_output_layer + [model.get_input_embeddings()] * lc.train_embeddings
+    trainable = {id(p) for m in full for p in m.parameters()}
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name or id(param) in trainable)
+
+
+def adapted_student(policy: str, base: str, model_cfg, device, dtype):
+    """The student train updates under ``model.lora``: ``base`` (the initial student) with the adapters
+    the round's ``policy`` folder carries (its ``adapter/``), or fresh ones where it has none (round 0).
+    Left where it was built, in ``dtype``, for DeepSpeed to place."""
+    model = load_causal_lm(base, model_cfg, device=device, dtype=dtype, place=False)
+    add_adapters(model, model_cfg.lora, base)
+    if (Path(policy) / ADAPTER_DIR).is_dir():
+        load_adapter(model, Path(policy) / ADAPTER_DIR)
+    return model
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with every adapter merged into its base layer, under the base model's own
+    names (``q_proj.weight``, not ``q_proj.base_layer.weight``); the adapter tensors left out. The
+    model itself is not changed (PEFT's merge would, and unmerging does not restore the bits)."""
+    merged = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = module.get_base_layer().weight
+            merged[f"{prefix}.weight"] = (weight + module.get_delta_weight(ADAPTER_NAME).to(weight.dtype)).detach()
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        plain = name.replace(".base_layer.", ".")
+        out[plain] = merged.get(plain, tensor)
+    return out
+
+
+def policy_state_dict(model) -> dict[str, torch.Tensor]:
+    """The weights the policy exports: :func:`merged_state_dict` for a model with adapters, else its own."""
+    return merged_state_dict(model) if has_adapters(model) else model.state_dict()
+
+
+def save_adapter(model, folder: str | Path) -> None:
+    """The adapters in PEFT's format under ``folder`` (``PeftModel.from_pretrained`` reads them onto the
+    initial student). A fully trained output layer or embedding table goes into the same file, under
+    its name in the model."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.peft_config[ADAPTER_NAME]
+    state = get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME)
+    extra = {n: p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    save_file({PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in {**state, **extra}.items()}, str(folder / WEIGHTS_FILE))
+    config.save_pretrained(str(folder))
+
+
+def load_adapter(model, folder: str | Path) -> None:
+    """Set ``model``'s injected adapters (and fully trained layers) to those :func:`save_adapter` wrote;
+    a ValueError if the file misses a trainable tensor of ``model`` or holds one it does not have."""
+    state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(Path(folder) / WEIGHTS_FILE)).items()}
+    adapters = set(get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME))
+    params = dict(model.named_parameters())
+    full = {n for n, p in params.items() if p.requires_grad and "lora_" not in n}
+    missing, unknown = sorted((adapters | full) - set(state)), sorted(set(state) - adapters - full)
+    if missing or unknown:
+        raise ValueError(f"{folder}: the adapters do not fit the model (missing {missing[:2]}, unknown {unknown[:2]})")
+    set_peft_model_state_dict(model, {k: state[k] for k in adapters}, adapter_name=ADAPTER_NAME)
+    with torch.no_grad():
+        for name in full:
+            params[name].copy_(state[name])

@@ -1,0 +1,160 @@
+"""LoRA students (``model.lora``): the merged weights against a re-derivation, the adapters' files, and
+toy runs whose rounds train adapters only.
+
+The merge is checked against ``W + alpha / rank * B @ A`` computed here from the adapter tensors, the
+adapters against PEFT's own loader. The runs: one `gndpo run` of 2 rounds in this process (its
+DeepSpeed engine kept between rounds), and the same run made by two processes, the second continuing
+from round 0's exported adapters and optimizer state: both must export the same weights, byte for
+byte, and leave every tensor outside the adapters' layers as the initial student had it.
+"""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.numpy import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.run.run import open_run
+from gndpo.stages.models.lora import adapted_student, add_adapters, load_adapter, merged_state_dict, save_adapter
+from tests.conftest import gndpo, invoke_ok, tiny_config_dict, write_config
+
+TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def lora_settings(**changes):
+    return SimpleNamespace(**{"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["all-linear"],
+                              "train_output_layer": False, "train_embeddings": False, **changes})
+
+
+def adapted_model(seed: int = 0, **changes):
+    """The tiny Llama with adapters whose B is not zero (a fresh B is, and merges to nothing)."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(TINY)
+    add_adapters(model, lora_settings(**changes), "base")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or (changes.get("train_output_layer") and "lm_head" in name):
+                param.normal_(0, 0.1)
+    return model
+
+
+def test_merged_weights_are_w_plus_scaled_b_a():
+    model = adapted_model()
+    params = dict(model.named_parameters())
+    merged = merged_state_dict(model)
+    scale = 8.0 / 4
+    targets = [n.removesuffix(".base_layer.weight") for n in params if n.endswith(".base_layer.weight")]
+    assert len(targets) == 14  # q, k, v, o, gate, up, down in each of 2 layers
+    for name in targets:
+        want = params[f"{name}.base_layer.weight"] + scale * params[f"{name}.lora_B.default.weight"] @ params[f"{name}.lora_A.default.weight"]
+        torch.testing.assert_close(merged[f"{name}.weight"], want, rtol=0, atol=1e-6)
+    assert not [n for n in merged if "lora_" in n or "base_layer" in n]
+    torch.manual_seed(0)
+    untouched = LlamaForCausalLM(TINY).state_dict()
+    assert merged.keys() == untouched.keys()
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        torch.testing.assert_close(merged[name], untouched[name], rtol=0, atol=0)
+    plain = LlamaForCausalLM(TINY)
+    plain.load_state_dict(merged)
+    ids = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(plain(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("output_layer", [False, True])
+def test_saved_adapters_load_into_a_fresh_student_and_into_peft(tmp_path, output_layer):
+    model = adapted_model(train_output_layer=output_layer)
+    assert {n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n} == ({"lm_head.weight"} if output_layer else set())
+    save_adapter(model, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["r"] == 4
+    ids = torch.randint(0, 64, (2, 9))
+    want = model(ids).logits
+    again = adapted_model(seed=0, train_output_layer=output_layer)
+    with torch.no_grad():  # other adapter values than the saved ones, before loading
+        for name, param in again.named_parameters():
+            if param.requires_grad:
+                param.add_(1.0)
+    load_adapter(again, tmp_path)
+    torch.testing.assert_close(again(ids).logits, want, rtol=0, atol=0)
+    torch.manual_seed(0)
+    torch.testing.assert_close(PeftModel.from_pretrained(LlamaForCausalLM(TINY), str(tmp_path))(ids).logits, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="do not fit"):
+        load_adapter(adapted_model(rank=4, target_modules=["q_proj"]), tmp_path)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"train": {"zero_stage": 3}}, "model.lora trains under train.zero_stage 0-2"),
+    ({"model": {"lora": {"enabled": True, "target_modules": []}}}, "model.lora.target_modules must name modules"),
+])
+def test_lora_refusals(setting, message):
+    data = {"student": "s", "teacher": "t", "data": {"train": "x"}, "model": {"lora": {"enabled": True}}}
+    for key, value in setting.items():
+        data[key] = {**data.get(key, {}), **value}
+    with pytest.raises(GndpoError, match=message):
+        config_from_dict(data)
+
+
+def new_run(folder, assets):
+    run = folder / "run"
+    cfg = tiny_config_dict(assets, model={"lora": {"enabled": True, "rank": 4, "alpha": 8}}, rollout={"eval_heldout": False},
+                           train={"lr": 1e-2})
+    invoke_ok("init", run, "--config", write_config(folder, cfg))
+    return run
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, tiny_assets):
+    """(2 rounds in this process with the kept engine, the same 2 rounds in two processes)."""
+    kept = new_run(tmp_path_factory.mktemp("kept"), tiny_assets)
+    invoke_ok("run", kept, "--rounds", 2)
+    split = new_run(tmp_path_factory.mktemp("split"), tiny_assets)
+    gndpo("run", split, "--rounds", 1)
+    gndpo("run", split, "--rounds", 2)
+    return kept, split
+
+
+def export_dir(run, round_idx: int):
+    return run / open_run(str(run)).records(round_idx, "train").manifest()["metrics"]["model_dir"]
+
+
+@pytest.mark.slow
+def test_lora_rounds_train_the_adapters_only_and_continue_them_from_their_files(lora_runs, tiny_assets):
+    kept, split = lora_runs
+    initial = load_file(str(tiny_assets / "student" / "model.safetensors"))
+    for round_idx in range(2):
+        got, want = (load_file(str(export_dir(r, round_idx) / "model.safetensors")) for r in (split, kept))
+        assert got.keys() == want.keys() == initial.keys()
+        for name in want:  # a new process continues from the files exactly where the kept engine went on
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")
+        changed = {n for n in want if not np.array_equal(want[n], initial[n])}
+        assert changed and all(n.endswith("_proj.weight") for n in changed), sorted(changed)
+        assert (export_dir(kept, round_idx) / "adapter" / "adapter_model.safetensors").is_file()
+    # The carried state is the adapters' (and their moments): a fraction of the exported policy.
+    commit = open_run(str(split)).records(0, "train").manifest()["units"][0]
+    state = commit["optimizer_state"]
+    state = json.loads((split / state["pending"]).read_text()) if "pending" in state else state
+    export_bytes = sum(f["bytes"] for f in commit["files"] if "/model/" in f["path"])
+    assert 0 < sum(f["bytes"] for f in state["files"]) < 0.5 * export_bytes
+    probe = open_run(str(kept)).records(1, "rollout").manifest()["metrics"]
+    assert probe["engine_probe_gap_mean"] < 1e-4  # the kept engine runs the merged round-0 weights
+
+
+@pytest.mark.slow
+def test_a_later_train_starts_from_the_initial_student_plus_the_exported_adapters(lora_runs, tiny_assets):
+    """What train builds for round 1 from round 0's export, in a fresh process (no optimizer state to
+    restore the adapters): merged, exactly round 0's exported weights; for round 0, the initial student."""
+    kept, _ = lora_runs
+    cfg = open_run(str(kept)).cfg
+    for policy, want in ((export_dir(kept, 0), export_dir(kept, 0)), (tiny_assets / "student", tiny_assets / "student")):
+        torch.manual_seed(cfg.train.seed)
+        model = adapted_student(str(policy), str(tiny_assets / "student"), cfg.model, torch.device("cpu"), torch.float32)
+        expected = load_file(str(want / "model.safetensors"))
+        merged = merged_state_dict(model)
+        for name in expected:
+            np.testing.assert_array_equal(merged[name].numpy(), expected[name], err_msg=f"{policy} {name}")

@@ -158,3 +158,20 @@ def test_a_later_train_starts_from_the_initial_student_plus_the_exported_adapter
         merged = merged_state_dict(model)
         for name in expected:
             np.testing.assert_array_equal(merged[name].numpy(), expected[name], err_msg=f"{policy} {name}")
+
+
+@pytest.mark.slow
+def test_lora_under_zero_2_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_assets):
+    """The same first round with the adapters' optimizer partitioned (ZeRO-2, one rank): the export
+    equals the ZeRO-0 run's to float rounding, and the state it carries holds the adapters only."""
+    kept, _ = lora_runs
+    run = tmp_path / "run"
+    cfg = tiny_config_dict(tiny_assets, model={"lora": {"enabled": True, "rank": 4, "alpha": 8}}, rollout={"eval_heldout": False},
+                           train={"lr": 1e-2, "zero_stage": 2})
+    invoke_ok("init", run, "--config", write_config(tmp_path, cfg))
+    gndpo("run", run, "--rounds", 1)
+    got, want = (load_file(str(export_dir(r, 0) / "model.safetensors")) for r in (run, kept))
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    adapter = load_file(str(export_dir(run, 0) / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all(".lora_" in k for k in adapter)

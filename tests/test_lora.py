@@ -22,7 +22,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.lora import adapted_student, add_adapters, load_adapter, merged_state_dict, save_adapter
-from tests.conftest import gndpo, invoke_ok, tiny_config_dict, write_config
+from tests.conftest import gndpo, gndpo_killed, invoke_ok, tiny_config_dict, write_config
 
 TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, tie_word_embeddings=False)
@@ -100,10 +100,10 @@ def test_lora_refusals(setting, message):
         config_from_dict(data)
 
 
-def new_run(folder, assets):
+def new_run(folder, assets, train: dict | None = None):
     run = folder / "run"
     cfg = tiny_config_dict(assets, model={"lora": {"enabled": True, "rank": 4, "alpha": 8}}, rollout={"eval_heldout": False},
-                           train={"lr": 1e-2})
+                           train=train or {"lr": 1e-2})
     invoke_ok("init", run, "--config", write_config(folder, cfg))
     return run
 
@@ -165,13 +165,29 @@ def test_lora_under_zero_2_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_
     """The same first round with the adapters' optimizer partitioned (ZeRO-2, one rank): the export
     equals the ZeRO-0 run's to float rounding, and the state it carries holds the adapters only."""
     kept, _ = lora_runs
-    run = tmp_path / "run"
-    cfg = tiny_config_dict(tiny_assets, model={"lora": {"enabled": True, "rank": 4, "alpha": 8}}, rollout={"eval_heldout": False},
-                           train={"lr": 1e-2, "zero_stage": 2})
-    invoke_ok("init", run, "--config", write_config(tmp_path, cfg))
+    run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "zero_stage": 2})
     gndpo("run", run, "--rounds", 1)
     got, want = (load_file(str(export_dir(r, 0) / "model.safetensors")) for r in (run, kept))
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
     adapter = load_file(str(export_dir(run, 0) / "adapter" / "adapter_model.safetensors"))
     assert adapter and all(".lora_" in k for k in adapter)
+
+
+@pytest.mark.slow
+def test_a_lora_train_killed_after_a_checkpoint_resumes_to_the_same_adapters(lora_runs, tmp_path, tiny_assets):
+    """Round 0's train killed after an in-round checkpoint (taken every step, which DeepSpeed writes
+    without the frozen base) and rerun: the retry loads the adapters and their moments
+    from the checkpoint and exports the uninterrupted run's weights and adapters, byte for byte."""
+    kept, _ = lora_runs
+    run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "checkpoint_every": 1})
+    # Killed after step 2 of 2: the checkpoint after step 1 is there (none is taken after the last step).
+    crash = {"GNDPO_CRASH_AT": "train.step", "GNDPO_CRASH_AFTER": "1"}
+    assert gndpo_killed("run", run, "--rounds", 1, env=crash, log=tmp_path / "crash.log") == -9
+    log = gndpo("run", run, "--rounds", 1).stderr
+    assert "resuming after step 1 from a checkpoint" in log, log[-3000:]
+    for file in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        got, want = (load_file(str(export_dir(r, 0) / file)) for r in (run, kept))
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{file} {name}")

@@ -29,6 +29,7 @@ from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.models.device import DTYPES, local_device
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, unsampleable
+from gndpo.stages.models.lora import served_as_adapters
 from gndpo.stages.models.vllm_engine import engine_dtype
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
@@ -86,8 +87,12 @@ class RolloutJob:
         self.tok = load_tokenizer(policy)
         self.images = RunImages(self.run.fs)
         exported = self.run.policy_dir(self.round)
-        self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed, images=self.run.images_per_prompt(),
-                                            exported=exported and self.run.fs.uri(exported))
+        lc = self.cfg.model.lora
+        if served_as_adapters(lc) and not self.run.images_per_prompt():  # a VLM's engine loads the merged weights
+            self.llm = self.live.adapter_engine(policy, self.cfg.engine, self.cfg.rollout.seed, self.run.policy_path(0), lc.rank)
+        else:
+            self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed, images=self.run.images_per_prompt(),
+                                                exported=exported and self.run.fs.uri(exported))
         # Recorded for score, whose student_logprobs auto trusts the sampler's log-probs from fp32 engines only.
         self.engine_bits = DTYPES[engine_dtype(self.cfg.engine)].itemsize * 8
         self.rewards = run_rewards(self.cfg)
@@ -218,7 +223,7 @@ class RolloutJob:
         # the engine's precision: the least precise of any worker's.
         if any("engine_dtype_bits" in c for c in gen):
             metrics["engine_dtype_bits"] = min(c["engine_dtype_bits"] for c in gen if "engine_dtype_bits" in c)
-        for key in ("engine_probe_gap_max", "engine_probe_gap_mean", "engine_reloaded", "engine_restarted"):
+        for key in ("engine_probe_gap_max", "engine_probe_gap_mean", "engine_reloaded", "engine_restarted", "engine_adapters"):
             if any(key in c for c in gen):
                 metrics[key] = max(c.get(key, 0) for c in gen)
         for c in commits:

@@ -16,11 +16,12 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.numpy import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.schema import EngineConfig, config_from_dict
 from gndpo.pipeline.run.run import open_run
+from gndpo.stages.models.vllm_engine import AdapterEngine, adapter_request, forced_logprobs, make_llm, shutdown_llm
 from gndpo.stages.models.lora import adapted_student, add_adapters, load_adapter, merged_state_dict, save_adapter
 from tests.conftest import gndpo, gndpo_killed, invoke_ok, tiny_config_dict, write_config
 
@@ -141,8 +142,9 @@ def test_lora_rounds_train_the_adapters_only_and_continue_them_from_their_files(
     state = json.loads((split / state["pending"]).read_text()) if "pending" in state else state
     export_bytes = sum(f["bytes"] for f in commit["files"] if "/model/" in f["path"])
     assert 0 < sum(f["bytes"] for f in state["files"]) < 0.5 * export_bytes
-    probe = open_run(str(kept)).records(1, "rollout").manifest()["metrics"]
-    assert probe["engine_probe_gap_mean"] < 1e-4  # the kept engine runs the merged round-0 weights
+    for run in (kept, split):  # round 1's engine: the initial student with round 0's adapters, through vLLM's LoRA
+        probe = open_run(str(run)).records(1, "rollout").manifest()["metrics"]
+        assert probe["engine_adapters"] == 1 and probe["engine_probe_gap_mean"] < 1e-4, probe
 
 
 @pytest.mark.slow
@@ -191,3 +193,30 @@ def test_a_lora_train_killed_after_a_checkpoint_resumes_to_the_same_adapters(lor
         assert got.keys() == want.keys()
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"{file} {name}")
+
+
+@pytest.mark.slow
+def test_the_engine_serving_the_adapters_gives_the_merged_models_logprobs(lora_runs, tiny_assets):
+    """vLLM with round 0's adapters on the initial student (what round 1's rollout runs), read as the
+    probe reads it (one-token generations restricted to each token), against a transformers forward of
+    the merged weights train exported; and without adapters, against the initial student's forward."""
+    kept, _ = lora_runs
+    sequences = [[1, 3, 4, 5, 6, 7, 8], [1, 9, 10, 11, 12, 3]]
+    prompts, responses = [s[:1] for s in sequences], [s[1:] for s in sequences]
+
+    def transformers_logprobs(folder) -> np.ndarray:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32)
+        with torch.no_grad():
+            return np.concatenate([model(torch.tensor([s])).logits.log_softmax(-1)[0, :-1].gather(-1, torch.tensor(s[1:])[:, None])[:, 0].numpy()
+                                   for s in sequences])
+
+    export = export_dir(kept, 0)
+    llm = make_llm(str(tiny_assets / "student"), EngineConfig(max_model_len=32, in_process=True), lora_rank=4)
+    try:
+        served = forced_logprobs(AdapterEngine(llm, adapter_request(str(export / "adapter"), 1)), prompts, responses)
+        np.testing.assert_allclose(served, transformers_logprobs(export), atol=1e-4)
+        base = forced_logprobs(AdapterEngine(llm, None), prompts, responses)
+        np.testing.assert_allclose(base, transformers_logprobs(tiny_assets / "student"), atol=1e-4)
+        assert np.abs(served - base).max() > 1e-3  # the adapters changed what the engine computes
+    finally:
+        shutdown_llm(llm)

@@ -31,11 +31,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gndpo.stages.models.vllm_engine import (cuda_available, engine_alive, engine_dtype, engine_processes, in_process_engine, make_llm,
-                                             shutdown_llm)
+from gndpo.stages.models.vllm_engine import (AdapterEngine, adapter_request, cuda_available, engine_alive, engine_dtype, engine_processes,
+                                             in_process_engine, make_llm, shutdown_llm)
 from gndpo.stages.models.probe import TOLERANCE, probe_gap
 from gndpo.stages.models.loading import load_causal_lm, model_config
-from gndpo.stages.models.lora import policy_state_dict
+from gndpo.stages.models.lora import ADAPTER_DIR, policy_state_dict
 from gndpo.stages.training.deepspeed_engine import build_engine
 
 
@@ -84,6 +84,7 @@ class LiveModels:
     _trainer: _Trainer | None = None
     _teacher_engine: _Engine | None = None  # score.backend vllm
     probe: dict | None = None  # the latest student engine's gap to its exported model (stages.probe)
+    _adapter_ids: dict = field(default_factory=dict)  # adapter folder -> its vLLM LoRA id (adapter_engine)
 
     # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
     def student_engine(self, policy: str, cfg, seed: int, images: int = 0, exported: str | None = None):
@@ -103,14 +104,7 @@ class LiveModels:
             llm = make_llm(policy, cfg, seed=seed, images=images)
             self.probe = self._measure_probe(llm, policy, reloaded=False)
             return llm
-        key = (repr(cfg), _architecture(policy), images)
-        live = self._engine = self._alive(self._engine, "the rollout engine")
-        if live is not None and live.key != key:
-            self.close_engine()
-            live = None
-        if live is not None and live.asleep:
-            live.llm.wake_up()
-            live.asleep = False
+        live = self._kept_engine((repr(cfg), _architecture(policy), images))
         restarted = 0
         if live is not None and live.weights != policy:
             memory = self._load_policy(live, policy, exported, images)
@@ -127,9 +121,45 @@ class LiveModels:
                 self.log(f"engine: loaded the weights of {policy}" + (" from the trainer's memory" if memory else ""))
         if live is None:
             sleep_mode = cuda_available()
+            key = (repr(cfg), _architecture(policy), images)
             self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode, images=images), key, policy)
             self.probe = self._measure_probe(self._engine.llm, policy, reloaded=False, restarted=restarted)
         return self._engine.llm
+
+    def _kept_engine(self, key: tuple) -> _Engine | None:
+        """The kept rollout engine, awake, if it is alive and was built with ``key``; else None (an engine
+        built otherwise is closed first)."""
+        live = self._engine = self._alive(self._engine, "the rollout engine")
+        if live is not None and live.key != key:
+            self.close_engine()
+            return None
+        if live is not None and live.asleep:
+            live.llm.wake_up()
+            live.asleep = False
+        return live
+
+    def adapter_engine(self, policy: str, cfg, seed: int, base: str, rank: int) -> AdapterEngine:
+        """The student of a ``model.lora`` run as vLLM serves LoRA: an engine on ``base`` (the initial
+        student) whose requests carry ``policy``'s adapters (its ``adapter/``; none in round 0, where the
+        fresh adapters add nothing). Kept, the engine holds the base weights for the whole run and
+        takes each round's adapters per request: nothing is reloaded. The probe checks the engine with
+        the adapters against train's own log-probs for the exported (merged) weights."""
+        key = (repr(cfg), _architecture(base), "lora", rank)
+        live = self._kept_engine(key) if self.keep else None
+        if live is None:
+            llm = make_llm(base, cfg, seed=seed, sleep_mode=self.keep and cuda_available(), lora_rank=rank)
+            if self.keep:
+                self._engine = _Engine(llm, key, base)
+        else:
+            llm = live.llm
+        folder = Path(policy) / ADAPTER_DIR
+        ids = self._adapter_ids  # vLLM caches an adapter by its id: one id per folder
+        request = adapter_request(str(folder), ids.setdefault(str(folder), len(ids) + 1)) if folder.is_dir() else None
+        engine = AdapterEngine(llm, request)
+        self.probe = self._measure_probe(engine, policy, reloaded=False)
+        if self.probe is not None:
+            self.probe["engine_adapters"] = int(request is not None)  # rollout's metric: the round's adapters served
+        return engine
 
     def _load_policy(self, live: _Engine, policy: str, exported: str | None, images: int) -> bool:
         """Load ``policy``'s weights into the kept engine ``live``: handed over from the kept trainer's

@@ -33,6 +33,13 @@ def has_adapters(model) -> bool:
     return any(isinstance(m, LoraLayer) for m in model.modules())
 
 
+def served_as_adapters(lc) -> bool:
+    """Whether rollout's vLLM engine runs the student as the base model plus the round's adapters
+    (vLLM's LoRA): for ``model.lora`` runs whose only trained tensors are adapters. A fully trained
+    output layer or embedding table is not an adapter vLLM takes: the engine loads the merged weights."""
+    return lc.enabled and not (lc.train_output_layer or lc.train_embeddings)
+
+
 def add_adapters(model, lc, base_path: str) -> None:
     """Inject ``model.lora``'s adapters into ``model`` (B starts at zero, so the model computes what it
     did) and leave trainable only them, plus the output layer and embeddings where ``lc`` asks."""

@@ -25,7 +25,7 @@ import torch
 
 from gndpo.stages.models.loading import placeholder_ids
 from gndpo.stages.models.vision import expanded_prompt_ids, image_inputs
-from gndpo.stages.models.vllm_engine import response_logprobs
+from gndpo.stages.models.vllm_engine import AdapterEngine, forced_logprobs, response_logprobs
 from gndpo.stages.models.logprobs import make_batch, policy_token_logprobs
 
 PROBE_FILE = "gndpo_probe.json"
@@ -94,7 +94,11 @@ def probe_gap(llm, folder: str | Path) -> dict | None:
         return None
     probe = json.loads(path.read_text())
     ids = probe["token_ids"]
-    engine = response_logprobs(llm, [s[:1] for s in ids], [s[1:] for s in ids], 0)["logprobs"]
+    prompts, responses = [s[:1] for s in ids], [s[1:] for s in ids]
+    if isinstance(llm, AdapterEngine):
+        engine = forced_logprobs(llm, prompts, responses)
+    else:
+        engine = response_logprobs(llm, prompts, responses, 0)["logprobs"]
     exported = np.asarray(probe["logprobs"], np.float64).reshape(-1)
     if "image" in probe:
         image = probe["image"]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
+import numpy as np
 import torch
 
 from gndpo.errors import GndpoError
@@ -144,14 +145,47 @@ def _engine_start_env(in_process: bool = False, cuda: bool = True):
         yield legacy
 
 
-def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0, images: int = 0):
+# vLLM's choices for max_lora_rank: an engine takes adapters of any rank up to it.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class AdapterEngine:
+    """A vLLM engine built for LoRA (:func:`make_llm` with ``lora_rank``) on the base model, every
+    request of which carries ``request`` (a ``LoRARequest``: the round's adapters; None for the base
+    alone). Everything else is the engine's own."""
+
+    def __init__(self, llm, request):
+        self.llm, self.request = llm, request
+
+    def generate(self, *args, **kwargs):
+        return self.llm.generate(*args, lora_request=self.request, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+
+def adapter_request(folder: str | None, adapter_id: int):
+    """The ``LoRARequest`` for the PEFT adapters in ``folder`` (None: no adapters). vLLM caches an
+    adapter by its id, so each distinct folder needs its own."""
+    if folder is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"adapter-{adapter_id}", adapter_id, str(folder))
+
+
+def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0, images: int = 0,
+             lora_rank: int = 0):
     """An in-process vLLM engine for ``model_path`` (callers need an ``if __name__ == "__main__"`` guard:
     the engine starts its workers with spawn). ``sleep_mode`` (CUDA only) lets it hand the GPU back
     between rollouts (:mod:`gndpo.stages.models.live`); ``max_logprobs`` raises vLLM's cap (20) on the top-k
     log-probs a request may ask for; ``images`` is the most pictures one prompt shows (vLLM's
-    ``limit_mm_per_prompt``, which also sizes its encoder cache)."""
+    ``limit_mm_per_prompt``, which also sizes its encoder cache); ``lora_rank`` > 0 lets requests
+    carry LoRA adapters of up to that rank (:class:`AdapterEngine`)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     kwargs = engine_kwargs(model_path, cfg, seed)
+    if lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=next(r for r in VLLM_LORA_RANKS if r >= lora_rank), max_loras=1)
     if images:
         kwargs["limit_mm_per_prompt"] = {"image": images}
     if sleep_mode:
@@ -316,6 +350,25 @@ def generate(llm, prompt_token_ids: list[list[int]], params: list, on_finished: 
     return result
 
 
+def forced_logprobs(llm, prompts: list, responses: list) -> np.ndarray:
+    """The model's log-prob of every response token, flat as in :func:`response_logprobs`, from one-token
+    generations each restricted to the token it scores (``allowed_token_ids``): the sampler's raw
+    log-probs are taken before any restriction, so each is the full softmax's value (equal to the prompt
+    log-probs where an engine gives those; a test checks it against a transformers forward). For an
+    :class:`AdapterEngine`: a LoRA-enabled vLLM engine on CPU fails on prompt log-probs (its logits op
+    gets a prompt's rows with one adapter index per request)."""
+    from vllm import SamplingParams
+
+    requests, params = [], []
+    for prompt, response in zip(prompts, responses):
+        ids = [int(t) for t in prompt] + [int(t) for t in response]
+        for j in range(len(prompt), len(ids)):
+            requests.append(token_prompt(ids[:j], None))
+            params.append(SamplingParams(max_tokens=1, temperature=1.0, logprobs=0, allowed_token_ids=[ids[j]], seed=0, detokenize=False))
+    outputs = _generate(llm, requests, params)
+    return np.asarray([out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]].logprob for out in outputs], np.float32)
+
+
 def response_logprobs(llm, prompts: list, responses: list, topk: int, images: list[list] | None = None) -> dict:
     """The model's log-probs (temperature 1, full softmax of the raw logits) of every response token
     given the prompt and the response before it, as vLLM's prompt log-probs over the stored ids; flat
@@ -323,7 +376,6 @@ def response_logprobs(llm, prompts: list, responses: list, topk: int, images: li
     {"topk_ids": [N, k], "topk_logprobs": [N, k]} ordered by rank (as ``torch.topk`` orders them).
     ``images[i]``: prompt ``i``'s pictures, its placeholders unexpanded (:func:`token_prompt`); the
     response is then the last ``len(responses[i])`` positions of the sequence vLLM expanded."""
-    import numpy as np
     from vllm import SamplingParams
 
     # One generated token is the least vLLM will do; it is not used. detokenize=False: ids only.

@@ -7,7 +7,7 @@ each round's train wrote (its commit's files and an optimizer state written afte
 trainable parameters, and the held-out score after every round.
 
     .venv/bin/python bench/lora_vs_full.py                       # about 12 minutes on 2 cores
-    .venv/bin/python bench/lora_vs_full.py --lora-lr 1e-3 --lora-lr 3e-4
+    .venv/bin/python bench/lora_vs_full.py --lora-lr 1e-3 --serve merged --serve adapters
 
 Writes ``results/lora_vs_full.json``.
 """
@@ -52,6 +52,8 @@ def demo_run(folder: Path, overrides: list[str]) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lora-lr", action="append", type=float, help="LoRA runs' train.lr (repeatable; default 1e-3)")
+    ap.add_argument("--serve", action="append", choices=["merged", "adapters"],
+                    help="what rollout's engine runs in the LoRA runs, model.lora.serve (repeatable; default merged, the CPU's auto)")
     ap.add_argument("--work-dir", default="/tmp/gndpo-bench/lora_vs_full")
     a = ap.parse_args(argv)
     work = Path(a.work_dir)
@@ -59,9 +61,12 @@ def main(argv=None) -> dict:
     t0 = time.time()
     runs = {"full": demo_run(work / "full", [])}
     for lr in a.lora_lr or [1e-3]:
-        runs[f"lora lr {lr:g}"] = demo_run(work / f"lora-{lr:g}", [*LORA, f"train.lr={lr:g}"])
+        for serve in a.serve or ["merged"]:
+            runs[f"lora lr {lr:g}, served {serve}"] = demo_run(work / f"lora-{lr:g}-{serve}", [*LORA, f"train.lr={lr:g}", f"model.lora.serve={serve}"])
     result = {"cpu": machine(), "measured_at": time.strftime("%Y-%m-%d %H:%M"), "bench_s": round(time.time() - t0, 1), "runs": runs}
-    save_json(RESULTS / "lora_vs_full.json", result)
+    path = RESULTS / "lora_vs_full.json"
+    earlier = json.loads(path.read_text()).get("bench_runs", []) if path.exists() else []
+    save_json(path, {"bench_runs": [*earlier, result][-4:]})  # each a full run beside LoRA ones, in the same run
     print(json.dumps(result, indent=1))
     return result
 

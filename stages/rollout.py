@@ -30,7 +30,7 @@ from gndpo.stages.models.device import DTYPES, local_device
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, unsampleable
 from gndpo.stages.models.lora import served_as_adapters
-from gndpo.stages.models.vllm_engine import engine_dtype
+from gndpo.stages.models.vllm_engine import cuda_available, engine_dtype
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
 from gndpo.stages.text.guide import TeacherGuide
@@ -88,7 +88,7 @@ class RolloutJob:
         self.images = RunImages(self.run.fs)
         exported = self.run.policy_dir(self.round)
         lc = self.cfg.model.lora
-        if served_as_adapters(lc) and not self.run.images_per_prompt():  # a VLM's engine loads the merged weights
+        if served_as_adapters(lc, cuda_available()) and not self.run.images_per_prompt():  # a VLM's engine loads the merged weights
             self.llm = self.live.adapter_engine(policy, self.cfg.engine, self.cfg.rollout.seed, self.run.policy_path(0), lc.rank)
         else:
             self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed, images=self.run.images_per_prompt(),

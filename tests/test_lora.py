@@ -101,9 +101,10 @@ def test_lora_refusals(setting, message):
         config_from_dict(data)
 
 
-def new_run(folder, assets, train: dict | None = None):
+def new_run(folder, assets, train: dict | None = None, serve: str = "adapters"):
+    """A toy LoRA run; ``serve`` adapters (vLLM's LoRA, which auto leaves to GPUs) so that it runs here."""
     run = folder / "run"
-    cfg = tiny_config_dict(assets, model={"lora": {"enabled": True, "rank": 4, "alpha": 8}}, rollout={"eval_heldout": False},
+    cfg = tiny_config_dict(assets, model={"lora": {"enabled": True, "rank": 4, "alpha": 8, "serve": serve}}, rollout={"eval_heldout": False},
                            train=train or {"lr": 1e-2})
     invoke_ok("init", run, "--config", write_config(folder, cfg))
     return run
@@ -164,16 +165,20 @@ def test_a_later_train_starts_from_the_initial_student_plus_the_exported_adapter
 
 @pytest.mark.slow
 def test_lora_under_zero_2_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_assets):
-    """The same first round with the adapters' optimizer partitioned (ZeRO-2, one rank): the export
-    equals the ZeRO-0 run's to float rounding, and the state it carries holds the adapters only."""
+    """The same rounds with the adapters' optimizer partitioned (ZeRO-2, one rank) and the merged
+    weights served (model.lora.serve merged, the CPU's auto): round 0's export equals the ZeRO-0
+    run's to float rounding, the adapters file holds adapters only, and round 1's kept engine, reloaded
+    with the merged weights, passes the probe."""
     kept, _ = lora_runs
-    run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "zero_stage": 2})
-    gndpo("run", run, "--rounds", 1)
+    run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "zero_stage": 2}, serve="merged")
+    gndpo("run", run, "--rounds", 2)
     got, want = (load_file(str(export_dir(r, 0) / "model.safetensors")) for r in (run, kept))
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
     adapter = load_file(str(export_dir(run, 0) / "adapter" / "adapter_model.safetensors"))
     assert adapter and all(".lora_" in k for k in adapter)
+    probe = open_run(str(run)).records(1, "rollout").manifest()["metrics"]
+    assert "engine_adapters" not in probe and probe["engine_reloaded"] == 1 and probe["engine_probe_gap_mean"] < 1e-4, probe
 
 
 @pytest.mark.slow

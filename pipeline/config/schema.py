@@ -278,6 +278,11 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     train_output_layer: bool = False  # the output layer trains in full beside the adapters
     train_embeddings: bool = False  # the input embeddings train in full (tied to the output layer where the model ties them)
+    # What rollout's vLLM engine runs: the initial student with each round's adapters on every request
+    # (adapters: vLLM's LoRA, nothing reloaded between rounds), or the merged weights reloaded each round
+    # (merged). auto: adapters on a GPU; merged on CPU, where vLLM's LoRA runs its adapter products as
+    # plain torch ops and a rollout took 3x as long (the self-distillation demo's SmolLM2 rounds).
+    serve: Literal["auto", "adapters", "merged"] = "auto"
 
 
 @dataclass(frozen=True)

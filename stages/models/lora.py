@@ -33,11 +33,13 @@ def has_adapters(model) -> bool:
     return any(isinstance(m, LoraLayer) for m in model.modules())
 
 
-def served_as_adapters(lc) -> bool:
+def served_as_adapters(lc, cuda: bool) -> bool:
     """Whether rollout's vLLM engine runs the student as the base model plus the round's adapters
-    (vLLM's LoRA): for ``model.lora`` runs whose only trained tensors are adapters. A fully trained
-    output layer or embedding table is not an adapter vLLM takes: the engine loads the merged weights."""
-    return lc.enabled and not (lc.train_output_layer or lc.train_embeddings)
+    (vLLM's LoRA; ``model.lora.serve``, whose auto means on a GPU): for ``model.lora`` runs whose only
+    trained tensors are adapters. A fully trained output layer or embedding table is not an adapter vLLM
+    takes: the engine then loads the merged weights."""
+    wanted = lc.serve == "adapters" or (lc.serve == "auto" and cuda)
+    return lc.enabled and wanted and not (lc.train_output_layer or lc.train_embeddings)
 
 
 def add_adapters(model, lc, base_path: str) -> None:

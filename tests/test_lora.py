@@ -225,3 +225,18 @@ def test_the_engine_serving_the_adapters_gives_the_merged_models_logprobs(lora_r
         assert np.abs(served - base).max() > 1e-3  # the adapters changed what the engine computes
     finally:
         shutdown_llm(llm)
+
+
+@pytest.mark.slow
+def test_a_lora_state_not_written_is_replayed_to_the_same_adapters(lora_runs, tmp_path, tiny_assets):
+    """train.state_every 2: round 0 keeps its adapters' optimizer state in memory only, and a new
+    process trains round 1. It replays round 0 from fresh seeded adapters, checks the replay ends on
+    round 0's merged export byte for byte, and exports the kept run's round-1 weights exactly."""
+    kept, _ = lora_runs
+    run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "state_every": 2})
+    gndpo("run", run, "--rounds", 1)
+    log = gndpo("run", run, "--rounds", 2).stderr
+    assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
+    got, want = (load_file(str(export_dir(r, 1) / "model.safetensors")) for r in (run, kept))
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

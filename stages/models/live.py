@@ -315,11 +315,10 @@ class LiveModels:
     def trained(self, engine, cfg, world: int, model_dir: str, pending=None) -> None:
         """Record that ``engine`` finished an update and exported it to ``model_dir`` (a URL); kept for
         the next round if this process keeps models (one rank only). ``pending``: its optimizer state's
-        write in progress (an object with ``wait()``), waited for before the engine changes or goes."""
+        write in progress (an object with ``wait()``; only for a kept engine, :meth:`keeps_trainer`),
+        waited for before the engine changes or goes."""
         if self.keeps_trainer(world):
             self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir, cfg.train.zero_stage == 3, pending)
-        elif pending is not None:
-            pending.wait()
 
     def drop_trainer(self) -> None:
         """Forget the kept DeepSpeed engine, once its pending state write (if any) has finished."""

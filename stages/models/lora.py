@@ -5,11 +5,13 @@ transformers class every forward of gndpo already runs (the chunked output layer
 DeepSpeed), with each target linear layer computing ``W x + alpha / rank * B A x``. What leaves train:
 
 * the merged weights, ``W + alpha / rank * B A`` in the base layer's own names
-  (:func:`merged_state_dict`): the round's policy folder, which rollout's engine and score load like any
-  other model;
+  (:func:`merged_state_dict`): the round's policy folder, which score (and rollout's engine with
+  ``model.lora.serve: merged``) load like any other model;
 * the adapters (:func:`save_adapter`), in PEFT's own format (``adapter_config.json``,
   ``adapter_model.safetensors``), which a later train loads onto the initial student
-  (:func:`load_adapter`) to continue the same adapters, and which ``PeftModel.from_pretrained`` reads.
+  (:func:`load_adapter`) to continue the same adapters, which rollout's engine serves with
+  ``model.lora.serve: adapters`` (:func:`served_as_adapters`), and which ``PeftModel.from_pretrained``
+  reads.
 """
 
 from __future__ import annotations

@@ -405,7 +405,10 @@ class EngineConfig:
     dtype: Precision = "auto"  # auto = model.dtype's resolution (bf16 on a capable GPU, fp32 on CPU)
     max_model_len: NonNegativeInt = 0  # 0 = the model's own context length (max_position_embeddings)
     cuda_graphs: bool = True  # False = vLLM's enforce_eager; the CPU build always runs eager
-    kv_cache_gib: Count = 1  # each CPU engine's own KV cache (vLLM's kv_cache_memory_bytes); GPUs use gpu_memory_utilization
+    # Each CPU engine's own KV cache (vLLM's kv_cache_memory_bytes), fractions allowed; GPUs use
+    # gpu_memory_utilization. A token takes 2 x layers x KV heads x head size x the dtype's bytes (46 KB for
+    # SmolLM2-135M in fp32): 0.25 GiB holds 5,800 of them, 32 sequences of 180 tokens at once.
+    kv_cache_gib: Annotated[float, Range(gt=0)] = 1.0
     gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.85
     max_num_seqs: Count = 256
     tensor_parallel_size: Count = 1

@@ -109,7 +109,7 @@ def engine_kwargs(model_path: str, cfg: EngineConfig, seed: int = 0, cuda: bool 
         kwargs["enable_chunked_prefill"] = False
         # The CPU build's KV cache: this engine's own size (vLLM's CacheConfig.kv_cache_memory_bytes,
         # which on CPU replaces the share of memory that gpu_memory_utilization would reserve).
-        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_gib * GIB
+        kwargs["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * GIB)
         if cfg.in_process:
             kwargs["distributed_executor_backend"] = "uni"
     return kwargs
@@ -203,7 +203,7 @@ def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool
     with _engine_start_env(in_process, cuda_available()) as legacy:
         if legacy is not None and "kv_cache_memory_bytes" in kwargs:
             logging.getLogger("gndpo").warning(
-                f"{LEGACY_KV_CACHE_ENV}={legacy} is ignored: engine.kv_cache_gib ({cfg.kv_cache_gib}) sets the KV cache "
+                f"{LEGACY_KV_CACHE_ENV}={legacy} is ignored: engine.kv_cache_gib ({cfg.kv_cache_gib:g}) sets the KV cache "
                 f"of the engine for {model_path}"
             )
         llm = LLM(**kwargs)

@@ -27,6 +27,7 @@ from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, is_vision_model, load_tokenizer, vocabulary_size
 from gndpo.stages.models.logprobs import logits_chunk
+from gndpo.stages.models.lora import without_adapters
 from gndpo.stages.models.vision import BatchImages, load_processor, same_image_processing
 from gndpo.stages.scoring.forward import StudentForward, UnitRows
 from gndpo.stages.scoring.shard import refuse_non_finite, score_shard
@@ -68,7 +69,7 @@ class ScoreJob:
         self.live.release_engine()
         # The rollout engine's log-probs may stand in for the student's forward (score.student_logprobs).
         self.from_engine = self.student_from_engine()
-        student = None if self.from_engine else self.live.causal_lm(policy, self.cfg.model, device, fixed=False)
+        student = None if self.from_engine else self.live.causal_lm(policy, self.cfg.model, device, fixed=False, base=self.lora_base)
         # At most the smallest teacher vocabulary (teachers of other tokenizers differ): the HF backend's
         # torch.topk and vLLM both stop there, and a shard's top-k has one width.
         smallest = min(vocabulary_size(p) for p in teachers.values())
@@ -105,12 +106,26 @@ class ScoreJob:
             # vLLM expands a picture's placeholder itself: with pictures it reads the teacher's own rendering.
             context = self._teacher_prompts(path) if self.images is not None else self._teacher_context(path)
             return EngineTeacher(self._student_forward(student, [], pad_id, device), engine, name, context)
-        # A live self-teacher is the round's policy: the student module scores as both.
-        fixed = not self.run.teacher_changes()
-        modules = {n: student if p == policy and student is not None else self.live.causal_lm(p, cfg.model, device, fixed=fixed and p != policy)
-                   for n, p in teachers.items()}
+        modules = {n: self._teacher_module(p, policy, student, device) for n, p in teachers.items()}
         forward = self._student_forward(student, list(modules.values()), pad_id, device, path)
         return ModuleTeachers(forward, modules, routes, self._teacher_context(path))
+
+    @property
+    def lora_base(self) -> str | None:
+        """With model.lora, the initial student the round's adapters apply to; else None."""
+        return self.run.policy_path(0) if self.cfg.model.lora.enabled else None
+
+    def _teacher_module(self, path: str, policy: str, student, device):
+        """The module of the HF backend's teacher at ``path``: the student module itself where the teacher
+        is the round's policy (a live self-teacher, or any teacher in round 0 of a LoRA student); the base
+        under the student's adapters where it is the initial student with model.lora (a frozen
+        self-teacher: no second copy of the weights); else a module of its own."""
+        if student is not None and path == policy:
+            return student
+        lc = self.cfg.model.lora
+        if student is not None and path == self.lora_base and not (lc.train_output_layer or lc.train_embeddings):
+            return without_adapters(student)
+        return self.live.causal_lm(path, self.cfg.model, device, fixed=not self.run.teacher_changes() and path != policy)
 
     def _teacher_columns(self, teacher_path: str, prompts: TeacherPrompts, device):
         """Where a cross-tokenizer teacher's numbers come from: its vLLM engine (score.backend vllm) or

@@ -170,6 +170,20 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
     return sorted((r for f in files for r in pq.read_table(Path(run_dir) / f["path"]).to_pylist()), key=lambda r: r["rollout_id"])
 
 
+def model_logprobs(model, prompt, response):
+    """log p(response_t | prompt, response_<t) of one HF model (a module, or the folder to load it
+    from), written out here: the reference the stored log-probs are checked against."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(model, (str, Path)):
+        model = AutoModelForCausalLM.from_pretrained(str(model))
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model.eval()(input_ids=ids).logits[0].double(), -1)
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
+    return logp[positions, torch.tensor(response)].numpy()
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports free on loopback right now."""
     import socket

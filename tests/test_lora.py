@@ -22,8 +22,8 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig, config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.vllm_engine import AdapterEngine, adapter_request, forced_logprobs, make_llm, shutdown_llm
-from gndpo.stages.models.lora import adapted_student, add_adapters, load_adapter, merged_state_dict, save_adapter
-from tests.conftest import gndpo, gndpo_killed, invoke_ok, tiny_config_dict, write_config
+from gndpo.stages.models.lora import adapted_student, add_adapters, load_adapter, merged_state_dict, save_adapter, without_adapters
+from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, model_logprobs, run_stages, tiny_config_dict, write_config
 
 TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, tie_word_embeddings=False)
@@ -87,6 +87,24 @@ def test_saved_adapters_load_into_a_fresh_student_and_into_peft(tmp_path, output
     torch.testing.assert_close(PeftModel.from_pretrained(LlamaForCausalLM(TINY), str(tmp_path))(ids).logits, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="do not fit"):
         load_adapter(adapted_model(rank=4, target_modules=["q_proj"]), tmp_path)
+
+
+def test_the_base_without_adapters_shares_the_students_weights():
+    """The frozen self-teacher of a LoRA student: the base model's forward, bit for bit, computed on the
+    student's own base tensors (the same storage), while the student keeps its adapters."""
+    model = adapted_model()
+    base = without_adapters(model)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(TINY)  # the weights under the adapters (adapted_model seeds them alike)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(base(ids).logits, plain(ids).logits, rtol=0, atol=0)
+        assert (model(ids).logits - plain(ids).logits).abs().max() > 1e-3  # the student still adapts
+    shared = dict(model.named_parameters())
+    for name, param in base.named_parameters():
+        if ".lora_" not in name:
+            assert param.data_ptr() == shared[name].data_ptr(), name
+    assert all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -240,3 +258,24 @@ def test_a_lora_state_not_written_is_replayed_to_the_same_adapters(lora_runs, tm
     got, want = (load_file(str(export_dir(r, 1) / "model.safetensors")) for r in (run, kept))
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_score_runs_the_student_as_base_plus_adapters_and_the_initial_student_as_the_base(lora_runs, tmp_path, tiny_assets):
+    """Round 1 scored again with the initial student as the teacher (a frozen self-teacher's weights):
+    the student's column is the initial student with round 0's adapters as PEFT computes them, the
+    teacher's the initial student's own forward, the base under the same module's adapters."""
+    kept, _ = lora_runs
+    student = tiny_assets / "student"
+    new = tmp_path / "run"
+    invoke_ok("fork", kept, new, "--from-round", "1", f"teacher={student}")
+    run_stages(new, "score", round_idx=1)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(student)), str(export_dir(kept, 0) / "adapter"))
+    rollouts = {r["rollout_id"]: r for r in committed_rows(kept, "rollout", 1)}
+    scores = committed_rows(new, "score", 1)
+    assert len(scores) == len(rollouts)
+    for s in scores[:4]:
+        r = rollouts[s["rollout_id"]]
+        np.testing.assert_allclose(s["student_logprobs"], model_logprobs(adapted, r["prompt_token_ids"], r["response_token_ids"]), atol=1e-5)
+        np.testing.assert_allclose(s["teacher_logprobs"], model_logprobs(student, r["prompt_token_ids"], r["response_token_ids"]), atol=1e-5)
+        assert np.abs(np.subtract(s["student_logprobs"], s["teacher_logprobs"])).max() > 1e-4  # round 0 moved the student

@@ -9,7 +9,7 @@ import torch
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import committed_rows, invoke_ok, run_stages
+from tests.conftest import committed_rows, invoke_ok, model_logprobs, run_stages
 
 pytestmark = pytest.mark.slow
 CLAMP = 5.0
@@ -25,18 +25,6 @@ def fork_and_score(parent, folder, *settings):
     invoke_ok("fork", parent, new, "--from-round", "0", "teacher=", *settings)
     run_stages(new, "score", "normalize")
     return new
-
-
-def teacher_logprobs(model_path, prompt, response):
-    """log p(response_t | prompt, response_<t) of one HF model, written out here."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_path)).eval()
-    ids = torch.tensor([list(prompt) + list(response)])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
-    positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
-    return logp[positions, torch.tensor(response)].numpy()
 
 
 def moments(c):
@@ -59,7 +47,7 @@ def test_routing_scores_each_prompt_with_its_teacher(parent, tiny_assets, tmp_pa
         per_teacher[s["teacher"]].append(c[np.asarray(r["loss_mask"]) == 1])
     for s in scores[:4]:  # the stored values are the routed model's, recomputed here
         r = rollouts[s["rollout_id"]]
-        want = teacher_logprobs(paths[s["teacher"]], r["prompt_token_ids"], r["response_token_ids"])
+        want = model_logprobs(paths[s["teacher"]], r["prompt_token_ids"], r["response_token_ids"])
         np.testing.assert_allclose(s["teacher_logprobs"], want, atol=1e-5)
     from gndpo.pipeline.run.stats import round_stats
 
@@ -83,8 +71,8 @@ def test_mean_mix_scores_every_token_with_the_mixture(parent, tiny_assets, tmp_p
     assert {s["teacher"] for s in scores} == {"mean(a,b)"}
     for s in scores[:4]:
         r = rollouts[s["rollout_id"]]
-        lp_a = teacher_logprobs(tiny_assets / "teacher", r["prompt_token_ids"], r["response_token_ids"])
-        lp_b = teacher_logprobs(tiny_assets / "student", r["prompt_token_ids"], r["response_token_ids"])
+        lp_a = model_logprobs(tiny_assets / "teacher", r["prompt_token_ids"], r["response_token_ids"])
+        lp_b = model_logprobs(tiny_assets / "student", r["prompt_token_ids"], r["response_token_ids"])
         np.testing.assert_allclose(s["teacher_logprobs"], np.log((np.exp(lp_a) + np.exp(lp_b)) / 2), atol=1e-5)
     c = np.concatenate([
         np.clip(np.subtract(s["teacher_logprobs"], s["student_logprobs"]), -CLAMP, CLAMP)[np.asarray(rollouts[s["rollout_id"]]["loss_mask"]) == 1]

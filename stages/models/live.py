@@ -34,8 +34,9 @@ from pathlib import Path
 from gndpo.stages.models.vllm_engine import (AdapterEngine, adapter_request, cuda_available, engine_alive, engine_dtype, engine_processes,
                                              in_process_engine, make_llm, shutdown_llm)
 from gndpo.stages.models.probe import TOLERANCE, probe_gap
+from gndpo.stages.models.device import resolve_dtype
 from gndpo.stages.models.loading import load_causal_lm, model_config
-from gndpo.stages.models.lora import ADAPTER_DIR, policy_state_dict
+from gndpo.stages.models.lora import ADAPTER_DIR, adapted_student, policy_state_dict
 from gndpo.stages.training.deepspeed_engine import build_engine
 
 
@@ -251,10 +252,14 @@ class LiveModels:
         return live.llm
 
     # -- score: HF modules -----------------------------------------------------------------------------
-    def causal_lm(self, path: str, model_cfg, device, fixed: bool):
+    def causal_lm(self, path: str, model_cfg, device, fixed: bool, base: str | None = None):
         """An eval-mode causal LM with ``path``'s weights on ``device``. ``fixed`` marks a model that never
         changes during a run (the teacher); kept, it is loaded once. The student is loaded each round
-        (cheap next to its forward passes, and always the exported weights)."""
+        (cheap next to its forward passes, and always the exported weights); with ``base`` (model.lora:
+        the initial student) it is ``base`` plus the adapters ``path`` carries, computed unmerged as
+        train computes it."""
+        if base is not None:
+            return adapted_student(path, base, model_cfg, device, resolve_dtype(model_cfg.dtype, device)).to(device).eval()
         if not (self.keep and fixed):
             return load_causal_lm(path, model_cfg, device).eval()
         key = (path, repr(model_cfg), str(device))

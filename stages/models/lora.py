@@ -16,6 +16,7 @@ DeepSpeed), with each target linear layer computing ``W x + alpha / rank * B A x
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -65,6 +66,21 @@ def adapted_student(policy: str, base: str, model_cfg, device, dtype):
     if (Path(policy) / ADAPTER_DIR).is_dir():
         load_adapter(model, Path(policy) / ADAPTER_DIR)
     return model
+
+
+def without_adapters(adapted):
+    """The base model under ``adapted``'s adapters as a module of its own, with no second copy of its
+    weights: a copy of the module tree that shares every base tensor with ``adapted`` and has its
+    (copied, small) adapters switched off. The adapters' tensors are copied because PEFT's switch also
+    marks them frozen, which must not reach ``adapted``'s. A layer ``model.lora`` trains in full (the
+    output layer, the embeddings) is shared as it is now, no longer the base's: callers that want the
+    initial student load it where ``lc.train_output_layer`` or ``lc.train_embeddings`` is set."""
+    shared = {id(t): t for name, t in (*adapted.named_parameters(), *adapted.named_buffers()) if ".lora_" not in name}
+    base = copy.deepcopy(adapted, memo=shared)
+    for module in base.modules():
+        if isinstance(module, LoraLayer):
+            module.enable_adapters(False)
+    return base
 
 
 def merged_state_dict(model) -> dict[str, torch.Tensor]:

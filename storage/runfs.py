@@ -241,3 +241,41 @@ def file_sha256(path: Path) -> str:
     """The sha256 of a file's bytes, read in blocks."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def export_files(source: RunFS, files: list[dict], prefix: str, dest_url: str, storage_options: dict | None = None) -> list[dict]:
+    """Copy committed ``files`` (records: path, bytes, sha256) of ``source`` into the folder ``dest_url``
+    (a path or URL that must not exist yet, or be an empty folder), named by their path under
+    ``prefix``. Each file is checked against its record's sha256 before anything reaches ``dest_url``;
+    a local folder then appears whole (staged beside it and renamed), an object store's is uploaded
+    and removed again if the upload fails. Returns the written files' records, relative to ``dest_url``."""
+    dest = RunFS(dest_url, storage_options)
+    root = dest.path("").rstrip("/")
+    if dest.fs.exists(root) and (not dest.fs.isdir(root) or dest.fs.ls(root)):
+        raise GndpoError(f"{dest_url} exists and is not an empty folder; give a new folder")
+    staging_parent = os.path.dirname(os.path.abspath(root)) if dest.is_local else None
+    if staging_parent:
+        os.makedirs(staging_parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=staging_parent, prefix=f".{os.path.basename(root)}.export-") as tmp:
+        staged = Path(tmp) / "out"
+        written = []
+        for record in files:
+            name = record["path"][len(prefix):].lstrip("/")
+            local = staged / name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            source.fs.get_file(source.path(record["path"]), str(local))
+            if file_sha256(local) != record["sha256"]:
+                raise GndpoError(f"{source.uri(record['path'])} differs from its commit record (sha256); nothing was exported")
+            written.append({"path": name, "bytes": record["bytes"], "sha256": record["sha256"]})
+        if dest.is_local:
+            if os.path.isdir(root):
+                os.rmdir(root)  # empty (checked above): the staged folder takes its place
+            os.rename(staged, root)
+        else:
+            try:
+                dest.fs.put(f"{staged}/", root, recursive=True)  # the trailing slash: its files, not the folder
+            except BaseException:
+                if dest.fs.exists(root):
+                    dest.fs.rm(root, recursive=True)
+                raise
+    return written

@@ -9,6 +9,7 @@ byte, and leave every tensor outside the adapters' layers as the initial student
 """
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +24,8 @@ from gndpo.pipeline.config.schema import EngineConfig, config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.vllm_engine import AdapterEngine, adapter_request, forced_logprobs, make_llm, shutdown_llm
 from gndpo.stages.models.lora import adapted_student, add_adapters, load_adapter, merged_state_dict, save_adapter, without_adapters
-from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, model_logprobs, run_stages, tiny_config_dict, write_config
+from tests.conftest import (assert_one_line_error, committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, model_logprobs, run_stages,
+                            tiny_config_dict, write_config)
 
 TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, tie_word_embeddings=False)
@@ -107,8 +109,15 @@ def test_the_base_without_adapters_shares_the_students_weights():
     assert all(p.requires_grad for n, p in model.named_parameters() if ".lora_" in n)
 
 
+def test_export_refuses_a_run_with_no_trained_policy(tiny_config, tmp_path):
+    invoke_ok("init", tmp_path / "run", "--config", tiny_config)
+    assert_one_line_error(invoke("export", tmp_path / "run", tmp_path / "out"), "has no trained policy yet")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("setting, message", [
-    ({"train": {"zero_stage": 3}}, "model.lora trains under train.zero_stage 0-2"),
+    ({"train": {"zero_stage": 3}, "model": {"lora": {"enabled": True, "train_output_layer": True}}},
+     "model.lora.train_output_layer and train_embeddings train under train.zero_stage 0-2"),
     ({"model": {"lora": {"enabled": True, "target_modules": []}}}, "model.lora.target_modules must name modules"),
 ])
 def test_lora_refusals(setting, message):
@@ -200,6 +209,23 @@ def test_lora_under_zero_2_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_
 
 
 @pytest.mark.slow
+def test_lora_under_zero_3_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_assets):
+    """The same rounds with the base weights and the adapters partitioned (ZeRO-3, one rank; the frozen
+    output layer's chunks recomputed in backward): each round's merged export and adapters equal the
+    ZeRO-0 run's to float rounding, and round 1 continues from round 0's adapters and optimizer state
+    as ZeRO-0 does."""
+    kept, _ = lora_runs
+    run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "zero_stage": 3})
+    gndpo("run", run, "--rounds", 2)
+    for round_idx in range(2):
+        for file in ("model.safetensors", "adapter/adapter_model.safetensors"):
+            got, want = (load_file(str(export_dir(r, round_idx) / file)) for r in (run, kept))
+            assert got.keys() == want.keys(), file
+            for name in want:
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=f"round {round_idx} {file} {name}")
+
+
+@pytest.mark.slow
 def test_a_lora_train_killed_after_a_checkpoint_resumes_to_the_same_adapters(lora_runs, tmp_path, tiny_assets):
     """Round 0's train killed after an in-round checkpoint (taken every step, which DeepSpeed writes
     without the frozen base) and rerun: the retry loads the adapters and their moments
@@ -279,3 +305,39 @@ def test_score_runs_the_student_as_base_plus_adapters_and_the_initial_student_as
         np.testing.assert_allclose(s["student_logprobs"], model_logprobs(adapted, r["prompt_token_ids"], r["response_token_ids"]), atol=1e-5)
         np.testing.assert_allclose(s["teacher_logprobs"], model_logprobs(student, r["prompt_token_ids"], r["response_token_ids"]), atol=1e-5)
         assert np.abs(np.subtract(s["student_logprobs"], s["teacher_logprobs"])).max() > 1e-4  # round 0 moved the student
+
+
+@pytest.mark.slow
+def test_export_writes_the_merged_student_or_its_adapters_and_refuses_what_it_cannot(lora_runs, tmp_path, tiny_assets):
+    """`gndpo export`: the newest policy as a Hugging Face folder of the merged weights (the run's own
+    export, byte for byte, without gndpo's probe), or with --adapters the PEFT adapters, which
+    PeftModel reads onto the initial student to compute what the merged folder computes. A file that
+    no longer matches its commit record, an OUT in use, a policy that does not exist: one line, and
+    no OUT."""
+    kept, _ = lora_runs
+    merged, adapters = tmp_path / "merged", tmp_path / "adapters"
+    invoke_ok("export", kept, merged)
+    invoke_ok("export", kept, adapters, "--adapters")
+    committed = export_dir(kept, 1)
+    assert sorted(p.name for p in merged.iterdir()) == sorted(p.name for p in committed.iterdir() if p.name not in ("adapter", "gndpo_probe.json"))
+    assert (merged / "model.safetensors").read_bytes() == (committed / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in adapters.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    ids = torch.tensor([[1, 3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(merged))(ids).logits
+        got = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_assets / "student")), str(adapters))(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    invoke_ok("export", kept, tmp_path / "v1", "--policy", "1")
+    assert (tmp_path / "v1" / "model.safetensors").read_bytes() == (export_dir(kept, 0) / "model.safetensors").read_bytes()
+
+    assert_one_line_error(invoke("export", kept, merged), "exists and is not an empty folder")
+    assert_one_line_error(invoke("export", kept, tmp_path / "v9", "--policy", "9"), "has no policy v9: its trained policies are v1 to v2")
+    tampered = tmp_path / "tampered"
+    shutil.copytree(kept, tampered)
+    weights = tampered / export_dir(kept, 1).relative_to(kept) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert_one_line_error(invoke("export", tampered, tmp_path / "bad"), "model.safetensors differs from its commit record")
+    assert not (tmp_path / "bad").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
+

@@ -93,3 +93,21 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     assert "policy_version=1" in result and "pass@1=" in result
     with fsspec.open(f"{run}-eval/summary.json") as f:
         assert json.load(f)["policy_version"] == 1
+    # `gndpo export` copies the student out of the S3 run (each file checked against its record), to a
+    # local folder and to another S3 prefix, byte for byte.
+    from gndpo.pipeline.run.run import open_run
+
+    model_dir = open_run(run).records(0, "train").manifest()["metrics"]["model_dir"]
+    local = tmp_path / "student"
+    gndpo("export", run, local, env=s3_endpoint)
+    gndpo("export", run, f"{run}-student", env=s3_endpoint)
+    assert {p.name for p in local.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert not (local / "gndpo_probe.json").exists()
+    fs = fsspec.filesystem("s3")
+    assert sorted(fs.ls(f"{BUCKET}/runs/r1-student", detail=False)) == sorted(f"{BUCKET}/runs/r1-student/{p.name}" for p in local.iterdir())
+    for folder in (f"{run}/{model_dir}", f"{run}-student"):
+        with fsspec.open(f"{folder}/model.safetensors", "rb") as f:
+            assert f.read() == (local / "model.safetensors").read_bytes()
+    refused = gndpo("export", run, tmp_path / "adapters", "--adapters", check=False, env=s3_endpoint)
+    assert refused.returncode == 1 and "has no adapters (model.lora was off)" in refused.stderr
+

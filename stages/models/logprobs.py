@@ -401,6 +401,12 @@ def policy_token_logprobs(model, batch: TokenBatch, token_chunk: int, temperatur
     call every module equally often, since each call gathers its partitioned weights."""
     hidden = response_hidden(model, batch)
     k = topk_ids.shape[-1] if topk_ids is not None else 0
+    # The recompute's check that it saved tensors of the forward's shapes fails on a frozen output layer
+    # under ZeRO-3 (a LoRA student): the recompute runs before the layer's backward hook gathers its
+    # weight again, so the weight it saves is still the empty partition (DeepSpeed fills it in before
+    # the weight is used, as for a trained layer, whose check passes because its hook ran earlier).
+    head_weight = model.get_output_embeddings().weight
+    recompute_check = "none" if hasattr(head_weight, "ds_id") and not head_weight.requires_grad else "default"
 
     masks = largest_among.view(-1, largest_among.shape[-1]) if largest_among is not None else None
     rows = among_row if among_row is not None else batch.targets.new_zeros(batch.n_tokens)
@@ -425,7 +431,7 @@ def policy_token_logprobs(model, batch: TokenBatch, token_chunk: int, temperatur
 
     def run(h, targets, ids, row):
         if torch.is_grad_enabled():
-            return checkpoint(chunk_fn, h, targets, ids, row, use_reentrant=False)
+            return checkpoint(chunk_fn, h, targets, ids, row, use_reentrant=False, determinism_check=recompute_check)
         return chunk_fn(h, targets, ids, row)
 
     parts: list[tuple[torch.Tensor, ...]] = []

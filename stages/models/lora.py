@@ -17,6 +17,7 @@ DeepSpeed), with each target linear layer computing ``W x + alpha / rank * B A x
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -83,17 +84,23 @@ def without_adapters(adapted):
     return base
 
 
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
+def merged_state_dict(model, state: dict | None = None, gathered=nullcontext) -> dict[str, torch.Tensor]:
     """``model``'s state dict with every adapter merged into its base layer, under the base model's own
     names (``q_proj.weight``, not ``q_proj.base_layer.weight``); the adapter tensors left out. The
-    model itself is not changed (PEFT's merge would, and unmerging does not restore the bits)."""
+    model itself is not changed (PEFT's merge would, and unmerging does not restore the bits).
+
+    Where the module holds partitions only (ZeRO-3), ``state`` is its whole state dict (DeepSpeed's
+    consolidated one, on the rank that writes) and ``gathered`` a context over a list of parameters
+    that gathers them (``deepspeed.zero.GatheredParameters``): each adapted layer is gathered in turn,
+    on every rank, as the gather is collective."""
     merged = {}
     for prefix, module in model.named_modules():
         if isinstance(module, LoraLayer):
-            weight = module.get_base_layer().weight
-            merged[f"{prefix}.weight"] = (weight + module.get_delta_weight(ADAPTER_NAME).to(weight.dtype)).detach()
+            with gathered(list(module.parameters())):
+                weight = module.get_base_layer().weight
+                merged[f"{prefix}.weight"] = (weight + module.get_delta_weight(ADAPTER_NAME).to(weight.dtype)).detach()
     out = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict() if state is None else state).items():
         if ".lora_" in name:
             continue
         plain = name.replace(".base_layer.", ".")
@@ -101,20 +108,25 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def policy_state_dict(model) -> dict[str, torch.Tensor]:
-    """The weights the policy exports: :func:`merged_state_dict` for a model with adapters, else its own."""
-    return merged_state_dict(model) if has_adapters(model) else model.state_dict()
+def policy_state_dict(model, state: dict | None = None, gathered=nullcontext) -> dict[str, torch.Tensor]:
+    """The weights the policy exports: :func:`merged_state_dict` for a model with adapters, else its own
+    (``state`` and ``gathered``: as there, for a partitioned module)."""
+    if has_adapters(model):
+        return merged_state_dict(model, state, gathered)
+    return model.state_dict() if state is None else state
 
 
-def save_adapter(model, folder: str | Path) -> None:
+def save_adapter(model, folder: str | Path, state: dict | None = None) -> None:
     """The adapters in PEFT's format under ``folder`` (``PeftModel.from_pretrained`` reads them onto the
     initial student). A fully trained output layer or embedding table goes into the same file, under
-    its name in the model."""
+    its name in the model. ``state``: the model's whole state dict where the module holds partitions
+    only (ZeRO-3)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = model.peft_config[ADAPTER_NAME]
-    state = get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME)
-    extra = {n: p for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
+    whole = model.state_dict() if state is None else state
+    state = get_peft_model_state_dict(model, state_dict=whole, adapter_name=ADAPTER_NAME)
+    extra = {n: whole[n] for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
     save_file({PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in {**state, **extra}.items()}, str(folder / WEIGHTS_FILE))
     config.save_pretrained(str(folder))
 

@@ -34,8 +34,13 @@ def export_student(engine, policy: str, fs, out_dir: str, zero_stage: int, dist:
 def save_hf_folder(engine, policy: str, folder: str, zero_stage: int, rank: int) -> None:
     """Write the trained student to ``folder`` (on rank 0) in Hugging Face format; collective under
     ZeRO-3, where rank 0 receives the gathered 16-bit weights."""
+    whole = None
     if zero_stage == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank must call it
+        import deepspeed
+
+        whole = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank must call it
+        # Merging adapters gathers each adapted layer: collective as well.
+        state = policy_state_dict(engine.module, whole, deepspeed.zero.GatheredParameters)
     else:
         state = policy_state_dict(engine.module) if rank == 0 else None
     if rank == 0:
@@ -43,7 +48,7 @@ def save_hf_folder(engine, policy: str, folder: str, zero_stage: int, rank: int)
         engine.module.save_pretrained(folder, state_dict=state, safe_serialization=True)
         save_preprocessing(policy, folder)
         if has_adapters(engine.module):  # what a later train continues (model.lora)
-            save_adapter(engine.module, f"{folder}/{ADAPTER_DIR}")
+            save_adapter(engine.module, f"{folder}/{ADAPTER_DIR}", whole)
 
 
 def save_preprocessing(policy: str, folder: str) -> None:

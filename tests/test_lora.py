@@ -116,23 +116,23 @@ def test_export_refuses_a_run_with_no_trained_policy(tiny_config, tmp_path):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ({"train": {"zero_stage": 3}, "model": {"lora": {"enabled": True, "train_output_layer": True}}},
-     "model.lora.train_output_layer and train_embeddings train under train.zero_stage 0-2"),
+    ({"teacher": "self", "self_teacher": {"weights": "ema"}}, "model.lora cannot be combined with self_teacher.weights ema"),
     ({"model": {"lora": {"enabled": True, "target_modules": []}}}, "model.lora.target_modules must name modules"),
 ])
 def test_lora_refusals(setting, message):
     data = {"student": "s", "teacher": "t", "data": {"train": "x"}, "model": {"lora": {"enabled": True}}}
     for key, value in setting.items():
-        data[key] = {**data.get(key, {}), **value}
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     with pytest.raises(GndpoError, match=message):
         config_from_dict(data)
 
 
-def new_run(folder, assets, train: dict | None = None, serve: str = "adapters"):
+def new_run(folder, assets, train: dict | None = None, serve: str = "adapters", lora: dict | None = None):
     """A toy LoRA run; ``serve`` adapters (vLLM's LoRA, which auto leaves to GPUs) so that it runs here."""
+    folder.mkdir(parents=True, exist_ok=True)
     run = folder / "run"
-    cfg = tiny_config_dict(assets, model={"lora": {"enabled": True, "rank": 4, "alpha": 8, "serve": serve}}, rollout={"eval_heldout": False},
-                           train=train or {"lr": 1e-2})
+    lora = {"enabled": True, "rank": 4, "alpha": 8, "serve": serve, **(lora or {})}
+    cfg = tiny_config_dict(assets, model={"lora": lora}, rollout={"eval_heldout": False}, train=train or {"lr": 1e-2})
     invoke_ok("init", run, "--config", write_config(folder, cfg))
     return run
 
@@ -209,14 +209,19 @@ def test_lora_under_zero_2_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_lora_under_zero_3_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_assets):
-    """The same rounds with the base weights and the adapters partitioned (ZeRO-3, one rank; the frozen
-    output layer's chunks recomputed in backward): each round's merged export and adapters equal the
-    ZeRO-0 run's to float rounding, and round 1 continues from round 0's adapters and optimizer state
-    as ZeRO-0 does."""
+@pytest.mark.parametrize("output_layer", [False, True])
+def test_lora_under_zero_3_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_assets, output_layer):
+    """The same rounds with the base weights and the adapters partitioned (ZeRO-3, one rank; a frozen
+    output layer's chunks recomputed in backward), and with the output layer trained in full beside
+    the adapters: each round's merged export and adapters equal the ZeRO-0 run's to float rounding,
+    and round 1 continues from round 0's adapters and optimizer state as ZeRO-0 does."""
     kept, _ = lora_runs
-    run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "zero_stage": 3})
+    lora = {"train_output_layer": True} if output_layer else {}
+    run = new_run(tmp_path / "zero3", tiny_assets, train={"lr": 1e-2, "zero_stage": 3}, lora=lora)
     gndpo("run", run, "--rounds", 2)
+    if output_layer:
+        kept = new_run(tmp_path / "zero0", tiny_assets, lora=lora)
+        gndpo("run", kept, "--rounds", 2)
     for round_idx in range(2):
         for file in ("model.safetensors", "adapter/adapter_model.safetensors"):
             got, want = (load_file(str(export_dir(r, round_idx) / file)) for r in (run, kept))

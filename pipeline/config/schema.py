@@ -622,16 +622,12 @@ def _check_combinations(cfg: Config) -> None:
 
 
 def _check_lora(cfg: Config) -> None:
-    """``model.lora`` with what it is not built for yet: ZeRO-3 with a layer trained in full beside the
-    adapters, and an EMA self-teacher (an average of the merged weights)."""
+    """``model.lora`` with what it is not built for yet: an EMA self-teacher (an average of the merged
+    weights)."""
     if not cfg.model.lora.enabled:
         return
     if not cfg.model.lora.target_modules or not all(cfg.model.lora.target_modules):
         raise GndpoError("config key model.lora.target_modules must name modules (or all-linear)")
-    lc = cfg.model.lora
-    if cfg.train.zero_stage == 3 and (lc.train_output_layer or lc.train_embeddings):
-        raise GndpoError("model.lora.train_output_layer and train_embeddings train under train.zero_stage 0-2 "
-                         "(a partitioned layer trained in full beside the adapters is not built yet)")
     if cfg.teacher == SELF_TEACHER and cfg.self_teacher.weights == "ema":
         raise GndpoError("model.lora cannot be combined with self_teacher.weights ema (the average of merged weights is not built yet)")
 

@@ -144,4 +144,16 @@ def load_adapter(model, folder: str | Path) -> None:
     set_peft_model_state_dict(model, {k: state[k] for k in adapters}, adapter_name=ADAPTER_NAME)
     with torch.no_grad():
         for name in full:
-            params[name].copy_(state[name])
+            with whole_for_writing(params[name]):
+                params[name].copy_(state[name])
+
+
+def whole_for_writing(param):
+    """A context in which ``param`` holds its whole tensor and what is written to it reaches every
+    rank's partition after: for a model built partitioned under ZeRO-3, where the adapters' fully
+    trained layers are loaded into partitioned parameters; otherwise nothing to do."""
+    if not hasattr(param, "ds_id"):
+        return nullcontext()
+    import deepspeed  # only a ZeRO-3 train gets here, and it has imported DeepSpeed long before
+
+    return deepspeed.zero.GatheredParameters([param], modifier_rank=0)

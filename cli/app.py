@@ -85,7 +85,7 @@ def options(
 
 def _register() -> None:
     # Importing a command module registers its command on `app`.
-    from gndpo.cli import compare, convert, demo, eval, export, fork, gc, init, methods, report, run, sql, stages, status  # noqa: F401
+    from gndpo.cli import compare, convert, demo, eval, export, fork, gc, init, methods, recipe, report, run, sql, stages, status  # noqa: F401
 
 
 def main() -> None:

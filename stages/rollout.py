@@ -103,10 +103,11 @@ class RolloutJob:
         self.guide = None
         if self.cfg.rollout.guided_fraction > 0:
             rc, cross = self.cfg.rollout, self.cfg.score.cross_tokenizer
+            teacher_path = self.run.teacher_folder(self.cfg.teacher)
             if not cross:
-                check_same_tokenizer(policy, self.cfg.teacher)
-            teacher = self.live.causal_lm(self.cfg.teacher, self.cfg.model, local_device(), fixed=True)
-            self.guide = TeacherGuide(teacher, self.tok, load_tokenizer(self.cfg.teacher) if cross else None, self.cfg.data,
+                check_same_tokenizer(policy, teacher_path)
+            teacher = self.live.causal_lm(teacher_path, self.cfg.model, local_device(), fixed=True)
+            self.guide = TeacherGuide(teacher, self.tok, load_tokenizer(teacher_path) if cross else None, self.cfg.data,
                                       min(rc.guide_prefix_tokens, rc.max_tokens - 1), rc.temperature)
 
     def is_guided(self, prompt_id: str) -> bool:

@@ -110,4 +110,13 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
             assert f.read() == (local / "model.safetensors").read_bytes()
     refused = gndpo("export", run, tmp_path / "adapters", "--adapters", check=False, env=s3_endpoint)
     assert refused.returncode == 1 and "has no adapters (model.lora was off)" in refused.stderr
+    # Another run with this run's policy as its teacher (teacher: run:s3://...): resolved at init against
+    # the commit record on S3, and read through a local download with the same bytes.
+    child_config = tmp_path / "child.yaml"
+    child_config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets, teacher=f"run:{run}")))
+    gndpo("init", f"{run}-child", "--config", child_config, env=s3_endpoint)
+    child = open_run(f"{run}-child")
+    assert child.teacher_runs[f"run:{run}"]["policy"] == 1
+    folder = child.teacher_models(0)[f"run:{run}"]
+    assert (Path(folder) / "model.safetensors").read_bytes() == (local / "model.safetensors").read_bytes()
 

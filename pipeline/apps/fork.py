@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import os
 
-import yaml
-
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import apply_overrides
 from gndpo.pipeline.config.schema import Config, config_from_dict
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.tasks.rewards import run_rewards
-from gndpo.pipeline.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts
+from gndpo.pipeline.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, resolve_teachers, run_yaml
 from gndpo.pipeline.run.images import RunImages, copy_images
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.storage.runfs import RunFS
@@ -67,15 +65,16 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     refusal = fork_refusal(parent_url, from_round, cfg)
     if refusal:
         raise GndpoError(refusal)
-    validate_method(cfg.method)
-    check_backend(cfg)
-    check_precision(cfg)
-    check_models(cfg)
-    check_routes(cfg, parent.prompts("train"))
-    check_images(cfg, parent.images_per_prompt() > 0)
-    check_teacher_prompts(cfg, parent.prompts("train"), RunImages(parent.fs).get)
+    local, teacher_runs = resolve_teachers(cfg, parent.teacher_runs)  # the checks read the teachers' local folders
+    validate_method(local.method)
+    check_backend(local)
+    check_precision(local)
+    check_models(local)
+    check_routes(local, parent.prompts("train"))
+    check_images(local, parent.images_per_prompt() > 0)
+    check_teacher_prompts(local, parent.prompts("train"), RunImages(parent.fs).get)
     lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}
-    body = yaml.safe_dump({**cfg.to_dict(), "lineage": lineage}, sort_keys=False).encode()
+    body = run_yaml(cfg, teacher_runs, lineage=lineage)
     fs = RunFS(url)
     if fs.exists("run.yaml"):
         return _reopen(url, body)

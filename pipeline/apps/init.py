@@ -10,11 +10,13 @@ whose loaders they use; the checks of the settings alone are :mod:`gndpo.pipelin
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
 from transformers.utils import logging as hf_logging
 
 from gndpo.errors import GndpoError
@@ -23,7 +25,8 @@ from gndpo.pipeline.config.schema import SELF_TEACHER, Config
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.run.images import decode, image_ids, store_images, with_image_ids
 from gndpo.pipeline.run.prompts import load_prompts
-from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
+from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, model_cache_dir, open_run
+from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, references, resolve_reference, teacher_folder
 from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import attn_implementation, visible_gpus
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer
@@ -224,6 +227,31 @@ def check_metrics_backends(cfg: Config) -> None:
             raise GndpoError(f"logging.backends names {backend}, which is not installed (pip install 'gndpo[metrics]')")
 
 
+def resolve_teachers(cfg: Config, known: dict | None = None) -> tuple[Config, dict]:
+    """(``cfg`` with each teacher that is another run's policy, ``run:RUN[@K]``, replaced by that
+    policy's local folder, for the checks that read the models; {reference: resolution} for run.yaml,
+    :mod:`gndpo.pipeline.run.teacher_runs`). ``known``: resolutions to keep as they are (a fork's, from
+    its parent)."""
+    if cfg.teacher == SELF_TEACHER:
+        return cfg, {}
+    runs = {ref: (known or {}).get(ref) or resolve_reference(ref, open_run(parse_reference(ref)[0]))
+            for ref in references(cfg.teacher_models())}
+    if not runs:
+        return cfg, {}
+
+    def folder(teacher: str) -> str:
+        return teacher_folder(teacher, runs[teacher], model_cache_dir()) if is_reference(teacher) else teacher
+
+    local = dataclasses.replace(cfg, teacher=folder(cfg.teacher) if cfg.teacher else "", teachers={n: folder(t) for n, t in cfg.teachers.items()})
+    return local, runs
+
+
+def run_yaml(cfg: Config, teacher_runs: dict, **extra) -> bytes:
+    """A run's ``run.yaml``: the config as written, then what was resolved when the run was created."""
+    more = {**({"teacher_runs": teacher_runs} if teacher_runs else {}), **extra}
+    return (config_to_yaml(cfg) + (yaml.safe_dump(more, sort_keys=False) if more else "")).encode()
+
+
 def init_run(url: str, cfg: Config) -> Run:
     fs = RunFS(url)
     if fs.exists("run.yaml"):
@@ -231,6 +259,8 @@ def init_run(url: str, cfg: Config) -> Run:
         if existing.cfg.fingerprint() != cfg.fingerprint():
             raise GndpoError(f"run folder {url} was created from another config; use a new folder")
         return existing
+    written = cfg
+    cfg, teacher_runs = resolve_teachers(cfg)  # the checks read the teachers' local folders
     validate_method(cfg.method)
     check_metrics_backends(cfg)
 
@@ -255,7 +285,7 @@ def init_run(url: str, cfg: Config) -> Run:
     store_images(fs, images)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
-    if not fs.create("run.yaml", config_to_yaml(cfg).encode()):
+    if not fs.create("run.yaml", run_yaml(written, teacher_runs)):
         # A concurrent init won; accept it only if it is the same experiment.
-        return init_run(url, cfg)
-    return Run(fs=fs, cfg=cfg)
+        return init_run(url, written)
+    return Run(fs=fs, cfg=written, teacher_runs=teacher_runs or None)

@@ -27,6 +27,7 @@ from gndpo.pipeline.exec.status import phase_rows, stage_rows
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.apps.recipe import recipe_stages
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.duck import connect, parquet_source
 from gndpo.storage.tables import write_file
@@ -101,7 +102,8 @@ def seed_group(label: str, members: list[Series]) -> Series:
 
 
 def find_runs(folder: str) -> list[Series]:
-    """The runs a folder holds: itself, a demo folder's run, or each method of a comparison."""
+    """The runs a folder holds: itself, a demo folder's run, each method of a comparison, or each stage
+    of a recipe (`gndpo recipe`)."""
     root = Path(folder)
     if (root / "compare.json").exists():
         series = []
@@ -118,6 +120,8 @@ def find_runs(folder: str) -> list[Series]:
         if not series:
             raise GndpoError(f"{folder}: a comparison folder without method runs")
         return series
+    if stages := recipe_stages(folder):
+        return [Series(label=s["name"], url=str(root / s["run"]), rows=collect_metrics(open_run(str(root / s["run"])))) for s in stages]
     if (root / "run" / "run.yaml").exists():
         return [_demo_series(root, label=root.name)]
     run = open_run(folder)

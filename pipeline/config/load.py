@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import SELF_TEACHER, Config, config_from_dict
+from gndpo.pipeline.config.schema import RUN_TEACHER, SELF_TEACHER, Config, config_from_dict, split_run_teacher
 from gndpo.pipeline.tasks.plugins import use_plugin_dirs
 
 
@@ -85,6 +85,9 @@ def resolve_paths(data: dict, base: Path) -> dict:
 
 def _resolve(value: str, base: Path) -> str:
     """Local relative paths become absolute; URLs (s3://...) and hub ids are left alone."""
+    if value.startswith(RUN_TEACHER):  # another run's policy: the run's folder resolves as a path, @K stays
+        run, version = split_run_teacher(value)
+        return f"{RUN_TEACHER}{_resolve(run, base)}{'@' if version else ''}{version}"
     if not value or "://" in value:
         return value
     p = Path(value).expanduser()

@@ -190,6 +190,16 @@ class MethodConfig:
 
 
 SELF_TEACHER = "self"  # ``teacher: self``: the student model is its own teacher
+RUN_TEACHER = "run:"  # ``teacher: run:RUN[@K]``: another run's trained policy (gndpo.pipeline.run.teacher_runs)
+
+
+def split_run_teacher(teacher: str) -> tuple[str, str]:
+    """(the run, the policy version as written or "") of a ``run:RUN[@K]`` teacher."""
+    body = teacher[len(RUN_TEACHER):]
+    run, at, version = body.rpartition("@")
+    if not at or "/" in version:  # an "@" inside the run's URL itself, not a version
+        return body, ""
+    return run, version
 
 
 @dataclass(frozen=True)

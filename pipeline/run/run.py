@@ -12,6 +12,7 @@ import yaml
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import SELF_TEACHER, Config, config_from_dict
 from gndpo.pipeline.run.images import image_ids
+from gndpo.pipeline.run.teacher_runs import is_reference, teacher_folder
 from gndpo.pipeline.tasks.plugins import use_plugin_dirs
 from gndpo.storage.records import InheritedRecords, StageRecords
 from gndpo.storage.runfs import RunFS
@@ -27,6 +28,9 @@ class Run:
     # A forked run (`gndpo fork`): {"parent": URL, "from_round": K}. Its rounds before K, and round K's
     # rollouts, are the parent's committed records, read where they are.
     lineage: dict | None = None
+    # Teachers that are another run's policy ({"run:...": resolution}, pipeline.run.teacher_runs),
+    # resolved once by `gndpo init`.
+    teacher_runs: dict | None = None
 
     def records(self, round_idx: int, stage: str) -> StageRecords:
         if self.lineage and self.inherits(round_idx, stage):
@@ -66,7 +70,7 @@ class Run:
         (frozen: the initial student; live: the round's policy; ema: the average train exported with
         the previous round's model, the initial student in round 0)."""
         if self.cfg.teacher != SELF_TEACHER:
-            return self.cfg.teacher_models()
+            return {name: self.teacher_folder(value) for name, value in self.cfg.teacher_models().items()}
         weights = self.cfg.self_teacher.weights
         if weights == "frozen" or round_idx == 0:
             path = self.policy_path(0)
@@ -78,15 +82,27 @@ class Run:
             path = records.run.local_dir(records.require_manifest()["metrics"]["ema_dir"], model_cache_dir())
         return {f"self/{weights}": path}
 
+    def teacher_folder(self, teacher: str) -> str:
+        """The local folder of a configured teacher: its path, or for ``run:...`` the other run's policy
+        this run was created with (downloaded if remote)."""
+        if not is_reference(teacher):
+            return teacher
+        return teacher_folder(teacher, (self.teacher_runs or {})[teacher], model_cache_dir(), self.fs.storage_options)
+
     def teacher_changes(self) -> bool:
         """Whether the teacher's weights differ from round to round (a self-teacher that follows the student)."""
         return self.cfg.teacher == SELF_TEACHER and self.cfg.self_teacher.weights != "frozen"
 
-    def latest_policy(self) -> tuple[int, str]:
-        """(policy version, local path) of the newest committed student."""
+    def newest_policy_version(self) -> int:
+        """The newest committed student's version: how many rounds have trained."""
         version = 0
         while self.records(version, "train").manifest() is not None:
             version += 1
+        return version
+
+    def latest_policy(self) -> tuple[int, str]:
+        """(policy version, local path) of the newest committed student."""
+        version = self.newest_policy_version()
         return version, self.policy_path(version)
 
 
@@ -112,6 +128,7 @@ def open_run(url: str) -> Run:
     except yaml.YAMLError:
         raise GndpoError(f"corrupt run.yaml in {url}") from None
     lineage = data.pop("lineage", None) if isinstance(data, dict) else None
+    teacher_runs = data.pop("teacher_runs", None) if isinstance(data, dict) else None
     if isinstance(data, dict):  # the run's own plugins import in every process that opens it
         use_plugin_dirs(data.get("plugin_dirs") or [])
-    return Run(fs=fs, cfg=config_from_dict(data), lineage=lineage)
+    return Run(fs=fs, cfg=config_from_dict(data), lineage=lineage, teacher_runs=teacher_runs)

@@ -42,14 +42,15 @@ def sparse_to_dense(base: Config, rl_rounds: int, distill_rounds: int, rl_method
                     rl_overrides: list[str] = (), distill_overrides: list[str] = ()) -> list[RecipeStage]:
     """The two stages: ``rl_method`` on ``base``'s teacher as the policy (its own reference teacher; the
     method learns from rewards), then ``distill_method`` on ``base``'s student with stage 1's final
-    policy as the teacher. Everything else (data, reward, rollout, train) is ``base``'s."""
+    policy as the teacher. Everything else (data, reward, rollout, train, the method's other settings)
+    is ``base``'s."""
     if base.teacher in ("", "self") or base.teachers:
         raise GndpoError("recipe sparse-to-dense: the config must name one teacher model (teacher: PATH), the model stage 1 reinforces")
     for method in (rl_method, distill_method):
         get_method(method)
     data = base.to_dict()
-    rl = {**data, "student": base.teacher, "teacher": base.teacher, "method": {"name": rl_method}}
-    distill = {**data, "teacher": f"{RUN_TEACHER}teacher-rl", "method": {"name": distill_method}}
+    rl = {**data, "student": base.teacher, "teacher": base.teacher, "method": {**data["method"], "name": rl_method}}
+    distill = {**data, "teacher": f"{RUN_TEACHER}teacher-rl", "method": {**data["method"], "name": distill_method}}
     return [RecipeStage("teacher-rl", rl_rounds, rl, list(rl_overrides)), RecipeStage("distill", distill_rounds, distill, list(distill_overrides))]
 
 

@@ -56,6 +56,9 @@ class ToySpec:
     model: ModelSpec = field(default_factory=lambda: ModelSpec(layers=2, hidden=128, heads=4, max_steps=4000, lr=3e-3))
     student_target: float = 0.15
     teacher_target: float = 0.97
+    # A third checkpoint of the same run between the two, kept where it comes before the teacher's: a
+    # model reinforcement learning can still improve (the sparse-to-dense recipe's teacher on the toy).
+    mid_target: float = 0.6
     student_max_steps: int | None = None  # save the student here at the latest (tests use tiny models)
     # bumped when the built files change for a given spec (2: BOS in the template; 3: pinned arithmetic)
     assets_version: int = 3
@@ -277,6 +280,7 @@ def build_toy_assets(spec: ToySpec, out: Path, log=info) -> dict:
     info = {"spec": asdict(spec), "key": spec.key()}
     milestones = [
         ("student", spec.student_target, spec.student_max_steps or spec.model.max_steps),
+        *([("mid", spec.mid_target, spec.model.max_steps)] if spec.student_target < spec.mid_target < spec.teacher_target else []),
         ("teacher", spec.teacher_target, spec.model.max_steps),
     ]
     info.update(train_toy_models(spec, tok, milestones, heldout, out, log=log))

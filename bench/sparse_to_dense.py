@@ -1,0 +1,135 @@
+"""The sparse-to-dense principle on the toy, at equal compute: three ways to spend the same rounds.
+
+The toy addition task (the demo's settings, fewer prompts a round), with the toy build's three
+checkpoints of one training run: the student (held-out exact match 0.202), the "mid" model (0.786, a
+teacher reinforcement learning can still improve) and the demo's teacher (0.978, unused here). Each arm
+spends ``--rounds`` rounds of the same size (prompts x samples x tokens, optimizer steps):
+
+* ``grpo-student``: GRPO on the student for every round (sparse reward only);
+* ``distill``: forward-KL on-policy distillation of the student from the mid model, every round;
+* ``recipe``: `gndpo recipe sparse-to-dense`: GRPO on the mid model for the first half of the rounds,
+  then forward-KL distillation of the student from the policy that ended on.
+
+Per arm and rollout seed: the student's held-out exact match after each of its rounds (the recipe's
+student trains only in its second half), the reinforced teacher's, the rollout tokens and optimizer
+steps spent, and the wall time. Writes ``results/sparse_to_dense.{json,md}``.
+
+    .venv/bin/python bench/sparse_to_dense.py                   # 3 seeds, 4 rounds of 512 prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, gndpo_cmd, machine, run_timed, save_json  # noqa: E402
+
+from gndpo.pipeline.apps.demo import write_demo_config  # noqa: E402
+from gndpo.pipeline.observe.metrics import collect_metrics  # noqa: E402
+from gndpo.pipeline.run.run import open_run  # noqa: E402
+from gndpo.pipeline.toys.arithmetic import ensure_toy_assets  # noqa: E402
+
+ARMS = ("grpo-student", "distill", "recipe")
+
+
+def base_config(folder: Path, assets: Path, prompts: int, seed: int) -> Path:
+    """The demo's config with the mid checkpoint as the teacher, ``prompts`` a round (steps scaled to
+    keep 256 sequences a step) and rollout seed ``seed``."""
+    cfg = yaml.safe_load(write_demo_config(folder / "base", assets).read_text())
+    cfg["teacher"] = str(assets / "mid")
+    cfg["rollout"].update(prompts_per_round=prompts, seed=seed)
+    cfg["train"]["optimizer_steps"] = prompts * cfg["rollout"]["n"] // 256
+    path = folder / "base.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def heldout_after_rounds(run_url: str) -> list[float]:
+    """The held-out exact match of the policy each round rolled out with, then of the final policy."""
+    by = {(m["round"], m["stage"]): m for m in collect_metrics(open_run(run_url))}
+    scores = [by[(r, "rollout")]["heldout_accuracy"] for r in sorted(r for r, s in by if s == "rollout")]
+    out = Path(run_url + "-eval")
+    shutil.rmtree(out, ignore_errors=True)
+    run_timed(gndpo_cmd("-q", "eval", run_url, "--out", str(out)), out.with_suffix(".log"))
+    return scores + [json.loads((out / "summary.json").read_text())["pass@1"]]
+
+
+def spent(run_url: str) -> dict:
+    run = open_run(run_url)
+    rounds = run.newest_policy_version()
+    tokens = sum(run.records(r, "rollout").manifest()["metrics"]["tokens"] for r in range(rounds))
+    steps = sum(len(run.records(r, "train").done("update")["steps"]) for r in range(rounds))
+    return {"rounds": rounds, "rollout_tokens": tokens, "optimizer_steps": steps}
+
+
+def run_arm(arm: str, folder: Path, base: Path, rounds: int) -> dict:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    t0 = time.time()
+    if arm == "recipe":
+        half = rounds // 2
+        run_timed(gndpo_cmd("-q", "recipe", "sparse-to-dense", str(folder), "--config", str(base), "--rl-rounds", str(half),
+                            "--distill-rounds", str(rounds - half)), folder.with_suffix(".log"))
+        teacher, student = str(folder / "teacher-rl"), str(folder / "distill")
+        result = {"teacher_heldout": heldout_after_rounds(teacher), "teacher_spent": spent(teacher)}
+    else:
+        student = str(folder / "run")
+        method = "grpo" if arm == "grpo-student" else "forward_kl"
+        run_timed(gndpo_cmd("-q", "init", student, "--config", str(base), f"method.name={method}"), folder.with_suffix(".init.log"))
+        run_timed(gndpo_cmd("-q", "run", student, "--rounds", str(rounds)), folder.with_suffix(".log"))
+        result = {}
+    result.update(student_heldout=heldout_after_rounds(student), student_spent=spent(student), wall_s=round(time.time() - t0, 1))
+    return result
+
+
+def markdown(results: dict, rounds: int) -> str:
+    lines = [f"| arm | student held-out after each of its rounds (mean ± sd over {len(results)} seeds) | final | "
+             "reinforced teacher (recipe) | rollout tokens | optimizer steps | wall |", "|---|---|---:|---|---:|---:|---:|"]
+    for arm in ARMS:
+        runs = [results[s][arm] for s in results]
+        curves = np.array([r["student_heldout"] for r in runs])
+        mean, sd = curves.mean(0), curves.std(0)
+        cells = ", ".join(f"{m:.3f}±{d:.3f}" for m, d in zip(mean, sd))
+        teacher = ""
+        if arm == "recipe":
+            t = np.array([r["teacher_heldout"] for r in runs]).mean(0)
+            teacher = " -> ".join(f"{v:.3f}" for v in t)
+        tokens = sum(r["student_spent"]["rollout_tokens"] + r.get("teacher_spent", {}).get("rollout_tokens", 0) for r in runs) / len(runs)
+        steps = sum(r["student_spent"]["optimizer_steps"] + r.get("teacher_spent", {}).get("optimizer_steps", 0) for r in runs) / len(runs)
+        wall = sum(r["wall_s"] for r in runs) / len(runs)
+        lines.append(f"| {arm} | {cells} | {mean[-1]:.3f} | {teacher} | {tokens:,.0f} | {steps:.0f} | {wall:.0f} s |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=512, help="prompts a round (the demo: 2048)")
+    ap.add_argument("--work-dir", default="/tmp/gndpo-bench/sparse_to_dense")
+    a = ap.parse_args(argv)
+    assets = ensure_toy_assets()
+    results = {}
+    for seed in range(a.seeds):
+        work = Path(a.work_dir) / f"seed-{seed}"
+        base = base_config(work, assets, a.prompts, seed)
+        results[seed] = {arm: run_arm(arm, work / arm, base, a.rounds) for arm in ARMS}
+        print(json.dumps({"seed": seed, **{arm: r["student_heldout"] for arm, r in results[seed].items()}}), flush=True)
+    table = markdown(results, a.rounds)
+    save_json(RESULTS / "sparse_to_dense.json", {"machine": machine(), "rounds": a.rounds, "prompts_per_round": a.prompts,
+                                                 "measured_at": time.strftime("%Y-%m-%d %H:%M"), "runs": results})
+    (RESULTS / "sparse_to_dense.md").write_text(table)
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    main()

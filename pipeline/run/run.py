@@ -87,7 +87,11 @@ class Run:
         this run was created with (downloaded if remote)."""
         if not is_reference(teacher):
             return teacher
-        return teacher_folder(teacher, (self.teacher_runs or {})[teacher], model_cache_dir(), self.fs.storage_options)
+        resolution = (self.teacher_runs or {}).get(teacher)
+        if resolution is None:
+            raise GndpoError(f"teacher {teacher} was not resolved when {self.fs.url} was created (run.yaml has no teacher_runs entry for it); "
+                             "create the run with `gndpo init`")
+        return teacher_folder(teacher, resolution, model_cache_dir(), self.fs.storage_options)
 
     def teacher_changes(self) -> bool:
         """Whether the teacher's weights differ from round to round (a self-teacher that follows the student)."""

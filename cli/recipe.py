@@ -14,7 +14,7 @@ RECIPES = ("sparse-to-dense",)
 @user_errors
 def recipe(
     name: str = typer.Argument(..., help="sparse-to-dense: reinforce the teacher (GRPO), then distill it into the student (forward KL)."),
-    out: str = typer.Argument(..., help="The folder for the stages' runs (OUT/<stage>) and recipe.json; rerun to resume."),
+    out: str = typer.Argument(..., help="A local (or shared-filesystem) folder for the stages' runs (OUT/<stage>) and recipe.json; rerun to resume."),
     config: str = typer.Option(..., "--config", help="The base config: the student, the teacher stage 1 reinforces, data, reward and "
                                "the settings both stages share."),
     rl_rounds: int = typer.Option(3, "--rl-rounds", min=1, help="Rounds of stage 1 (teacher-rl)."),

@@ -336,7 +336,7 @@ def test_export_writes_the_merged_student_or_its_adapters_and_refuses_what_it_ca
     assert (tmp_path / "v1" / "model.safetensors").read_bytes() == (export_dir(kept, 0) / "model.safetensors").read_bytes()
 
     assert_one_line_error(invoke("export", kept, merged), "exists and is not an empty folder")
-    assert_one_line_error(invoke("export", kept, tmp_path / "v9", "--policy", "9"), "has no policy v9: its trained policies are v1 to v2")
+    assert_one_line_error(invoke("export", kept, tmp_path / "v9", "--policy", "9"), "has no policy v9; its trained policies are v1 to v2")
     tampered = tmp_path / "tampered"
     shutil.copytree(kept, tampered)
     weights = tampered / export_dir(kept, 1).relative_to(kept) / "model.safetensors"

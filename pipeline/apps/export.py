@@ -24,26 +24,18 @@ def export_policy(run_url: str, out: str, version: int | None = None, adapters: 
     (``version``, ``files``, ``bytes``). One-line errors for a policy that does not exist yet, for the
     initial student (the run holds no copy of it), and for ``adapters`` where the student has none."""
     run = open_run(run_url)
-    newest, _ = run.latest_policy()
-    version = newest if version is None else version
-    if newest == 0:
-        raise GndpoError(f"{run_url} has no trained policy yet: no round's train has committed")
-    if version < 1 or version > newest:
-        trained = "v1" if newest == 1 else f"v1 to v{newest}"
-        raise GndpoError(f"{run_url} has no policy v{version}: its trained policies are {trained} (v0 is the initial student, {run.cfg.student})")
-    records = run.records(version - 1, "train")
-    model_dir = records.require_manifest()["metrics"]["model_dir"]
-    files = [f for unit in records.manifest()["units"] for f in unit["files"] if f["path"].startswith(f"{model_dir}/")]
-    adapter_dir = f"{model_dir}/{ADAPTER_DIR}"
+    policy = run.committed_policy(version)
+    adapter_dir = f"{policy.model_dir}/{ADAPTER_DIR}"
     if adapters:
-        files = [f for f in files if f["path"].startswith(f"{adapter_dir}/")]
+        files = [f for f in policy.files if f["path"].startswith(f"{adapter_dir}/")]
         if not files:
-            raise GndpoError(f"policy v{version} of {run_url} has no adapters (model.lora was off); export it without --adapters")
+            raise GndpoError(f"policy v{policy.version} of {run_url} has no adapters (model.lora was off); export it without --adapters")
         prefix = adapter_dir
     else:
-        files = [f for f in files if not f["path"].startswith(f"{adapter_dir}/") and f["path"] != f"{model_dir}/{PROBE_FILE}"]
-        prefix = model_dir
+        probe = f"{policy.model_dir}/{PROBE_FILE}"
+        files = [f for f in policy.files if not f["path"].startswith(f"{adapter_dir}/") and f["path"] != probe]
+        prefix = policy.model_dir
     # The run's storage options (an S3 endpoint, credentials) serve an OUT on the same kind of storage.
     same_kind = out.partition("://")[0] == run_url.partition("://")[0] and "://" in out
-    written = export_files(records.run, files, prefix, out, run.fs.storage_options if same_kind else None)
-    return {"version": version, "files": len(written), "bytes": sum(f["bytes"] for f in written)}
+    written = export_files(policy.records.run, files, prefix, out, run.fs.storage_options if same_kind else None)
+    return {"version": policy.version, "files": len(written), "bytes": sum(f["bytes"] for f in written)}

@@ -104,10 +104,37 @@ class Run:
             version += 1
         return version
 
+    def committed_policy(self, version: int | None = None) -> "CommittedPolicy":
+        """Trained policy ``version`` (the student after that many trained rounds; None: the newest) as
+        its train stage committed it. One-line errors for a run with no trained policy yet, a version it
+        does not have, and a policy `gndpo gc --keep-rounds` removed."""
+        newest = self.newest_policy_version()
+        if newest == 0:
+            raise GndpoError(f"{self.fs.url} has no trained policy yet (no round's train has committed)")
+        version = newest if version is None else version
+        if not 1 <= version <= newest:
+            trained = "v1" if newest == 1 else f"v1 to v{newest}"
+            raise GndpoError(f"{self.fs.url} has no policy v{version}; its trained policies are {trained} (v0 is the initial student)")
+        records = self.records(version - 1, "train")
+        require_exported(records)
+        model_dir = records.require_manifest()["metrics"]["model_dir"]
+        files = [f for unit in records.manifest()["units"] for f in unit["files"] if f["path"].startswith(f"{model_dir}/")]
+        return CommittedPolicy(version, records, model_dir, files)
+
     def latest_policy(self) -> tuple[int, str]:
         """(policy version, local path) of the newest committed student."""
         version = self.newest_policy_version()
         return version, self.policy_path(version)
+
+
+@dataclass(frozen=True)
+class CommittedPolicy:
+    """A trained policy where its train stage committed it."""
+
+    version: int  # the student after this many trained rounds
+    records: StageRecords  # round version - 1's train records, in the run that holds them (a fork's parent's)
+    model_dir: str  # the export's folder, relative to that run
+    files: list[dict]  # the export's files as committed (path, bytes, sha256)
 
 
 def require_exported(records: StageRecords) -> None:

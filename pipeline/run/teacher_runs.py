@@ -18,7 +18,9 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import RUN_TEACHER, split_run_teacher
 from gndpo.storage.runfs import RunFS
 
+
 def is_reference(teacher: str) -> bool:
+    """Whether a configured teacher names another run's policy (``run:...``) rather than a model folder."""
     return teacher.startswith(RUN_TEACHER)
 
 
@@ -42,24 +44,17 @@ def resolve_reference(reference: str, parent) -> dict:
     with each file of the referenced policy read and checked against the parent's commit record.
     One-line errors for a parent with no trained policy yet, without the version, or whose files were
     removed or changed."""
-    _, version = parse_reference(reference)
-    newest = parent.newest_policy_version()
-    if newest == 0:
-        raise GndpoError(f"teacher {reference}: {parent.fs.url} has no trained policy yet (no round's train has committed)")
-    version = newest if version is None else version
-    if not 1 <= version <= newest:
-        trained = "v1" if newest == 1 else f"v1 to v{newest}"
-        raise GndpoError(f"teacher {reference}: {parent.fs.url} has no policy v{version}; its trained policies are {trained}")
-    records = parent.records(version - 1, "train")
-    if records.pruned() is not None:
-        raise GndpoError(f"teacher {reference}: policy v{version} of {parent.fs.url} was removed by `gndpo gc --keep-rounds`")
-    model_dir = records.require_manifest()["metrics"]["model_dir"]
-    files = [f for unit in records.manifest()["units"] for f in unit["files"] if f["path"].startswith(f"{model_dir}/")]
-    for record in files:
-        if records.run.sha256(record["path"]) != record["sha256"]:
-            raise GndpoError(f"teacher {reference}: {records.run.uri(record['path'])} differs from its commit record (sha256)")
-    return {"run": records.run.url, "policy": version, "model_dir": model_dir,
-            "files": [{"path": f["path"][len(model_dir) + 1:], "bytes": f["bytes"], "sha256": f["sha256"]} for f in files]}
+    try:
+        policy = parent.committed_policy(parse_reference(reference)[1])
+    except GndpoError as exc:
+        raise GndpoError(f"teacher {reference}: {exc}") from None
+    holder = policy.records.run
+    for record in policy.files:
+        if holder.sha256(record["path"]) != record["sha256"]:
+            raise GndpoError(f"teacher {reference}: {holder.uri(record['path'])} differs from its commit record (sha256)")
+    start = len(policy.model_dir) + 1
+    return {"run": holder.url, "policy": policy.version, "model_dir": policy.model_dir,
+            "files": [{"path": f["path"][start:], "bytes": f["bytes"], "sha256": f["sha256"]} for f in policy.files]}
 
 
 def teacher_folder(reference: str, resolution: dict, cache_root: str, storage_options: dict | None = None) -> str:

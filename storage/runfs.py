@@ -99,11 +99,6 @@ class RunFS:
     def read_json_or_none(self, rel: str) -> Any:
         return self.read_json(rel) if self.exists(rel) else None
 
-    def sha256(self, rel: str) -> str:
-        """The sha256 of a file of the run, read in blocks (a model's weights need not fit in memory)."""
-        with self.fs.open(self._fresh(self.path(rel)), "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under ``rel``; empty if it does not exist."""
         try:

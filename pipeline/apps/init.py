@@ -234,7 +234,7 @@ def resolve_teachers(cfg: Config, known: dict | None = None) -> tuple[Config, di
     its parent)."""
     if cfg.teacher == SELF_TEACHER:
         return cfg, {}
-    runs = {ref: (known or {}).get(ref) or resolve_reference(ref, open_run(parse_reference(ref)[0]))
+    runs = {ref: (known or {}).get(ref) or resolve_reference(ref, open_run(parse_reference(ref)[0]), model_cache_dir())
             for ref in references(cfg.teacher_models())}
     if not runs:
         return cfg, {}

@@ -23,7 +23,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.apps.init import init_run
 from gndpo.pipeline.apps.loop import run_loop
 from gndpo.pipeline.config.load import apply_overrides
-from gndpo.pipeline.config.schema import RUN_TEACHER, Config, config_from_dict
+from gndpo.pipeline.config.schema import RUN_TEACHER, SELF_TEACHER, Config, config_from_dict
 from gndpo.pipeline.methods import get_method
 from gndpo.pipeline.observe.logs import info
 
@@ -44,7 +44,7 @@ def sparse_to_dense(base: Config, rl_rounds: int, distill_rounds: int, rl_method
     method learns from rewards), then ``distill_method`` on ``base``'s student with stage 1's final
     policy as the teacher. Everything else (data, reward, rollout, train, the method's other settings)
     is ``base``'s."""
-    if base.teacher in ("", "self") or base.teachers:
+    if base.teacher in ("", SELF_TEACHER) or base.teachers:
         raise GndpoError("recipe sparse-to-dense: the config must name one teacher model (teacher: PATH), the model stage 1 reinforces")
     for method in (rl_method, distill_method):
         get_method(method)

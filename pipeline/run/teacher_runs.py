@@ -13,10 +13,11 @@ train further rounds without changing what this run's teacher is.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import RUN_TEACHER, split_run_teacher
-from gndpo.storage.runfs import RunFS
+from gndpo.storage.runfs import RunFS, file_sha256
 
 
 def is_reference(teacher: str) -> bool:
@@ -39,22 +40,25 @@ def references(teachers: dict[str, str]) -> list[str]:
     return sorted({t for t in teachers.values() if is_reference(t)})
 
 
-def resolve_reference(reference: str, parent) -> dict:
+def resolve_reference(reference: str, parent, cache_root: str) -> dict:
     """The resolution of ``reference`` in ``parent`` (the :class:`~gndpo.pipeline.run.run.Run` it names),
-    with each file of the referenced policy read and checked against the parent's commit record.
-    One-line errors for a parent with no trained policy yet, without the version, or whose files were
-    removed or changed."""
+    with each file of the referenced policy checked against the parent's commit record where later
+    stages read it (:meth:`RunFS.local_dir` under ``cache_root``: the parent's own folder, or the one
+    download a remote parent needs). One-line errors for a parent with no trained policy yet, without
+    the version, or whose files were removed or changed."""
     try:
         policy = parent.committed_policy(parse_reference(reference)[1])
     except GndpoError as exc:
         raise GndpoError(f"teacher {reference}: {exc}") from None
     holder = policy.records.run
-    for record in policy.files:
-        if holder.sha256(record["path"]) != record["sha256"]:
-            raise GndpoError(f"teacher {reference}: {holder.uri(record['path'])} differs from its commit record (sha256)")
+    folder = Path(holder.local_dir(policy.model_dir, cache_root))
     start = len(policy.model_dir) + 1
-    return {"run": holder.url, "policy": policy.version, "model_dir": policy.model_dir,
-            "files": [{"path": f["path"][start:], "bytes": f["bytes"], "sha256": f["sha256"]} for f in policy.files]}
+    files = [{"path": f["path"][start:], "bytes": f["bytes"], "sha256": f["sha256"]} for f in policy.files]
+    for record in files:
+        local = folder / record["path"]
+        if not local.is_file() or file_sha256(local) != record["sha256"]:
+            raise GndpoError(f"teacher {reference}: {holder.uri(policy.model_dir)}/{record['path']} differs from its commit record (sha256)")
+    return {"run": holder.url, "policy": policy.version, "model_dir": policy.model_dir, "files": files}
 
 
 def teacher_folder(reference: str, resolution: dict, cache_root: str, storage_options: dict | None = None) -> str:

@@ -384,6 +384,16 @@ class PolicyLogprobs(NamedTuple):
     largest: torch.Tensor | None = None
 
 
+def chunk_recompute_check(model) -> str:
+    """torch checkpoint's ``determinism_check`` for the output layer's recomputed chunks. Its check that
+    the recompute saved tensors of the forward's shapes fails on a frozen output layer under ZeRO-3 (a
+    LoRA student): the recompute runs before the layer's backward hook gathers its weight again, so the
+    weight it saves is still the empty partition (DeepSpeed fills it in before the weight is used, as
+    for a trained layer, whose check passes because its hook ran earlier). Elsewhere the check stays."""
+    weight = model.get_output_embeddings().weight
+    return "none" if hasattr(weight, "ds_id") and not weight.requires_grad else "default"
+
+
 def policy_token_logprobs(model, batch: TokenBatch, token_chunk: int, temperature: float,
                           topk_ids: torch.Tensor | None = None, min_chunks: int = 0,
                           largest_among: torch.Tensor | None = None, among_row: torch.Tensor | None = None) -> PolicyLogprobs:
@@ -401,12 +411,7 @@ def policy_token_logprobs(model, batch: TokenBatch, token_chunk: int, temperatur
     call every module equally often, since each call gathers its partitioned weights."""
     hidden = response_hidden(model, batch)
     k = topk_ids.shape[-1] if topk_ids is not None else 0
-    # The recompute's check that it saved tensors of the forward's shapes fails on a frozen output layer
-    # under ZeRO-3 (a LoRA student): the recompute runs before the layer's backward hook gathers its
-    # weight again, so the weight it saves is still the empty partition (DeepSpeed fills it in before
-    # the weight is used, as for a trained layer, whose check passes because its hook ran earlier).
-    head_weight = model.get_output_embeddings().weight
-    recompute_check = "none" if hasattr(head_weight, "ds_id") and not head_weight.requires_grad else "default"
+    recompute_check = chunk_recompute_check(model)
 
     masks = largest_among.view(-1, largest_among.shape[-1]) if largest_among is not None else None
     rows = among_row if among_row is not None else batch.targets.new_zeros(batch.n_tokens)

@@ -1,20 +1,31 @@
-"""The sparse-to-dense principle on the toy, at equal compute: three ways to spend the same rounds.
+"""The sparse-to-dense principle at equal compute: three ways to spend the same rounds.
 
-The toy addition task (the demo's settings, fewer prompts a round), with the toy build's three
-checkpoints of one training run: the student (held-out exact match 0.202), the "mid" model (0.786, a
-teacher reinforcement learning can still improve) and the demo's teacher (0.978, unused here). Each arm
-spends ``--rounds`` rounds of the same size (prompts x samples x tokens, optimizer steps):
+Each arm spends ``--rounds`` rounds of the same size (prompts x samples x tokens, optimizer steps):
 
 * ``grpo-student``: GRPO on the student for every round (sparse reward only);
-* ``distill``: forward-KL on-policy distillation of the student from the mid model, every round;
-* ``recipe``: `gndpo recipe sparse-to-dense`: GRPO on the mid model for the first half of the rounds,
+* ``distill``: forward-KL on-policy distillation of the student from the untouched teacher, every round;
+* ``recipe``: `gndpo recipe sparse-to-dense`: GRPO on the teacher for the first half of the rounds,
   then forward-KL distillation of the student from the policy that ended on.
+
+Two workloads:
+
+* ``toy`` (default): the addition task (the demo's settings, fewer prompts a round), with the toy
+  build's three checkpoints of one training run: the student (held-out exact match 0.202), the "mid"
+  model (0.786, a teacher reinforcement learning can still improve) as the teacher, and the demo's
+  teacher (0.978, unused here).
+* ``smollm2``: a real pretrained model, SmolLM2-135M-Instruct, on the self-distillation demo's short
+  factual questions, rewarded by ``answer_match`` (the "Answer: X." format and the right answer). The
+  student reads the bare question; the teacher is the same pretrained model reading three
+  demonstrations before it (its privileged context), which gives it the format. The recipe's stage 1
+  reinforces that teacher on prompts that hold the demonstrations, so stage 2's teacher reads exactly
+  what it was reinforced on. 32 questions x 4 samples x 24 tokens, 4 optimizer steps a round.
 
 Per arm and rollout seed: the student's held-out exact match after each of its rounds (the recipe's
 student trains only in its second half), the reinforced teacher's, the rollout tokens and optimizer
 steps spent, and the wall time. Writes ``results/sparse_to_dense.{json,md}``.
 
-    .venv/bin/python bench/sparse_to_dense.py                   # 3 seeds, 4 rounds of 512 prompts
+    .venv/bin/python bench/sparse_to_dense.py                       # toy: 3 seeds, 4 rounds of 512 prompts
+    .venv/bin/python bench/sparse_to_dense.py --workload smollm2    # SmolLM2: 3 seeds, 4 rounds of 32 prompts
 """
 
 from __future__ import annotations
@@ -32,24 +43,59 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, gndpo_cmd, machine, run_timed, save_json  # noqa: E402
 
-from gndpo.pipeline.apps.demo import write_demo_config  # noqa: E402
+from gndpo.pipeline.apps.demo import TASKS, demo_config_data  # noqa: E402
 from gndpo.pipeline.observe.metrics import collect_metrics  # noqa: E402
 from gndpo.pipeline.run.run import open_run  # noqa: E402
-from gndpo.pipeline.toys.arithmetic import ensure_toy_assets  # noqa: E402
+from gndpo.pipeline.toys.self_distill import context_messages  # noqa: E402
 
 ARMS = ("grpo-student", "distill", "recipe")
 
 
-def base_config(folder: Path, assets: Path, prompts: int, seed: int) -> Path:
-    """The demo's config with the mid checkpoint as the teacher, ``prompts`` a round (steps scaled to
-    keep 256 sequences a step) and rollout seed ``seed``."""
-    cfg = yaml.safe_load(write_demo_config(folder / "base", assets).read_text())
+def write_yaml(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def toy_base(folder: Path, prompts: int, seed: int) -> tuple[Path, list[str]]:
+    """The addition demo's config with the mid checkpoint as the teacher, ``prompts`` a round (steps
+    scaled to keep 256 sequences a step) and rollout seed ``seed``; no stage-1 overrides."""
+    config, ensure_assets, _, models = TASKS["addition"]
+    assets = ensure_assets()
+    cfg = demo_config_data(assets, config, models)
     cfg["teacher"] = str(assets / "mid")
     cfg["rollout"].update(prompts_per_round=prompts, seed=seed)
     cfg["train"]["optimizer_steps"] = prompts * cfg["rollout"]["n"] // 256
-    path = folder / "base.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    return write_yaml(folder / "base.yaml", cfg), []
+
+
+def with_demonstrations(src: Path, dst: Path) -> Path:
+    """``src``'s questions as conversations that hold the teacher's demonstrations first."""
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    turns = context_messages()
+    dst.write_text("".join(json.dumps({"messages": [{**t, "content": t["content"].format(prompt=r["prompt"])} for t in turns],
+                                       "answer": r["answer"]}) + "\n" for r in rows))
+    return dst
+
+
+def smollm2_base(folder: Path, prompts: int, seed: int) -> tuple[Path, list[str]]:
+    """The self-distillation demo's config rewarded by ``answer_match``, with the pretrained model
+    reading the demonstrations as a teacher (a model path, not ``self``, so stage 1 can reinforce it),
+    ``prompts`` questions x 4 samples a round and rollout seed ``seed``; and stage 1's overrides: its
+    prompts hold the demonstrations (the teacher's own view), so it needs no teacher context."""
+    config, ensure_assets, _, models = TASKS["self-distill"]
+    assets = ensure_assets()
+    cfg = demo_config_data(assets, config, models)
+    cfg["teacher"] = cfg["student"]
+    cfg["reward"] = "answer_match"
+    cfg["rollout"].update(prompts_per_round=prompts, prompts_per_unit=prompts, n=4, seed=seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    shown = {name: with_demonstrations(Path(cfg["data"][name]), folder / f"{name}-with-demonstrations.jsonl") for name in ("train", "heldout")}
+    rl = [f"data.train={shown['train']}", f"data.heldout={shown['heldout']}", "teacher_context.messages=[]"]
+    return write_yaml(folder / "base.yaml", cfg), rl
+
+
+WORKLOADS = {"toy": (toy_base, 512), "smollm2": (smollm2_base, 32)}
 
 
 def heldout_after_rounds(run_url: str) -> list[float]:
@@ -70,14 +116,15 @@ def spent(run_url: str) -> dict:
     return {"rounds": rounds, "rollout_tokens": tokens, "optimizer_steps": steps}
 
 
-def run_arm(arm: str, folder: Path, base: Path, rounds: int) -> dict:
+def run_arm(arm: str, folder: Path, base: Path, rl_overrides: list[str], rounds: int) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     t0 = time.time()
     if arm == "recipe":
         half = rounds // 2
         run_timed(gndpo_cmd("-q", "recipe", "sparse-to-dense", str(folder), "--config", str(base), "--rl-rounds", str(half),
-                            "--distill-rounds", str(rounds - half)), folder.with_suffix(".log"))
+                            "--distill-rounds", str(rounds - half), *(a for o in rl_overrides for a in ("--rl-set", o))),
+                  folder.with_suffix(".log"))
         teacher, student = str(folder / "teacher-rl"), str(folder / "distill")
         result = {"teacher_heldout": heldout_after_rounds(teacher), "teacher_spent": spent(teacher)}
     else:
@@ -111,22 +158,25 @@ def markdown(results: dict, rounds: int) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="toy")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=512, help="prompts a round (the demo: 2048)")
+    ap.add_argument("--prompts", type=int, help="prompts a round (toy: 512, the demo's 2048; smollm2: 32)")
     ap.add_argument("--work-dir", default="/tmp/gndpo-bench/sparse_to_dense")
     a = ap.parse_args(argv)
-    assets = ensure_toy_assets()
+    make_base, default_prompts = WORKLOADS[a.workload]
+    prompts = a.prompts or default_prompts
     results = {}
     for seed in range(a.seeds):
-        work = Path(a.work_dir) / f"seed-{seed}"
-        base = base_config(work, assets, a.prompts, seed)
-        results[seed] = {arm: run_arm(arm, work / arm, base, a.rounds) for arm in ARMS}
+        work = Path(a.work_dir) / a.workload / f"seed-{seed}"
+        base, rl_overrides = make_base(work, prompts, seed)
+        results[seed] = {arm: run_arm(arm, work / arm, base, rl_overrides, a.rounds) for arm in ARMS}
         print(json.dumps({"seed": seed, **{arm: r["student_heldout"] for arm, r in results[seed].items()}}), flush=True)
     table = markdown(results, a.rounds)
-    save_json(RESULTS / "sparse_to_dense.json", {"machine": machine(), "rounds": a.rounds, "prompts_per_round": a.prompts,
-                                                 "measured_at": time.strftime("%Y-%m-%d %H:%M"), "runs": results})
-    (RESULTS / "sparse_to_dense.md").write_text(table)
+    name = "sparse_to_dense" if a.workload == "toy" else f"sparse_to_dense_{a.workload}"
+    save_json(RESULTS / f"{name}.json", {"machine": machine(), "workload": a.workload, "rounds": a.rounds, "prompts_per_round": prompts,
+                                         "measured_at": time.strftime("%Y-%m-%d %H:%M"), "runs": results})
+    (RESULTS / f"{name}.md").write_text(table)
     print(table)
     return results
 

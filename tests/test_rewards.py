@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from gndpo.cli.app import _register, app
 from gndpo.errors import GndpoError
-from gndpo.pipeline.tasks.rewards import REWARDS, final_answer, get_reward, math_answer, math_format, to_number
+from gndpo.pipeline.tasks.rewards import REWARDS, answer_match, final_answer, get_reward, math_answer, math_format, to_number
 from tests.conftest import tiny_config_dict
 
 # (response, reference answer, expected reward). Written by hand: each case says what a person grading
@@ -82,6 +82,26 @@ def test_math_format_reward():
     assert math_format("work\n#### 3", {}) == 1.0
     assert math_format("the answer is 3", {}) == 0.0
     assert math_format(r"\boxed{}", {}) == 0.0 and math_format("####  ", {}) == 0.0
+
+
+# (response, reference answer, expected answer_match), graded by hand: the short "Answer: X." format
+# and the right answer; case and punctuation do not matter, a word that only contains the answer does.
+ANSWER_MATCH_CASES = [
+    ("Answer: Paris.", "Paris", 1.0),
+    ("  answer: paris", "Paris", 0.0),  # the format asks for "Answer:" as written
+    ("Answer: The capital is Mexico City.", "Mexico City", 1.0),
+    ("Answer: Mexico, the city.", "Mexico City", 0.0),  # the words, but not next to each other
+    ("Answer: Four legs.", "Four", 1.0),
+    ("Answer: Fourteen.", "Four", 0.0),
+    ("Answer: Rome.", "Paris", 0.0),
+    ("The capital of France is Paris.", "Paris", 0.0),  # right, but not in the format
+    ("Answer: Paris is the capital city of the French Republic.", "Paris", 0.0),  # longer than 8 words
+]
+
+
+@pytest.mark.parametrize("response, answer, expected", ANSWER_MATCH_CASES)
+def test_answer_match_reward_table(response, answer, expected):
+    assert answer_match(response, {"answer": answer}) == expected
 
 
 def test_builtins_and_import_paths():

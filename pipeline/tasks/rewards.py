@@ -5,6 +5,8 @@ A prompt's row is the dict rollout reads from the run's prompt table (``prompt_i
 
 * ``exact_match``: the stripped response is the reference answer (the toy task);
 * ``integer_format``: the response is a bare integer; ``answer_length``: it has the answer's length;
+* ``answer_format``: the response is a short "Answer: ..." (the self-distillation task's format);
+  ``answer_match``: that format and the reference answer's words, in order, among the response's;
 * ``math``: the response's final answer equals the reference by value. The final answer is the last
   ``\\boxed{...}`` (nested braces allowed), else the last ``#### ...`` line (GSM8K), else the last number;
   the reference is read the same way when it holds a full solution. Numbers compare exactly as
@@ -68,6 +70,21 @@ def answer_format(response: str, row: dict) -> float:
     the short-answer style the self-distillation demo's demonstrations show; its content is not checked."""
     text = response.strip()
     return float(text.startswith(ANSWER_PREFIX) and len(text.split()) <= SHORT_ANSWER_WORDS)
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def answer_match(response: str, row: dict) -> float:
+    """Format and content: 1 if ``answer_format`` holds and the reference answer's words appear, in
+    order and next to each other, among the response's ("Answer: Mexico City." for "Mexico City"; case
+    and punctuation ignored). The self-distillation task's correctness reward: sparse where the format
+    reward alone is not, since the answer must also be right."""
+    if not answer_format(response, row):
+        return 0.0
+    want, got = _words(str(row["answer"])), _words(response)
+    return float(bool(want) and any(got[i:i + len(want)] == want for i in range(len(got) - len(want) + 1)))
 
 
 # -- math ---------------------------------------------------------------------------------------------
@@ -280,6 +297,7 @@ REWARDS: dict[str, Reward] = {
     "integer_format": integer_format,
     "answer_length": answer_length,
     "answer_format": answer_format,
+    "answer_match": answer_match,
     "math": math_answer,
     "math_format": math_format,
     "tool_format": tool_format,

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 DEMO_DIR ?= demo-run
 
-.PHONY: setup demo test test-fast test-real bench clean browser real-models slurm
+.PHONY: setup demo test test-fast test-real lint bench clean browser real-models slurm
 
 setup: $(VENV)/.installed
 
@@ -25,19 +25,23 @@ demo: setup
 # The report test opens gndpo report's HTML in headless Chromium (Debian's package; skipped with a
 # reason where it cannot be installed). Two pytest-xdist workers, a test file each at a time, each on a
 # core of its own, the longest files first (tests/conftest.py): engine starts and process start-ups overlap.
-test: setup browser real-models slurm
+test: setup browser real-models slurm lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-# The tier to run after every change (under 3 minutes): unit tests and in-process checks, no vLLM
-# engine and no DeepSpeed launch (tests marked slow or real are left out).
-test-fast: setup
+# The tier to run after every change (under 3 minutes): the lint, then unit tests and in-process
+# checks, no vLLM engine and no DeepSpeed launch (tests marked slow or real are left out).
+test-fast: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not real"
+
+# ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml): a second or two.
+lint: setup
+	$(VENV)/bin/ruff check .
 
 # The real-model tier alone (tests/test_real_models.py): SmolLM2-135M-Instruct and Gemma 3 270M.
 test-real: setup real-models
 	$(PY) -m pytest -q -m real
 
-# Real pretrained models (gndpo.pipeline.toys.real_models); the real-model tests skip with the reason printed
+# Real pretrained models (gndpo.apps.demos.real_models); the real-model tests skip with the reason printed
 # where the packages cannot be installed.
 real-models: $(VENV)/.real-models
 

@@ -15,7 +15,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
-CODE_FOLDERS = ("cli", "pipeline", "stages", "storage")
+CODE_FOLDERS = ("apps", "cli", "pipeline", "stages", "storage")
 
 
 class BuildPy(build_py):

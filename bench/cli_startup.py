@@ -40,7 +40,7 @@ def median_seconds(argv: list[str], repeats: int) -> float:
 
 def tiny_run(work: Path) -> Path:
     """An initialized run of the tests' tiny toy config (status and sql read its plan-less folder)."""
-    from gndpo.pipeline.toys.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
+    from gndpo.apps.demos.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
     from tests.conftest import TINY, tiny_config_dict
 
     run = work / "run"

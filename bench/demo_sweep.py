@@ -35,8 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, capabilities, gndpo_cmd, machine, run_timed, save_json  # noqa: E402
 
-from gndpo.pipeline.apps.compare import method_row  # noqa: E402
-from gndpo.pipeline.apps.demo import TASKS  # noqa: E402
+from gndpo.apps.compare import method_row  # noqa: E402
+from gndpo.apps.demo import TASKS  # noqa: E402
 from gndpo.pipeline.exec.dist import scoped_environ  # noqa: E402
 
 OUT = RESULTS / "demo_sweep.json"
@@ -53,7 +53,7 @@ def pinned_settings(lr: str, schedule: str = "constant", steps: int = 32, micro:
 
 
 # name -> overrides of the task's config; "as configured": the task's config file as it is. The addition
-# demo's config (pipeline/apps/demo.yaml) holds "lr3e-4,cos,2x samples,clip0.05" since the AMD EPYC
+# demo's config (apps/demo.yaml) holds "lr3e-4,cos,2x samples,clip0.05" since the AMD EPYC
 # (AVX-512) check; before, "lr3e-4,cos,2x samples" (runs named "as configured" on the Intel Xeon and the
 # AMD EPYC (AVX2)), and first "lr1e-4 (previous default)".
 SETTINGS = {
@@ -146,7 +146,8 @@ def markdown(runs: list[dict]) -> str:
     lines = []
     for task, cpu in dict.fromkeys((r["task"], r["cpu"]) for r in runs):
         mine = [r for r in runs if (r["task"], r["cpu"]) == (task, cpu)]
-        lines += [f"### {task}, {cpu}", "", "| setting | path | seed | start | round 1 | round 2 | round 3 | gain | worst drop | grad-norm max | passes | seconds |",
+        lines += [f"### {task}, {cpu}", "", "| setting | path | seed | start | round 1 | round 2 | round 3 | gain | worst drop | grad-norm max | passes "
+                  "| seconds |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             a = r["accuracy"]

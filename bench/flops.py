@@ -59,8 +59,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
 
     from gndpo.stages.models.device import set_cpu_threads
-    from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
     from gndpo.stages.models.loading import load_causal_lm
+    from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
 
     set_cpu_threads()
     assets = build_workload()

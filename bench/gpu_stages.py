@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -37,7 +36,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_round import (  # noqa: E402
-    MemorySampler, add_shape_args, build_assets, fail, gndpo, gpu_query, have_gpu, shapes, version, write_config,
+    MemorySampler,
+    add_shape_args,
+    build_assets,
+    fail,
+    gndpo,
+    gpu_query,
+    have_gpu,
+    shapes,
+    version,
+    write_config,
     write_results,
 )
 
@@ -63,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="go on when the rebuilt pair differs from the one that sampled the rollout (another torch "
                          "draws other random weights): the stages' times and memory still hold, their log-prob gaps do not")
     ap.add_argument("--vision", action="store_true",
-                    help="a vision-language round: the random Idefics3 pair (gndpo.pipeline.toys.vision) on bar-chart prompts")
+                    help="a vision-language round: the random Idefics3 pair (gndpo.apps.demos.vision) on bar-chart prompts")
     add_shape_args(ap)
     args = ap.parse_args(argv)
     args.dry_init = False
@@ -92,7 +100,7 @@ def vision_assets(folder: Path, prompts: int) -> Path:
     """The random Idefics3 pair and ``prompts`` bar-chart prompts (the vision demo's task)."""
     import random
 
-    from gndpo.pipeline.toys.vision import build_random_vision_pair, task_rows
+    from gndpo.apps.demos.vision import build_random_vision_pair, task_rows
 
     build_random_vision_pair(folder)
     rows = task_rows(random.Random(0), prompts, folder, "p-", set())
@@ -140,7 +148,7 @@ def run_on_gpu(args) -> None:
     student, teacher = shapes(args)
     t0 = time.time()
     if args.vision:
-        from gndpo.pipeline.toys.vision import build_random_vision_pair
+        from gndpo.apps.demos.vision import build_random_vision_pair
 
         assets = build_random_vision_pair(WORK / "assets")
     else:
@@ -154,7 +162,7 @@ def run_on_gpu(args) -> None:
         "gpu": (gpu_query("name", gpu) or ["?"])[0],
         "gpu_memory_total_mib": int(float((gpu_query("memory.total", gpu) or ["0"])[0])),
         "versions": {p: version(p) for p in ("torch", "transformers", "deepspeed", "duckdb")},
-        "shapes": "the random Idefics3 pair (gndpo.pipeline.toys.vision)" if args.vision else {"student": asdict(student), "teacher": asdict(teacher)},
+        "shapes": "the random Idefics3 pair (gndpo.apps.demos.vision)" if args.vision else {"student": asdict(student), "teacher": asdict(teacher)},
         "round": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens},
         "assets_build_seconds": round(build_seconds, 1),
         "assets_match_rollout": not mismatched, "mismatched": mismatched,

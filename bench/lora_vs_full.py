@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, gndpo_cmd, machine, run_measured, save_json  # noqa: E402
 from round_vs_trl import train_bytes  # noqa: E402
 
-from gndpo.pipeline.apps.compare import method_row  # noqa: E402
+from gndpo.apps.compare import method_row  # noqa: E402
 from gndpo.pipeline.run.run import open_run  # noqa: E402
 
 LORA = ["model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32"]

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.realistic
+from gndpo.apps.demos.arithmetic import ensure_toy_assets
 from gndpo.pipeline.methods.losses import aggregate, combined_token_losses  # noqa: E402
-from tests.realistic import ShapeSpec, build_realistic_pair  # noqa: E402
-from gndpo.pipeline.toys.arithmetic import ensure_toy_assets
 from gndpo.stages.models.device import set_cpu_threads
-from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
 from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
+from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
+from tests.realistic import ShapeSpec, build_realistic_pair  # noqa: E402
 
 OUT = Path(__file__).parent / "results"
 
@@ -95,7 +95,8 @@ def main() -> None:
     prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in (assets / "train.jsonl").read_text().splitlines()[: args.rows]]
     student, teacher = load_causal_lm(str(assets / "student")), load_causal_lm(str(assets / "teacher")).eval()
     responses = [torch.randint(3, student.config.vocab_size, (8,)).tolist() for _ in prompts]
-    results.append({"models": "toy", **measure(student, teacher, prompts, responses, tok.pad_token_id or 0, min(args.topk, student.config.vocab_size), args.repeats)})
+    topk = min(args.topk, student.config.vocab_size)
+    results.append({"models": "toy", **measure(student, teacher, prompts, responses, tok.pad_token_id or 0, topk, args.repeats)})
     # ... and a realistic-vocabulary pair (random weights), 16 responses of 64 tokens.
     with tempfile.TemporaryDirectory() as tmp:
         build_realistic_pair(tmp, ShapeSpec(vocab_size=args.vocab, hidden=256, layers=1, heads=4, kv_heads=2, intermediate=704, tokenizer_vocab=2048))
@@ -106,7 +107,8 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     (OUT / "method_cost.json").write_text(json.dumps({"threads": torch.get_num_threads(), "results": results}, indent=1))
     lines = [f"{torch.get_num_threads()} threads, median of {args.repeats}\n",
-             "| models | vocab | responses x tokens | score: + entropy metrics (ratio) | score: + top-k, entropies, KL (ratio) | train fwd+bwd: top-k forward KL vs GSPO (ratio) |",
+             "| models | vocab | responses x tokens | score: + entropy metrics (ratio) | score: + top-k, entropies, KL (ratio) "
+             "| train fwd+bwd: top-k forward KL vs GSPO (ratio) |",
              "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['models']} | {r['vocab']} | {r['rows']} x {r['tokens'] // r['rows']} | {r['score_seconds']['entropy_ratio']:.2f} "

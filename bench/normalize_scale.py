@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from gndpo.apps.demos.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
+from gndpo.apps.init import init_run
 from gndpo.pipeline.config.load import load_config
-from gndpo.pipeline.apps.init import init_run
-from gndpo.pipeline.toys.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
 from gndpo.pipeline.exec.units import Worker
 from gndpo.storage.records import StageRecords
 from gndpo.storage.shards import ROLLOUTS, scores_schema, write_shard
@@ -223,7 +223,8 @@ def main() -> None:
     lines = [
         f"`{meta['command']}` ({meta['cpus']} CPUs). Normalize = GNDPO moments + one token-level quantile (TrOPD tau).",
         "",
-        "| token rows | Parquet | normalize stage: wall / inside the unit / peak RSS | numpy: wall / peak RSS | speed vs numpy | memory vs numpy | same statistics |",
+        "| token rows | Parquet | normalize stage: wall / inside the unit / peak RSS | numpy: wall / peak RSS | speed vs numpy "
+        "| memory vs numpy | same statistics |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:

@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, machine, save_json  # noqa: E402
 
-from gndpo.pipeline.toys.arithmetic import ModelSpec, new_model  # noqa: E402
-from gndpo.pipeline.toys.build import pinned_build, use_build_threads  # noqa: E402
+from gndpo.apps.demos.arithmetic import ModelSpec, new_model  # noqa: E402
+from gndpo.apps.demos.build import pinned_build, use_build_threads  # noqa: E402
 
 OUT = RESULTS / "op_fingerprint.json"
 TRAIN_STEPS = 40  # the toy's weights are hashed after each of its first training steps

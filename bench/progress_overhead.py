@@ -24,7 +24,7 @@ from common import RESULTS, machine, save_json  # noqa: E402
 from gndpo.pipeline.observe import progress  # noqa: E402
 
 CALLS = 200_000
-# The embedded demo's round (pipeline/apps/demo.yaml): 2048 prompts x 8 samples; rollout advances once
+# The embedded demo's round (apps/demo.yaml): 2048 prompts x 8 samples; rollout advances once
 # per response (and its stage task once per unit), score once per batch of responses.
 DEMO_ADVANCES_PER_ROUND = 2048 * 8 + 33
 

@@ -101,7 +101,8 @@ def table_rows(lr: str, summary: dict) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     f = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = ["| lr | method | round | held-out format (mean ± sd) | KL estimate | grad-norm max (mean ± sd; worst) | grad-norm p99 | clipped steps | advantage range |",
+    lines = ["| lr | method | round | held-out format (mean ± sd) | KL estimate | grad-norm max (mean ± sd; worst) | grad-norm p99 "
+             "| clipped steps | advantage range |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         adv = "-" if r["adv_min"] is None else f"[{r['adv_min']:.2f}, {r['adv_max']:.2f}]"

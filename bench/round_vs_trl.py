@@ -43,15 +43,26 @@ from gndpo.pipeline.run.run import open_run
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import RESULTS, gndpo_cmd, run_measured, save_json  # noqa: E402
-from workload import (CPU_SCALE, FULL_SCALE, SEEDS_SCALE, SEEDS_STEPS, SMOLLM2_SCALE, SMOLLM2_STEPS,  # noqa: E402
-                      build_seeds_workload, build_smollm2_workload, build_workload, smollm2_config, workload_config,
-                      write_config)
+from workload import (  # noqa: E402
+    CPU_SCALE,
+    FULL_SCALE,
+    SEEDS_SCALE,
+    SEEDS_STEPS,
+    SMOLLM2_SCALE,
+    SMOLLM2_STEPS,
+    build_seeds_workload,
+    build_smollm2_workload,
+    build_workload,
+    smollm2_config,
+    workload_config,
+    write_config,
+)
 
 
 def demo_workload(folder: Path) -> dict:
     """The demo's round with method reverse_kl; returns the config dict and TRL's arguments."""
-    from gndpo.pipeline.apps.demo import write_demo_config
-    from gndpo.pipeline.toys.arithmetic import ensure_toy_assets
+    from gndpo.apps.demo import write_demo_config
+    from gndpo.apps.demos.arithmetic import ensure_toy_assets
 
     assets = ensure_toy_assets(log=lambda *_: None)
     cfg = yaml.safe_load(write_demo_config(folder / "base", assets).read_text())

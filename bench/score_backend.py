@@ -36,11 +36,11 @@ def main(argv=None) -> dict:
     import torch
 
     from gndpo.pipeline.config.schema import DataConfig, EngineConfig
-    from gndpo.stages.text.chat import render_prompt
     from gndpo.stages.models.device import set_cpu_threads
-    from gndpo.stages.models.vllm_engine import make_llm, response_logprobs, shutdown_llm
-    from gndpo.stages.models.logprobs import make_batch, response_hidden, head_logprobs, chunks, token_budget_batches
     from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
+    from gndpo.stages.models.logprobs import chunks, head_logprobs, make_batch, response_hidden, token_budget_batches
+    from gndpo.stages.models.vllm_engine import make_llm, response_logprobs, shutdown_llm
+    from gndpo.stages.text.chat import render_prompt
 
     set_cpu_threads()
     folder = build_workload()

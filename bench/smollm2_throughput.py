@@ -61,9 +61,10 @@ def stage_metrics(run: str) -> dict:
 
 def rollout_units(run) -> list:
     """Round 0's rollout tables, one per score work unit (the units score reads)."""
+    import pyarrow as pa
+
     from gndpo.stages.score import ScoreJob
     from gndpo.storage.shards import read_shard
-    import pyarrow as pa
 
     units, _ = ScoreJob(run, 0).plan()
     return [pa.concat_tables([read_shard(run.fs, f) for f in u["rollout_files"]]) for u in units]
@@ -193,8 +194,8 @@ def main(argv=None) -> dict:
 
     from gndpo.pipeline.run.run import open_run
     from gndpo.stages.models.device import set_cpu_threads
-    from gndpo.stages.models.logprobs import logits_chunk
     from gndpo.stages.models.loading import load_tokenizer
+    from gndpo.stages.models.logprobs import logits_chunk
 
     set_cpu_threads()
     run = open_run(a.run)

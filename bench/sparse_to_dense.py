@@ -43,10 +43,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, gndpo_cmd, machine, run_timed, save_json  # noqa: E402
 
-from gndpo.pipeline.apps.demo import TASKS, demo_config_data  # noqa: E402
+from gndpo.apps.demo import TASKS, demo_config_data  # noqa: E402
+from gndpo.apps.demos.self_distill import context_messages  # noqa: E402
 from gndpo.pipeline.observe.metrics import collect_metrics  # noqa: E402
 from gndpo.pipeline.run.run import open_run  # noqa: E402
-from gndpo.pipeline.toys.self_distill import context_messages  # noqa: E402
 
 ARMS = ("grpo-student", "distill", "recipe")
 

@@ -1,7 +1,7 @@
 """Multi-turn tool-use rollout: conversations batched per turn (what rollout does) against one
 conversation at a time (a naive agent loop), same engine, model, seeds and limits.
 
-The policy is the tool-use toy's teacher (:mod:`gndpo.pipeline.toys.tool_task`), which calls the calculator
+The policy is the tool-use toy's teacher (:mod:`gndpo.apps.demos.tool_task`), which calls the calculator
 on every prompt, so each conversation is a call, a tool turn and an answer, sampled at temperature 1
 with the demo's limits (3 student turns, 24 tokens a turn, 64 a conversation). Both sides go through
 :func:`gndpo.stages.text.agent.run_conversations` on one vLLM engine started once (its start is reported
@@ -34,13 +34,13 @@ def main(argv=None) -> dict:
 
     from vllm import SamplingParams
 
+    from gndpo.apps.demos.tool_task import ensure_tool_toy_assets
     from gndpo.pipeline.config.schema import DataConfig, EngineConfig, RolloutConfig
-    from gndpo.pipeline.toys.tool_task import ensure_tool_toy_assets
+    from gndpo.stages.models.device import set_cpu_threads
+    from gndpo.stages.models.loading import load_tokenizer
+    from gndpo.stages.models.vllm_engine import make_llm, shutdown_llm
     from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
     from gndpo.stages.text.chat import render_prompt, stop_token_ids
-    from gndpo.stages.models.device import set_cpu_threads
-    from gndpo.stages.models.vllm_engine import make_llm, shutdown_llm
-    from gndpo.stages.models.loading import load_tokenizer
 
     set_cpu_threads()
     assets = ensure_tool_toy_assets()

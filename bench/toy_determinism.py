@@ -35,8 +35,9 @@ from common import RESULTS, capabilities, cpu_model, machine, save_json  # noqa:
 
 BUILD = """
 import json, sys
-from gndpo.pipeline.toys.arithmetic import ToySpec, build_toy_assets
-from gndpo.pipeline.toys.build import cached_build, pinned_build
+from gndpo.apps.demos.arithmetic import ToySpec, build_toy_assets
+from gndpo.apps.demos.build import pinned_build
+from gndpo.storage.cache import cached_build
 environment = json.loads(sys.argv[1])
 spec = ToySpec()
 folder = cached_build(f"toy-{spec.key()}", pinned_build(build_toy_assets, spec, log=lambda _: None, environment=environment))

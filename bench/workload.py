@@ -134,7 +134,7 @@ def build_smollm2_workload(folder: Path = CACHE / "smollm2") -> dict:
     round's prompts are the whole train file and both frameworks see exactly the same ones."""
     import random
 
-    from gndpo.pipeline.toys.real_models import ensure_real_model
+    from gndpo.apps.demos.real_models import ensure_real_model
 
     model = ensure_real_model(SMOLLM2, log=lambda *_: None)
     folder = Path(folder)

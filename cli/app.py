@@ -1,4 +1,9 @@
-"""The `gndpo` command: a Typer app whose commands live one per module in this package."""
+"""The `gndpo` command: a Typer app whose commands live one per module in this package.
+
+Each command module exports plain functions (their parameters are the command's options) and knows
+nothing of ``app``; :func:`register` adds them here, in the order ``gndpo --help`` lists them. The
+entry points (``gndpo``, ``python -m gndpo``) call :func:`main`, which registers first.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import sys
 
 import typer
 import typer.core
+
 # Typer 0.29 ships its own copy of click, whose exception classes only this module names.
 from typer._click import exceptions as click_errors
 
@@ -83,13 +89,27 @@ def options(
             os.environ[name] = value
 
 
-def _register() -> None:
-    # Importing a command module registers its command on `app`.
-    from gndpo.cli import compare, convert, demo, eval, export, fork, gc, init, methods, recipe, report, run, sql, stages, status  # noqa: F401
+def register() -> None:
+    """Add every command to ``app`` (once; calling it again does nothing)."""
+    if app.registered_commands:
+        return
+    # Imported here rather than at the top: vLLM's engine processes re-import the entry module (this
+    # one, through cli.__main__ or the package's __main__) and must not pay for every command's imports.
+    from gndpo.cli import compare, convert, demo, eval, export, fork, gc, init, methods, recipe, report, run, sql, stages, status
+
+    commands = [
+        ("init", init.init), *stages.STAGE_COMMANDS.items(), ("run", run.run), ("status", status.status), ("sql", sql.sql),
+        ("eval", eval.eval_command), ("report", report.report), ("demo", demo.demo), ("compare", compare.compare),
+        ("recipe", recipe.recipe), ("fork", fork.fork), ("export", export.export), ("gc", gc.gc), ("convert", convert.convert),
+        ("methods", methods.methods),
+    ]
+    for name, function in commands:
+        app.command(name=name)(function)
 
 
 def main() -> None:
-    _register()
+    """The ``gndpo`` program."""
+    register()
     app()
 
 

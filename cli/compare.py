@@ -2,11 +2,9 @@ from typing import List, Optional
 
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import echo_table, stdout_kept_for_data, user_errors
 
 
-@app.command()
 @user_errors
 def compare(
     methods: List[str] = typer.Argument(..., help="Methods to run, e.g. opd gndpo gdpo reverse_kl; per-method overrides with +key=value."),
@@ -21,7 +19,7 @@ def compare(
         "optimizer state, keeping the newest N (as gndpo gc --keep-rounds; a real model keeps about 2 GB a round)."),
 ):
     """Run several methods on a demo task for the same rounds; print held-out scores and stability."""
-    from gndpo.pipeline.apps.compare import run_compare  # at call time: torch and transformers load only for this command
+    from gndpo.apps.compare import run_compare  # at call time: torch and transformers load only for this command
 
     with stdout_kept_for_data():
         table = run_compare(methods, out, rounds, overrides or [], assets=assets, seeds=seeds, task=task, keep_rounds=keep_rounds)

@@ -3,14 +3,13 @@ from typing import Optional
 
 import typer
 
-from gndpo.cli.app import app
+from gndpo.apps.demos.real_models import PACKAGED, ensure_real_model, packaged_gguf
 from gndpo.cli.common import stdout_kept_for_data, user_errors
 from gndpo.errors import GndpoError
-from gndpo.pipeline.toys.build import staged_folder
-from gndpo.pipeline.toys.real_models import PACKAGED, convert_gguf, ensure_real_model, packaged_gguf
+from gndpo.stages.models.gguf import convert_gguf
+from gndpo.storage.cache import staged_folder
 
 
-@app.command()
 @user_errors
 def convert(
     source: str = typer.Argument(..., help=f"A .gguf file, or a packaged model: {', '.join(PACKAGED)}."),

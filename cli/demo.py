@@ -2,11 +2,9 @@ from typing import List, Optional
 
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import echo_table, stdout_kept_for_data, user_errors
 
 
-@app.command()
 @user_errors(resumable=True)
 def demo(
     folder: str = typer.Argument("demo-run", help="Where to put the demo's config and run folder."),
@@ -18,7 +16,7 @@ def demo(
         "it follows when it reads three demonstrations; needs the real-models packages) or vision (a tiny Idefics3 reads a bar chart and adds its bars)."),
 ):
     """Build (or reuse) the toy teacher/student and run the pipeline end to end on them."""
-    from gndpo.pipeline.apps.demo import run_demo  # at call time: torch and transformers load only for this command
+    from gndpo.apps.demo import run_demo  # at call time: torch and transformers load only for this command
 
     with stdout_kept_for_data():
         table = run_demo(folder, rounds, overrides or [], assets=assets, task=task)

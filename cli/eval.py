@@ -2,11 +2,9 @@ from typing import Optional
 
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import stdout_kept_for_data, user_errors
 
 
-@app.command(name="eval")
 @user_errors
 def eval_command(
     target: str = typer.Argument(..., help="A model folder (HF format) or a run folder (its newest student)."),
@@ -21,7 +19,7 @@ def eval_command(
     out: str = typer.Option("eval-results", "--out", help="Folder (any fsspec URL) for per_prompt.parquet and summary.json."),
 ):
     """Verifiable-reward accuracy (pass@1 greedy, optional unbiased pass@k) on held-out prompts with vLLM."""
-    from gndpo.pipeline.apps.evaluation import evaluate  # at call time: torch and transformers load only for this command
+    from gndpo.apps.evaluation import evaluate  # at call time: torch and transformers load only for this command
 
     tool_names = [t.strip() for t in tools.split(",") if t.strip()] if tools is not None else None
     with stdout_kept_for_data():

@@ -2,11 +2,9 @@ from typing import Optional
 
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
 
 
-@app.command()
 @user_errors
 def export(
     run: str = typer.Argument(..., help="The run folder or URL."),
@@ -18,7 +16,7 @@ def export(
     student), or its PEFT adapters; every file checked against the run's commit record.
 
     Prints OUT on stdout."""
-    from gndpo.pipeline.apps.export import export_policy  # at call time: its constants' modules import torch
+    from gndpo.apps.export import export_policy  # at call time: its constants' modules import torch
 
     done = export_policy(run, out, policy, adapters)
     typer.echo(f"policy v{done['version']}: {done['files']} files, {done['bytes'] / 1e6:,.1f} MB", err=True)

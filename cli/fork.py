@@ -2,11 +2,9 @@ from typing import List, Optional
 
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
 
 
-@app.command()
 @user_errors
 def fork(
     run: str = typer.Argument(..., help="The run whose committed rounds the new run starts from."),
@@ -15,7 +13,7 @@ def fork(
     overrides: Optional[List[str]] = typer.Argument(None, help="key=value changes, e.g. teacher=/models/other method.name=opd"),
 ):
     """Start a new run that re-scores RUN's committed rollouts of one round with other settings."""
-    from gndpo.pipeline.apps.fork import fork_run  # at call time: torch and transformers load only for this command
+    from gndpo.apps.fork import fork_run  # at call time: torch and transformers load only for this command
 
     r = fork_run(run, new, from_round, overrides or [])
     typer.echo(f"run ready: {r.fs.uri('')} (forked from {r.lineage['parent']} at round {from_round}; "

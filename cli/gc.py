@@ -2,13 +2,11 @@ from typing import Optional
 
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
 from gndpo.pipeline.exec.gc import check_keep_rounds, collect_garbage, prune_rounds
 from gndpo.pipeline.run.run import open_run
 
 
-@app.command()
 @user_errors
 def gc(
     run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),

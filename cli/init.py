@@ -2,12 +2,10 @@ from typing import List, Optional
 
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
 from gndpo.pipeline.config.load import load_config
 
 
-@app.command()
 @user_errors
 def init(
     run: str = typer.Argument(..., help="Run folder: a local path or an fsspec URL (s3://bucket/run)."),
@@ -15,7 +13,7 @@ def init(
     overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. train.lr=1e-5"),
 ):
     """Create a run: validate models and prompts, import prompts, freeze the config."""
-    from gndpo.pipeline.apps.init import init_run  # at call time: torch and transformers load only for this command
+    from gndpo.apps.init import init_run  # at call time: torch and transformers load only for this command
 
     cfg = load_config(config, overrides or [])
     r = init_run(run, cfg)

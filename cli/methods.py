@@ -1,11 +1,9 @@
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import echo_table
 from gndpo.pipeline.methods import METHODS, MODIFIERS
 
 
-@app.command()
 def methods():
     """List the methods (method.name), their default loss and what they need from score."""
     echo_table([

@@ -2,7 +2,6 @@ from typing import List, Optional
 
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import stdout_kept_for_data, user_errors
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import load_config
@@ -10,7 +9,6 @@ from gndpo.pipeline.config.load import load_config
 RECIPES = ("sparse-to-dense",)
 
 
-@app.command()
 @user_errors
 def recipe(
     name: str = typer.Argument(..., help="sparse-to-dense: reinforce the teacher (GRPO), then distill it into the student (forward KL)."),
@@ -27,7 +25,7 @@ def recipe(
 ):
     """Run a multi-stage recipe: each stage a run under OUT, a later one taught by an earlier one's final
     policy. Prints each stage's run folder."""
-    from gndpo.pipeline.apps.recipe import run_recipe, sparse_to_dense  # at call time: torch loads only for this command
+    from gndpo.apps.recipe import run_recipe, sparse_to_dense  # at call time: torch loads only for this command
 
     if name not in RECIPES:
         raise GndpoError(f"unknown recipe {name!r}; the recipes are: {', '.join(RECIPES)}")

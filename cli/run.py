@@ -2,13 +2,11 @@ from typing import Optional
 
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import stdout_kept_for_data, user_errors
 from gndpo.pipeline.observe.metrics import round_summary
 from gndpo.pipeline.run.run import open_run
 
 
-@app.command()
 @user_errors(resumable=True)
 def run(
     run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),
@@ -29,7 +27,7 @@ def run(
     ),
 ):
     """Run the round loop; stages already committed are skipped, so rerunning resumes."""
-    from gndpo.pipeline.apps.loop import run_loop  # at call time: torch and transformers load only for this command
+    from gndpo.apps.loop import run_loop  # at call time: torch and transformers load only for this command
 
     with stdout_kept_for_data():
         run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive)

@@ -1,14 +1,12 @@
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import user_errors
 from gndpo.errors import GndpoError
-from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.observe.sql import query
+from gndpo.pipeline.run.run import open_run
 from gndpo.storage.tables import FRAME_FORMATS, encode_frame, write_file
 
 
-@app.command()
 @user_errors
 def sql(
     run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),

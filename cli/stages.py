@@ -2,9 +2,8 @@
 
 import typer
 
-from gndpo.cli.app import app
+from gndpo.apps.rounds import run_stage
 from gndpo.cli.common import stdout_kept_for_data, user_errors
-from gndpo.pipeline.exec.rounds import run_stage
 
 HELP = {
     "rollout": "The round's student samples responses with vLLM.",
@@ -33,5 +32,5 @@ def _stage_command(stage: str):
     return command
 
 
-for _stage in HELP:
-    app.command(name=_stage)(_stage_command(_stage))
+# stage -> its command; cli.app registers them
+STAGE_COMMANDS = {stage: _stage_command(stage) for stage in HELP}

@@ -1,12 +1,10 @@
 import typer
 
-from gndpo.cli.app import app
 from gndpo.cli.common import echo_table, user_errors
-from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.exec.status import phase_rows, stage_rows
+from gndpo.pipeline.run.run import open_run
 
 
-@app.command()
 @user_errors
 def status(
     run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),

@@ -16,11 +16,11 @@ import pyarrow as pa
 
 from gndpo.pipeline.methods import StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
 from gndpo.pipeline.methods.base import TEACHER_SCOPE
+from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run
 from gndpo.storage.duck import connect, parquet_source
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import STATS, verify_shards, write_shard
-from gndpo.pipeline.observe.logs import info
 
 
 class NormalizeJob:

@@ -20,21 +20,22 @@ import pyarrow as pa
 from gndpo.faults import crash_point
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.tasks.rewards import run_rewards, score_response
 from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.run.seeds import derived_seed
-from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, conversation_metrics, run_conversations
-from gndpo.stages.text.chat import render_prompt, stop_token_ids
+from gndpo.pipeline.tasks.rewards import run_rewards, score_response
 from gndpo.stages.models.device import DTYPES, local_device
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, unsampleable
 from gndpo.stages.models.lora import served_as_adapters
 from gndpo.stages.models.vllm_engine import cuda_available, engine_dtype
-from gndpo.storage.records import EVAL_UNIT
-from gndpo.storage.shards import ROLLOUTS, write_shard
+from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, conversation_metrics, run_conversations
+from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.text.guide import TeacherGuide
 from gndpo.stages.text.heldout_eval import greedy_eval
+from gndpo.storage.records import EVAL_UNIT
+from gndpo.storage.shards import ROLLOUTS, write_shard
+
 
 def sample_seed(base: int, round_idx: int, prompt_id: str, sample_idx: int) -> int:
     return derived_seed(base, round_idx, prompt_id, sample_idx)
@@ -159,7 +160,8 @@ class RolloutJob:
         table = pa.Table.from_pylist(rows, schema=ROLLOUTS)
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
         return [record], {
-            "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows), "reward_sum": sum(r["reward"] for r in rows),
+            "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows),
+            "reward_sum": sum(r["reward"] for r in rows),
             **conversation_counts(rows), **(self.live.probe or {}), "engine_dtype_bits": self.engine_bits,
         }
 

@@ -48,8 +48,17 @@ from gndpo.stages.models.logprobs import logits_chunk, make_batch, policy_token_
 from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.text.vocabulary import match_vocabularies
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
-from gndpo.stages.training.checkpoint import (DeferredState, Start, carried_state, carry_state, last_carried_state, load_state, newest_checkpoint,
-                                             save_checkpoint, start_update)
+from gndpo.stages.training.checkpoint import (
+    DeferredState,
+    Start,
+    carried_state,
+    carry_state,
+    last_carried_state,
+    load_state,
+    newest_checkpoint,
+    save_checkpoint,
+    start_update,
+)
 from gndpo.stages.training.deepspeed_engine import init_distributed, isolate_extension_builds, quiet_deepspeed_import
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.stages.training.export import export_ema, export_student, save_hf_folder

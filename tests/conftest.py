@@ -75,7 +75,7 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_assets(cache_dir) -> Path:
     """A few-step teacher and student: real HF models and tokenizer, accuracy irrelevant."""
-    from gndpo.pipeline.toys.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
+    from gndpo.apps.demos.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
 
     spec = ToySpec(
         **TINY,
@@ -89,7 +89,7 @@ def tiny_assets(cache_dir) -> Path:
 @pytest.fixture(scope="session")
 def other_tokenizer_teacher(tmp_path_factory, tiny_assets) -> Path:
     """A model whose tokenizer has one token more than the toy student's."""
-    from gndpo.pipeline.toys.arithmetic import ModelSpec, build_tokenizer, new_model
+    from gndpo.apps.demos.arithmetic import ModelSpec, build_tokenizer, new_model
 
     path = tmp_path_factory.mktemp("other-teacher")
     tok = build_tokenizer()
@@ -162,8 +162,7 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
     import pyarrow.parquet as pq
 
     from gndpo.pipeline.run.run import open_run
-    from gndpo.storage.records import rollout_shards
-    from gndpo.storage.records import manifest_files
+    from gndpo.storage.records import manifest_files, rollout_shards
 
     m = open_run(str(run_dir)).records(round_idx, stage).manifest()
     files = rollout_shards(m) if stage == "rollout" else manifest_files(m)
@@ -239,9 +238,9 @@ def invoke(*args):
     The real entry point in a fresh process is :func:`gndpo`."""
     from typer.testing import CliRunner
 
-    from gndpo.cli.app import _register, app
+    from gndpo.cli.app import app, register
 
-    _register()
+    register()
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
@@ -254,10 +253,10 @@ def invoke_ok(*args):
 
 def run_stages(run_dir, *stages: str, round_idx: int = 0, live=None) -> None:
     """Run ``stages`` of a round in this process, through the code a stage command runs
-    (:func:`gndpo.pipeline.exec.rounds.run_stage`) without starting an interpreter and importing torch,
+    (:func:`gndpo.apps.rounds.run_stage`) without starting an interpreter and importing torch,
     vLLM and DeepSpeed again: for tests of what a stage computes, not of its process. ``live``: kept
     engines and models (:class:`gndpo.stages.models.live.LiveModels`), default none kept."""
-    from gndpo.pipeline.exec.rounds import run_stage
+    from gndpo.apps.rounds import run_stage
 
     for stage in stages:
         run_stage(str(run_dir), stage, round_idx, log=lambda *_: None, live=live)

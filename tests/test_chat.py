@@ -18,12 +18,11 @@ import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from gndpo.apps.demos.arithmetic import CHAT_TEMPLATE, END_OF_TURN
 from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.run.run import open_run
-from gndpo.pipeline.toys.arithmetic import CHAT_TEMPLATE, END_OF_TURN
 from gndpo.stages.text.chat import render_prompt
-from gndpo.storage.records import rollout_shards
-from gndpo.storage.records import manifest_files
+from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import read_shards
 from tests.conftest import assert_one_line_error, gndpo, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
 

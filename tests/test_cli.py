@@ -3,7 +3,6 @@
 Every user mistake must give one line on stderr, a non-zero exit, and leave no committed output.
 """
 
-import json
 import shutil
 from pathlib import Path
 
@@ -11,13 +10,13 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from gndpo.cli.app import _register, app
+from gndpo.apps.demo import DEFAULT_CONFIG
+from gndpo.cli.app import app, register
 from gndpo.pipeline.config.load import load_config
 from gndpo.pipeline.config.schema import Config
-from gndpo.pipeline.apps.demo import DEFAULT_CONFIG
 from tests.conftest import invoke_ok, tiny_config_dict
 
-_register()
+register()
 runner = CliRunner()
 
 
@@ -149,7 +148,7 @@ def test_status_and_sql_on_a_fresh_run(tmp_path, tiny_config):
 def test_the_reports_heldout_axis_names_the_runs_reward(tmp_path, tiny_assets):
     """The held-out curve's unit is the run's reward: "exact match" only where that is the reward
     (it said "exact match" for a user's custom reward)."""
-    from gndpo.pipeline.apps.report import Series, heldout_label
+    from gndpo.apps.report import Series, heldout_label
 
     labels = []
     for reward in ("exact_match", "integer_format"):
@@ -227,7 +226,7 @@ def test_compare_stability_figures():
     """The gradient-norm figures of some optimizer steps, against hand computation: the 99th percentile
     interpolates between the two largest norms, a step counts as clipped when its norm exceeds the clip,
     and without a clip there is no clipped share."""
-    from gndpo.pipeline.apps.compare import stability
+    from gndpo.apps.compare import stability
 
     got = stability([0.5, 2.0, 1.0, 3.0], grad_clip=1.0)
     # sorted 0.5, 1, 2, 3: the 99th percentile sits at position 0.99 * 3 = 2.97, 97% of the way from 2 to 3
@@ -241,7 +240,7 @@ def test_compare_stability_figures():
 def test_compare_folders_and_table_with_and_without_seeds(tmp_path):
     """One seed keeps a method's demo in <index>-<method>/; several put each seed in seed-<s>/ inside
     it. The Markdown shows a column with a _sd partner as mean ± sd."""
-    from gndpo.pipeline.apps.compare import markdown_table, method_folder, seed_mean
+    from gndpo.apps.compare import markdown_table, method_folder, seed_mean
 
     assert method_folder(tmp_path, 1, "gdpo+method.x=1", 0, 1) == tmp_path / "01-gdpo"
     assert method_folder(tmp_path, 1, "gdpo+method.x=1", 2, 3) == tmp_path / "01-gdpo" / "seed-2"

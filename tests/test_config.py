@@ -14,9 +14,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from gndpo.cli.app import _register, app
+from gndpo.apps.init import init_run
+from gndpo.cli.app import app, register
 from gndpo.errors import GndpoError
-from gndpo.pipeline.apps.init import init_run
 from gndpo.pipeline.config.load import config_to_yaml, load_config
 from gndpo.pipeline.config.schema import Config, config_from_dict
 from gndpo.pipeline.methods import METHODS, validate
@@ -24,7 +24,7 @@ from gndpo.pipeline.run.run import open_run
 from gndpo.stages.train import round_lr
 from tests.conftest import tiny_config_dict, write_config
 
-_register()
+register()
 runner = CliRunner()
 
 

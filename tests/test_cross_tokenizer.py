@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
-from gndpo.pipeline.config.checks import check_backend
 from tests.conftest import committed_rows, invoke_ok, run_stages
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ CLAMP = 5.0
 @pytest.fixture(scope="module")
 def pair_teacher(tmp_path_factory):
     """The toy tokenizer plus ten merged tokens "00".."99", and a random 1-layer Llama over it."""
-    from gndpo.pipeline.toys.arithmetic import ModelSpec, build_tokenizer, new_model
+    from gndpo.apps.demos.arithmetic import ModelSpec, build_tokenizer, new_model
 
     path = tmp_path_factory.mktemp("pair-teacher")
     tok = build_tokenizer()
@@ -38,7 +38,7 @@ def pair_teacher(tmp_path_factory):
 @pytest.fixture(scope="module")
 def other_teacher(tmp_path_factory):
     """A second teacher with a tokenizer of its own: the toy's characters plus "12", "34" and "=1"."""
-    from gndpo.pipeline.toys.arithmetic import ModelSpec, build_tokenizer, new_model
+    from gndpo.apps.demos.arithmetic import ModelSpec, build_tokenizer, new_model
 
     path = tmp_path_factory.mktemp("other-teacher")
     tok = build_tokenizer()
@@ -339,7 +339,7 @@ def test_methods_that_need_one_vocabulary_are_refused():
 def test_the_toy_builder_makes_a_teacher_with_its_own_tokenizer(tiny_assets, cache_dir):
     from transformers import AutoTokenizer
 
-    from gndpo.pipeline.toys.arithmetic import ModelSpec, ToySpec, ensure_cross_tokenizer_assets
+    from gndpo.apps.demos.arithmetic import ModelSpec, ToySpec, ensure_cross_tokenizer_assets
     from tests.conftest import TINY
 
     spec = ToySpec(**TINY, model=ModelSpec(layers=1, hidden=64, heads=2, max_steps=20, lr=3e-3, batch=32), student_max_steps=5)

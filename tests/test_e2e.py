@@ -84,10 +84,10 @@ def test_status_phases_account_for_each_stage_and_its_bytes(run_dir):
     table = gndpo("status", run_dir, "--phases").stdout
     assert "export MB" in table and table.count("train") == 2
 
-    # What `gndpo init` estimated for a round (gndpo.pipeline.apps.round_size): the weights file to 1%,
+    # What `gndpo init` estimated for a round (gndpo.apps.round_size): the weights file to 1%,
     # the optimizer state to 3% (DeepSpeed's checkpoint adds some 17 kB of its own, 2% of the toy's),
     # and at least the shards' bytes (written compressed).
-    from gndpo.pipeline.apps.round_size import estimate_round
+    from gndpo.apps.round_size import estimate_round
 
     longest = max(len(r["prompt_token_ids"]) for r in committed_rows(run_dir))
     size = estimate_round(run.cfg, longest)
@@ -360,7 +360,7 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
     deviation, and the report draws the mean with the seeds' band."""
     import json
 
-    from gndpo.pipeline.apps.report import find_runs
+    from gndpo.apps.report import find_runs
     from gndpo.storage.shards import read_shards
 
     small = ["--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.micro_batch_size=8",
@@ -387,7 +387,8 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
             a, b = mine[0][col], mine[1][col]
             assert row[col] == pytest.approx((a + b) / 2) and row[f"{col}_sd"] == pytest.approx(abs(a - b) / 2**0.5)
     for r in runs:  # the final column is each run's own evaluation of its final student
-        summary = json.loads((cmp / f"{['opd', 'forward_kl'].index(r['method']):02d}-{r['method']}" / f"seed-{r['seed']}" / "eval" / "summary.json").read_text())
+        method_dir = cmp / f"{['opd', 'forward_kl'].index(r['method']):02d}-{r['method']}"
+        summary = json.loads((method_dir / f"seed-{r['seed']}" / "eval" / "summary.json").read_text())
         assert r["acc_r1"] == summary["pass@1"] and r["grad_norm_max"] > 0
         if r["method"] == "opd":
             assert r["adv_min"] >= -5.0 and r["adv_max"] <= 5.0  # OPD's clamp
@@ -494,7 +495,8 @@ def test_progress_lines_and_worker_logs_without_a_terminal(run_dir):
     folder = run_dir.parent
     rollout_err, run_err = (folder / "rollout.stderr").read_text(), (folder / "run.stderr").read_text()
     assert "\x1b[" not in rollout_err + run_err
-    assert re.search(r"^\d\d:\d\d:\d\d INFO rollout r0: 3/3 units, prompts 16 \([\d.]+/s\), responses 32 \([\d.]+/s\), tokens \d+ \([\d.]+/s\)", rollout_err, re.M), rollout_err
+    assert re.search(r"^\d\d:\d\d:\d\d INFO rollout r0: 3/3 units, prompts 16 \([\d.]+/s\), responses 32 \([\d.]+/s\), "
+                     r"tokens \d+ \([\d.]+/s\)", rollout_err, re.M), rollout_err
     # Inside a unit, progress moves as its responses finish (a unit's own lines; its end is the stage's line).
     inside = [tuple(map(int, m)) for m in re.findall(r"INFO rollout r0 u0000\d: (\d+)/(\d+) responses", rollout_err)]
     assert any(0 < done < total for done, total in inside), rollout_err
@@ -531,10 +533,10 @@ def test_progress_draws_a_bar_on_a_terminal(tmp_path):
 def test_sql_formats_round_trip_and_every_view_has_round(run_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from gndpo.cli.app import app, _register
+    from gndpo.cli.app import app, register
     from gndpo.pipeline.observe.sql import query
 
-    _register()
+    register()
     runner = CliRunner()
 
     def gndpo(*args, check=True):  # in this process: no interpreter start per statement

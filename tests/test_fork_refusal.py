@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
+from gndpo.apps import demo
+from gndpo.apps.fork import fork_refusal
+from gndpo.apps.init import init_run
 from gndpo.errors import GndpoError
-from gndpo.pipeline.apps import demo
-from gndpo.pipeline.apps.fork import fork_refusal
-from gndpo.pipeline.apps.init import init_run
 from gndpo.pipeline.config.load import load_config
 from gndpo.pipeline.run.run import open_run
 from tests.conftest import tiny_config_dict, write_config

@@ -1,39 +1,65 @@
 """The architecture, checked: imports only go down the layers, and no module-level import cycle.
 
-    storage  <-  pipeline foundation (config, exec, run, methods, tasks, observe)  <-  stages
-             <-  pipeline apps and toys (init, fork, demo, compare, evaluation)  <-  cli
+    storage/  <-  pipeline/  <-  stages/  <-  apps/  <-  cli/
 
-A module may import its own layer and the layers below it, never one above, and that holds for imports
-inside functions too (they are scanned like the others). A gndpo import inside a function is allowed
-only with a comment saying why (start-up time, a cycle it avoids), on its line or the line above.
+Each top-level folder is one layer (docs/architecture.md's table). A module may import its own layer
+and the layers below it, never one above, and that holds for imports inside functions too (they are
+scanned like the others) and for modules named by string (``importlib.import_module("gndpo...")``, a
+``python -m gndpo...`` command line, an f-string that starts a module name): a string that names a gndpo
+module is checked like an import. A gndpo import inside a function is allowed only with a comment
+saying why (start-up time, a cycle it avoids), on its line or the line above.
 Runs alone: ``python -m pytest tests/test_layers.py``.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("storage", "pipeline", "stages", "cli")
+CODE = ("storage", "pipeline", "stages", "apps", "cli")
 
-# (package prefix, layer); the longest matching prefix decides.
-LAYERS = (
-    ("gndpo.errors", 0), ("gndpo.faults", 0), ("gndpo.storage", 0),
-    ("gndpo.pipeline.config", 1), ("gndpo.pipeline.exec", 1), ("gndpo.pipeline.run", 1), ("gndpo.pipeline.methods", 1),
-    ("gndpo.pipeline.tasks", 1), ("gndpo.pipeline.observe", 1),
-    ("gndpo.stages", 2),
-    ("gndpo.pipeline.apps", 3), ("gndpo.pipeline.toys", 3),
-    ("gndpo.cli", 4),
-)
-LAYER_NAMES = ("storage", "pipeline foundation", "stages", "pipeline apps", "cli")
+# Module prefix -> layer: the top-level folder decides (errors.py and faults.py sit with storage).
+LAYERS = {"gndpo.errors": 0, "gndpo.faults": 0, "gndpo.storage": 0, "gndpo.pipeline": 1, "gndpo.stages": 2, "gndpo.apps": 3, "gndpo.cli": 4}
+LAYER_NAMES = ("storage", "pipeline", "stages", "apps", "cli")
 # Libraries that must stay out of a layer: storage is bytes and tables, no model code.
 FORBIDDEN = {0: ("torch", "transformers", "vllm", "deepspeed")}
+# A string that is (or starts, in an f-string) a gndpo module name: "gndpo.stages.score",
+# f"gndpo.stages.{stage}", "package.module:function" plugin paths.
+MODULE_STRING = re.compile(r"gndpo(\.[A-Za-z_]\w*)+\.?(:\w+)?")
 
 
 def layer_of(module: str) -> int | None:
-    matches = [(len(prefix), layer) for prefix, layer in LAYERS if module == prefix or module.startswith(prefix + ".")]
-    return max(matches)[1] if matches else None
+    return LAYERS.get(".".join(module.split(".")[:2]))
+
+
+def docstrings(tree: ast.Module) -> set[int]:
+    """ids of the docstring nodes of ``tree``'s module, classes and functions."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def string_references(tree: ast.Module):
+    """(gndpo module, line) for every string literal, or head of an f-string, that names a gndpo
+    module (docstrings, which mention modules to explain, are not references)."""
+    skip = docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            head = node.values[0] if node.values else None
+            if isinstance(head, ast.Constant) and isinstance(head.value, str):
+                skip.add(id(head))
+                match = MODULE_STRING.match(head.value.strip())
+                if match:
+                    yield match.group(0).split(":")[0].rstrip("."), node.lineno
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            if MODULE_STRING.fullmatch(node.value.strip()):
+                yield node.value.strip().split(":")[0].rstrip("."), node.lineno
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -71,7 +97,12 @@ def violations(root: Path) -> list[str]:
             own = layer_of(module)
             source = path.read_text()
             lines = source.splitlines()
-            for target, line, at_top in imports(ast.parse(source), module):
+            tree = ast.parse(source)
+            for target, line in string_references(tree):
+                other = layer_of(target)
+                if own is not None and other is not None and other > own:
+                    found.append(f"{path.relative_to(root)}:{line}: {module} ({LAYER_NAMES[own]}) names {target} ({LAYER_NAMES[other]}) by string")
+            for target, line, at_top in imports(tree, module):
                 where = f"{path.relative_to(root)}:{line}"
                 other = layer_of(target) if target.startswith("gndpo.") else None
                 if own is not None and other is not None and other > own:
@@ -131,7 +162,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_module_has_a_layer():
     unplaced = [module_name(p, ROOT) for f in CODE for p in (ROOT / f).rglob("*.py") if layer_of(module_name(p, ROOT)) is None]
-    assert unplaced in ([], ["gndpo.pipeline"], ["gndpo.stages"]) or set(unplaced) <= {"gndpo.pipeline", "gndpo.stages"}, unplaced
+    assert unplaced == []
+    top_level = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}  # tests/ is not shipped
+    assert top_level == set(CODE), f"a top-level package without a layer, or a layer without its folder: {top_level ^ set(CODE)}"
 
 
 def test_imports_go_down_the_layers():
@@ -143,14 +176,18 @@ def test_no_import_cycles():
 
 
 def test_the_checks_catch_a_reverse_import_and_a_cycle(tmp_path):
-    """The checker itself can fail: a foundation module importing a stage, an uncommented import in a
-    function, torch in storage, and a two-module cycle are each reported."""
+    """The checker itself can fail: a foundation module importing a stage, importing one by string (a
+    literal, an f-string, a ``-m`` command line), an uncommented import in a function, torch in storage,
+    and a two-module cycle are each reported; a docstring naming a higher module is not."""
     files = {
         "storage/__init__.py": "",
         "storage/bytes.py": "import torch\n",
         "pipeline/__init__.py": "",
         "pipeline/exec/__init__.py": "",
         "pipeline/exec/rounds.py": "from gndpo.stages.score import ScoreJob\n",
+        "pipeline/exec/by_name.py": ('"""Runs :mod:`gndpo.stages.score`."""\nimport importlib\n\n'
+                                     'def job(stage):\n    return importlib.import_module(f"gndpo.stages.{stage}")\n\n'
+                                     'SCORE = "gndpo.stages.score"\nCOMMAND = ["python", "-m", "gndpo.cli", "score"]\n'),
         "pipeline/run/__init__.py": "",
         "pipeline/run/run.py": "def f():\n    from gndpo.storage import bytes\n",
         "stages/__init__.py": "",
@@ -162,7 +199,11 @@ def test_the_checks_catch_a_reverse_import_and_a_cycle(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     found = violations(tmp_path)
-    assert any("rounds.py:1" in v and "(pipeline foundation) imports gndpo.stages.score.ScoreJob (stages)" in v for v in found), found
+    assert any("rounds.py:1" in v and "(pipeline) imports gndpo.stages.score.ScoreJob (stages)" in v for v in found), found
+    by_string = sorted(v.split(": ", 1)[1] for v in found if "by_name.py" in v)
+    assert by_string == ["gndpo.pipeline.exec.by_name (pipeline) names gndpo.cli (cli) by string",
+                         "gndpo.pipeline.exec.by_name (pipeline) names gndpo.stages (stages) by string",
+                         "gndpo.pipeline.exec.by_name (pipeline) names gndpo.stages.score (stages) by string"], found
     assert any("run.py:2" in v and "inside a function" in v for v in found), found
     assert any("bytes.py:1" in v and "imports torch" in v for v in found), found
     assert cycles(module_graph(tmp_path)) == [["gndpo.stages.a", "gndpo.stages.b"]]
@@ -175,7 +216,7 @@ def test_commands_register_without_the_heavy_libraries():
     import subprocess
     import sys
 
-    code = ("import sys; from gndpo.cli.app import _register; _register(); "
+    code = ("import sys; from gndpo.cli.app import register; register(); "
             "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

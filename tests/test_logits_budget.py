@@ -8,8 +8,8 @@ what the earlier out-of-place computation gave (the README demo's table depends 
 
 import json
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.realistic import ShapeSpec, build_realistic_pair, new_model
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs, token_budget_batches
+from tests.realistic import ShapeSpec, build_realistic_pair, new_model
 
 SMALL = ShapeSpec(vocab_size=3001, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, tokenizer_vocab=300, max_position_embeddings=512)
 
@@ -135,7 +135,8 @@ ids = stats["teacher_topk_ids"].long()
 flat, at_ids, pad, _ = policy_token_logprobs(student, batch, chunk, 1.0, ids)
 logp, mask = batch.padded(flat), batch.mask()
 t_topk = batch.padded(stats["teacher_topk_logprobs"])
-losses, _ = combined_token_losses("gspo", "reverse_kl", logp, batch.padded(stats["student_logprobs"]), torch.ones_like(logp), mask, mask, batch.padded(at_ids), t_topk)
+losses, _ = combined_token_losses("gspo", "reverse_kl", logp, batch.padded(stats["student_logprobs"]), torch.ones_like(logp), mask, mask,
+                                  batch.padded(at_ids), t_topk)
 (aggregate(losses, mask, "token-mean", 1, int(mask.sum())) + pad).backward()
 opt.step()
 train_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

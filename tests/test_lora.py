@@ -22,10 +22,20 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig, config_from_dict
 from gndpo.pipeline.run.run import open_run
-from gndpo.stages.models.vllm_engine import AdapterEngine, adapter_request, forced_logprobs, make_llm, shutdown_llm
 from gndpo.stages.models.lora import adapted_student, add_adapters, load_adapter, merged_state_dict, save_adapter, without_adapters
-from tests.conftest import (assert_one_line_error, committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, model_logprobs, run_stages,
-                            tiny_config_dict, write_config)
+from gndpo.stages.models.vllm_engine import AdapterEngine, adapter_request, forced_logprobs, make_llm, shutdown_llm
+from tests.conftest import (
+    assert_one_line_error,
+    committed_rows,
+    gndpo,
+    gndpo_killed,
+    invoke,
+    invoke_ok,
+    model_logprobs,
+    run_stages,
+    tiny_config_dict,
+    write_config,
+)
 
 TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, tie_word_embeddings=False)

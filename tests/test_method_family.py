@@ -15,7 +15,6 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import MethodConfig, OutcomeConfig, PacedConfig, ReopoldConfig, TipConfig, TropdConfig
-from gndpo.pipeline.methods.losses import token_losses, topk_divergence
 from gndpo.pipeline.methods import (
     METHODS,
     Response,
@@ -29,6 +28,7 @@ from gndpo.pipeline.methods import (
     score_partial_sums,
 )
 from gndpo.pipeline.methods.divergence import scheduled_divergence
+from gndpo.pipeline.methods.losses import token_losses, topk_divergence
 
 
 def make_batch(seed=0, prompts=4, n=3, lengths=(1, 7), with_prefix=False):
@@ -446,7 +446,8 @@ def test_eopd_loss_is_ppo_opd_plus_gated_forward_kl():
     gate = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     t_topk, top_ids = t_full.topk(k, dim=-1)
-    losses, _ = combined_token_losses("ppo", "forward_kl", logp, old, adv, mask, gate * mask, torch.gather(s_full, 2, top_ids), t_topk, topk_form="renormalized")
+    losses, _ = combined_token_losses("ppo", "forward_kl", logp, old, adv, mask, gate * mask, torch.gather(s_full, 2, top_ids), t_topk,
+                                      topk_form="renormalized")
     got = aggregate(losses, mask, "token-mean", B, int(mask.sum()))
     total = 0.0
     for b in range(B):

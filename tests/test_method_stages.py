@@ -11,8 +11,7 @@ import yaml
 
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.run.stats import round_stats
-from gndpo.storage.records import rollout_shards
-from gndpo.storage.records import manifest_files
+from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import read_shards
 from tests.conftest import gndpo, invoke_ok, run_stages, tiny_config_dict
 

@@ -9,8 +9,8 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import MethodConfig
-from gndpo.pipeline.methods.losses import aggregate, token_losses
 from gndpo.pipeline.methods import Response, Stats, clamped_score, get_method, gndpo_stats_from_sums, response_targets, score_partial_sums
+from gndpo.pipeline.methods.losses import aggregate, token_losses
 
 
 def as_response(t, s, mask) -> Response:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from gndpo.apps import rounds
+from gndpo.apps.rounds import StageProcess, run_stage_processes, stage_processes, worker_log_dir
 from gndpo.errors import GndpoError
-from gndpo.pipeline.exec import rounds
-from gndpo.pipeline.exec.rounds import StageProcess, run_stage_processes, stage_processes, worker_log_dir
 from gndpo.storage.records import STAGES
 
 PY = sys.executable
@@ -26,7 +26,7 @@ def no_inherited_gpus(monkeypatch):
 
 
 def cli(stage, url, r=0):
-    return [PY, "-m", "gndpo.cli", stage, url, "--round", str(r)]
+    return [PY, "-m", "gndpo", stage, url, "--round", str(r)]
 
 
 def test_no_gpu_is_one_plain_process_per_stage(tmp_path):
@@ -171,7 +171,7 @@ def test_run_rounds_with_gpus_starts_workers_and_commits(tmp_path, monkeypatch, 
 def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
     """Without GPUs (or with one) and one train rank, every stage runs in this process on one kept set
     of engines; with tensor parallelism or several train ranks, processes are started as before."""
-    from gndpo.pipeline.apps import loop
+    from gndpo.apps import loop
 
     monkeypatch.setattr(rounds, "open_run", lambda url: FakeRun(tmp_path))
     monkeypatch.setattr(loop, "open_run", lambda url: FakeRun(tmp_path))
@@ -221,11 +221,11 @@ def test_cli_run_passes_gpus_and_keep_alive_to_the_loop(monkeypatch):
     """`gndpo run RUN --gpus 2 --no-keep-alive` reaches the loop as gpus=2, keep_alive=False; without
     the options the loop decides (every visible GPU, engines kept where it can)."""
     from gndpo.cli import run as run_command
-    from gndpo.cli.app import _register, app
+    from gndpo.cli.app import app, register
 
-    _register()
+    register()
     calls = []
-    monkeypatch.setattr("gndpo.pipeline.apps.loop.run_loop", lambda url, rounds, **kw: calls.append((url, rounds, kw)))
+    monkeypatch.setattr("gndpo.apps.loop.run_loop", lambda url, rounds, **kw: calls.append((url, rounds, kw)))
     monkeypatch.setattr(run_command, "open_run", lambda url: url)
     monkeypatch.setattr(run_command, "round_summary", lambda run: f"summary of {run}")
     assert CliRunner().invoke(app, ["run", "R", "--rounds", "2", "--gpus", "2", "--no-keep-alive"]).exit_code == 0

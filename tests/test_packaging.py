@@ -96,9 +96,9 @@ def test_wheel_installs_whole_package_and_runs(tmp_path):
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
 
     # (c) What the wheel holds: data files and subpackages in, tests/, bench/ and setup.py out.
-    assert {"gndpo/pipeline/apps/demo.yaml", "gndpo/pipeline/apps/demo_tools.yaml", "gndpo/pipeline/apps/demo_self_distill.yaml"} <= names
+    assert {"gndpo/apps/demo.yaml", "gndpo/apps/demo_tools.yaml", "gndpo/apps/demo_self_distill.yaml"} <= names
     for package in ("pipeline/config", "pipeline/exec", "pipeline/run", "pipeline/methods", "pipeline/tasks", "pipeline/observe",
-                    "pipeline/apps", "pipeline/toys", "stages/models", "stages/training", "stages/text"):
+                    "apps", "apps/demos", "stages/models", "stages/training", "stages/text"):
         assert f"gndpo/{package}/__init__.py" in names, package
     assert "gndpo = gndpo.cli.app:main" in entry_points
     stray = sorted(

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.pipeline.toys.build import cache_root
+from gndpo.storage.cache import cache_root
 from tests.conftest import committed_rows, gndpo, run_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
@@ -46,8 +46,8 @@ def own_distributed_environment():
 
 
 def real_model(name: str):
+    from gndpo.apps.demos.real_models import PACKAGED, ensure_real_model
     from gndpo.errors import GndpoError
-    from gndpo.pipeline.toys.real_models import PACKAGED, ensure_real_model
 
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec(PACKAGED[name]) is None:
         pytest.skip(f"{name}: the real-models packages are not installed (make real-models)")
@@ -94,7 +94,7 @@ def greedy_batch(model, prompts: list[list[int]], pad_id: int, new_tokens: int =
 def test_convert_prints_only_the_folder_on_stdout(smollm2, tmp_path):
     """`M=$(gndpo convert FILE.gguf OUT)` captures the folder and nothing else: what libraries print
     while converting (DeepSpeed's accelerator warning when transformers imports it) goes to stderr."""
-    from gndpo.pipeline.toys.real_models import packaged_gguf
+    from gndpo.apps.demos.real_models import packaged_gguf
 
     proc = gndpo("convert", packaged_gguf("smollm2-135m-instruct", ROOT), tmp_path / "out")
     assert proc.stdout == f"{tmp_path / 'out'}\n", proc.stdout
@@ -110,7 +110,7 @@ def test_converted_folder_loads_without_gguf_and_generates_what_the_gguf_does(na
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gndpo.pipeline.toys.real_models import packaged_gguf
+    from gndpo.apps.demos.real_models import packaged_gguf
 
     folder = request.getfixturevalue("smollm2" if name.startswith("smollm2") else "gemma3")
     with monkeypatch.context() as m:
@@ -222,7 +222,7 @@ def test_kept_engine_reloads_smollm2_and_a_stale_one_is_replaced(smollm2, tmp_pa
 def smollm2_config(folder, student, **sections) -> dict:
     """A few short chat questions (the self-distillation demo's), SmolLM2 reading the demonstrations as
     its own teacher, ZeRO-2."""
-    from gndpo.pipeline.toys.self_distill import context_messages, questions
+    from gndpo.apps.demos.self_distill import context_messages, questions
 
     rows = questions()
     for name, part in (("train", rows[:16:2]), ("heldout", rows[1:8:2])):
@@ -246,9 +246,9 @@ def smollm2_config(folder, student, **sections) -> dict:
 def smollm2_round(smollm2, tmp_path_factory):
     """One GNDPO round of SmolLM2 self-distillation under ZeRO-2 in one process (`gndpo run`'s kept
     models), then round 1's rollout on the kept engine with the exported weights loaded into it."""
+    from gndpo.apps.init import init_run
+    from gndpo.apps.rounds import run_rounds
     from gndpo.pipeline.config.schema import config_from_dict
-    from gndpo.pipeline.exec.rounds import run_rounds
-    from gndpo.pipeline.apps.init import init_run
     from gndpo.stages.models.live import LiveModels
 
     folder = tmp_path_factory.mktemp("smollm2-run")
@@ -286,7 +286,7 @@ def test_a_gndpo_self_distillation_round_on_smollm2(smollm2_round):
 def test_an_ema_top_k_self_distillation_round_on_smollm2(smollm2_round, tmp_path):
     """A fork of the same round: forward KL on the teacher's top-8 with point-wise clipping, an EMA
     self-teacher; train exports the average beside the model."""
-    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.apps.fork import fork_run
     from gndpo.pipeline.run.run import open_run
 
     url = str(tmp_path / "fork")
@@ -304,7 +304,7 @@ def test_gemma_teaches_smollm2_across_tokenizers(smollm2_round, gemma3, tmp_path
     from Gemma's log-probs, the responses' <|im_end|> among them (Gemma's <eos> after the same text);
     the first token of every span holds Gemma's top-16 in SmolLM2's vocabulary (most entries spelled
     by a SmolLM2 token too), the others none; train steps on them."""
-    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.apps.fork import fork_run
     from gndpo.pipeline.methods.losses import NO_ENTRY_ID, UNMATCHED_ID
     from gndpo.pipeline.run.run import open_run
 

@@ -7,7 +7,7 @@ from tests.conftest import ARTIFACTS, open_in_chromium
 
 
 def test_the_browser_check_sees_a_broken_figure(tmp_path):
-    from gndpo.pipeline.apps.report import PAGE
+    from gndpo.apps.report import PAGE
 
     broken = base64.b64encode(b"\x89PNG\r\n\x1a\nnot really a png" * 50).decode()
     page = PAGE.format(title="t", subtitle="", figures=f'<img alt="accuracy" src="data:image/png;base64,{broken}">',

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.exec.status import stage_rows
+from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import rollout_shards
 from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, run_stages, tiny_config_dict, write_config
 

@@ -5,7 +5,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from gndpo.cli.app import _register, app
+from gndpo.cli.app import app, register
 from gndpo.errors import GndpoError
 from gndpo.pipeline.tasks.rewards import REWARDS, answer_match, final_answer, get_reward, math_answer, math_format, to_number
 from tests.conftest import tiny_config_dict
@@ -117,7 +117,7 @@ def test_builtins_and_import_paths():
             get_reward(name)
 
 
-_register()
+register()
 runner = CliRunner()
 
 

@@ -1,4 +1,4 @@
-"""What `gndpo init` estimates a round writes and holds (gndpo.pipeline.apps.round_size), re-derived here
+"""What `gndpo init` estimates a round writes and holds (gndpo.apps.round_size), re-derived here
 from the toy model's own weights and the stored columns' widths, and the sizes it refuses or warns
 about; the estimate against a real round's bytes is checked in test_e2e."""
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 import yaml
 
-from gndpo.pipeline.apps import round_size
+from gndpo.apps import round_size
 from gndpo.pipeline.config.schema import config_from_dict
 from tests.conftest import assert_one_line_error, invoke, tiny_config_dict
 

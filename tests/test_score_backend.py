@@ -9,10 +9,10 @@ import pyarrow as pa
 import pytest
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.vllm_engine import shutdown_llm
-from gndpo.pipeline.config.checks import check_backend
 from gndpo.stages.score import ScoreJob
 from gndpo.storage.shards import read_shard
 from tests.conftest import committed_rows, invoke_ok, run_stages

@@ -17,8 +17,8 @@ import torch
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import SelfTeacherConfig, config_from_dict
 from gndpo.pipeline.methods import METHODS
-from gndpo.stages.training.ema import EmaWeights
 from gndpo.stages.text.teacher_context import TeacherPrompts, other_problem_partners
+from gndpo.stages.training.ema import EmaWeights
 from tests.conftest import assert_one_line_error, committed_rows, gndpo, invoke, invoke_ok, run_stages
 
 # The toy tokenizer knows digits, "+" and "=": the teacher reads the answer, then the question.
@@ -236,7 +236,7 @@ def test_init_refuses_a_context_column_the_prompts_lack_and_a_context_that_does_
 def test_every_method_computes_its_targets_on_a_self_distillation_round(rolled_out, tmp_path):
     """score -> normalize in process for each method (the teacher module kept across them), then the
     same join train makes (targets for every response, finite)."""
-    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.apps.fork import fork_run
     from gndpo.pipeline.run.run import open_run
     from gndpo.stages.models.live import LiveModels
     from gndpo.stages.training.batch import load_share

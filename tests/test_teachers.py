@@ -4,7 +4,6 @@ checked against the HF models recomputed here, and normalize's statistics agains
 
 import numpy as np
 import pytest
-import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import config_from_dict

@@ -7,7 +7,7 @@ import sys
 
 PROBE = """
 import torch
-from gndpo.pipeline.toys.build import use_build_threads
+from gndpo.apps.demos.build import use_build_threads
 from gndpo.stages.models.device import set_cpu_threads
 set_cpu_threads()
 stage = torch.get_num_threads()

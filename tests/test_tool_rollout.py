@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.pipeline.tasks.rewards import math_answer, tool_correctness, tool_format
+from gndpo.apps.demos.arithmetic import ModelSpec
 from gndpo.pipeline.run.run import open_run
-from gndpo.pipeline.toys.arithmetic import ModelSpec
+from gndpo.pipeline.tasks.rewards import math_answer, tool_correctness, tool_format
 from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, write_config
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ ROUND = ("--round", "0")
 @pytest.fixture(scope="module")
 def tool_assets(cache_dir):
     """The tool-use toy, small: a student that calls the calculator on about half of its samples."""
-    from gndpo.pipeline.toys.tool_task import ToolToySpec, ensure_tool_toy_assets
+    from gndpo.apps.demos.tool_task import ToolToySpec, ensure_tool_toy_assets
 
     spec = ToolToySpec(
         n_train_prompts=64, n_heldout=12, teacher_target=0.5, student_tool_share=0.5, student_call_share=0.6, student_max_steps=60,
@@ -149,7 +149,7 @@ def test_a_teacher_of_another_tokenizer_reads_each_tool_answer_through_its_own_t
     tokens stay masked with no value."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gndpo.pipeline.toys.arithmetic import new_model
+    from gndpo.apps.demos.arithmetic import new_model
     from tests.conftest import run_stages
 
     path = tmp_path / "cross-teacher"
@@ -220,10 +220,10 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
     there: the last hidden state of a position feeds only that position's logits."""
     from transformers import AutoModelForCausalLM
 
+    from gndpo.pipeline.methods import policy_settings
     from gndpo.stages.models import logprobs
     from gndpo.stages.train import Objective
     from gndpo.stages.training.batch import load_share
-    from gndpo.pipeline.methods import policy_settings
 
     run = open_run(str(reference))
     share = load_share(run, 0, 0, 1)

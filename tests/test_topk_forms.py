@@ -14,8 +14,8 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import MethodConfig, config_from_dict
-from gndpo.pipeline.methods.losses import combined_token_losses, topk_divergence
 from gndpo.pipeline.methods import validate
+from gndpo.pipeline.methods.losses import combined_token_losses, topk_divergence
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 BETA = 0.3

@@ -3,7 +3,7 @@ milestones): the tool-use toy's teacher is judged by its exact match, its studen
 
 import torch
 
-from gndpo.pipeline.toys.arithmetic import ModelSpec, new_model, train_supervised
+from gndpo.apps.demos.arithmetic import ModelSpec, new_model, train_supervised
 
 SPEC = ModelSpec(layers=1, hidden=32, heads=2, max_steps=100, lr=1e-3, batch=4)
 

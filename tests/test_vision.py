@@ -1,6 +1,6 @@
 """Vision-language models: prompts with images through init, rollout (vLLM), score and train.
 
-The pair is a tiny random-weight Idefics3 (the SmolVLM family; :mod:`gndpo.pipeline.toys.vision`), the
+The pair is a tiny random-weight Idefics3 (the SmolVLM family; :mod:`gndpo.apps.demos.vision`), the
 images small PNGs drawn here. What a stage computes is re-derived from a plain transformers forward
 with the processor's tensors; bad image data is refused at init, one line each.
 """
@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
-from gndpo.pipeline.toys.vision import VisionModelSpec, build_random_vision_pair
+from gndpo.apps.demos.vision import VisionModelSpec, build_random_vision_pair
 from tests.conftest import assert_one_line_error, built_once, committed_rows, invoke, invoke_ok, run_stages, shared_folder, tiny_config_dict, write_config
 
 SPEC = VisionModelSpec()
@@ -76,7 +76,7 @@ def vision_pair(tmp_path_factory):
 def low_resolution_teacher(tmp_path_factory):
     """A teacher with the student's tokenizer but its own processor: 32x32 pictures, 4 image tokens each
     (the student reads 64x64 pictures as 16), like a teacher of another size or resolution."""
-    from gndpo.pipeline.toys.vision import new_vision_model, save_vision_model, vision_processor, vision_tokenizer
+    from gndpo.apps.demos.vision import new_vision_model, save_vision_model, vision_processor, vision_tokenizer
 
     spec = VisionModelSpec(image_size=32, layers=3)
     tok = vision_tokenizer(spec.context)
@@ -91,8 +91,8 @@ def other_tokenizer_teachers(tmp_path_factory):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gndpo.pipeline.toys.arithmetic import character_tokenizer
-    from gndpo.pipeline.toys.vision import CHAT_TEMPLATE, END_OF_UTTERANCE, IMAGE_TOKENS, ROLE_TOKENS, new_vision_model, save_vision_model, vision_processor
+    from gndpo.apps.demos.arithmetic import character_tokenizer
+    from gndpo.apps.demos.vision import CHAT_TEMPLATE, END_OF_UTTERANCE, IMAGE_TOKENS, ROLE_TOKENS, new_vision_model, save_vision_model, vision_processor
 
     folder = tmp_path_factory.mktemp("other-tokenizer")
     reverse = string.printable[:95][::-1]
@@ -317,7 +317,7 @@ def test_a_gndpo_round_reads_the_images_in_every_stage(vision_round, vision_pair
     assert shown.height == len(rollouts)
     assert {json.loads(v)[0] for v in shown["images"]} == {json.loads(prompts[r["prompt_id"]]["images"])[0] for r in rollouts}
     # gndpo report shows each picture beside its response.
-    from gndpo.pipeline.apps.report import token_view
+    from gndpo.apps.report import token_view
 
     assert token_view(str(vision_round)).count('<img class="picture"') >= 1
     # Held-out eval ran on the images (the random student answers nothing right, but it answered).
@@ -346,7 +346,7 @@ def test_freeze_vision_trains_the_language_model_only_and_export_keeps_the_proce
 def test_a_fork_of_a_vision_run_reads_its_pictures(vision_round, tmp_path):
     """A fork copies the parent's imported pictures with its prompt tables: its stages read them from
     its own folder, and gndpo sql sees them."""
-    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.apps.fork import fork_run
     from gndpo.pipeline.observe.sql import query
     from gndpo.pipeline.run.images import RunImages
 
@@ -417,7 +417,7 @@ def test_teacher_columns_equal_a_forward_of_the_teacher_reading_the_pictures_its
     reads the picture and its answer as a privileged caption."""
     from transformers import AutoProcessor
 
-    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.apps.fork import fork_run
     from gndpo.pipeline.run.images import RunImages
     from gndpo.pipeline.run.run import open_run
 
@@ -473,7 +473,8 @@ def test_a_tool_conversation_shows_its_picture_on_every_turn(vision_pair, tmp_pa
     def sampling(seed, max_tokens, extra_stops):
         forced = StructuredOutputsParams(regex=call.replace("+", r"\+").replace("{", r"\{").replace("}", r"\}")) if seed == 5 else None
         return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=0, stop=extra_stops,
-                              include_stop_str_in_output=True, structured_outputs=forced, logit_bias={processor.tokenizer.convert_tokens_to_ids("<image>"): -1e4})
+                              include_stop_str_in_output=True, structured_outputs=forced,
+                              logit_bias={processor.tokenizer.convert_tokens_to_ids("<image>"): -1e4})
 
     conversation = Conversation(row, rendered.token_ids, 5, [shown])
     tools = ToolUse.from_config(RolloutConfig(tools=["calculator"], max_turns=2, max_tool_response_tokens=200))
@@ -511,7 +512,7 @@ def test_a_teacher_of_another_tokenizer_reads_the_picture_or_its_caption(vision_
     of turn (or EOS) after the same text, and any other special token has no text and stays unaligned."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.apps.fork import fork_run
     from gndpo.pipeline.run.images import RunImages
     from gndpo.stages.text.chat import end_of_turn_ids, stop_token_ids
 
@@ -564,7 +565,7 @@ def test_zero3_trains_a_vlm_as_zero0_does(vision_round, tmp_path, freeze):
     parent's ZeRO-0 update, the frozen vision tower bit-identical to the start; with the whole model
     trained the ZeRO-3 fork's vision tower moves. The second case scores in the process the first
     trained in (a ZeRO-3 engine once left transformers partitioning every later model load)."""
-    from gndpo.pipeline.apps.fork import fork_run
+    from gndpo.apps.fork import fork_run
     from gndpo.pipeline.run.run import open_run
 
     overrides = ["train.zero_stage=3"] + ([] if freeze else ["model.freeze_vision=false"])

@@ -2,7 +2,7 @@
 score's and train's forward (:func:`gndpo.stages.models.logprobs.policy_token_logprobs` on a batch with
 image tensors) equals the model's own forward, on whatever device and dtype it is given.
 
-* Idefics3 (SmolVLM): :mod:`gndpo.pipeline.toys.vision`; a picture is ``pixel_values`` and
+* Idefics3 (SmolVLM): :mod:`gndpo.apps.demos.vision`; a picture is ``pixel_values`` and
   ``pixel_attention_mask``, each ``<image>`` expanded to a fixed 18 tokens;
 * Qwen2.5-VL: a picture is a flat list of patches (``pixel_values``) and its grid (``image_grid_thw``),
   expanded to grid/4 ``<|image_pad|>`` tokens, with 3-D rotary positions. vLLM's model file for it
@@ -17,8 +17,8 @@ import string
 import numpy as np
 import torch
 
-from gndpo.pipeline.toys.arithmetic import character_tokenizer
-from gndpo.pipeline.toys.vision import VisionModelSpec, image_tokens, new_vision_model, vision_processor, vision_tokenizer
+from gndpo.apps.demos.arithmetic import character_tokenizer
+from gndpo.apps.demos.vision import VisionModelSpec, image_tokens, new_vision_model, vision_processor, vision_tokenizer
 from gndpo.stages.models.logprobs import TokenBatch, make_batch, policy_token_logprobs
 from gndpo.stages.models.vision import freeze_all_but_language_model, image_inputs
 

@@ -255,7 +255,8 @@ class RolloutConfig:
     # choice for distillation), mask (no loss, still in the statistics) or drop (neither).
     truncated: Literal["keep", "mask", "drop"] = "keep"
     # Multi-turn tool use: the tools the student may call (built-in names, module:function, or
-    # name=module:function to have the student call it name; empty = one turn per response). A call ends the student's turn, its result comes back as a tool turn
+    # name=module:function to have the student call it name; empty = one turn per response). A call
+    # ends the student's turn, its result comes back as a tool turn
     # rendered by the chat template, and the student continues, for at most max_turns student turns
     # and max_tool_response_tokens tokens of interleaved response (student, tool and template tokens;
     # each student turn is also capped by max_tokens). A tool that fails or runs past tool_timeout_s

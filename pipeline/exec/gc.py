@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.observe.metrics import committed_rounds
 from gndpo.pipeline.exec.units import lease_state
+from gndpo.pipeline.observe.metrics import committed_rounds
 from gndpo.storage.records import STAGES, train_optimizer_state
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from gndpo.pipeline.observe.metrics import committed_rounds
 from gndpo.pipeline.exec.units import lease_state, sum_phases
+from gndpo.pipeline.observe.metrics import committed_rounds
 from gndpo.storage.records import STAGES
 
 

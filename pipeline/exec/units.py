@@ -29,11 +29,10 @@ from typing import Protocol
 from gndpo.errors import GndpoError, first_line
 from gndpo.faults import crash_point
 from gndpo.pipeline.exec.signals import pid_alive
-from gndpo.storage.meter import phase, unit_clock
-from gndpo.storage.records import StageRecords
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import FILE_ONLY, info, unit_context
-
+from gndpo.storage.meter import phase, unit_clock
+from gndpo.storage.records import StageRecords
 
 _units_log = logging.getLogger(__name__)
 # Counts of a unit's commit summary that progress sums and shows with their rate.

@@ -19,8 +19,8 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import did_you_mean
 from gndpo.pipeline.methods import distill, divergence, outcome, tip, trust
 from gndpo.pipeline.methods.base import (
-    WEIGHTED_SEQ_MEAN,
     SCORE_EXTRAS,
+    WEIGHTED_SEQ_MEAN,
     Method,
     Response,
     Stats,

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gndpo.pipeline.methods.base import WEIGHTED_SEQ_MEAN
-
 
 def gspo_token_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO-token importance ratio s_it (section 2).

@@ -23,8 +23,8 @@ import time
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.table import Column
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Column
 
 from gndpo.pipeline.exec.dist import Dist
 

@@ -1,11 +1,9 @@
 """A run as the stages see it: the frozen config, each stage's records, and where each round's policy and
-teachers are. Creating a run (and every check it makes first) is :mod:`gndpo.pipeline.apps.init`."""
+teachers are. Creating a run (and every check it makes first) is :mod:`gndpo.apps.init`."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import yaml
 
@@ -14,6 +12,7 @@ from gndpo.pipeline.config.schema import SELF_TEACHER, Config, config_from_dict
 from gndpo.pipeline.run.images import image_ids
 from gndpo.pipeline.run.teacher_runs import is_reference, teacher_folder
 from gndpo.pipeline.tasks.plugins import use_plugin_dirs
+from gndpo.storage.cache import cache_dir
 from gndpo.storage.records import InheritedRecords, StageRecords
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import read_prompt_table
@@ -145,9 +144,8 @@ def require_exported(records: StageRecords) -> None:
 
 
 def model_cache_dir() -> str:
-    root = Path(os.environ.get("GNDPO_CACHE", Path.home() / ".cache" / "gndpo")) / "models"
-    root.mkdir(parents=True, exist_ok=True)
-    return str(root)
+    """The local folder where engines keep copies of models read from object storage."""
+    return str(cache_dir("models"))
 
 
 def open_run(url: str) -> Run:

@@ -31,12 +31,21 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gndpo.stages.models.vllm_engine import (AdapterEngine, adapter_request, cuda_available, engine_alive, engine_dtype, engine_processes,
-                                             in_process_engine, make_llm, shutdown_llm)
-from gndpo.stages.models.probe import TOLERANCE, probe_gap
 from gndpo.stages.models.device import resolve_dtype
 from gndpo.stages.models.loading import load_causal_lm, model_config
 from gndpo.stages.models.lora import ADAPTER_DIR, adapted_student, policy_state_dict
+from gndpo.stages.models.probe import TOLERANCE, probe_gap
+from gndpo.stages.models.vllm_engine import (
+    AdapterEngine,
+    adapter_request,
+    cuda_available,
+    engine_alive,
+    engine_dtype,
+    engine_processes,
+    in_process_engine,
+    make_llm,
+    shutdown_llm,
+)
 from gndpo.stages.training.deepspeed_engine import build_engine
 
 

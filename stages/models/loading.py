@@ -20,9 +20,8 @@ import torch
 from safetensors import safe_open
 
 from gndpo.errors import GndpoError
-from gndpo.stages.models.device import attn_implementation, local_device, resolve_dtype
 from gndpo.pipeline.config.schema import ModelConfig
-
+from gndpo.stages.models.device import attn_implementation, local_device, resolve_dtype
 
 # Files that make a folder a model folder to transformers (a model's config, or a tokenizer's).
 MODEL_FOLDER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")

@@ -25,7 +25,6 @@ and values (:func:`response_hidden`).
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import NamedTuple
 

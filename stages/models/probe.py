@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from gndpo.stages.models.loading import placeholder_ids
+from gndpo.stages.models.logprobs import make_batch, policy_token_logprobs
 from gndpo.stages.models.vision import expanded_prompt_ids, image_inputs
 from gndpo.stages.models.vllm_engine import AdapterEngine, forced_logprobs, response_logprobs
-from gndpo.stages.models.logprobs import make_batch, policy_token_logprobs
 
 PROBE_FILE = "gndpo_probe.json"
 PROBE_SEQUENCES, PROBE_LENGTH = 4, 24

@@ -37,10 +37,10 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
-from gndpo.stages.models.device import dtype_name, resolve_dtype
-from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
 from gndpo.pipeline.exec.dist import scoped_environ
 from gndpo.pipeline.exec.signals import ENGINE_OWNER_ENV, descendants, process_running
+from gndpo.stages.models.device import dtype_name, resolve_dtype
+from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
 
 GIB = 1 << 30
 # vLLM's CPU platform lets this legacy variable (GiB), when set, replace an engine's kv_cache_memory_bytes.

@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from gndpo.pipeline.observe import progress
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL
+from gndpo.pipeline.observe import progress
 from gndpo.stages.models.logprobs import TokenBatch, make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.models.vision import BatchImages
 from gndpo.storage.shards import flat_values, read_shard

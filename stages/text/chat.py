@@ -50,7 +50,8 @@ def render_prompt(tok, row: dict, data: DataConfig) -> RenderedPrompt:
     conversation that cannot be rendered."""
     if not uses_template(tok, data):
         if row.get("messages") or data.system_prompt:
-            why = "data.chat_template is none" if data.chat_template == "none" else f"the tokenizer of {getattr(tok, 'name_or_path', '') or 'this model'} has no chat template"
+            model = getattr(tok, "name_or_path", "") or "this model"
+            why = "data.chat_template is none" if data.chat_template == "none" else f"the tokenizer of {model} has no chat template"
             raise GndpoError(f"prompt {row.get('prompt_id', '?')} is a conversation (messages or data.system_prompt) but {why}")
         return RenderedPrompt(row["prompt"], list(tok(row["prompt"])["input_ids"]), image_ids(row))
     try:

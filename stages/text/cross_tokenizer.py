@@ -34,12 +34,12 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.losses import LOGP_FLOOR, NO_ENTRY_ID, UNMATCHED_ID
-from gndpo.stages.text.align import Alignment, align_spans, token_offsets
-from gndpo.stages.text.chat import stop_token_ids, tool_turn_ids, turn_end_id
-from gndpo.stages.text.vocabulary import VocabularyMatch, match_vocabularies
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.models.vision import image_inputs
+from gndpo.stages.text.align import Alignment, align_spans, token_offsets
+from gndpo.stages.text.chat import stop_token_ids, tool_turn_ids, turn_end_id
 from gndpo.stages.text.teacher_context import TeacherPrompts
+from gndpo.stages.text.vocabulary import VocabularyMatch, match_vocabularies
 
 TOPK_COLUMNS = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_rest_logprob")
 

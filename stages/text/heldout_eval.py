@@ -13,16 +13,16 @@ from math import comb
 
 import pyarrow as pa
 
-from gndpo.pipeline.observe import progress
-from gndpo.pipeline.config.schema import DataConfig, EngineConfig
-from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import DataConfig, EngineConfig
+from gndpo.pipeline.observe import progress
 from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.seeds import derived_seed
-from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
-from gndpo.stages.models.vllm_engine import resolve_max_model_len, shutdown_llm
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer, unsampleable
+from gndpo.stages.models.vllm_engine import resolve_max_model_len, shutdown_llm
+from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
+from gndpo.stages.text.chat import render_prompt, stop_token_ids
 
 EVAL_SCHEMA = pa.schema(
     [("prompt_id", pa.string()), ("prompt", pa.string()), ("answer", pa.string()), ("response", pa.string()), ("reward", pa.float64())]

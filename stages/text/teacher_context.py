@@ -27,7 +27,6 @@ must give it the picture's information as text (a caption or data column of the 
 from __future__ import annotations
 
 import random
-
 from collections.abc import Callable
 
 from gndpo.errors import GndpoError
@@ -100,7 +99,8 @@ class TeacherPrompts:
         try:
             text = self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **self.data.template_kwargs)
         except Exception as exc:  # jinja errors, a template's own raise_exception(...)
-            raise GndpoError(f"the teacher's chat template cannot render the teacher context of prompt {row.get('prompt_id', '?')}: {first_line(exc)}") from None
+            raise GndpoError(f"the teacher's chat template cannot render the teacher context of prompt {row.get('prompt_id', '?')}: "
+                             f"{first_line(exc)}") from None
         return text, list(self.tok(text, add_special_tokens=False)["input_ids"]), False
 
     def images(self, row: dict) -> list:

@@ -12,8 +12,8 @@ from gndpo.pipeline.exec.dist import Dist
 from gndpo.stages.models.loading import is_vision_model, load_tokenizer
 from gndpo.stages.models.logprobs import output_width
 from gndpo.stages.models.lora import ADAPTER_DIR, has_adapters, policy_state_dict, save_adapter
-from gndpo.stages.models.vision import load_processor
 from gndpo.stages.models.probe import probe_logprobs, write_probe
+from gndpo.stages.models.vision import load_processor
 from gndpo.stages.training.ema import EmaWeights
 
 

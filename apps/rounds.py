@@ -18,7 +18,6 @@ plan; :func:`run_stage_processes` runs it.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import os
 import re
 import subprocess
@@ -28,23 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.exec.dist import Dist
+from gndpo.pipeline.exec.signals import STAGE_OF_RUN_ENV, die_with_parent
+from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info, worker_file
 from gndpo.pipeline.observe.metrics import publish_metrics, write_metrics_jsonl
 from gndpo.pipeline.run.run import model_cache_dir, open_run
-from gndpo.pipeline.exec.dist import Dist
-from gndpo.pipeline.exec.signals import STAGE_OF_RUN_ENV, die_with_parent
-from gndpo.pipeline.exec.units import Worker, run_collective
+from gndpo.stages import job_class
 from gndpo.storage.records import STAGES
 from gndpo.storage.runfs import RunFS
-
-
-def stage_job(stage: str):
-    """The job class of ``stage``, imported on demand: normalize, for one, needs neither torch nor vLLM."""
-    if stage not in STAGES:
-        raise GndpoError(f"unknown stage {stage!r}; choose one of: {', '.join(STAGES)}")
-    module = importlib.import_module(f"gndpo.stages.{stage}")
-    return getattr(module, f"{stage.capitalize()}Job")
 
 
 def check_round(run, round_idx: int, stage: str) -> None:
@@ -70,7 +62,7 @@ def run_stage(
     records = run.records(round_idx, stage)
     # The log file first: the stage's modules import vLLM, which sets up its logging when imported.
     with worker_log(url, f"r{round_idx:04d}-{stage}"):
-        job = stage_job(stage)(run, round_idx, log=log, live=live)
+        job = job_class(stage)(run, round_idx, log=log, live=live)
 
         def committed(manifest: dict) -> None:  # by the one worker whose manifest write succeeded
             publish_metrics(run, manifest, worker_log_dir(url))
@@ -87,7 +79,7 @@ def run_stage(
 
 def stage_command(url: str, stage: str, round_idx: int, num_processes: int = 1) -> list[str]:
     """The command line that runs one stage in a fresh process (train under torchrun for >1 rank)."""
-    tail = ["-m", "gndpo.cli", stage, url, "--round", str(round_idx)]
+    tail = ["-m", "gndpo", stage, url, "--round", str(round_idx)]
     if stage == "train" and num_processes > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}", *tail]
     return [sys.executable, *tail]

@@ -3,7 +3,7 @@
 Each method runs the demo's experiment for the task (the addition toy by default, or ``--task
 self-distill`` on SmolLM2; the same assets, seeds and budget) with ``method.name`` and its own
 overrides, in its own folder ``<out>/<label>/``. Methods after the first are forks of the first method's
-run at round 0 (:mod:`gndpo.pipeline.apps.fork`): they score and train on its round-0 rollouts, not
+run at round 0 (:mod:`gndpo.apps.fork`): they score and train on its round-0 rollouts, not
 merely on rollouts sampled with the same seeds (a method whose overrides change the rollout settings
 samples its own). The table reports, per method, the held-out score of every policy version (start,
 after each round) and stability figures over all optimizer steps of all rounds: the maximum, 99th
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from gndpo.apps.demo import check_task, run_demo
 from gndpo.errors import GndpoError
-from gndpo.pipeline.apps.demo import check_task, run_demo
 from gndpo.pipeline.exec.gc import prune_rounds
 from gndpo.pipeline.methods import get_method
+from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.run import open_run
-from gndpo.pipeline.observe.logs import info
 from gndpo.stages.models.live import LiveModels
 
 

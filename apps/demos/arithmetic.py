@@ -1,7 +1,7 @@
 """The embedded default: a verifiable addition task, a character tokenizer, and a teacher/student pair.
 
 Nothing here touches a model hub. :func:`ensure_toy_assets` builds, deterministically from a seed on a
-given CPU type (its arithmetic pinned by :func:`gndpo.pipeline.toys.build.pinned_build`), and caches
+given CPU type (its arithmetic pinned by :func:`gndpo.apps.demos.build.pinned_build`), and caches
 under ``$GNDPO_CACHE`` (default ``~/.cache/gndpo``):
 
 * ``tokenizer`` files (character-level WordLevel, saved with ``save_pretrained``) shared by both models,
@@ -24,8 +24,9 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gndpo.apps.demos.build import pinned_build, use_build_threads
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.toys.build import cached_build, pinned_build, use_build_threads
+from gndpo.storage.cache import cached_build
 
 SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>"}
 CHARS = list("0123456789+=")

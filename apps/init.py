@@ -19,7 +19,9 @@ from pathlib import Path
 import yaml
 from transformers.utils import logging as hf_logging
 
+from gndpo.apps.round_size import check_round_fits
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.load import config_to_yaml
 from gndpo.pipeline.config.schema import SELF_TEACHER, Config
 from gndpo.pipeline.methods import validate as validate_method
@@ -32,8 +34,6 @@ from gndpo.stages.models.device import attn_implementation, visible_gpus
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
-from gndpo.pipeline.apps.round_size import check_round_fits
-from gndpo.pipeline.config.checks import check_backend
 from gndpo.stages.text.agent import ToolUse
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids, uses_template
 from gndpo.stages.text.teacher_context import TeacherPrompts

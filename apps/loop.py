@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gndpo.pipeline.exec.rounds import keeps_models, run_rounds
+from gndpo.apps.rounds import keeps_models, run_rounds
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.device import visible_gpus
@@ -10,7 +10,7 @@ from gndpo.stages.models.live import LiveModels
 
 
 def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = True, log=info, live=None) -> None:
-    """Run rounds 0..rounds-1 of ``url`` (:func:`gndpo.pipeline.exec.rounds.run_rounds`).
+    """Run rounds 0..rounds-1 of ``url`` (:func:`gndpo.apps.rounds.run_rounds`).
 
     ``gpus``: GPUs of this node to use (None: every visible one). ``keep_alive``: where
     :func:`keeps_models` allows (at most one GPU, one train rank, one rollout worker), run every stage in

@@ -22,16 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
+from gndpo.apps.recipe import recipe_stages
 from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.status import phase_rows, stage_rows
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.run import open_run
-from gndpo.pipeline.apps.recipe import recipe_stages
-from gndpo.storage.records import manifest_files, rollout_shards
-from gndpo.storage.duck import connect, parquet_source
-from gndpo.storage.tables import write_file
 from gndpo.stages.models.loading import load_tokenizer
+from gndpo.storage.duck import connect, parquet_source
+from gndpo.storage.records import manifest_files, rollout_shards
+from gndpo.storage.tables import write_file
 
 # (file name, title, y label, [(stage, metric, legend suffix)]): one figure each.
 CURVES = [

@@ -19,9 +19,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gndpo.apps.init import init_run
+from gndpo.apps.loop import run_loop
 from gndpo.errors import GndpoError
-from gndpo.pipeline.apps.init import init_run
-from gndpo.pipeline.apps.loop import run_loop
 from gndpo.pipeline.config.load import apply_overrides
 from gndpo.pipeline.config.schema import RUN_TEACHER, SELF_TEACHER, Config, config_from_dict
 from gndpo.pipeline.methods import get_method

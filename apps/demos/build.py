@@ -15,11 +15,7 @@ must share one toy share its cache folder (``$GNDPO_CACHE``) or pass ``--assets`
 from __future__ import annotations
 
 import multiprocessing
-import os
-import shutil
-import tempfile
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 
 from gndpo.pipeline.exec.dist import scoped_environ, usable_cpus
@@ -28,43 +24,6 @@ from gndpo.pipeline.observe.logs import info
 # Read by torch and MKL when they load, hence set for a fresh process. OMP/MKL thread counts follow
 # torch.set_num_threads in use_build_threads.
 PINNED_ARITHMETIC = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("GNDPO_CACHE", Path.home() / ".cache" / "gndpo"))
-
-
-def cached_build(name: str, build, root: Path | None = None) -> Path:
-    """``root/name`` (default root: :func:`cache_root`), made by ``build(folder)`` first if it is not
-    there (``info.json`` marks a finished build). Builds go to a temporary folder that is renamed into
-    place (:func:`staged_folder`), so a crashed build leaves nothing and two processes building at once
-    both end with one complete folder."""
-    dest = (root or cache_root()) / name
-    if (dest / "info.json").exists():
-        return dest
-    try:
-        with staged_folder(dest) as tmp:
-            build(tmp)
-    except FileExistsError:  # another process finished the same build first; theirs is identical
-        pass
-    return dest
-
-
-@contextmanager
-def staged_folder(dest: Path):
-    """A fresh temporary folder beside ``dest`` to write into; renamed to ``dest`` (which must not exist,
-    or be an empty folder) when the block completes, removed when it raises: ``dest`` is either
-    complete or absent. FileExistsError if ``dest`` was filled meanwhile."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
-    try:
-        yield tmp
-        try:
-            tmp.rename(dest)
-        except OSError as exc:
-            raise FileExistsError(f"{dest} exists and is not empty") from exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def use_build_threads() -> None:

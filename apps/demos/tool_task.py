@@ -8,7 +8,7 @@ multiply; the calculator can. A correct response is a call, the tool's answer, a
     <|tool|>1517<|end|><|assistant|>1517<|end|>
 
 Everything is built from a seed without a model hub and cached under ``$GNDPO_CACHE`` like the addition
-toy (:mod:`gndpo.pipeline.toys.arithmetic`): a character tokenizer over printable ASCII (so tool results and error
+toy (:mod:`gndpo.apps.demos.arithmetic`): a character tokenizer over printable ASCII (so tool results and error
 messages are spelt exactly) with role markers, an end-of-turn token, and the call's fixed parts as
 single tokens; a chat template that renders tool turns; prompts with their ``tool_calls`` ground truth;
 and one Llama trained twice. It first learns tool conversations only, and is saved as the teacher
@@ -34,13 +34,21 @@ import string
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gndpo.pipeline.toys.arithmetic import (
-    CHAT_TEMPLATE, END_OF_TURN, ModelSpec, character_tokenizer, new_model, padded_batch, spec_key, train_supervised,
+from gndpo.apps.demos.arithmetic import (
+    CHAT_TEMPLATE,
+    END_OF_TURN,
+    ModelSpec,
+    character_tokenizer,
+    new_model,
+    padded_batch,
+    spec_key,
+    train_supervised,
 )
-from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.toys.build import cached_build, pinned_build, use_build_threads
+from gndpo.apps.demos.build import pinned_build, use_build_threads
 from gndpo.pipeline.config.schema import DataConfig
+from gndpo.pipeline.observe.logs import info
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids
+from gndpo.storage.cache import cached_build
 
 ROLES = ("system", "user", "assistant", "tool")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

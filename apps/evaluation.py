@@ -10,12 +10,12 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import DataConfig, EngineConfig, RolloutConfig
 from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.prompts import load_prompts
-from gndpo.pipeline.tasks.rewards import get_reward
-from gndpo.storage.runfs import RunFS
-from gndpo.storage.tables import write_results
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.tasks.rewards import get_reward
 from gndpo.stages.text.agent import ToolUse
 from gndpo.stages.text.heldout_eval import evaluate_model
+from gndpo.storage.runfs import RunFS
+from gndpo.storage.tables import write_results
 
 
 def evaluate(

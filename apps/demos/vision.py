@@ -8,7 +8,7 @@ tower, the pixel-shuffle connector, and an ``Idefics3Processor`` over a characte
 Hugging Face folder that transformers and vLLM both load; one model is trained twice, like the text
 toys: the student is the checkpoint of the first validation at or above ``student_target``, the
 teacher continues until ``teacher_target``. Everything is built from a seed without a model hub and
-cached under ``$GNDPO_CACHE`` (:mod:`gndpo.pipeline.toys.build`, pinned arithmetic).
+cached under ``$GNDPO_CACHE`` (:mod:`gndpo.apps.demos.build`, pinned arithmetic).
 
 The family's special tokens are the real ones (``<image>``, ``<fake_token_around_image>``,
 ``<global-img>``, ``<end_of_utterance>``), so what gndpo does with this model is what it does with
@@ -30,11 +30,12 @@ import string
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from gndpo.apps.demos.arithmetic import ModelSpec, character_tokenizer, padded_batch, spec_key, train_supervised
+from gndpo.apps.demos.build import pinned_build, use_build_threads
 from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.toys.arithmetic import ModelSpec, character_tokenizer, padded_batch, spec_key, train_supervised
-from gndpo.pipeline.toys.build import cached_build, pinned_build, use_build_threads
 from gndpo.stages.text.chat import render_prompt
+from gndpo.storage.cache import cached_build
 
 IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>")
 END_OF_UTTERANCE = "<end_of_utterance>"

@@ -9,22 +9,21 @@ from pathlib import Path
 
 import yaml
 
+from gndpo.apps.demos.arithmetic import ensure_cross_tokenizer_assets, ensure_toy_assets
+from gndpo.apps.demos.self_distill import context_messages, ensure_self_distill_assets
+from gndpo.apps.demos.tool_task import ensure_tool_toy_assets
+from gndpo.apps.demos.vision import ensure_vision_toy_assets
+from gndpo.apps.evaluation import evaluate
+from gndpo.apps.fork import fork_refusal, fork_run
+from gndpo.apps.init import init_run
+from gndpo.apps.loop import run_loop
 from gndpo.errors import GndpoError
-
 from gndpo.pipeline.config.load import build_config
 from gndpo.pipeline.config.schema import SELF_TEACHER
-from gndpo.pipeline.apps.fork import fork_refusal, fork_run
-from gndpo.pipeline.observe.metrics import collect_metrics
-from gndpo.pipeline.apps.loop import run_loop
-from gndpo.pipeline.apps.init import init_run
-from gndpo.pipeline.run.run import open_run
-from gndpo.pipeline.toys.self_distill import context_messages, ensure_self_distill_assets
-from gndpo.pipeline.toys.arithmetic import ensure_cross_tokenizer_assets, ensure_toy_assets
-from gndpo.pipeline.toys.tool_task import ensure_tool_toy_assets
-from gndpo.pipeline.toys.vision import ensure_vision_toy_assets
-from gndpo.stages.models.live import LiveModels
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.apps.evaluation import evaluate
+from gndpo.pipeline.observe.metrics import collect_metrics
+from gndpo.pipeline.run.run import open_run
+from gndpo.stages.models.live import LiveModels
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.yaml")
 

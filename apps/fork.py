@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import os
 
+from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, resolve_teachers, run_yaml
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.load import apply_overrides
 from gndpo.pipeline.config.schema import Config, config_from_dict
 from gndpo.pipeline.methods import validate as validate_method
-from gndpo.pipeline.tasks.rewards import run_rewards
-from gndpo.pipeline.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, resolve_teachers, run_yaml
 from gndpo.pipeline.run.images import RunImages, copy_images
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
+from gndpo.pipeline.tasks.rewards import run_rewards
 from gndpo.storage.runfs import RunFS
-from gndpo.pipeline.config.checks import check_backend
 
 # What a round's rollouts depend on besides the seeds: a fork keeps them as they were.
 ROLLOUT_SECTIONS = ("student", "data", "rollout", "engine")

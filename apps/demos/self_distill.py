@@ -20,10 +20,10 @@ import json
 import random
 from pathlib import Path
 
+from gndpo.apps.demos.real_models import ensure_real_model
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.toys.real_models import ensure_real_model
-from gndpo.pipeline.toys.build import cached_build
 from gndpo.pipeline.tasks.rewards import answer_format
+from gndpo.storage.cache import cached_build
 
 STUDENT = "smollm2-135m-instruct"
 MAX_TOKENS = 24  # the demo's rollout.max_tokens: "Answer: Copenhagen." is 6 tokens

@@ -1,1 +1,0 @@
-"""Built on the stages: init, fork, the demo, compare and evaluation."""

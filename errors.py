@@ -8,8 +8,20 @@ class GndpoError(Exception):
     """A user-facing error: bad input, a missing path, a corrupt shard, a mismatched run folder."""
 
 
-def first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException, with_type: bool = False) -> str:
     """The first line of ``exc``'s message, or its type's name when it has none: a failure named in one
-    line beside other output (a warning, a user error that adds its own context)."""
+    line beside other output (a warning, a user error that adds its own context). ``with_type``:
+    ``TypeName: first line``, for a failure in a user's own code (a reward, a tool, a template), where
+    the type is part of what went wrong."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    line = text.splitlines()[0] if text else ""
+    if with_type:
+        return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return line or type(exc).__name__
+
+
+def whole_message(exc: BaseException, limit: int = 300) -> str:
+    """A library's whole message on one line (whitespace collapsed: its first line alone may stop
+    mid-sentence), shortened to ``limit`` characters; its type's name when it has none."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"

@@ -32,6 +32,8 @@ RECIPE_FILE = "recipe.json"
 
 @dataclass(frozen=True)
 class RecipeStage:
+    """One stage of a recipe: a run of its own, its config and its number of rounds."""
+
     name: str  # its run is OUT/<name>
     rounds: int
     config: dict  # the run's config as a dict; "run:<stage>" teachers name an earlier stage

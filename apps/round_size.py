@@ -78,23 +78,23 @@ def readable_size(n: float) -> str:
 
 def estimate_round(cfg: Config, longest_prompt: int) -> RoundSize:
     """:class:`RoundSize` of one round of ``cfg`` whose longest prompt has ``longest_prompt`` tokens."""
-    rc, tc = cfg.rollout, cfg.train
-    rows = rc.prompts_per_round * rc.n
-    tokens = rows * rc.response_tokens
+    rollout_cfg, train_cfg = cfg.rollout, cfg.train
+    rows = rollout_cfg.prompts_per_round * rollout_cfg.n
+    tokens = rows * rollout_cfg.response_tokens
     rollout = rows * longest_prompt * (token_bytes(ROLLOUTS, ["prompt_token_ids"]) + TEXT_BYTES_PER_TOKEN) + tokens * (
         token_bytes(ROLLOUTS, ["response_token_ids", "loss_mask", "sampler_logprobs"]) + TEXT_BYTES_PER_TOKEN)
     extras = [c for need in score_needs(cfg.method) for c in EXTRA_COLUMNS[need]]
     score = tokens * token_bytes(scores_schema(max(cfg.score.teacher_topk, 1)), ["teacher_logprobs", "student_logprobs", *extras])
-    shards = 2 * math.ceil(rc.prompts_per_round / rc.prompts_per_unit)  # a rollout and a score shard per unit
+    shards = 2 * math.ceil(rollout_cfg.prompts_per_round / rollout_cfg.prompts_per_unit)  # a rollout and a score shard per unit
     weights = parameter_count(cfg.student)
     export = state = 0
     if weights:
         # model.dtype as it resolves here: fp32 for auto on a machine without a GPU, the larger case
         width = resolve_dtype(cfg.model.dtype).itemsize
         export = weights * width
-        if tc.carry_optimizer_state:
+        if train_cfg.carry_optimizer_state:
             one_state = weights * (width + ADAM_MOMENT_BYTES + (4 if width < 4 else 0))
-            checkpoints = (tc.optimizer_steps - 1) // tc.checkpoint_every if tc.checkpoint_every else 0
+            checkpoints = (train_cfg.optimizer_steps - 1) // train_cfg.checkpoint_every if train_cfg.checkpoint_every else 0
             state = one_state * (1 + checkpoints)
     return RoundSize(rows, tokens, rollout + score + shards * SHARD_OVERHEAD, weights, export, state)
 

@@ -64,6 +64,9 @@ def round_prompt_ids(prompt_ids: list[str], round_idx: int, count: int, seed: in
 
 
 class RolloutJob:
+    """The rollout stage: each unit samples ``rollout.n`` responses for its prompts with the round's
+    policy in vLLM (tool turns included), rewards them, and writes one rollout shard."""
+
     stage = "rollout"
 
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
@@ -72,16 +75,16 @@ class RolloutJob:
         self.llm = self.tok = None
 
     def plan(self):
-        rc = self.cfg.rollout
+        rollout_cfg = self.cfg.rollout
         prompts = self.run.prompts("train")
-        ids = round_prompt_ids([p["prompt_id"] for p in prompts], self.round, rc.prompts_per_round, rc.seed)
+        ids = round_prompt_ids([p["prompt_id"] for p in prompts], self.round, rollout_cfg.prompts_per_round, rollout_cfg.seed)
         units = [
-            {"unit": f"u{i // rc.prompts_per_unit:05d}", "prompt_ids": ids[i : i + rc.prompts_per_unit]}
-            for i in range(0, len(ids), rc.prompts_per_unit)
+            {"unit": f"u{i // rollout_cfg.prompts_per_unit:05d}", "prompt_ids": ids[i : i + rollout_cfg.prompts_per_unit]}
+            for i in range(0, len(ids), rollout_cfg.prompts_per_unit)
         ]
-        if rc.eval_heldout:
+        if rollout_cfg.eval_heldout:
             units.append({"unit": EVAL_UNIT})
-        return units, {"policy_version": self.round, "prompts": len(ids), "n": rc.n}
+        return units, {"policy_version": self.round, "prompts": len(ids), "n": rollout_cfg.n}
 
     def setup(self):
         policy = self.run.policy_path(self.round)
@@ -103,35 +106,35 @@ class RolloutJob:
         self.tool_use = ToolUse.from_config(self.cfg.rollout)
         self.guide = None
         if self.cfg.rollout.guided_fraction > 0:
-            rc, cross = self.cfg.rollout, self.cfg.score.cross_tokenizer
+            rollout_cfg, cross = self.cfg.rollout, self.cfg.score.cross_tokenizer
             teacher_path = self.run.teacher_folder(self.cfg.teacher)
             if not cross:
                 check_same_tokenizer(policy, teacher_path)
             teacher = self.live.causal_lm(teacher_path, self.cfg.model, local_device(), fixed=True)
             self.guide = TeacherGuide(teacher, self.tok, load_tokenizer(teacher_path) if cross else None, self.cfg.data,
-                                      min(rc.guide_prefix_tokens, rc.max_tokens - 1), rc.temperature)
+                                      min(rollout_cfg.guide_prefix_tokens, rollout_cfg.max_tokens - 1), rollout_cfg.temperature)
 
     def is_guided(self, prompt_id: str) -> bool:
         """A seeded, worker-independent choice of the round's guided prompts."""
-        rc = self.cfg.rollout
-        u = sample_seed(rc.seed, self.round, f"guide:{prompt_id}", 0) / 2**32
-        return u < rc.guided_fraction
+        rollout_cfg = self.cfg.rollout
+        u = sample_seed(rollout_cfg.seed, self.round, f"guide:{prompt_id}", 0) / 2**32
+        return u < rollout_cfg.guided_fraction
 
     def sampling(self, seed: int, max_tokens: int, extra_stops: list[str]):
         """One student turn's SamplingParams: the run's sampling settings with this turn's seed."""
         from vllm import SamplingParams
 
-        rc = self.cfg.rollout
+        rollout_cfg = self.cfg.rollout
         return SamplingParams(
-            n=1, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k, max_tokens=max_tokens, seed=seed, logprobs=0,
+            n=1, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k, max_tokens=max_tokens, seed=seed, logprobs=0,
             logit_bias=self.banned,
-            stop_token_ids=self.stop_ids, stop=list(rc.stop) + extra_stops or None, include_stop_str_in_output=bool(extra_stops),
+            stop_token_ids=self.stop_ids, stop=list(rollout_cfg.stop) + extra_stops or None, include_stop_str_in_output=bool(extra_stops),
         )
 
     def run_unit(self, unit, out_dir):
         if unit["unit"] == EVAL_UNIT:
             return self._eval_unit(out_dir)
-        rc = self.cfg.rollout
+        rollout_cfg = self.cfg.rollout
         by_id = {p["prompt_id"]: p for p in self.run.prompts("train")}
         conversations, meta = [], []
         for pid in unit["prompt_ids"]:
@@ -139,8 +142,8 @@ class RolloutJob:
             rendered = render_prompt(self.tok, prompt, self.cfg.data)
             guided = self.guide is not None and self.is_guided(pid)
             pictures = [self.images.get(i) for i in rendered.images]
-            for s in range(rc.n):
-                c = Conversation(prompt, rendered.token_ids, sample_seed(rc.seed, self.round, pid, s), pictures)
+            for s in range(rollout_cfg.n):
+                c = Conversation(prompt, rendered.token_ids, sample_seed(rollout_cfg.seed, self.round, pid, s), pictures)
                 if guided:
                     c.add_prefix(*self.guide.prefix(prompt, rendered.token_ids, c.seed))
                 conversations.append(c)
@@ -153,7 +156,7 @@ class RolloutJob:
                     bar.advance(len(ended))
                 bar.show(tokens=sum(len(c.response_ids) for c in conversations))
 
-            run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, rc.max_tokens, self.sampling,
+            run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, rollout_cfg.max_tokens, self.sampling,
                               on_turn=turn_done, on_finished=None if self.tool_use is not None else bar.advance)
         crash_point("rollout.generate")
         rows = [self.row(c, text, s) for c, (text, s) in zip(conversations, meta)]
@@ -167,7 +170,7 @@ class RolloutJob:
 
     def row(self, c: Conversation, prompt_text: str, sample_idx: int) -> dict:
         """The stored row of one finished conversation."""
-        rc = self.cfg.rollout
+        rollout_cfg = self.cfg.rollout
         pid = c.row["prompt_id"]
         prefix_len = len(c.response_ids) - sum(c.loss_mask) if self.guide is not None else 0
         return {
@@ -186,10 +189,10 @@ class RolloutJob:
             "num_turns": c.num_turns,
             "tool_calls": c.tool_calls,
             **self.rewarded(c),
-            "temperature": rc.temperature,
-            "top_p": rc.top_p,
-            "top_k": rc.top_k,
-            "max_tokens": rc.max_tokens,
+            "temperature": rollout_cfg.temperature,
+            "top_p": rollout_cfg.top_p,
+            "top_k": rollout_cfg.top_k,
+            "max_tokens": rollout_cfg.max_tokens,
             "seed": c.seed,
             "logprobs_mode": "raw",
             "prompt": prompt_text,

@@ -39,6 +39,9 @@ from gndpo.storage.shards import write_shard
 
 
 class ScoreJob:
+    """The score stage: each unit scores a committed rollout shard's responses with every teacher (and
+    the student's recomputed log-probs where the method needs them) and writes one score shard."""
+
     stage = "score"
 
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
@@ -89,19 +92,19 @@ class ScoreJob:
 
     def _teacher_backend(self, policy: str, teachers: dict[str, str], student, device):
         """The backend the config names (score.cross_tokenizer, score.backend), on the student's forward."""
-        cfg, sc = self.cfg, self.cfg.score
+        cfg, score_cfg = self.cfg, self.cfg.score
         name, path = next(iter(teachers.items()))
         pad_id = load_tokenizer(policy).pad_token_id or 0
         routes = {}
-        if cfg.teachers and sc.teacher_mix == "route":
+        if cfg.teachers and score_cfg.teacher_mix == "route":
             routes = {p["prompt_id"]: p["teacher"] for p in self.run.prompts("train")}
-        if sc.cross_tokenizer:  # each teacher with its own tokenizer
+        if score_cfg.cross_tokenizer:  # each teacher with its own tokenizer
             cross, student_tok = {}, load_tokenizer(policy)
             for n, p in teachers.items():
                 prompts = self._teacher_prompts(p)
-                cross[n] = CrossTokenizerTeacher(self._teacher_columns(p, prompts, device), prompts, student_tok, sc.teacher_end_text)
+                cross[n] = CrossTokenizerTeacher(self._teacher_columns(p, prompts, device), prompts, student_tok, score_cfg.teacher_end_text)
             return OtherTokenizerTeacher(self._student_forward(student, [], pad_id, device), cross, routes)
-        if sc.backend == "vllm":
+        if score_cfg.backend == "vllm":
             engine = self._teacher_engine(path)
             # vLLM expands a picture's placeholder itself: with pictures it reads the teacher's own rendering.
             context = self._teacher_prompts(path) if self.images is not None else self._teacher_context(path)
@@ -130,17 +133,17 @@ class ScoreJob:
     def _teacher_columns(self, teacher_path: str, prompts: TeacherPrompts, device):
         """Where a cross-tokenizer teacher's numbers come from: its vLLM engine (score.backend vllm) or
         its module; ``prompts``: how it renders each prompt."""
-        sc = self.cfg.score
-        if sc.backend == "vllm":
+        score_cfg = self.cfg.score
+        if score_cfg.backend == "vllm":
             return TeacherEngineColumns(self._teacher_engine(teacher_path), prompts)
         module = self.live.causal_lm(teacher_path, self.cfg.model, device, fixed=True)
-        return TeacherModule(module, prompts, device, logits_chunk(module, self.cfg.model), sc.max_tokens_per_batch, sc.rows_per_chunk)
+        return TeacherModule(module, prompts, device, logits_chunk(module, self.cfg.model), score_cfg.max_tokens_per_batch, score_cfg.rows_per_chunk)
 
     def _teacher_engine(self, teacher_path: str):
         """The teacher's vLLM engine (score.engine), sized for the run's pictures if it reads them."""
-        sc = self.cfg.score
+        score_cfg = self.cfg.score
         shows = self.run.images_per_prompt() if is_vision_model(teacher_path) else 0
-        return self.live.teacher_engine(teacher_path, sc.engine, sc.teacher_topk, images=shows)
+        return self.live.teacher_engine(teacher_path, score_cfg.engine, score_cfg.teacher_topk, images=shows)
 
     def _student_forward(self, student, teacher_modules: list, pad_id: int, device, teacher_path: str | None = None) -> StudentForward:
         """The student's forward, with the teacher modules of ``teacher_path`` beside it (init checked

@@ -113,11 +113,11 @@ class Step:
     weight_sum: float
 
 
-def schedule_steps(share: RoundShare, tc, chunk: int) -> list[Step]:
-    """The round's optimizer steps from this rank's share (``tc``: the train settings; ``chunk``:
+def schedule_steps(share: RoundShare, train_cfg, chunk: int) -> list[Step]:
+    """The round's optimizer steps from this rank's share (``train_cfg``: the train settings; ``chunk``:
     positions per output-layer chunk); collective, every rank calls it."""
     micros = [
-        [[rows[i] for i in idx] for idx in token_budget_batches(np.array([r.tokens for r in rows]), tc.max_tokens_per_batch, tc.micro_batch_size,
+        [[rows[i] for i in idx] for idx in token_budget_batches(np.array([r.tokens for r in rows]), train_cfg.max_tokens_per_batch, train_cfg.micro_batch_size,
                                                                 [r.prompt_id for r in rows])]
         for rows in share.steps
     ]
@@ -262,23 +262,23 @@ def optimizer_step(engine, objective: Objective, step: Step, world: int, zero_st
     }
 
 
-def round_lr(tc, round_idx: int, step: int, n_steps: int) -> float:
+def round_lr(train_cfg, round_idx: int, step: int, n_steps: int) -> float:
     """The learning rate of optimizer step ``step`` (0-based) of ``n_steps`` in round ``round_idx``. The
-    round's peak is ``tc.lr * tc.lr_round_decay ** round_idx``; with ``tc.lr_schedule`` cosine the round
-    falls by half a cosine from its peak at the first step to ``peak * tc.lr_min_ratio`` at the last. A
+    round's peak is ``train_cfg.lr * train_cfg.lr_round_decay ** round_idx``; with ``train_cfg.lr_schedule`` cosine the round
+    falls by half a cosine from its peak at the first step to ``peak * train_cfg.lr_min_ratio`` at the last. A
     function of the round and the step alone, so a resumed round continues on the same schedule."""
-    peak = tc.lr * tc.lr_round_decay**round_idx
-    if tc.lr_schedule == "constant" or n_steps < 2:
+    peak = train_cfg.lr * train_cfg.lr_round_decay**round_idx
+    if train_cfg.lr_schedule == "constant" or n_steps < 2:
         return peak
-    floor = peak * tc.lr_min_ratio
+    floor = peak * train_cfg.lr_min_ratio
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * step / (n_steps - 1)))
 
 
-def take_step(engine, objective: Objective, steps: list[Step], i: int, tc, round_idx: int, world: int) -> dict:
+def take_step(engine, objective: Objective, steps: list[Step], i: int, train_cfg, round_idx: int, world: int) -> dict:
     """Optimizer step ``i`` of round ``round_idx`` at its scheduled learning rate; its numbers."""
-    lr = round_lr(tc, round_idx, i, len(steps))
+    lr = round_lr(train_cfg, round_idx, i, len(steps))
     set_learning_rate(engine, lr)
-    return {**optimizer_step(engine, objective, steps[i], world, tc.zero_stage), "lr": lr}
+    return {**optimizer_step(engine, objective, steps[i], world, train_cfg.zero_stage), "lr": lr}
 
 
 def set_learning_rate(engine, lr: float) -> None:
@@ -316,6 +316,10 @@ class Update:
 
 
 class TrainJob:
+    """The train stage: one unit (or one per rank, collectively) that joins the round's rollouts,
+    scores and statistics, takes the round's optimizer steps with DeepSpeed (checkpointed within the
+    round for resume) and exports the next round's policy."""
+
     stage = "train"
 
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None, dist: Dist | None = None):
@@ -399,8 +403,8 @@ class TrainJob:
         """Whether the previous round left no optimizer state to load (kept in memory only,
         train.state_every, or its deferred write never finished, train.state_async) and no attempt of
         this round left a checkpoint to resume from: the state must then be replayed."""
-        tc = self.cfg.train
-        if self.round == 0 or not tc.carry_optimizer_state:
+        train_cfg = self.cfg.train
+        if self.round == 0 or not train_cfg.carry_optimizer_state:
             return False
         return carried_state(self.run, self.round - 1) is None and newest_checkpoint(self.run, self.round, self.dist) is None
 
@@ -470,7 +474,7 @@ class TrainJob:
     def finish(self, update: Update, history: list[dict], out_dir: str) -> tuple[list[dict], dict]:
         """(files, commit summary): the updated student exported (and the EMA teacher), the optimizer
         state carried to the next round."""
-        tc, dist = self.cfg.train, self.dist
+        train_cfg, dist = self.cfg.train, self.dist
         summary = {
             "steps": history,
             "responses": int(sum(update.share.step_sizes)),
@@ -482,15 +486,15 @@ class TrainJob:
             "resumed_after_step": update.start.after_step,
         }
         with phase("export"):
-            files = export_student(update.engine, update.policy, self.run.fs, out_dir, tc.zero_stage, dist, update.objective.pad_id)
+            files = export_student(update.engine, update.policy, self.run.fs, out_dir, train_cfg.zero_stage, dist, update.objective.pad_id)
             if update.ema is not None and dist.main:  # the next round's EMA teacher
                 files += export_ema(update.ema, update.engine.module, update.policy, self.run.fs, out_dir)
                 summary["ema_dir"] = f"{out_dir}/ema"
         pending = None
-        if tc.carry_optimizer_state:
+        if train_cfg.carry_optimizer_state:
             # Not due: kept in memory only, and a train that starts without it replays.
-            due = (self.round + 1) % tc.state_every == 0
-            if due and tc.state_async and self.live.keeps_trainer(dist.world):
+            due = (self.round + 1) % train_cfg.state_every == 0
+            if due and train_cfg.state_async and self.live.keeps_trainer(dist.world):
                 pending = DeferredState(update.engine, self.run.fs, out_dir, self.log)
                 summary["optimizer_state"] = {"pending": pending.record}
             elif due:

@@ -34,6 +34,8 @@ CHARS = list("0123456789+=")
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """The shape of a toy model and how it is trained (steps, learning rate, batch)."""
+
     layers: int
     hidden: int
     heads: int

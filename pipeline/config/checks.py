@@ -53,11 +53,11 @@ def engine_logprob_blockers(cfg) -> list[str]:
     """Why the rollout engine's sampler log-probs cannot stand in for the student's forward in score
     (empty: they can): they are the temperature-1 distribution's, exist only for tokens the student
     sampled, and are not the student's whole distribution."""
-    rc = cfg.rollout
+    rollout_cfg = cfg.rollout
     reasons = [
-        (rc.temperature != 1.0, f"rollout.temperature {rc.temperature} (vLLM returns the temperature-1 distribution's log-probs)"),
-        (bool(rc.tools), "rollout.tools (tool turns are not sampled by the student)"),
-        (rc.guided_fraction > 0, "rollout.guided_fraction (a guided prefix is not sampled by the student)"),
+        (rollout_cfg.temperature != 1.0, f"rollout.temperature {rollout_cfg.temperature} (vLLM returns the temperature-1 distribution's log-probs)"),
+        (bool(rollout_cfg.tools), "rollout.tools (tool turns are not sampled by the student)"),
+        (rollout_cfg.guided_fraction > 0, "rollout.guided_fraction (a guided prefix is not sampled by the student)"),
         (bool(score_needs(cfg.method) & {STUDENT_ENTROPY, TOKEN_KL}), f"method {cfg.method.name} (it reads the student's distribution)"),
     ]
     return [why for clash, why in reasons if clash]

@@ -235,6 +235,9 @@ class TeacherContextConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    """How the student samples: prompts and samples a round, the work-unit size, sampling settings, the
+    length budget, stops, multi-turn tools, and the held-out evaluation rollout runs each round."""
+
     prompts_per_round: Count = 256
     n: Count = 4  # samples per prompt
     prompts_per_unit: Count = 64  # work-unit size; fixed by the plan, independent of worker count
@@ -331,6 +334,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ScoreConfig:
+    """How score computes and stores the teachers' (and the recomputed student's) per-token values:
+    batch sizes, the top-k, stored precision, the teacher backend, several or cross-tokenizer teachers."""
+
     # A forward pass holds at most max_tokens_per_batch (padded prompt + response) tokens and at most
     # rows_per_chunk responses; responses are grouped by length so padding stays small.
     max_tokens_per_batch: Count = 32768
@@ -374,6 +380,9 @@ class ScoreConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """How train updates the student: optimizer, learning-rate schedule, clipping, optimizer steps and
+    batch sizes per round, DeepSpeed (ZeRO stage, ranks, offload), checkpoints within a round."""
+
     lr: Positive = 1e-6
     # The lr over a round's optimizer steps: constant, or cosine from lr at the first step down to
     # lr * lr_min_ratio at the last (restarting each round: a function of the step, so resume-safe).
@@ -448,6 +457,10 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A run's whole experiment: models, data, reward, method and each stage's settings. Frozen once
+    read and checked (:func:`gndpo.pipeline.config.load.load_config`); its :meth:`fingerprint` is the
+    run's identity, so a rerun with other settings is refused rather than mixed in."""
+
     student: str = ""
     teacher: str = ""
     teachers: dict[str, str] = field(default_factory=dict)  # several teachers: {name: model path}, instead of teacher
@@ -603,9 +616,9 @@ def _outcome_rewards_default(data: dict) -> dict:
 
 def _check_combinations(cfg: Config) -> None:
     """The checks no one key can declare: empty strings in lists, and settings that contradict each other."""
-    rc = cfg.rollout
-    if not all(rc.stop):
-        raise GndpoError(f"config key rollout.stop must be a list of non-empty strings, got {rc.stop!r}")
+    rollout_cfg = cfg.rollout
+    if not all(rollout_cfg.stop):
+        raise GndpoError(f"config key rollout.stop must be a list of non-empty strings, got {rollout_cfg.stop!r}")
     if cfg.teachers:
         if cfg.teacher:
             raise GndpoError("config names both teacher and teachers; name one teacher, or several under teachers")
@@ -619,16 +632,16 @@ def _check_combinations(cfg: Config) -> None:
         raise GndpoError("score.teacher_end_text is for a teacher of another tokenizer (score.cross_tokenizer true)")
     if cfg.method.stats_scope == "teacher" and not (cfg.teachers and cfg.score.teacher_mix == "route"):
         raise GndpoError("method.stats_scope teacher needs several teachers routed by prompt (teachers, score.teacher_mix route)")
-    if not all(rc.tools):
-        raise GndpoError(f"config key rollout.tools must be a list of tool names (built-in or module:function), got {rc.tools!r}")
-    if rc.tools and rc.guided_fraction > 0:
+    if not all(rollout_cfg.tools):
+        raise GndpoError(f"config key rollout.tools must be a list of tool names (built-in or module:function), got {rollout_cfg.tools!r}")
+    if rollout_cfg.tools and rollout_cfg.guided_fraction > 0:
         raise GndpoError("config keys rollout.tools and rollout.guided_fraction cannot be combined: guidance writes one turn's prefix")
-    if rc.top_k == 0:
+    if rollout_cfg.top_k == 0:
         raise GndpoError("config key rollout.top_k must be -1 (off) or >= 1, got 0")
-    if rc.guided_fraction > 0 and rc.guide_prefix_tokens >= rc.max_tokens:
+    if rollout_cfg.guided_fraction > 0 and rollout_cfg.guide_prefix_tokens >= rollout_cfg.max_tokens:
         raise GndpoError(
-            f"config key rollout.guide_prefix_tokens ({rc.guide_prefix_tokens}) must be below rollout.max_tokens "
-            f"({rc.max_tokens}) when rollout.guided_fraction > 0: the student must write part of each response"
+            f"config key rollout.guide_prefix_tokens ({rollout_cfg.guide_prefix_tokens}) must be below rollout.max_tokens "
+            f"({rollout_cfg.max_tokens}) when rollout.guided_fraction > 0: the student must write part of each response"
         )
 
 

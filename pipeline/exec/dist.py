@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Dist:
+    """This process's place in a distributed launch (rank, world size, local GPU), read from the
+    launcher's environment; one rank of one when nothing launched it."""
+
     rank: int = 0
     world: int = 1
     local_rank: int = 0  # the GPU index on this node (modulo the visible GPUs)

@@ -40,6 +40,10 @@ PROGRESS_COUNTS = ("prompts", "responses", "tokens")
 
 
 class StageJob(Protocol):
+    """What the executor needs of a stage (:class:`Worker` runs any job of this shape): a plan of
+    work units, a setup done only by a worker that gets a unit, the computation of one unit whose
+    result the executor commits, and a summary of the committed units for the stage's manifest."""
+
     stage: str
 
     def plan(self) -> tuple[list[dict], dict]:

@@ -85,13 +85,13 @@ def score_needs(cfg) -> frozenset:
 def method_statistics(q: StatsQuery, cfg, round_idx: int) -> tuple[dict, dict]:
     """The method's and modifiers' statistics, from the normalize stage's DuckDB views."""
     method = get_method(cfg.name)
-    glob, groups = method.statistics(q, cfg, round_idx)
-    glob, groups = dict(glob), [groups]
+    round_wide, groups = method.statistics(q, cfg, round_idx)
+    round_wide, groups = dict(round_wide), [groups]
     for m in active_modifiers(cfg):
         g, per_prompt = m.statistics(q, cfg, round_idx)
-        glob.update(g)
+        round_wide.update(g)
         groups.append(per_prompt)
-    return glob, merge_groups(*groups)
+    return round_wide, merge_groups(*groups)
 
 
 def response_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:

@@ -86,15 +86,16 @@ TEACHER_SCOPE = "teacher:"  # normalize's scope prefix for per-teacher statistic
 
 @dataclass
 class Stats:
-    """The round's committed statistics: global {name: value} and per prompt {prompt_id: {name: value}}."""
+    """The round's committed statistics: round-wide {name: value} (normalize's scope "global") and per scope
+    (a prompt_id, or a teacher) {scope: {name: value}}."""
 
-    glob: dict = field(default_factory=dict)
+    round_wide: dict = field(default_factory=dict)  # scope "global": over every valid token of the round
     groups: dict = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> float:
-        if name not in self.glob:
+        if name not in self.round_wide:
             raise GndpoError(f"statistic {name!r} is missing from the round's normalize output")
-        return self.glob[name]
+        return self.round_wide[name]
 
     def group(self, prompt_id: str) -> dict:
         return self.groups.get(prompt_id, {})
@@ -110,6 +111,10 @@ class Stats:
 
 @dataclass(frozen=True)
 class Method:
+    """One training method: its name and one-line summary, the statistics it needs over a round's
+    shards (SQL through :class:`StatsQuery`), how it turns them into per-token targets, and which
+    stored values and settings it needs (checked at init)."""
+
     name: str
     summary: str
     # (StatsQuery, method config, round) -> (global stats, {prompt_id: stats})

@@ -100,14 +100,14 @@ def _gdpo_statistics(q, cfg, round_idx):
     )
     pre = f"SELECT n_valid, {terms} AS a FROM responses WINDOW g AS (PARTITION BY prompt_id)"
     if mode == "sequence":
-        glob = q.one(f"SELECT avg(a) AS gdpo_mean, stddev_samp(a) AS gdpo_std FROM ({pre})")
+        round_wide = q.one(f"SELECT avg(a) AS gdpo_mean, stddev_samp(a) AS gdpo_std FROM ({pre})")
     else:  # every valid token carries its response's A_pre
-        glob = q.one(
+        round_wide = q.one(
             f"""SELECT sum(n_valid * a) / sum(n_valid) AS gdpo_mean,
                    (sum(n_valid * a * a) - sum(n_valid * a) ^ 2 / sum(n_valid)) / (sum(n_valid) - 1) AS gdpo_var
                 FROM ({pre})"""
         )
-    return glob, groups
+    return round_wide, groups
 
 
 def _gdpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:

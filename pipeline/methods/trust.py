@@ -28,25 +28,25 @@ def acceptance(log_ratio: np.ndarray) -> np.ndarray:
 
 
 def _tropd_statistics(q, cfg, round_idx):
-    tc = cfg.tropd
-    if tc.tau_quantile < 0:
-        return {"tropd_tau": tc.tau}, {}
-    return q.one(f"SELECT quantile_cont(exp(least(lpT - lpS, 0)), {tc.tau_quantile}) AS tropd_tau FROM tokens"), {}
+    tropd_cfg = cfg.tropd
+    if tropd_cfg.tau_quantile < 0:
+        return {"tropd_tau": tropd_cfg.tau}, {}
+    return q.one(f"SELECT quantile_cont(exp(least(lpT - lpS, 0)), {tropd_cfg.tau_quantile}) AS tropd_tau FROM tokens"), {}
 
 
 def _tropd_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
-    tc = cfg.tropd
+    tropd_cfg = cfg.tropd
     r = resp.log_ratio
     trust = (acceptance(r) >= stats["tropd_tau"]).astype(np.float64) * resp.mask
     outlier = resp.mask - trust
-    if tc.outlier == "clip":
-        r = np.where(outlier > 0, np.maximum(r, tc.clip_value), r)
+    if tropd_cfg.outlier == "clip":
+        r = np.where(outlier > 0, np.maximum(r, tropd_cfg.clip_value), r)
         pg_mask = resp.mask.copy()
     else:
         pg_mask = trust
     c = np.clip(r, -cfg.clamp, cfg.clamp)
-    adv = gndpo_normalized(c, stats, cfg.std_eps) if tc.base == "gndpo" else c
-    div = tc.fkl_coef * outlier if tc.outlier == "fkl" else np.zeros_like(r)
+    adv = gndpo_normalized(c, stats, cfg.std_eps) if tropd_cfg.base == "gndpo" else c
+    div = tropd_cfg.fkl_coef * outlier if tropd_cfg.outlier == "fkl" else np.zeros_like(r)
     div = div + resp.prefix  # teacher-written tokens: forward KL only
     mask = pg_mask + (div > 0) * (pg_mask == 0)
     return Targets(adv=adv * pg_mask, pg_mask=pg_mask, div=div, mask=mask)

@@ -22,6 +22,9 @@ PROMPT_SPLITS = ("train", "heldout")
 
 @dataclass
 class Run:
+    """An opened run folder: its storage, its frozen config, and where each round's records, policy
+    and teachers are (a fork's inherited rounds included). What every stage and command is given."""
+
     fs: RunFS
     cfg: Config
     # A forked run (`gndpo fork`): {"parent": URL, "from_round": K}. Its rounds before K, and round K's

@@ -19,6 +19,6 @@ def round_stats(run: Run, round_idx: int) -> Stats:
     table = read_shards(run.fs, manifest_files(run.records(round_idx, "normalize").require_manifest()))
     stats = Stats()
     for r in table.to_pylist():
-        target = stats.glob if r["scope"] == "global" else stats.groups.setdefault(r["scope"], {})
+        target = stats.round_wide if r["scope"] == "global" else stats.groups.setdefault(r["scope"], {})
         target[r["name"]] = r["value"]
     return stats

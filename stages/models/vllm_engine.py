@@ -259,6 +259,9 @@ def shutdown_llm(llm) -> None:
 
 @dataclass
 class Generation:
+    """One sampled response: its token ids, the sampler's log-probs, why it ended, and the prompt ids
+    the model read."""
+
     token_ids: list[int]
     logprobs: list[float]  # the sampler's log-prob of each generated token
     finish_reason: str

@@ -44,17 +44,17 @@ class ToolUse:
     timeout_s: float
 
     @classmethod
-    def from_config(cls, rc: RolloutConfig) -> "ToolUse | None":
+    def from_config(cls, rollout_cfg: RolloutConfig) -> "ToolUse | None":
         """The run's tool settings, or None for single-turn rollouts (no ``rollout.tools``). An entry is
         a built-in's name, ``module:function`` (called by that path) or ``name=module:function``
         (called by ``name``); a GndpoError (one line) for one that does not resolve."""
-        if not rc.tools:
+        if not rollout_cfg.tools:
             return None
         tools = {}
-        for entry in rc.tools:
+        for entry in rollout_cfg.tools:
             name, _, path = entry.rpartition("=") if "=" in entry else (entry, "", entry)
             tools[name.strip()] = get_tool(path.strip())
-        return cls(tools, rc.max_turns, rc.max_tool_response_tokens, rc.tool_timeout_s)
+        return cls(tools, rollout_cfg.max_turns, rollout_cfg.max_tool_response_tokens, rollout_cfg.tool_timeout_s)
 
 
 @dataclass

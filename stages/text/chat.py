@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from gndpo.errors import GndpoError
+from gndpo.errors import GndpoError, first_line
 from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.run.images import content_text, image_ids, with_image_parts
-from gndpo.pipeline.tasks.plugins import first_line
 
 
 @dataclass
 class RenderedPrompt:
+    """A prompt as the model reads it: the rendered text, its token ids and its images."""
+
     text: str
     token_ids: list[int]  # with one placeholder token per image: the model's processor expands them
     images: list[str] = field(default_factory=list)  # the run's image ids, in placeholder order
@@ -59,7 +60,7 @@ def render_prompt(tok, row: dict, data: DataConfig) -> RenderedPrompt:
             conversation(row, data), tokenize=False, add_generation_prompt=True, **data.template_kwargs
         )
     except Exception as exc:  # jinja errors, a template's own raise_exception(...)
-        raise GndpoError(f"the chat template cannot render prompt {row.get('prompt_id', '?')}: {first_line(exc)}") from None
+        raise GndpoError(f"the chat template cannot render prompt {row.get('prompt_id', '?')}: {first_line(exc, with_type=True)}") from None
     return RenderedPrompt(text, list(tok(text, add_special_tokens=False)["input_ids"]), image_ids(row))
 
 
@@ -107,7 +108,7 @@ def tool_turn_ids(tok, row: dict, data: DataConfig, tool_text: str) -> list[int]
     try:
         text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **data.template_kwargs)
     except Exception as exc:
-        raise GndpoError(f"the chat template cannot render a tool turn: {first_line(exc)}") from None
+        raise GndpoError(f"the chat template cannot render a tool turn: {first_line(exc, with_type=True)}") from None
     at = text.rfind(probe)
     tail = text[at + len(probe):] if at >= 0 else ""
     if tool_text not in tail:

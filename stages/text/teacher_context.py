@@ -29,10 +29,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from gndpo.errors import GndpoError
+from gndpo.errors import GndpoError, first_line
 from gndpo.pipeline.config.schema import DataConfig, TeacherContextConfig
 from gndpo.pipeline.run.images import PLACEHOLDER, image_ids, with_image_parts
-from gndpo.pipeline.tasks.plugins import first_line
 from gndpo.stages.models.vision import expanded_prompt_ids, placeholder_count
 from gndpo.stages.text.chat import render_prompt, uses_template
 
@@ -83,7 +82,8 @@ class TeacherPrompts:
         try:
             return [{"role": t["role"], "content": as_content(t["content"].format(**fields))} for t in self.context.messages]
         except (KeyError, IndexError) as exc:
-            raise GndpoError(f"teacher_context.messages names {first_line(exc)}, which prompt {row.get('prompt_id', '?')} does not have") from None
+            missing = first_line(exc, with_type=True)
+            raise GndpoError(f"teacher_context.messages names {missing}, which prompt {row.get('prompt_id', '?')} does not have") from None
 
     def unexpanded(self, row: dict) -> tuple[str, list[int], bool]:
         """The teacher's prompt text for ``row``, its ids with one placeholder token per picture (the
@@ -100,7 +100,7 @@ class TeacherPrompts:
             text = self.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **self.data.template_kwargs)
         except Exception as exc:  # jinja errors, a template's own raise_exception(...)
             raise GndpoError(f"the teacher's chat template cannot render the teacher context of prompt {row.get('prompt_id', '?')}: "
-                             f"{first_line(exc)}") from None
+                             f"{first_line(exc, with_type=True)}") from None
         return text, list(self.tok(text, add_special_tokens=False)["input_ids"]), False
 
     def images(self, row: dict) -> list:

@@ -87,8 +87,8 @@ def step_order(rollout_ids: list[str], seed: int, round_idx: int, optimizer_step
 
 def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     cfg = run.cfg
-    mc = cfg.method
-    needs_topk = TOPK in score_needs(mc)
+    method_cfg = cfg.method
+    needs_topk = TOPK in score_needs(method_cfg)
     rollout_files = rollout_shards(run.records(round_idx, "rollout").require_manifest())
     score_files = manifest_files(run.records(round_idx, "score").require_manifest())
     rollouts = read_shards(run.fs, rollout_files).select(ROLLOUT_COLUMNS)
@@ -119,8 +119,8 @@ def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
 
 def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_topk: bool) -> dict[str, TrainRow]:
     """Rows by rollout id, each with the method's targets."""
-    mc = run.cfg.method
-    method = get_method(mc.name)
+    method_cfg = run.cfg.method
+    method = get_method(method_cfg.name)
     stats = round_stats(run, round_idx)
     score_row = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
     teachers = scores.column("teacher").to_pylist()
@@ -132,7 +132,7 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
     if cross:  # student tokens the teacher's tokens did not cover exactly get no loss
         s["aligned"] = flat_values(scores.column("aligned"))
     if needs_topk and "teacher_topk_ids" not in present and scores.num_rows:
-        raise GndpoError(f"score rows of round {round_idx} have no teacher top-k, which method {mc.name} needs")
+        raise GndpoError(f"score rows of round {round_idx} have no teacher top-k, which method {method_cfg.name} needs")
 
     def view(columns, name, i, dtype=np.float64):
         values, offsets = columns[name]
@@ -155,7 +155,7 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
             **{name: (view(s, name, j) if name in present else None) for name in ("teacher_entropy", "student_entropy", "token_kl")},
             teacher=teachers[j] or "",
         )
-        t = response_targets(resp, stats, mc, round_idx)
+        t = response_targets(resp, stats, method_cfg, round_idx)
         out[m["rollout_id"]] = TrainRow(
             rollout_id=m["rollout_id"],
             prompt=view(r, "prompt_token_ids", i, np.int64), response=view(r, "response_token_ids", i, np.int64),

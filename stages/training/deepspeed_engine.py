@@ -105,21 +105,21 @@ def quiet_deepspeed_import() -> None:
 def deepspeed_config(cfg, world: int, dtype: torch.dtype) -> dict:
     """DeepSpeed settings for one update. Micro-batches are token-budgeted and vary in number per step,
     so train marks accumulation boundaries itself and DeepSpeed's own batch arithmetic is left at 1."""
-    tc = cfg.train
+    train_cfg = cfg.train
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": world,
-        "gradient_clipping": tc.grad_clip,
+        "gradient_clipping": train_cfg.grad_clip,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True},
+            "params": {"lr": train_cfg.lr, "weight_decay": train_cfg.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8, "torch_adam": True},
         },
-        "zero_optimization": {"stage": tc.zero_stage},
+        "zero_optimization": {"stage": train_cfg.zero_stage},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if tc.zero_stage == 3:
+    if train_cfg.zero_stage == 3:
         # The export gathers 16-bit (training-dtype) weights; without this DeepSpeed refuses to.
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if dtype == torch.bfloat16:

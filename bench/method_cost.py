@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.realistic
 from gndpo.apps.demos.arithmetic import ensure_toy_assets
-from gndpo.pipeline.methods.losses import aggregate, combined_token_losses  # noqa: E402
+from gndpo.pipeline.methods.losses import DivergenceTerm, PolicyGradientTerm, aggregate, combined_token_losses  # noqa: E402
 from gndpo.stages.models.device import set_cpu_threads
 from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
@@ -65,7 +65,8 @@ def measure(student, teacher, prompts, responses, pad, topk: int, repeats: int) 
         adv = torch.randn_like(logp)
         s_topk = batch.padded(at_ids, -float(torch.log(torch.tensor(topk + 1.0)))) if divergence else None
         t_pad = batch.padded(t_topk, -float(torch.log(torch.tensor(topk + 1.0)))) if divergence else None
-        losses, _ = combined_token_losses("none" if divergence else "gspo", divergence, logp, logp.detach(), adv, mask, mask, s_topk, t_pad)
+        policy = None if divergence else PolicyGradientTerm("gspo", logp.detach(), adv, mask)
+        losses, _ = combined_token_losses(logp, policy, DivergenceTerm(divergence, mask, s_topk, t_pad) if divergence else None)
         aggregate(losses, mask, "token-mean", len(prompts), int(mask.sum())).backward()
 
     base_score, full_score = timed(lambda: score(False), repeats), timed(lambda: score(True), repeats)

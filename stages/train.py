@@ -37,14 +37,22 @@ from gndpo.pipeline.config.schema import SELF_TEACHER
 from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
-from gndpo.pipeline.methods.losses import LOGP_FLOOR, NO_ENTRY_ID, OtherVocabulary, aggregate, combined_token_losses
+from gndpo.pipeline.methods.losses import (
+    LOGP_FLOOR,
+    NO_ENTRY_ID,
+    DivergenceTerm,
+    OtherVocabulary,
+    PolicyGradientTerm,
+    aggregate,
+    combined_token_losses,
+)
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import adopt_library_loggers, info
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer
-from gndpo.stages.models.logprobs import logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
+from gndpo.stages.models.logprobs import PolicyLogprobs, TokenBatch, logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
 from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.text.vocabulary import match_vocabularies
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
@@ -178,57 +186,76 @@ class Objective:
 
         A rank with fewer micro-batches than another runs an empty one: a forward on one pad token times
         zero, so every rank calls every module (and ZeRO-3 gathers) the same number of times."""
-        cfg, device = self.cfg, self.device
         if not micro:
-            batch = make_batch([[self.pad_id]], [[self.pad_id]], self.pad_id, device, self.share_prompts)
-            out = policy_token_logprobs(model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, None, min_chunks)
-            return out.sampled.sum() * 0.0 + out.pad_term, (0.0, 0.0, 0.0)
-        prompt_ids = [r.prompt_id for r in micro]
-        batch = make_batch([r.prompt for r in micro], [r.response for r in micro], self.pad_id, device, self.share_prompts,
-                           image_keys=prompt_ids if self.images is not None else None)
-        if self.images is not None:
-            batch.images = self.images.inputs([prompt_ids[i] for i in batch.prefix_rows], device)
-        topk_ids = teacher_of_token = None
-        if self.divergence is not None:
-            topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro])).to(device)
-        if self.student_unmatched is not None:
-            teacher_of_token = torch.tensor(np.repeat([self.teacher_names.index(r.teacher) for r in micro], [len(r.response) for r in micro]),
-                                            device=device)
-        flat_logp, flat_topk, pad_term, flat_unmatched = policy_token_logprobs(
-            model, batch, logits_chunk(model, cfg.model), cfg.rollout.temperature, topk_ids, min_chunks, self.student_unmatched, teacher_of_token
-        )
-        logp = batch.padded(flat_logp)
+            return self.empty_micro_batch_loss(model, min_chunks), (0.0, 0.0, 0.0)
+        device = self.device
+        batch = self.token_batch(micro)
+        topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro])).to(device) if self.divergence is not None else None
+        out = self.student_logprobs(model, batch, micro, topk_ids, min_chunks)
+        logp = batch.padded(out.sampled)
         width = logp.shape[1]
-        resp_mask = batch.mask()
-        mask = resp_mask * padded(micro, "mask", width, device)
-        pg_mask = resp_mask * padded(micro, "pg_mask", width, device)
+        response_mask = batch.mask()
+        mask = response_mask * padded(micro, "mask", width, device)
         old = padded(micro, "old_logp", width, device)
-        student_topk = teacher_topk = teacher_rest = other = None
-        if self.divergence is not None:
-            # Padding positions get a uniform (k+1)-bucket distribution for both models, so every
-            # divergence form is finite there (then masked out): a NaN times 0 would still be NaN.
-            k = flat_topk.shape[-1]
-            fill = -float(np.log(k + 1))
-            student_topk = batch.padded(flat_topk, fill)
-            teacher_topk = padded(micro, "topk_logp", width, device)
-            teacher_topk[resp_mask == 0] = fill
-            if all(r.topk_rest is not None for r in micro):  # else (older shards) the loss recomputes it
-                teacher_rest = padded(micro, "topk_rest", width, device)
-                teacher_rest[resp_mask == 0] = fill
-            if self.student_unmatched is not None:  # padding positions: no entry, no divergence
-                other = OtherVocabulary(batch.padded(topk_ids, NO_ENTRY_ID), batch.padded(flat_unmatched, LOGP_FLOOR), cfg.method.uld_weight)
-        losses, was_clipped = combined_token_losses(
-            self.policy_loss, self.divergence, logp, old, padded(micro, "adv", width, device), pg_mask,
-            padded(micro, "div", width, device), student_topk, teacher_topk,
-            cfg.method.clip_low, cfg.method.clip_high, cfg.method.jsd_beta, topk_form=cfg.method.topk_form,
-            teacher_rest_logp=teacher_rest, pointwise_clip=cfg.method.pointwise_clip,
-            covers_vocabulary=topk_ids is not None and topk_ids.shape[-1] >= model.get_output_embeddings().out_features,
-            other_vocabulary=other,
-        )
+        policy = None
+        if self.policy_loss != "none":
+            method = self.cfg.method
+            policy = PolicyGradientTerm(self.policy_loss, old, padded(micro, "adv", width, device), response_mask * padded(micro, "pg_mask", width, device),
+                                        method.clip_low, method.clip_high)
+        divergence = None if self.divergence is None else self.divergence_term(model, batch, micro, out, topk_ids)
+        losses, was_clipped = combined_token_losses(logp, policy, divergence)
         weights = torch.tensor([r.weight for r in micro], dtype=torch.float32, device=device).unsqueeze(-1)
         loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens, weight_sum)
         ratio = float((torch.exp(logp.detach() - old) * mask).sum())
-        return loss + pad_term, (loss.item(), float(was_clipped.sum()), ratio)
+        return loss + out.pad_term, (loss.item(), float(was_clipped.sum()), ratio)
+
+    def empty_micro_batch_loss(self, model, min_chunks: int) -> torch.Tensor:
+        """A zero loss that still runs the model (and ``min_chunks`` output-layer chunks) once."""
+        batch = make_batch([[self.pad_id]], [[self.pad_id]], self.pad_id, self.device, self.share_prompts)
+        out = policy_token_logprobs(model, batch, logits_chunk(model, self.cfg.model), self.cfg.rollout.temperature, None, min_chunks)
+        return out.sampled.sum() * 0.0 + out.pad_term
+
+    def token_batch(self, micro: list[TrainRow]) -> TokenBatch:
+        """The micro-batch's prompts and responses as one token batch on the device, with its pictures."""
+        prompt_ids = [r.prompt_id for r in micro]
+        batch = make_batch([r.prompt for r in micro], [r.response for r in micro], self.pad_id, self.device, self.share_prompts,
+                           image_keys=prompt_ids if self.images is not None else None)
+        if self.images is not None:
+            batch.images = self.images.inputs([prompt_ids[i] for i in batch.prefix_rows], self.device)
+        return batch
+
+    def student_logprobs(self, model, batch: TokenBatch, micro: list[TrainRow], topk_ids, min_chunks: int) -> PolicyLogprobs:
+        """The student's differentiable log-probs: of each sampled token, at the teacher's top-k ids,
+        and (a teacher of another vocabulary) its largest over its tokens that teacher lacks."""
+        teacher_of_token = None
+        if self.student_unmatched is not None:
+            teacher_of_token = torch.tensor(np.repeat([self.teacher_names.index(r.teacher) for r in micro], [len(r.response) for r in micro]),
+                                            device=self.device)
+        return policy_token_logprobs(model, batch, logits_chunk(model, self.cfg.model), self.cfg.rollout.temperature, topk_ids, min_chunks,
+                                     self.student_unmatched, teacher_of_token)
+
+    def divergence_term(self, model, batch: TokenBatch, micro: list[TrainRow], out: PolicyLogprobs, topk_ids) -> DivergenceTerm:
+        """The method's divergence on the stored teacher top-k, padded like the batch."""
+        method, device = self.cfg.method, self.device
+        response_mask = batch.mask()
+        width = response_mask.shape[1]
+        # Padding positions get a uniform (k+1)-bucket distribution for both models, so every
+        # divergence form is finite there (then masked out): a NaN times 0 would still be NaN.
+        fill = -float(np.log(out.at_ids.shape[-1] + 1))
+        teacher_topk = padded(micro, "topk_logp", width, device)
+        teacher_topk[response_mask == 0] = fill
+        teacher_rest = None
+        if all(r.topk_rest is not None for r in micro):  # else (older shards) the loss recomputes it
+            teacher_rest = padded(micro, "topk_rest", width, device)
+            teacher_rest[response_mask == 0] = fill
+        other = None
+        if self.student_unmatched is not None:  # padding positions: no entry, no divergence
+            other = OtherVocabulary(batch.padded(topk_ids, NO_ENTRY_ID), batch.padded(out.largest, LOGP_FLOOR), method.uld_weight)
+        return DivergenceTerm(
+            self.divergence, padded(micro, "div", width, device), batch.padded(out.at_ids, fill), teacher_topk, teacher_rest,
+            beta=method.jsd_beta, form=method.topk_form, pointwise_clip=method.pointwise_clip,
+            covers_vocabulary=topk_ids.shape[-1] >= model.get_output_embeddings().out_features, other_vocabulary=other,
+        )
 
 
 def optimizer_step(engine, objective: Objective, step: Step, world: int, zero_stage: int) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.pipeline.methods.losses import LOGP_FLOOR, combined_token_losses, rest_logprob, topk_divergence
+from gndpo.pipeline.methods.losses import LOGP_FLOOR, DivergenceTerm, combined_token_losses, rest_logprob, topk_divergence
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats
 from gndpo.stages.scoring.teachers import rest_logprob_from_topk
 
@@ -216,9 +216,9 @@ def test_train_drops_the_rest_bucket_exactly_when_k_is_the_vocabulary(tiny_asset
     V = model.config.vocab_size
     seen = []
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["covers_vocabulary"])
-        return combined_token_losses(*args, **kwargs)
+    def spy(logp, policy, divergence):
+        seen.append(divergence.covers_vocabulary)
+        return combined_token_losses(logp, policy, divergence)
 
     monkeypatch.setattr(train, "combined_token_losses", spy)
     cfg = config_from_dict({"student": str(tiny_assets / "student"), "teacher": str(tiny_assets / "teacher"),
@@ -239,7 +239,7 @@ def test_combined_token_losses_passes_the_stored_rest():
     _, _, stored = confident_case(0, 1000, 16, 5.7e-11, 0.985)
     s, t, r = (stored[n].view(2, 2, *stored[n].shape[1:]) for n in ("s_topk", "t_topk", "t_rest"))
     zeros, ones = torch.zeros(2, 2), torch.ones(2, 2)
-    losses, _ = combined_token_losses("none", "reverse_kl", zeros, zeros, zeros, zeros, ones, s, t, teacher_rest_logp=r)
+    losses, _ = combined_token_losses(zeros, None, DivergenceTerm("reverse_kl", ones, s, t, teacher_rest_logp=r))
     assert torch.equal(losses, topk_divergence("reverse_kl", s, t, teacher_rest_logp=r))
     assert not torch.equal(losses, topk_divergence("reverse_kl", s, t))
 

@@ -119,7 +119,7 @@ import json, resource, sys, torch
 from gndpo.pipeline.exec.dist import usable_cpus
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
 from gndpo.stages.models.loading import load_causal_lm
-from gndpo.pipeline.methods.losses import aggregate, combined_token_losses
+from gndpo.pipeline.methods.losses import DivergenceTerm, PolicyGradientTerm, aggregate, combined_token_losses
 folder, length, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(min(2, usable_cpus()))  # 2 threads on 1 core wait for each other
 student, teacher = load_causal_lm(folder + "/student"), load_causal_lm(folder + "/teacher").eval()
@@ -135,8 +135,8 @@ ids = stats["teacher_topk_ids"].long()
 flat, at_ids, pad, _ = policy_token_logprobs(student, batch, chunk, 1.0, ids)
 logp, mask = batch.padded(flat), batch.mask()
 t_topk = batch.padded(stats["teacher_topk_logprobs"])
-losses, _ = combined_token_losses("gspo", "reverse_kl", logp, batch.padded(stats["student_logprobs"]), torch.ones_like(logp), mask, mask,
-                                  batch.padded(at_ids), t_topk)
+losses, _ = combined_token_losses(logp, PolicyGradientTerm("gspo", batch.padded(stats["student_logprobs"]), torch.ones_like(logp), mask),
+                                  DivergenceTerm("reverse_kl", mask, batch.padded(at_ids), t_topk))
 (aggregate(losses, mask, "token-mean", 1, int(mask.sum())) + pad).backward()
 opt.step()
 train_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

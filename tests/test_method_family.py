@@ -433,7 +433,7 @@ def test_bad_method_knobs_are_refused_when_the_config_is_read(cfg_kwargs, fragme
 
 def test_eopd_loss_is_ppo_opd_plus_gated_forward_kl():
     """Section 7 at the loss level: L_t = L_OPD_t + [H^T_t > 0.8] forward_kl_topk_t, global token mean."""
-    from gndpo.pipeline.methods.losses import aggregate, combined_token_losses
+    from gndpo.pipeline.methods.losses import DivergenceTerm, PolicyGradientTerm, aggregate, combined_token_losses
 
     rng = np.random.default_rng(16)
     B, T, V, k = 2, 3, 7, 3
@@ -446,8 +446,8 @@ def test_eopd_loss_is_ppo_opd_plus_gated_forward_kl():
     gate = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     t_topk, top_ids = t_full.topk(k, dim=-1)
-    losses, _ = combined_token_losses("ppo", "forward_kl", logp, old, adv, mask, gate * mask, torch.gather(s_full, 2, top_ids), t_topk,
-                                      topk_form="renormalized")
+    losses, _ = combined_token_losses(logp, PolicyGradientTerm("ppo", old, adv, mask),
+                                      DivergenceTerm("forward_kl", gate * mask, torch.gather(s_full, 2, top_ids), t_topk, form="renormalized"))
     got = aggregate(losses, mask, "token-mean", B, int(mask.sum()))
     total = 0.0
     for b in range(B):

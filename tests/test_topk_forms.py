@@ -15,7 +15,7 @@ import torch
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import MethodConfig, config_from_dict
 from gndpo.pipeline.methods import validate
-from gndpo.pipeline.methods.losses import combined_token_losses, topk_divergence
+from gndpo.pipeline.methods.losses import DivergenceTerm, combined_token_losses, topk_divergence
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 BETA = 0.3
@@ -217,7 +217,7 @@ def test_combined_token_losses_passes_topk_form(form):
     _, _, s_topk, t_topk = topk_case(10, V=9, k=3)
     zeros = torch.zeros(2, 3, dtype=torch.float64)
     w = torch.tensor([[1.0, 0.5, 0.0], [2.0, 1.0, 1.0]], dtype=torch.float64)
-    losses, _ = combined_token_losses("none", "reverse_kl", zeros, zeros, zeros, zeros, w, s_topk, t_topk, topk_form=form)
+    losses, _ = combined_token_losses(zeros, None, DivergenceTerm("reverse_kl", w, s_topk, t_topk, form=form))
     ref = renormalized_reference if form == "renormalized" else bucket_reference
     for b in range(2):
         for t in range(3):

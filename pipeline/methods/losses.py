@@ -242,42 +242,57 @@ def other_vocabulary_divergence(
     return torch.where(has_entry, matched_part, torch.zeros_like(matched_part)) + other.uld_weight * uld
 
 
+@dataclass(frozen=True)
+class PolicyGradientTerm:
+    """The policy-gradient part of a token loss (:func:`token_losses`): the method's ``policy_loss``,
+    the sampling policy's log-probs, the advantages, the 0/1 tokens it applies to and the clip range."""
+
+    loss: str
+    old_logp: torch.Tensor
+    adv: torch.Tensor
+    mask: torch.Tensor
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+
+
+@dataclass(frozen=True)
+class DivergenceTerm:
+    """The divergence part of a token loss, weighted per token: :func:`topk_divergence` of the
+    student's and the teacher's top-k log-probs (``form``, the stored teacher rest, JSD's ``beta``,
+    the point-wise clip, whether k is the vocabulary), or :func:`other_vocabulary_divergence` where the
+    teacher's top-k is of another vocabulary."""
+
+    kind: str
+    weight: torch.Tensor
+    student_topk_logp: torch.Tensor
+    teacher_topk_logp: torch.Tensor
+    teacher_rest_logp: torch.Tensor | None = None  # None: recomputed from the top-k
+    beta: float = 0.5
+    form: str = "bucket"
+    pointwise_clip: float = 0.0
+    covers_vocabulary: bool = False
+    other_vocabulary: OtherVocabulary | None = None
+
+    def per_token(self) -> torch.Tensor:
+        """The unweighted divergence of every token, [..., k] -> [...]."""
+        if self.other_vocabulary is not None:
+            return other_vocabulary_divergence(self.kind, self.student_topk_logp, self.teacher_topk_logp, self.teacher_rest_logp,
+                                               self.other_vocabulary, self.beta, self.pointwise_clip)
+        return topk_divergence(self.kind, self.student_topk_logp, self.teacher_topk_logp, self.beta, form=self.form,
+                               teacher_rest_logp=self.teacher_rest_logp, clip=self.pointwise_clip, covers_vocabulary=self.covers_vocabulary)
+
+
 def combined_token_losses(
-    policy_loss: str,
-    divergence: str | None,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    pg_mask: torch.Tensor,
-    div_weight: torch.Tensor,
-    student_topk_logp: torch.Tensor | None = None,
-    teacher_topk_logp: torch.Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    jsd_beta: float = 0.5,
-    topk_form: str = "bucket",
-    teacher_rest_logp: torch.Tensor | None = None,
-    pointwise_clip: float = 0.0,
-    covers_vocabulary: bool = False,
-    other_vocabulary: OtherVocabulary | None = None,
+    logp: torch.Tensor, policy: PolicyGradientTerm | None = None, divergence: DivergenceTerm | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A method's per-token loss: L_t = pg_mask_t L_pg_t + div_t D_t (policy_loss "none": no PG term,
-    divergence None: no D term), and the 0/1 clipped-branch marker of the PG term. ``topk_form`` is
-    :func:`topk_divergence`'s ``form`` ("bucket" | "renormalized"), ``teacher_rest_logp`` its stored
-    teacher rest (None: recomputed from the top-k), ``covers_vocabulary`` whether k is the vocabulary;
-    ``other_vocabulary``: the teacher's top-k is of another vocabulary (:func:`other_vocabulary_divergence`)."""
+    """A method's per-token loss: L_t = pg_mask_t L_pg_t + weight_t D_t (no ``policy``: no PG term, no
+    ``divergence``: no D term), and the 0/1 clipped-branch marker of the PG term."""
     losses = torch.zeros_like(logp)
     clipped = torch.zeros_like(logp)
-    if policy_loss != "none":
-        pg, clipped = token_losses(policy_loss, logp, old_logp, adv, pg_mask, clip_low, clip_high)
-        losses = losses + pg * pg_mask
-    if divergence is not None and other_vocabulary is not None:
-        losses = losses + div_weight * other_vocabulary_divergence(
-            divergence, student_topk_logp, teacher_topk_logp, teacher_rest_logp, other_vocabulary, jsd_beta, pointwise_clip,
-        )
-    elif divergence is not None:
-        losses = losses + div_weight * topk_divergence(
-            divergence, student_topk_logp, teacher_topk_logp, jsd_beta, form=topk_form, teacher_rest_logp=teacher_rest_logp,
-            clip=pointwise_clip, covers_vocabulary=covers_vocabulary,
-        )
-    return losses, clipped * pg_mask
+    if policy is not None:
+        pg, clipped = token_losses(policy.loss, logp, policy.old_logp, policy.adv, policy.mask, policy.clip_low, policy.clip_high)
+        losses = losses + pg * policy.mask
+        clipped = clipped * policy.mask
+    if divergence is not None:
+        losses = losses + divergence.weight * divergence.per_token()
+    return losses, clipped

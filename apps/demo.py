@@ -139,7 +139,7 @@ def run_demo(
     live = LiveModels(keep=True, log=log) if own else live
     try:
         run_loop(run_url, rounds, log=log, live=live)
-        final = evaluate(run_url, None, str(out / "eval"), live=live)
+        final = evaluate(run_url, str(out / "eval"), live=live)
     finally:
         if own:
             live.close()

@@ -4,60 +4,98 @@ with which reward and rendering, and where the results go."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from gndpo.apps.init import check_prompts_fit
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import DataConfig, EngineConfig, RolloutConfig
 from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.prompts import load_prompts
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.tasks.rewards import get_reward
+from gndpo.stages.models.vllm_engine import resolve_max_model_len
 from gndpo.stages.text.agent import ToolUse
-from gndpo.stages.text.heldout_eval import evaluate_model
+from gndpo.stages.text.heldout_eval import HeldoutTask, evaluate_model
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import write_results
 
 
-def evaluate(
-    target: str, prompts: str | None, out: str, k: int = 1, n: int = 0, reward: str | None = None, max_tokens: int | None = None,
-    live=None, tools: list[str] | None = None,
-) -> dict:
-    """Evaluate ``target`` and write ``out``/per_prompt.parquet and ``out``/summary.json; returns the
-    summary. A run brings its own prompts (held-out), reward, rendering, engine and max_tokens; options
-    given here override them (``tools``: the tools responses may call, default the run's; none for a
-    bare model). ``live``: kept engines to evaluate on (:mod:`gndpo.stages.models.live`)."""
-    if k < 1:
-        raise GndpoError("--k must be at least 1")
-    if n and n < k:
-        raise GndpoError(f"--n ({n}) must be at least --k ({k}): pass@k needs k of n samples")
-    engine, data, extra, rollout, images = EngineConfig(), DataConfig(), {}, RolloutConfig(), None
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `gndpo eval` may set over a run's own (or, for a bare model, over the defaults): a prompts
+    file (default: the run's held-out prompts), pass@k with n samples per prompt, the reward (default:
+    the run's, else exact_match), the response budget (the run's rollout.max_tokens, else 16) and the
+    tools responses may call (the run's; none for a bare model)."""
+
+    prompts: str | None = None
+    k: int = 1
+    n: int = 0
+    reward: str | None = None
+    max_tokens: int | None = None
+    tools: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    """The policy to evaluate and what it brings: its folder, the engine and rendering settings, the
+    rollout settings its tools come from, its held-out prompts (None for a bare model) and pictures."""
+
+    model: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: str = "exact_match"
+    max_tokens: int = 16
+    heldout: list[dict] | None = None
+    images: RunImages | None = None
+    extra: dict = field(default_factory=dict)  # recorded in the summary (a run's policy version)
+
+
+def eval_target(target: str, options: EvalOptions) -> EvalTarget:
+    """A run's newest policy with its settings, or a bare model folder (which needs a prompts file)."""
     if RunFS(target).exists("run.yaml"):
         run = open_run(target)
-        images = RunImages(run.fs)
-        rollout = run.cfg.rollout
         version, model = run.latest_policy()
-        engine, data, extra = run.cfg.engine, run.cfg.data, {"policy_version": version}
-        reward, max_tokens = reward or run.cfg.reward, max_tokens or run.cfg.rollout.max_tokens
-        rows = None if prompts else run.prompts("heldout")
-    else:
-        if not Path(target).exists():
-            raise GndpoError(f"model or run folder does not exist: {target}")
-        if not (Path(target) / "config.json").exists():
-            raise GndpoError(f"{target} is neither a run folder (run.yaml) nor a model folder (config.json)")
-        if not prompts:
-            raise GndpoError("evaluating a bare model needs --prompts FILE (a jsonl/parquet/csv with prompt or messages, and answer)")
-        model, rows = target, None
-        reward, max_tokens = reward or "exact_match", max_tokens or 16
+        return EvalTarget(model, run.cfg.engine, run.cfg.data, run.cfg.rollout, run.cfg.reward, run.cfg.rollout.max_tokens,
+                          None if options.prompts else run.prompts("heldout"), RunImages(run.fs), {"policy_version": version})
+    if not Path(target).exists():
+        raise GndpoError(f"model or run folder does not exist: {target}")
+    if not (Path(target) / "config.json").exists():
+        raise GndpoError(f"{target} is neither a run folder (run.yaml) nor a model folder (config.json)")
+    if not options.prompts:
+        raise GndpoError("evaluating a bare model needs --prompts FILE (a jsonl/parquet/csv with prompt or messages, and answer)")
+    return EvalTarget(target)
+
+
+def heldout_task(policy: EvalTarget, options: EvalOptions) -> HeldoutTask:
+    """The prompts (the target's held-out ones, or ``options.prompts``), reward, budget and tools."""
+    rows = policy.heldout
     if rows is None:
-        table = load_prompts(prompts, data.prompt_key, data.answer_key, data.messages_key)
+        data = policy.data
+        table = load_prompts(options.prompts, data.prompt_key, data.answer_key, data.messages_key)
         if "images" in table.columns:
-            raise GndpoError(f"{prompts} has images: gndpo eval reads images from a run's own prompts only (evaluate the run folder)")
+            raise GndpoError(f"{options.prompts} has images: gndpo eval reads images from a run's own prompts only (evaluate the run folder)")
         rows = table.to_dicts()
-    reward_fn = get_reward(reward)
-    if tools is not None:
-        rollout = dataclasses.replace(rollout, tools=list(tools))
-    tool_use = ToolUse.from_config(rollout)
-    summary, table = evaluate_model(model, rows, reward_fn, engine, max_tokens, data, k=k, n=n, live=live, tool_use=tool_use, images=images)
-    summary = {**extra, **summary, "reward": reward}
+    rollout = policy.rollout if options.tools is None else dataclasses.replace(policy.rollout, tools=list(options.tools))
+    return HeldoutTask(rows, get_reward(options.reward or policy.reward), options.max_tokens or policy.max_tokens, policy.data,
+                       ToolUse.from_config(rollout), policy.images)
+
+
+def evaluate(target: str, out: str, options: EvalOptions = EvalOptions(), live=None) -> dict:
+    """Evaluate ``target`` (a run's newest policy with its own prompts, reward, rendering, engine and
+    max_tokens, or a model folder) as ``options`` say, and write ``out``/per_prompt.parquet and
+    ``out``/summary.json; returns the summary. ``live``: kept engines to evaluate on
+    (:mod:`gndpo.stages.models.live`)."""
+    if options.k < 1:
+        raise GndpoError("--k must be at least 1")
+    if options.n and options.n < options.k:
+        raise GndpoError(f"--n ({options.n}) must be at least --k ({options.k}): pass@k needs k of n samples")
+    policy = eval_target(target, options)
+    task = heldout_task(policy, options)
+    budget, name = (task.tool_use.max_response_tokens, "the tool-use budget") if task.tool_use else (task.max_tokens, "max_tokens")
+    check_prompts_fit(policy.model, task.rows, task.data, budget, name, resolve_max_model_len(policy.model, policy.engine))
+    summary, table = evaluate_model(policy.model, task, policy.engine, options.k, options.n, live)
+    summary = {**policy.extra, **summary, "reward": options.reward or policy.reward}
     summary["files"] = write_results(out, table, summary)
     return summary

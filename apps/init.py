@@ -74,14 +74,15 @@ def check_precision(cfg: Config) -> None:
 def longest_prompt(model_path: str, rows: list[dict], data, images: dict[str, bytes]) -> tuple[int, int]:
     """(tokens, row index) of the longest prompt, rendered as rollout renders it (:func:`render_prompt`:
     the student's chat template and tokenizer) and, with images, with each image's tokens expanded as
-    the model's processor expands them; a prompt the template cannot render is a GndpoError here."""
+    the model's processor expands them (without ``images``' bytes, each picture counts as its one
+    placeholder token); a prompt the template cannot render is a GndpoError here."""
 
     tok = load_tokenizer(model_path)
     processor = load_processor(model_path) if images else None
 
     def length(row: dict) -> int:
         rendered = render_prompt(tok, row, data)
-        if not image_ids(row):
+        if not image_ids(row) or not images:
             return len(rendered.token_ids)
         return len(expanded_prompt_ids(processor, rendered.text, [decode(images[i]) for i in image_ids(row)]))
 
@@ -126,6 +127,16 @@ def check_prompt_count(cfg: Config, prompts: int) -> None:
             f"data.train has {prompts} prompts, fewer than rollout.prompts_per_round {cfg.rollout.prompts_per_round}: "
             f"set rollout.prompts_per_round to at most {prompts}, or add prompts"
         )
+
+
+def check_prompts_fit(model_path: str, rows: list[dict], data, budget: int, budget_name: str, max_len: int) -> None:
+    """Every prompt of ``rows``, rendered as rollout renders it, plus ``budget`` response tokens fits an
+    engine's ``max_len``; the error names the longest prompt (`gndpo eval`'s check: vLLM would refuse
+    the request mid-run)."""
+    longest, row = longest_prompt(model_path, rows, data, {})
+    if longest + budget > max_len:
+        raise GndpoError(f"prompt {rows[row].get('prompt_id') or rows[row]['prompt'][:40]!r} has {longest} tokens; plus {budget_name} {budget} "
+                         f"that is more than the engine's max_model_len {max_len}")
 
 
 def check_context(cfg: Config, splits: dict, images: dict[str, bytes]) -> int:

@@ -198,30 +198,14 @@ def _png(fig) -> bytes:
 def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
     """HTML of a few rollouts of the newest scored round, each token coloured by lpT - lpS: the
     responses with the lowest summed log-ratio (where the student strays most from the teacher), and the
-    one with the highest. Tokens outside the loss mask (tool turns, template) are grey. DuckDB ranks the
-    round's responses over the shards; only the chosen ones are read into Python."""
+    one with the highest. Tokens outside the loss mask (tool turns, template) are grey."""
     run = open_run(url)
     r = max((k for k in range(committed_rounds(run)) if run.records(k, "score").manifest() is not None), default=None)
     if r is None:
         return "<p>No scored round yet.</p>"
-    con = connect(run.fs)
-    rollouts = parquet_source(run.fs, rollout_shards(run.records(r, "rollout").require_manifest()))
-    scores = parquet_source(run.fs, manifest_files(run.records(r, "score").require_manifest()))
-    con.sql(f"""CREATE VIEW ranked AS
-        SELECT r.rollout_id, list_sum(list_transform(list_zip(s.teacher_logprobs, s.student_logprobs, r.loss_mask),
-                                                     lambda x: (x[1] - x[2]) * x[3])) AS total
-        FROM {rollouts} r JOIN {scores} s USING (rollout_id)""")
-    chosen = con.sql(f"""(SELECT rollout_id, total FROM ranked ORDER BY total, rollout_id LIMIT {rows - 1})
-                         UNION ALL (SELECT rollout_id, total FROM ranked ORDER BY total DESC, rollout_id LIMIT 1)""").fetchall()
-    if not chosen:
+    picked = strayed_rollouts(run, r, rows)
+    if not picked:
         return "<p>No scored rollouts.</p>"
-    ids = list(dict.fromkeys(rid for rid, _ in chosen))
-    picked = con.execute(
-        f"""SELECT r.rollout_id, r.reward, r.finish_reason, r.prompt, r.response_token_ids, r.loss_mask,
-                   s.teacher_logprobs, s.student_logprobs, r.prompt_id
-            FROM {rollouts} r JOIN {scores} s USING (rollout_id) WHERE r.rollout_id IN (SELECT unnest(?))""", [ids]
-    ).fetchall()
-    by_id = {row[0]: row for row in picked}
     tok = load_tokenizer(run.cfg.student)  # the student's tokenizer (every policy version keeps it)
     shown = {p["prompt_id"]: image_ids(p) for p in run.prompts("train")}
     pictures = RunImages(run.fs)
@@ -229,27 +213,56 @@ def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
              '<span class="tok" style="background:rgba(220,40,40,0.8)">teacher finds it unlikely</span> '
              '<span class="tok" style="background:rgba(40,160,60,0.8)">teacher prefers it</span> '
              '<span class="tok masked">not trained on</span>. Hover a token for its numbers.</p>']
-    for rid in ids:
-        _, reward, finish, prompt, token_ids, mask, lp_t, lp_s, pid = by_id[rid]
+    for rid, reward, finish, prompt, token_ids, mask, lp_t, lp_s, pid in picked:
         ratio = np.asarray(lp_t, np.float64) - np.asarray(lp_s, np.float64)
         mask = np.asarray(mask, np.float64)
-        spans = []
-        for t, (token_id, d, m) in enumerate(zip(token_ids, ratio, mask)):
-            text = html.escape(tok.decode([token_id])) or "&#8203;"
-            tip = f"t={t} id={token_id} lpT-lpS={d:+.3f}"
-            if m == 0:
-                spans.append(f'<span class="tok masked" title="{tip} (mask 0)">{text}</span>')
-                continue
-            alpha = min(abs(d) / RATIO_SCALE, 1.0)
-            rgb = "220,40,40" if d < 0 else "40,160,60"
-            spans.append(f'<span class="tok" style="background:rgba({rgb},{alpha:.2f})" title="{tip}">{text}</span>')
         parts.append(
             f'<div class="rollout"><div class="meta">{html.escape(rid)}: reward {reward:.3f}, '
             f'sum of lpT - lpS {float((ratio * mask).sum()):+.2f} over {int(mask.sum())} tokens, {html.escape(str(finish))}</div>'
             f'{picture_tags(pictures, shown.get(pid, []))}'
-            f'<pre class="prompt">{html.escape(prompt)}</pre><div class="response">{"".join(spans)}</div></div>'
+            f'<pre class="prompt">{html.escape(prompt)}</pre><div class="response">{token_spans(tok, token_ids, ratio, mask)}</div></div>'
         )
     return "\n".join(parts)
+
+
+def strayed_rollouts(run, round_idx: int, rows: int) -> list[tuple]:
+    """Round ``round_idx``'s ``rows - 1`` responses with the lowest summed lpT - lpS over the loss mask
+    and the one with the highest, in that order: (rollout_id, reward, finish_reason, prompt, token ids,
+    loss mask, teacher log-probs, student log-probs, prompt_id). DuckDB ranks the round's responses
+    over the shards; only the chosen ones are read into Python."""
+    con = connect(run.fs)
+    rollouts = parquet_source(run.fs, rollout_shards(run.records(round_idx, "rollout").require_manifest()))
+    scores = parquet_source(run.fs, manifest_files(run.records(round_idx, "score").require_manifest()))
+    con.sql(f"""CREATE VIEW ranked AS
+        SELECT r.rollout_id, list_sum(list_transform(list_zip(s.teacher_logprobs, s.student_logprobs, r.loss_mask),
+                                                     lambda x: (x[1] - x[2]) * x[3])) AS total
+        FROM {rollouts} r JOIN {scores} s USING (rollout_id)""")
+    chosen = con.sql(f"""(SELECT rollout_id, total FROM ranked ORDER BY total, rollout_id LIMIT {rows - 1})
+                         UNION ALL (SELECT rollout_id, total FROM ranked ORDER BY total DESC, rollout_id LIMIT 1)""").fetchall()
+    ids = list(dict.fromkeys(rid for rid, _ in chosen))
+    picked = con.execute(
+        f"""SELECT r.rollout_id, r.reward, r.finish_reason, r.prompt, r.response_token_ids, r.loss_mask,
+                   s.teacher_logprobs, s.student_logprobs, r.prompt_id
+            FROM {rollouts} r JOIN {scores} s USING (rollout_id) WHERE r.rollout_id IN (SELECT unnest(?))""", [ids]
+    ).fetchall()
+    by_id = {row[0]: row for row in picked}
+    return [by_id[rid] for rid in ids]
+
+
+def token_spans(tok, token_ids, ratio: np.ndarray, mask: np.ndarray) -> str:
+    """One HTML span per response token, red where the teacher finds it less likely than the student
+    does and green where more (opacity: |lpT - lpS| / RATIO_SCALE), grey outside the loss mask."""
+    spans = []
+    for t, (token_id, d, m) in enumerate(zip(token_ids, ratio, mask)):
+        text = html.escape(tok.decode([token_id])) or "&#8203;"
+        tip = f"t={t} id={token_id} lpT-lpS={d:+.3f}"
+        if m == 0:
+            spans.append(f'<span class="tok masked" title="{tip} (mask 0)">{text}</span>')
+            continue
+        alpha = min(abs(d) / RATIO_SCALE, 1.0)
+        rgb = "220,40,40" if d < 0 else "40,160,60"
+        spans.append(f'<span class="tok" style="background:rgba({rgb},{alpha:.2f})" title="{tip}">{text}</span>')
+    return "".join(spans)
 
 
 def picture_tags(pictures: RunImages, ids: list[str], edge: int = 256) -> str:

@@ -19,11 +19,11 @@ def eval_command(
     out: str = typer.Option("eval-results", "--out", help="Folder (any fsspec URL) for per_prompt.parquet and summary.json."),
 ):
     """Verifiable-reward accuracy (pass@1 greedy, optional unbiased pass@k) on held-out prompts with vLLM."""
-    from gndpo.apps.evaluation import evaluate  # at call time: torch and transformers load only for this command
+    from gndpo.apps.evaluation import EvalOptions, evaluate  # at call time: torch and transformers load only for this command
 
     tool_names = [t.strip() for t in tools.split(",") if t.strip()] if tools is not None else None
     with stdout_kept_for_data():
-        result = evaluate(target, prompts, out, k=k, n=n, reward=reward, max_tokens=max_tokens, tools=tool_names)
+        result = evaluate(target, out, EvalOptions(prompts, k, n, reward, max_tokens, tool_names))
     files = result.pop("files")
     typer.echo("  ".join(f"{key}={val:.4f}" if isinstance(val, float) else f"{key}={val}" for key, val in result.items()))
     typer.echo(f"per-prompt results: {files['per_prompt']}")

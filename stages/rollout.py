@@ -32,7 +32,7 @@ from gndpo.stages.models.vllm_engine import cuda_available, engine_dtype
 from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, conversation_metrics, run_conversations
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.text.guide import TeacherGuide
-from gndpo.stages.text.heldout_eval import greedy_eval
+from gndpo.stages.text.heldout_eval import HeldoutTask, greedy_eval
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import ROLLOUTS, write_shard
 
@@ -205,10 +205,8 @@ class RolloutJob:
         return {"reward": rewards[self.cfg.reward], "rewards": rewards}
 
     def _eval_unit(self, out_dir):
-        result = greedy_eval(
-            self.llm, self.tok, self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use,
-            self.images,
-        )
+        task = HeldoutTask(self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use, self.images)
+        result = greedy_eval(self.llm, self.tok, task)
         record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"))
         record["kind"] = "eval"
         return [record], {"eval": result}

@@ -220,3 +220,47 @@ def test_commands_register_without_the_heavy_libraries():
             "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# -- the size of a function, and docstrings ---------------------------------------------------------------
+MAX_FUNCTION_LINES, MAX_PARAMETERS = 50, 10
+
+
+def functions(root: Path):
+    """(path, node) of every function and method in the code folders."""
+    for folder in CODE:
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield path, node
+
+
+def code_lines(node: ast.FunctionDef) -> int:
+    """A function's lines, its docstring left out (a long explanation is documentation, not code)."""
+    lines = node.end_lineno - node.lineno + 1
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+def parameters(node: ast.FunctionDef) -> int:
+    a = node.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [p.arg for p in (a.vararg, a.kwarg) if p is not None]
+    return len([n for n in names if n not in ("self", "cls")])
+
+
+def test_functions_hold_one_idea():
+    """No function over 50 lines of code or 10 parameters. The exception: a `gndpo` command's function
+    in cli/, whose parameters are the command's options (Typer reads them from the signature)."""
+    too_long = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({code_lines(n)} lines)" for p, n in functions(ROOT) if code_lines(n) > MAX_FUNCTION_LINES]
+    too_many = [f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({parameters(n)} parameters)" for p, n in functions(ROOT)
+                if parameters(n) > MAX_PARAMETERS and p.relative_to(ROOT).parts[0] != "cli"]
+    assert too_long + too_many == []
+
+
+def test_public_classes_have_docstrings():
+    missing = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}" for folder in CODE for path in sorted((ROOT / folder).rglob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+               and ast.get_docstring(node) is None]
+    assert missing == []

@@ -114,27 +114,31 @@ class LiveModels:
             llm = make_llm(policy, cfg, seed=seed, images=images)
             self.probe = self._measure_probe(llm, policy, reloaded=False)
             return llm
-        live = self._kept_engine((repr(cfg), _architecture(policy), images))
+        key = (repr(cfg), _architecture(policy), images)
+        live = self._kept_engine(key)
         restarted = 0
-        if live is not None and live.weights != policy:
-            memory = self._load_policy(live, policy, exported, images)
-            self.probe = self._measure_probe(live.llm, policy, reloaded=True)
-            tolerance = TOLERANCE[engine_dtype(cfg)]
-            if self.probe is not None and self.probe["engine_probe_gap_mean"] > tolerance:
-                logging.getLogger("gndpo").warning(
-                    f"engine: after loading {policy} the kept engine's log-probs are {self.probe['engine_probe_gap_mean']:.2g} "
-                    f"from the exported model's on the probe batch (tolerance {tolerance:g}); starting a fresh engine"
-                )
-                self.close_engine()
-                live, restarted = None, 1
-            else:
-                self.log(f"engine: loaded the weights of {policy}" + (" from the trainer's memory" if memory else ""))
+        if live is not None and live.weights != policy and not self._reloaded_within_tolerance(live, policy, cfg, exported, images):
+            self.close_engine()
+            live, restarted = None, 1
         if live is None:
-            sleep_mode = cuda_available()
-            key = (repr(cfg), _architecture(policy), images)
-            self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=sleep_mode, images=images), key, policy)
+            self._engine = _Engine(make_llm(policy, cfg, seed=seed, sleep_mode=cuda_available(), images=images), key, policy)
             self.probe = self._measure_probe(self._engine.llm, policy, reloaded=False, restarted=restarted)
         return self._engine.llm
+
+    def _reloaded_within_tolerance(self, live: _Engine, policy: str, cfg, exported: str | None, images: int) -> bool:
+        """Load ``policy``'s weights into the kept engine and measure it on the probe; whether its gap
+        is within the engine dtype's tolerance (False, with a warning: the caller starts a fresh one)."""
+        memory = self._load_policy(live, policy, exported, images)
+        self.probe = self._measure_probe(live.llm, policy, reloaded=True)
+        tolerance = TOLERANCE[engine_dtype(cfg)]
+        if self.probe is not None and self.probe["engine_probe_gap_mean"] > tolerance:
+            logging.getLogger("gndpo").warning(
+                f"engine: after loading {policy} the kept engine's log-probs are {self.probe['engine_probe_gap_mean']:.2g} "
+                f"from the exported model's on the probe batch (tolerance {tolerance:g}); starting a fresh engine"
+            )
+            return False
+        self.log(f"engine: loaded the weights of {policy}" + (" from the trainer's memory" if memory else ""))
+        return True
 
     def _kept_engine(self, key: tuple) -> _Engine | None:
         """The kept rollout engine, awake, if it is alive and was built with ``key``; else None (an engine

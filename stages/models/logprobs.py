@@ -317,16 +317,9 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
     scratch = None
     for sl in chunks(batch.n_tokens, token_chunk):
         targets = batch.targets[sl].unsqueeze(-1)
-        out, s_all, t_all, ids = {}, None, None, None
-        if student is not None:
-            s_all = head_logprobs(student, h_student[sl], student_temperature)
-            out["student_logprobs"] = s_all.gather(-1, targets).squeeze(-1)
-        if teachers:
-            t_all = mean_teacher_logprobs(teachers, h_teachers, sl)
-            out["teacher_logprobs"] = t_all.gather(-1, targets).squeeze(-1)
-            if topk:
-                values, ids = t_all.topk(min(topk, t_all.shape[-1]), dim=-1)
-                out["teacher_topk_logprobs"], out["teacher_topk_ids"] = values, ids.int()
+        s_all = head_logprobs(student, h_student[sl], student_temperature) if student is not None else None
+        t_all = mean_teacher_logprobs(teachers, h_teachers, sl) if teachers else None
+        out, ids = sampled_and_topk(s_all, t_all, targets, topk)
         if scratch is None:
             scratch = reduction_scratch(s_all if s_all is not None else t_all)
         out.update(vocabulary_reductions(s_all, t_all, ids, scratch, entropies, kl))
@@ -334,6 +327,21 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
             parts.setdefault(name, []).append(value.cpu())
         del t_all, s_all  # the next chunk allocates its own [chunk, V] buffers
     return {name: torch.cat(values) for name, values in parts.items()}
+
+
+def sampled_and_topk(s_all: torch.Tensor | None, t_all: torch.Tensor | None, targets: torch.Tensor, topk: int):
+    """One chunk's log-probs of the sampled tokens (``targets`` [n, 1]) under the student and the
+    teacher where each is given ([n, V] log-probs), and the teacher's top-``topk`` (log-probs and ids);
+    returns (columns, the top-k ids or None)."""
+    out, ids = {}, None
+    if s_all is not None:
+        out["student_logprobs"] = s_all.gather(-1, targets).squeeze(-1)
+    if t_all is not None:
+        out["teacher_logprobs"] = t_all.gather(-1, targets).squeeze(-1)
+        if topk:
+            values, ids = t_all.topk(min(topk, t_all.shape[-1]), dim=-1)
+            out["teacher_topk_logprobs"], out["teacher_topk_ids"] = values, ids.int()
+    return out, ids
 
 
 def reduction_scratch(like: torch.Tensor) -> torch.Tensor:

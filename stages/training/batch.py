@@ -117,52 +117,73 @@ def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     return RoundShare(steps=[[rows[rid] for rid in ids] for ids in mine], step_sizes=[len(ids) for ids in steps])
 
 
-def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_topk: bool) -> dict[str, TrainRow]:
-    """Rows by rollout id, each with the method's targets."""
-    method_cfg = run.cfg.method
-    method = get_method(method_cfg.name)
-    stats = round_stats(run, round_idx)
-    score_row = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
-    teachers = scores.column("teacher").to_pylist()
-    r = {name: flat_values(rollouts.column(name)) for name in ("prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs")}
-    optional = ["teacher_entropy", "student_entropy", "token_kl"] + (topk_columns(scores.column_names) if needs_topk else [])
-    s = {name: flat_values(scores.column(name)) for name in ["teacher_logprobs", "student_logprobs"] + optional}
-    present = {name for name in optional if scores.column(name).null_count < scores.num_rows}
-    cross = run.cfg.score.cross_tokenizer
-    if cross:  # student tokens the teacher's tokens did not cover exactly get no loss
-        s["aligned"] = flat_values(scores.column("aligned"))
-    if needs_topk and "teacher_topk_ids" not in present and scores.num_rows:
-        raise GndpoError(f"score rows of round {round_idx} have no teacher top-k, which method {method_cfg.name} needs")
+class ListColumns:
+    """A table's list columns, each flattened once into one array and its row offsets, so a row's list
+    is a slice (no Python list per row)."""
 
-    def view(columns, name, i, dtype=np.float64):
-        values, offsets = columns[name]
+    def __init__(self, table: pa.Table, names: list[str]):
+        self.columns = {name: flat_values(table.column(name)) for name in names}
+
+    def row(self, name: str, i: int, dtype=np.float64) -> np.ndarray:
+        values, offsets = self.columns[name]
         return values[offsets[i] : offsets[i + 1]].astype(dtype, copy=False)
 
-    out = {}
-    meta = rollouts.select(["rollout_id", "prompt_id", "reward", "rewards", "teacher_prefix_len"]).to_pylist()
-    for i, m in enumerate(meta):
-        j = score_row.get(m["rollout_id"])
+
+ROLLOUT_LISTS = ["prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs"]
+OPTIONAL_SCORES = ("teacher_entropy", "student_entropy", "token_kl")
+
+
+def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_topk: bool) -> dict[str, TrainRow]:
+    """Train rows by rollout id: each rollout joined with its score row, with the method's targets."""
+    method_cfg = run.cfg.method
+    stats = round_stats(run, round_idx)
+    score_row_of = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
+    optional = [*OPTIONAL_SCORES, *(topk_columns(scores.column_names) if needs_topk else [])]
+    rollout_lists = ListColumns(rollouts, ROLLOUT_LISTS)
+    cross = run.cfg.score.cross_tokenizer  # student tokens the teacher's tokens did not cover exactly get no loss
+    score_lists = ListColumns(scores, ["teacher_logprobs", "student_logprobs", *optional, *(["aligned"] if cross else [])])
+    stored = {name for name in optional if scores.column(name).null_count < scores.num_rows}
+    if needs_topk and "teacher_topk_ids" not in stored and scores.num_rows:
+        raise GndpoError(f"score rows of round {round_idx} have no teacher top-k, which method {method_cfg.name} needs")
+    teachers = scores.column("teacher").to_pylist()
+    old_logprobs = get_method(method_cfg.name).old_logprobs
+    rows = {}
+    for i, meta in enumerate(rollouts.select(["rollout_id", "prompt_id", "reward", "rewards", "teacher_prefix_len"]).to_pylist()):
+        j = score_row_of.get(meta["rollout_id"])
         if j is None:
-            raise GndpoError(f"rollout {m['rollout_id']} of round {round_idx} has no score row")
-        n = len(view(r, "response_token_ids", i, np.int64))
-        prefix = np.zeros(n)
-        prefix[: m["teacher_prefix_len"] or 0] = 1.0
-        resp = Response(
-            rollout_id=m["rollout_id"], prompt_id=m["prompt_id"],
-            mask=view(r, "loss_mask", i) * (view(s, "aligned", j) if cross else 1.0),
-            teacher_lp=view(s, "teacher_logprobs", j), student_lp=view(s, "student_logprobs", j),
-            sampler_lp=view(r, "sampler_logprobs", i), rewards=dict(m["rewards"] or {}), reward=m["reward"], prefix=prefix,
-            **{name: (view(s, name, j) if name in present else None) for name in ("teacher_entropy", "student_entropy", "token_kl")},
+            raise GndpoError(f"rollout {meta['rollout_id']} of round {round_idx} has no score row")
+        response = Response(
+            rollout_id=meta["rollout_id"], prompt_id=meta["prompt_id"],
+            mask=rollout_lists.row("loss_mask", i) * (score_lists.row("aligned", j) if cross else 1.0),
+            teacher_lp=score_lists.row("teacher_logprobs", j), student_lp=score_lists.row("student_logprobs", j),
+            sampler_lp=rollout_lists.row("sampler_logprobs", i), rewards=dict(meta["rewards"] or {}), reward=meta["reward"],
+            prefix=teacher_prefix(len(rollout_lists.row("response_token_ids", i)), meta["teacher_prefix_len"]),
+            **{name: (score_lists.row(name, j) if name in stored else None) for name in OPTIONAL_SCORES},
             teacher=teachers[j] or "",
         )
-        t = response_targets(resp, stats, method_cfg, round_idx)
-        out[m["rollout_id"]] = TrainRow(
-            rollout_id=m["rollout_id"],
-            prompt=view(r, "prompt_token_ids", i, np.int64), response=view(r, "response_token_ids", i, np.int64),
-            old_logp=resp.sampler_lp if method.old_logprobs == "sampler" else resp.student_lp,
-            adv=t.adv, pg_mask=t.pg_mask, div=t.div, mask=t.mask, weight=t.weight, prompt_id=m["prompt_id"], teacher=resp.teacher,
-            topk_ids=view(s, "teacher_topk_ids", j, np.int64) if needs_topk else None,
-            topk_logp=view(s, "teacher_topk_logprobs", j) if needs_topk else None,
-            topk_rest=rest if "teacher_rest_logprob" in present and len(rest := view(s, "teacher_rest_logprob", j)) == n else None,
+        targets = response_targets(response, stats, method_cfg, round_idx)
+        rows[meta["rollout_id"]] = TrainRow(
+            rollout_id=response.rollout_id,
+            prompt=rollout_lists.row("prompt_token_ids", i, np.int64), response=rollout_lists.row("response_token_ids", i, np.int64),
+            old_logp=response.sampler_lp if old_logprobs == "sampler" else response.student_lp,
+            adv=targets.adv, pg_mask=targets.pg_mask, div=targets.div, mask=targets.mask, weight=targets.weight,
+            prompt_id=response.prompt_id, teacher=response.teacher,
+            topk_ids=score_lists.row("teacher_topk_ids", j, np.int64) if needs_topk else None,
+            topk_logp=score_lists.row("teacher_topk_logprobs", j) if needs_topk else None,
+            topk_rest=stored_rest(score_lists, j, len(response.mask)) if "teacher_rest_logprob" in stored else None,
         )
-    return out
+    return rows
+
+
+def teacher_prefix(length: int, prefix_len: int | None) -> np.ndarray:
+    """[length] 1.0 on the response's first ``prefix_len`` tokens (a teacher-written guided prefix)."""
+    prefix = np.zeros(length)
+    prefix[: prefix_len or 0] = 1.0
+    return prefix
+
+
+def stored_rest(score_lists: ListColumns, j: int, length: int) -> np.ndarray | None:
+    """Score row ``j``'s stored teacher rest log-probs, or None where the row has none per token (the
+    loss then recomputes the rest from the top-k)."""
+    rest = score_lists.row("teacher_rest_logprob", j)
+    return rest if len(rest) == length else None

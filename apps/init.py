@@ -264,6 +264,9 @@ def run_yaml(cfg: Config, teacher_runs: dict, **extra) -> bytes:
 
 
 def init_run(url: str, cfg: Config) -> Run:
+    """Create the run at ``url`` from ``cfg`` after every check (settings, models, prompts, context),
+    writing the prompts and, last and exclusively, run.yaml; the existing run where ``url`` holds one
+    made from the same config, a GndpoError where it holds another."""
     fs = RunFS(url)
     if fs.exists("run.yaml"):
         existing = open_run(url)

@@ -34,12 +34,14 @@ class NormalizeJob:
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
 
     def plan(self):
+        """One unit, "stats", reading the committed score and rollout manifests."""
         scores = self.run.records(self.round, "score").require_manifest()
         rollouts = self.run.records(self.round, "rollout").require_manifest()
         inputs = {"score_manifest_finished_at": scores["finished_at"], "rollout_manifest_finished_at": rollouts["finished_at"]}
         return [{"unit": "stats"}], inputs
 
     def setup(self):
+        """Nothing to load: DuckDB opens per unit."""
         pass
 
     def run_unit(self, unit, out_dir):
@@ -66,6 +68,7 @@ class NormalizeJob:
         return [record], {"stats": summary, "groups": len(groups)}
 
     def summarize(self, commits):
+        """The manifest's metrics: the round's statistics and the unit's speed."""
         seconds = commits[0]["seconds"]
         return {**commits[0]["stats"], "seconds": seconds, "tokens_per_s": (commits[0]["stats"]["token_count"] or 0) / max(seconds, 1e-9)}
 

@@ -75,6 +75,8 @@ class RolloutJob:
         self.llm = self.tok = None
 
     def plan(self):
+        """The round's prompts (``rollout.prompts_per_round`` of them, drawn by the rollout seed) in units
+        of ``rollout.prompts_per_unit``, plus the held-out evaluation unit where it is on."""
         rollout_cfg = self.cfg.rollout
         prompts = self.run.prompts("train")
         ids = round_prompt_ids([p["prompt_id"] for p in prompts], self.round, rollout_cfg.prompts_per_round, rollout_cfg.seed)
@@ -87,13 +89,15 @@ class RolloutJob:
         return units, {"policy_version": self.round, "prompts": len(ids), "n": rollout_cfg.n}
 
     def setup(self):
+        """The round's policy on a vLLM engine (kept or fresh; a LoRA student's adapters on its base where
+        vLLM serves them), its tokenizer, stops, tools and rewards."""
         policy = self.run.policy_path(self.round)
         self.tok = load_tokenizer(policy)
         self.images = RunImages(self.run.fs)
         exported = self.run.policy_dir(self.round)
-        lc = self.cfg.model.lora
-        if served_as_adapters(lc, cuda_available()) and not self.run.images_per_prompt():  # a VLM's engine loads the merged weights
-            self.llm = self.live.adapter_engine(policy, self.cfg.engine, self.cfg.rollout.seed, self.run.policy_path(0), lc.rank)
+        lora_cfg = self.cfg.model.lora
+        if served_as_adapters(lora_cfg, cuda_available()) and not self.run.images_per_prompt():  # a VLM's engine loads the merged weights
+            self.llm = self.live.adapter_engine(policy, self.cfg.engine, self.cfg.rollout.seed, self.run.policy_path(0), lora_cfg.rank)
         else:
             self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed, images=self.run.images_per_prompt(),
                                                 exported=exported and self.run.fs.uri(exported))
@@ -132,6 +136,8 @@ class RolloutJob:
         )
 
     def run_unit(self, unit, out_dir):
+        """``rollout.n`` rewarded responses (conversations, with tools) per prompt of ``unit``, as one
+        rollout shard; the evaluation unit decodes the held-out prompts greedily instead."""
         if unit["unit"] == EVAL_UNIT:
             return self._eval_unit(out_dir)
         rollout_cfg = self.cfg.rollout
@@ -212,6 +218,7 @@ class RolloutJob:
         return [record], {"eval": result}
 
     def summarize(self, commits):
+        """The manifest's metrics: responses, tokens, rewards, speed, the held-out score, tool use."""
         gen = [c for c in commits if c["unit"] != EVAL_UNIT]
         responses = sum(c["responses"] for c in gen)
         metrics = {

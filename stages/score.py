@@ -49,6 +49,7 @@ class ScoreJob:
         self.live = live or LiveModels()
 
     def plan(self):
+        """One unit per committed rollout shard (the evaluation unit's excepted)."""
         rollouts = self.run.records(self.round, "rollout").require_manifest()
         units = [
             {"unit": u["unit"], "rollout_files": u["files"]} for u in rollouts["units"] if u["unit"] != EVAL_UNIT
@@ -184,6 +185,8 @@ class ScoreJob:
 
     @torch.no_grad()
     def run_unit(self, unit, out_dir):
+        """Every teacher's (and, where the method needs it, the student's) per-token values for the
+        rollout shard's responses, refused if any is not finite, as one score shard."""
         rows = UnitRows.read(self.run.fs, unit["rollout_files"])
         scored = self.teacher.score(rows, self.topk)
         refuse_non_finite(scored.per_token, rows, self.round)
@@ -192,6 +195,7 @@ class ScoreJob:
         return [record], counts
 
     def summarize(self, commits):
+        """The manifest's metrics: tokens, speed, and the student's columns against the sampler's."""
         total = lambda key: sum(c.get(key, 0.0) for c in commits)  # noqa: E731
         seconds, student_tokens = total("seconds"), total("student_tokens")
         metrics = {"tokens": total("tokens"), "seconds": seconds, "tokens_per_s": total("tokens") / max(seconds, 1e-9)}

@@ -360,6 +360,7 @@ class TrainJob:
         return self.run.policy_path(0)
 
     def plan(self):
+        """One unit, "update", after the round's committed normalize."""
         normalize = self.run.records(self.round, "normalize").require_manifest()
         return [{"unit": "update"}], {"normalize_manifest_finished_at": normalize["finished_at"], "method": self.cfg.method.name}
 
@@ -372,6 +373,8 @@ class TrainJob:
         init_distributed(self.dist)
 
     def run_unit(self, unit, out_dir):
+        """The round's optimizer steps (resumed from an in-round checkpoint), then the export of the next
+        round's policy (and its optimizer state and probe)."""
         with phase("setup"):
             update = self.prepare_update()
         history = self.train(update, out_dir)
@@ -535,6 +538,7 @@ class TrainJob:
         return files, summary
 
     def summarize(self, commits):
+        """The manifest's metrics: the new policy version and folder, the steps' losses and gradient norms."""
         c = commits[0]
         steps = c["steps"]
         norms = np.array([s["grad_norm"] for s in steps])

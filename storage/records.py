@@ -40,6 +40,7 @@ class StageRecords:
 
     # -- plan -------------------------------------------------------------------------------------
     def plan(self) -> dict | None:
+        """The stage's plan (units and the inputs they read), or None before a worker wrote it."""
         return self.run.read_json_or_none(f"{self.prefix}/plan.json")
 
     def create_plan(self, units: list[dict], inputs: dict) -> dict:
@@ -93,9 +94,11 @@ class StageRecords:
 
     # -- commits ----------------------------------------------------------------------------------
     def done(self, unit: str) -> dict | None:
+        """``unit``'s done marker (its files' records and the unit's own numbers), or None if not done."""
         return self.run.read_json_or_none(f"{self.prefix}/done/{unit}.json")
 
     def done_units(self) -> set[str]:
+        """The ids of the units with a done marker."""
         return {n[: -len(".json")] for n in self.run.listdir(f"{self.prefix}/done") if n.endswith(".json")}
 
     def commit(self, unit: str, attempt: int, files: list[dict], summary: dict) -> bool:
@@ -123,9 +126,11 @@ class StageRecords:
 
     # -- manifest ---------------------------------------------------------------------------------
     def manifest(self) -> dict | None:
+        """The stage's manifest (committed: its files, their records and the stage's metrics), or None."""
         return self.run.read_json_or_none(f"{self.prefix}/_MANIFEST.json")
 
     def require_manifest(self) -> dict:
+        """The manifest; a one-line GndpoError naming the stage and round where it is not committed."""
         m = self.manifest()
         if m is None:
             raise GndpoError(f"stage {self.stage} of round {self.round} is not committed yet ({self.run.uri(self.prefix)})")

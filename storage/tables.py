@@ -42,12 +42,14 @@ def read_table_url(url: str) -> pl.DataFrame:
 
 
 def write_prompt_table(run: RunFS, rel: str, table: pl.DataFrame) -> None:
+    """Write a prompt table as Parquet at ``rel`` in the run (exclusive create: never overwritten)."""
     buf = io.BytesIO()
     table.write_parquet(buf)
     run.write_new(rel, buf.getvalue())
 
 
 def read_prompt_table(run: RunFS, rel: str) -> list[dict]:
+    """A prompt table of the run, one dict per row."""
     return pl.read_parquet(io.BytesIO(run.read_bytes(rel))).to_dicts()
 
 

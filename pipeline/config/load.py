@@ -105,4 +105,5 @@ def _looks_like_hub_id(value: str) -> bool:
 
 
 def config_to_yaml(cfg: Config) -> str:
+    """``cfg`` as YAML, its keys in the schema's order (what run.yaml holds)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -480,6 +480,7 @@ class Config:
     plugin_dirs: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
+        """Every setting as plain dicts and values (the form YAML and the fingerprint read)."""
         return asdict(self)
 
     def teacher_models(self) -> dict[str, str]:

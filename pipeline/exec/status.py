@@ -21,6 +21,8 @@ def stage_state(committed: bool, leases: list[str | None]) -> str:
 
 
 def stage_rows(run) -> list[dict]:
+    """`gndpo status`'s table: per round and stage, units planned / claimed / stale / done, rows,
+    tokens and time."""
     rows, now = [], time.time()
     for r in range(committed_rounds(run) + 1):
         for stage in STAGES:

@@ -41,12 +41,14 @@ __all__ = [
 
 
 def get_method(name: str) -> Method:
+    """The registered method called ``name``; a one-line GndpoError (with a suggestion) otherwise."""
     if name not in METHODS:
         raise GndpoError(f"unknown method {name!r}; choose one of: {', '.join(sorted(METHODS))}{did_you_mean(name, METHODS)}")
     return METHODS[name]
 
 
 def active_modifiers(cfg) -> list:
+    """The modifiers (TIP and the others that reweight any method's tokens) that ``cfg`` turns on."""
     return [m for m in MODIFIERS if m.enabled(cfg)]
 
 

@@ -24,6 +24,7 @@ def committed_rounds(run) -> int:
 
 
 def collect_metrics(run) -> list[dict]:
+    """One row of metrics per committed stage of every round (round, stage and its manifest's metrics)."""
     rows = []
     for r in range(committed_rounds(run)):
         for stage in STAGES:
@@ -51,6 +52,7 @@ def round_summary(run) -> str:
 
 
 def write_metrics_jsonl(run) -> None:
+    """Rewrite the run's metrics.jsonl from the committed manifests (one sorted JSON object a line)."""
     lines = "".join(json.dumps(row, sort_keys=True) + "\n" for row in collect_metrics(run))
     run.fs.write_new("metrics.jsonl", lines.encode())
 

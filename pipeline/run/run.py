@@ -35,6 +35,8 @@ class Run:
     teacher_runs: dict | None = None
 
     def records(self, round_idx: int, stage: str) -> StageRecords:
+        """The records (plan, claims, done markers, manifest) of ``stage`` in round ``round_idx``: the
+        parent's, read where they are, for a round a fork inherits."""
         if self.lineage and self.inherits(round_idx, stage):
             return InheritedRecords(RunFS(self.lineage["parent"], self.fs.storage_options), round_idx, stage)
         return StageRecords(self.fs, round_idx, stage)
@@ -45,6 +47,7 @@ class Run:
         return round_idx < k or (round_idx == k and stage == "rollout")
 
     def prompts(self, split: str) -> list[dict]:
+        """The prompt table init imported for ``split`` ("train" or "heldout"), one dict per row."""
         return read_prompt_table(self.fs, f"prompts/{split}.parquet")
 
     def images_per_prompt(self) -> int:
@@ -152,6 +155,8 @@ def model_cache_dir() -> str:
 
 
 def open_run(url: str) -> Run:
+    """The run at ``url`` (any fsspec URL) with its frozen config; a one-line GndpoError where the
+    folder holds no run or its run.yaml does not read."""
     fs = RunFS(url)
     if not fs.exists("run.yaml"):
         raise GndpoError(f"not a gndpo run (no run.yaml): {url}; create it with `gndpo init`")

@@ -88,6 +88,8 @@ def parameter_count(path: str) -> int | None:
 
 
 def load_tokenizer(path: str):
+    """The tokenizer of the model folder ``path`` (never remote code); one-line GndpoErrors for a
+    missing or empty folder and for what the library cannot read."""
     from transformers import AutoTokenizer
 
     _check_model_folder(path)

@@ -86,6 +86,9 @@ def step_order(rollout_ids: list[str], seed: int, round_idx: int, optimizer_step
 
 
 def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
+    """Rank ``rank``'s share of round ``round_idx``: the round's responses (less those
+    ``rollout.truncated`` keeps out) in ``train.optimizer_steps`` steps, shuffled by the train seed,
+    each step's rows split across the ``world`` ranks, joined with their scores and targets."""
     cfg = run.cfg
     method_cfg = cfg.method
     needs_topk = TOPK in score_needs(method_cfg)

@@ -199,7 +199,7 @@ def _result(name: str, outcome: dict, timeout_s: float) -> ToolResult:
     if not outcome:
         return ToolResult(name, f"error: {name} did not answer within {timeout_s:g} s", False)
     if "error" in outcome:
-        return ToolResult(name, f"error: {name}: {first_line(outcome['error'])}", False)
+        return ToolResult(name, f"error: {name}: {first_line(outcome['error'], with_type=True)}", False)
     try:
         text = _as_text(outcome["value"])
     except TypeError as exc:

@@ -73,7 +73,7 @@ def heldout_task(policy: EvalTarget, options: EvalOptions) -> HeldoutTask:
     rows = policy.heldout
     if rows is None:
         data = policy.data
-        table = load_prompts(options.prompts, data.prompt_key, data.answer_key, data.messages_key)
+        table = load_prompts(options.prompts, data)
         if "images" in table.columns:
             raise GndpoError(f"{options.prompts} has images: gndpo eval reads images from a run's own prompts only (evaluate the run folder)")
         rows = table.to_dicts()

@@ -286,8 +286,7 @@ def init_run(url: str, cfg: Config) -> Run:
         source = getattr(cfg.data, split)
         if not source:
             raise GndpoError(f"config has no data.{split} prompts file")
-        table = load_prompts(source, cfg.data.prompt_key, cfg.data.answer_key, cfg.data.messages_key, cfg.data.teacher_key,
-                             keep=cfg.teacher_context.columns() if split == "train" else (), images_key=cfg.data.images_key)
+        table = load_prompts(source, cfg.data, keep=cfg.teacher_context.columns() if split == "train" else ())
         splits[split] = with_image_ids(table, images, f"data.{split}")
     check_prompt_count(cfg, len(splits["train"]))
     check_images(cfg, bool(images))

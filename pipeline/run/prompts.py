@@ -21,6 +21,7 @@ import json
 import polars as pl
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.run.images import content_text, placeholders, source_images
 from gndpo.storage.images import image_id
 from gndpo.storage.tables import read_table_url
@@ -119,30 +120,48 @@ def row_images(df: pl.DataFrame, images_key: str, url: str) -> list[list[bytes]]
     return [source_images(cell, base, f"prompts file {url}, row {i + 1}") for i, cell in enumerate(df[images_key].to_list())]
 
 
-def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages",
-                 teacher_key: str = "teacher", keep: tuple = (), images_key: str = "images") -> pl.DataFrame:
+def load_prompts(url: str, data: DataConfig = DataConfig(), keep: tuple = ()) -> pl.DataFrame:
     """Read and validate a prompts file into (prompt_id, prompt, messages, answer); any problem is a
-    GndpoError. A file with a ``messages_key`` column is read as conversations, else ``prompt_key``.
-    ``keep``: more columns to keep as text (those a teacher context names); each must exist. A file with
-    an ``images_key`` column gains ``images``: each row's image bytes, as many as its placeholders
-    (``gndpo init`` stores them in the run and keeps their ids)."""
+    GndpoError. The columns are ``data``'s keys: a file with a ``messages_key`` column is read as
+    conversations, else ``prompt_key``. ``keep``: more columns to keep as text (those a teacher context
+    names); each must exist. A file with an ``images_key`` column gains ``images``: each row's image
+    bytes, as many as its placeholders (``gndpo init`` stores them in the run and keeps their ids)."""
     df = read_table_url(url)
-    images = row_images(df, images_key, url)
-    chat = messages_key in df.columns
-    if not chat and prompt_key not in df.columns:
-        raise GndpoError(f"prompts file {url} has no {prompt_key!r} column (columns: {', '.join(df.columns) or 'none'})")
-    answers = answer_column(df, answer_key, url)
+    images = row_images(df, data.images_key, url)
+    chat = data.messages_key in df.columns
+    if not chat and data.prompt_key not in df.columns:
+        raise GndpoError(f"prompts file {url} has no {data.prompt_key!r} column (columns: {', '.join(df.columns) or 'none'})")
+    answers = answer_column(df, data.answer_key, url)
     if df.height == 0:
         raise GndpoError(f"prompts file {url} has no rows")
     if chat:
-        conversations = [check_messages(v, f"prompts file {url}, row {i + 1}") for i, v in enumerate(df[messages_key].to_list())]
+        conversations = [check_messages(v, f"prompts file {url}, row {i + 1}") for i, v in enumerate(df[data.messages_key].to_list())]
         messages = [json.dumps(c, ensure_ascii=False) for c in conversations]
         prompts = [content_text(next(t["content"] for t in reversed(c) if t["role"] == "user")) for c in conversations]
         ids = [prompt_id(m) for m in messages]
     else:
-        prompts = df[prompt_key].cast(pl.Utf8, strict=False).to_list()
+        conversations = [None] * df.height
+        prompts = df[data.prompt_key].cast(pl.Utf8, strict=False).to_list()
         messages = [None] * len(prompts)
         ids = [prompt_id(p) if p else "" for p in prompts]
+    extra = kept_columns(df, keep, data.teacher_key, url)
+    schema = {"prompt_id": pl.Utf8, "prompt": pl.Utf8, "messages": pl.Utf8, "answer": pl.Utf8, **{k: pl.Utf8 for k in extra}}
+    if images is None:
+        refuse_image_parts(conversations, url, data.images_key)
+    else:
+        check_placeholders(images, prompts, conversations, url)
+        extra["images"], schema["images"] = images, pl.List(pl.Binary)
+        # The same question about another picture is another prompt.
+        ids = [prompt_id(key + "".join(f"\0{image_id(b)}" for b in row)) if row else key_id
+               for key, key_id, row in zip(messages if chat else prompts, ids, images)]
+    out = pl.DataFrame({"prompt_id": ids, "prompt": prompts, "messages": messages, "answer": answers, **extra}, schema=schema)
+    check_rows(out, url, data.answer_key)
+    return out
+
+
+def kept_columns(df: pl.DataFrame, keep: tuple, teacher_key: str, url: str) -> dict[str, list]:
+    """The columns kept beside the built-in ones, as text: the tool columns a row may have, those a
+    teacher context names (``keep``; each must exist) and the teacher a prompt is routed to."""
     extra = {name: json_column(df[name].to_list()) for name in TOOL_COLUMNS if name in df.columns}
     for name in (k for k in keep if k not in BUILT_IN):  # a teacher context's columns (self-distillation)
         if name not in df.columns:
@@ -150,18 +169,18 @@ def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer
         extra[name] = json_column(df[name].to_list())
     if teacher_key in df.columns:  # the teacher a prompt is routed to (several teachers)
         extra["teacher"] = df[teacher_key].cast(pl.Utf8, strict=False).to_list()
-    schema = {"prompt_id": pl.Utf8, "prompt": pl.Utf8, "messages": pl.Utf8, "answer": pl.Utf8, **{k: pl.Utf8 for k in extra}}
-    if images is None and chat:
-        for i, turns in enumerate(conversations):
-            if any(part["type"] == "image" for t in turns if not isinstance(t["content"], str) for part in t["content"]):
-                raise GndpoError(f"prompts file {url}, row {i + 1} has an image part but the file has no {images_key!r} column")
-    if images is not None:
-        check_placeholders(images, prompts, conversations if chat else [None] * len(prompts), url)
-        extra["images"], schema["images"] = images, pl.List(pl.Binary)
-        # The same question about another picture is another prompt.
-        ids = [prompt_id(key + "".join(f"\0{image_id(b)}" for b in row)) if row else key_id
-               for key, key_id, row in zip(messages if chat else prompts, ids, images)]
-    out = pl.DataFrame({"prompt_id": ids, "prompt": prompts, "messages": messages, "answer": answers, **extra}, schema=schema)
+    return extra
+
+
+def refuse_image_parts(conversations: list, url: str, images_key: str) -> None:
+    """A file without an image column may not have image parts in its conversations."""
+    for i, turns in enumerate(conversations):
+        if turns and any(part["type"] == "image" for t in turns if not isinstance(t["content"], str) for part in t["content"]):
+            raise GndpoError(f"prompts file {url}, row {i + 1} has an image part but the file has no {images_key!r} column")
+
+
+def check_rows(out: pl.DataFrame, url: str, answer_key: str) -> None:
+    """No empty prompt, no missing answer (the first such row is named), no duplicate prompt."""
     bad = out.with_row_index("row", offset=1).filter(
         pl.col("prompt").is_null() | (pl.col("prompt").str.len_chars() == 0) | pl.col("answer").is_null())
     if bad.height:
@@ -172,7 +191,6 @@ def load_prompts(url: str, prompt_key: str = "prompt", answer_key: str = "answer
     dupes = out.height - out["prompt_id"].n_unique()
     if dupes:
         raise GndpoError(f"prompts file {url} has {dupes} duplicate prompts")
-    return out
 
 
 def check_placeholders(images: list[list[bytes]], prompts: list[str], conversations: list, url: str) -> None:

@@ -117,6 +117,10 @@ def spent(run_url: str) -> dict:
 
 
 def run_arm(arm: str, folder: Path, base: Path, rl_overrides: list[str], rounds: int) -> dict:
+    """One arm's runs under ``folder``, or their result where a finished arm left ``result.json``. Each
+    run keeps only its newest round's policy afterwards (a SmolLM2 round writes 2 GB)."""
+    if (folder / "result.json").exists():
+        return json.loads((folder / "result.json").read_text())
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     t0 = time.time()
@@ -134,6 +138,9 @@ def run_arm(arm: str, folder: Path, base: Path, rl_overrides: list[str], rounds:
         run_timed(gndpo_cmd("-q", "run", student, "--rounds", str(rounds)), folder.with_suffix(".log"))
         result = {}
     result.update(student_heldout=heldout_after_rounds(student), student_spent=spent(student), wall_s=round(time.time() - t0, 1))
+    for run in {student, *([teacher] if arm == "recipe" else [])}:
+        run_timed(gndpo_cmd("-q", "gc", run, "--keep-rounds", "1"), Path(run + "-gc.log"))
+    (folder / "result.json").write_text(json.dumps(result))
     return result
 
 

@@ -6,6 +6,7 @@ Each arm spends ``--rounds`` rounds of the same size (prompts x samples x tokens
 * ``distill``: forward-KL on-policy distillation of the student from the untouched teacher, every round;
 * ``recipe``: `gndpo recipe sparse-to-dense`: GRPO on the teacher for the first half of the rounds,
   then forward-KL distillation of the student from the policy that ended on.
+* ``recipe-rl-lr-1e-5`` (with ``--gentle-rl``): the recipe with stage 1 at a tenth of the learning rate.
 
 Two workloads:
 
@@ -25,7 +26,7 @@ student trains only in its second half), the reinforced teacher's, the rollout t
 steps spent, and the wall time. Writes ``results/sparse_to_dense.{json,md}``.
 
     .venv/bin/python bench/sparse_to_dense.py                       # toy: 3 seeds, 4 rounds of 512 prompts
-    .venv/bin/python bench/sparse_to_dense.py --workload smollm2    # SmolLM2: 3 seeds, 4 rounds of 32 prompts
+    .venv/bin/python bench/sparse_to_dense.py --workload smollm2 --gentle-rl   # SmolLM2: 3 seeds, 4 rounds of 32 prompts
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from gndpo.pipeline.observe.metrics import collect_metrics  # noqa: E402
 from gndpo.pipeline.run.run import open_run  # noqa: E402
 
 ARMS = ("grpo-student", "distill", "recipe")
+# Recipe arms that change stage 1 (the teacher's reinforcement) only: arm -> its --rl-set overrides.
+RECIPE_VARIANTS = {"recipe": [], "recipe-rl-lr-1e-5": ["train.lr=1e-5"]}
 
 
 def write_yaml(path: Path, data: dict) -> Path:
@@ -124,7 +127,8 @@ def run_arm(arm: str, folder: Path, base: Path, rl_overrides: list[str], rounds:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     t0 = time.time()
-    if arm == "recipe":
+    if arm in RECIPE_VARIANTS:
+        rl_overrides = [*rl_overrides, *RECIPE_VARIANTS[arm]]
         half = rounds // 2
         run_timed(gndpo_cmd("-q", "recipe", "sparse-to-dense", str(folder), "--config", str(base), "--rl-rounds", str(half),
                             "--distill-rounds", str(rounds - half), *(a for o in rl_overrides for a in ("--rl-set", o))),
@@ -138,22 +142,22 @@ def run_arm(arm: str, folder: Path, base: Path, rl_overrides: list[str], rounds:
         run_timed(gndpo_cmd("-q", "run", student, "--rounds", str(rounds)), folder.with_suffix(".log"))
         result = {}
     result.update(student_heldout=heldout_after_rounds(student), student_spent=spent(student), wall_s=round(time.time() - t0, 1))
-    for run in {student, *([teacher] if arm == "recipe" else [])}:
+    for run in {student, *([teacher] if arm in RECIPE_VARIANTS else [])}:
         run_timed(gndpo_cmd("-q", "gc", run, "--keep-rounds", "1"), Path(run + "-gc.log"))
     (folder / "result.json").write_text(json.dumps(result))
     return result
 
 
-def markdown(results: dict, rounds: int) -> str:
+def markdown(results: dict, arms: tuple) -> str:
     lines = [f"| arm | student held-out after each of its rounds (mean ± sd over {len(results)} seeds) | final | "
              "reinforced teacher (recipe) | rollout tokens | optimizer steps | wall |", "|---|---|---:|---|---:|---:|---:|"]
-    for arm in ARMS:
+    for arm in arms:
         runs = [results[s][arm] for s in results]
         curves = np.array([r["student_heldout"] for r in runs])
         mean, sd = curves.mean(0), curves.std(0)
         cells = ", ".join(f"{m:.3f}±{d:.3f}" for m, d in zip(mean, sd))
         teacher = ""
-        if arm == "recipe":
+        if arm in RECIPE_VARIANTS:
             t = np.array([r["teacher_heldout"] for r in runs]).mean(0)
             teacher = " -> ".join(f"{v:.3f}" for v in t)
         tokens = sum(r["student_spent"]["rollout_tokens"] + r.get("teacher_spent", {}).get("rollout_tokens", 0) for r in runs) / len(runs)
@@ -170,16 +174,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--prompts", type=int, help="prompts a round (toy: 512, the demo's 2048; smollm2: 32)")
     ap.add_argument("--work-dir", default="/tmp/gndpo-bench/sparse_to_dense")
+    ap.add_argument("--gentle-rl", action="store_true", help="also the recipe with stage 1 at a tenth of the learning rate (train.lr=1e-5)")
     a = ap.parse_args(argv)
     make_base, default_prompts = WORKLOADS[a.workload]
+    arms = (*ARMS, "recipe-rl-lr-1e-5") if a.gentle_rl else ARMS
     prompts = a.prompts or default_prompts
     results = {}
     for seed in range(a.seeds):
         work = Path(a.work_dir) / a.workload / f"seed-{seed}"
         base, rl_overrides = make_base(work, prompts, seed)
-        results[seed] = {arm: run_arm(arm, work / arm, base, rl_overrides, a.rounds) for arm in ARMS}
+        results[seed] = {arm: run_arm(arm, work / arm, base, rl_overrides, a.rounds) for arm in arms}
         print(json.dumps({"seed": seed, **{arm: r["student_heldout"] for arm, r in results[seed].items()}}), flush=True)
-    table = markdown(results, a.rounds)
+    table = markdown(results, arms)
     name = "sparse_to_dense" if a.workload == "toy" else f"sparse_to_dense_{a.workload}"
     save_json(RESULTS / f"{name}.json", {"machine": machine(), "workload": a.workload, "rounds": a.rounds, "prompts_per_round": prompts,
                                          "measured_at": time.strftime("%Y-%m-%d %H:%M"), "runs": results})

@@ -264,3 +264,10 @@ def test_public_classes_have_docstrings():
                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
                and ast.get_docstring(node) is None]
     assert missing == []
+
+
+def test_the_architecture_doc_lists_the_layers_as_the_tree_has_them():
+    """docs/architecture.md's layout table: one row per top-level code folder, in layer order, with the
+    layer number this test enforces."""
+    rows = re.findall(r"^\| `(\w+)/`[^|]*\| (\d) \|", (ROOT / "docs" / "architecture.md").read_text(), re.M)
+    assert [(folder, int(layer)) for folder, layer in rows] == [(name, LAYERS[f"gndpo.{name}"]) for name in LAYER_NAMES]

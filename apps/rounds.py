@@ -33,8 +33,9 @@ from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info, worker_file
 from gndpo.pipeline.observe.metrics import publish_metrics, write_metrics_jsonl
-from gndpo.pipeline.run.run import model_cache_dir, open_run
+from gndpo.pipeline.run.run import open_run
 from gndpo.stages import job_class
+from gndpo.storage.cache import cache_root
 from gndpo.storage.records import STAGES
 from gndpo.storage.runfs import RunFS
 
@@ -94,7 +95,7 @@ def worker_log_dir(url: str) -> str:
         return fs.path("logs")
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", fs.root).strip("_") or "run"
     digest = hashlib.sha256(fs.url.encode()).hexdigest()[:8]
-    return str(Path(model_cache_dir()).parent / "logs" / f"{name}-{digest}")
+    return str(cache_root() / "logs" / f"{name}-{digest}")
 
 
 def worker_log(url: str, name: str):

@@ -202,7 +202,7 @@ class Objective:
             method = self.cfg.method
             policy = PolicyGradientTerm(self.policy_loss, old, padded(micro, "adv", width, device), response_mask * padded(micro, "pg_mask", width, device),
                                         method.clip_low, method.clip_high)
-        divergence = None if self.divergence is None else self.divergence_term(model, batch, micro, out, topk_ids)
+        divergence = None if self.divergence is None else self.divergence_term(model, batch, micro, out, topk_ids, response_mask)
         losses, was_clipped = combined_token_losses(logp, policy, divergence)
         weights = torch.tensor([r.weight for r in micro], dtype=torch.float32, device=device).unsqueeze(-1)
         loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens, weight_sum)
@@ -234,10 +234,11 @@ class Objective:
         return policy_token_logprobs(model, batch, logits_chunk(model, self.cfg.model), self.cfg.rollout.temperature, topk_ids, min_chunks,
                                      self.student_unmatched, teacher_of_token)
 
-    def divergence_term(self, model, batch: TokenBatch, micro: list[TrainRow], out: PolicyLogprobs, topk_ids) -> DivergenceTerm:
-        """The method's divergence on the stored teacher top-k, padded like the batch."""
+    def divergence_term(self, model, batch: TokenBatch, micro: list[TrainRow], out: PolicyLogprobs, topk_ids,
+                        response_mask: torch.Tensor) -> DivergenceTerm:
+        """The method's divergence on the stored teacher top-k, padded like the batch (``response_mask``:
+        its [B, W] response positions)."""
         method, device = self.cfg.method, self.device
-        response_mask = batch.mask()
         width = response_mask.shape[1]
         # Padding positions get a uniform (k+1)-bucket distribution for both models, so every
         # divergence form is finite there (then masked out): a NaN times 0 would still be NaN.

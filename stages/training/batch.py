@@ -155,19 +155,20 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
         j = score_row_of.get(meta["rollout_id"])
         if j is None:
             raise GndpoError(f"rollout {meta['rollout_id']} of round {round_idx} has no score row")
+        response_ids = rollout_lists.row("response_token_ids", i, np.int64)
         response = Response(
             rollout_id=meta["rollout_id"], prompt_id=meta["prompt_id"],
             mask=rollout_lists.row("loss_mask", i) * (score_lists.row("aligned", j) if cross else 1.0),
             teacher_lp=score_lists.row("teacher_logprobs", j), student_lp=score_lists.row("student_logprobs", j),
             sampler_lp=rollout_lists.row("sampler_logprobs", i), rewards=dict(meta["rewards"] or {}), reward=meta["reward"],
-            prefix=teacher_prefix(len(rollout_lists.row("response_token_ids", i)), meta["teacher_prefix_len"]),
+            prefix=teacher_prefix(len(response_ids), meta["teacher_prefix_len"]),
             **{name: (score_lists.row(name, j) if name in stored else None) for name in OPTIONAL_SCORES},
             teacher=teachers[j] or "",
         )
         targets = response_targets(response, stats, method_cfg, round_idx)
         rows[meta["rollout_id"]] = TrainRow(
             rollout_id=response.rollout_id,
-            prompt=rollout_lists.row("prompt_token_ids", i, np.int64), response=rollout_lists.row("response_token_ids", i, np.int64),
+            prompt=rollout_lists.row("prompt_token_ids", i, np.int64), response=response_ids,
             old_logp=response.sampler_lp if old_logprobs == "sampler" else response.student_lp,
             adv=targets.adv, pg_mask=targets.pg_mask, div=targets.div, mask=targets.mask, weight=targets.weight,
             prompt_id=response.prompt_id, teacher=response.teacher,

@@ -17,6 +17,7 @@ from gndpo.pipeline.tasks.rewards import get_reward
 from gndpo.stages.models.vllm_engine import resolve_max_model_len
 from gndpo.stages.text.agent import ToolUse
 from gndpo.stages.text.heldout_eval import HeldoutTask, evaluate_model
+from gndpo.storage.hub import is_hub_id, resolve_hub_model
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import write_results
 
@@ -53,19 +54,24 @@ class EvalTarget:
 
 
 def eval_target(target: str, options: EvalOptions) -> EvalTarget:
-    """A run's newest policy with its settings, or a bare model folder (which needs a prompts file)."""
+    """A run's newest policy with its settings, or a bare model (a folder or a hub id ``org/name[@rev]``,
+    which needs a prompts file)."""
     if RunFS(target).exists("run.yaml"):
         run = open_run(target)
         version, model = run.latest_policy()
         return EvalTarget(model, run.cfg.engine, run.cfg.data, run.cfg.rollout, run.cfg.reward, run.cfg.rollout.max_tokens,
                           None if options.prompts else run.prompts("heldout"), RunImages(run.fs), {"policy_version": version})
+    extra = {}
+    if is_hub_id(target):
+        resolved = resolve_hub_model(target, "model")
+        target, extra = resolved.folder, {"hub_model": resolved.record()}
     if not Path(target).exists():
         raise GndpoError(f"model or run folder does not exist: {target}")
     if not (Path(target) / "config.json").exists():
         raise GndpoError(f"{target} is neither a run folder (run.yaml) nor a model folder (config.json)")
     if not options.prompts:
         raise GndpoError("evaluating a bare model needs --prompts FILE (a jsonl/parquet/csv with prompt or messages, and answer)")
-    return EvalTarget(target)
+    return EvalTarget(target, extra=extra)
 
 
 def heldout_task(policy: EvalTarget, options: EvalOptions) -> HeldoutTask:

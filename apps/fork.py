@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, resolve_teachers, run_yaml
+from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, resolve_models, run_yaml
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.load import apply_overrides
@@ -65,7 +65,8 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     refusal = fork_refusal(parent_url, from_round, cfg)
     if refusal:
         raise GndpoError(refusal)
-    local, teacher_runs = resolve_teachers(cfg, parent.teacher_runs)  # the checks read the teachers' local folders
+    models = resolve_models(cfg, parent.teacher_runs, parent.hub_models)
+    local = models.local  # the checks read the models' local folders
     validate_method(local.method)
     check_backend(local)
     check_precision(local)
@@ -74,7 +75,7 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     check_images(local, parent.images_per_prompt() > 0)
     check_teacher_prompts(local, parent.prompts("train"), RunImages(parent.fs).get)
     lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}
-    body = run_yaml(cfg, teacher_runs, lineage=lineage)
+    body = run_yaml(cfg, models, lineage=lineage)
     fs = RunFS(url)
     if fs.exists("run.yaml"):
         return _reopen(url, body)

@@ -28,7 +28,7 @@ from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.run.images import decode, image_ids, store_images, with_image_ids
 from gndpo.pipeline.run.prompts import load_prompts
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, model_cache_dir, open_run
-from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, references, resolve_reference, teacher_folder
+from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, resolve_reference, teacher_folder
 from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import attn_implementation, visible_gpus
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer
@@ -37,29 +37,39 @@ from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_mo
 from gndpo.stages.text.agent import ToolUse
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids, uses_template
 from gndpo.stages.text.teacher_context import TeacherPrompts
+from gndpo.storage.hub import hub_snapshot, is_hub_id, resolve_hub_model
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import write_prompt_table
 
 
+def configured_models(cfg: Config) -> dict[str, str]:
+    """{role: model as the config names it} of every model a run reads: the student and its teachers
+    (none of its own with ``teacher: self``)."""
+    teachers = {} if cfg.teacher == SELF_TEACHER else {f"teachers.{n}": p for n, p in cfg.teachers.items()} or {"teacher": cfg.teacher}
+    return {"student": cfg.student, **teachers}
+
+
 def check_models(cfg: Config) -> None:
     """Every model exists and holds weights, and the teachers share the student's tokenizer (fail fast:
-    distillation over different vocabularies would compare log-probs of different tokens)."""
+    distillation over different vocabularies would compare log-probs of different tokens). ``cfg``
+    names local folders (:func:`resolve_models`)."""
 
-    teachers = {} if cfg.teacher == SELF_TEACHER else {f"teachers.{n}": p for n, p in cfg.teachers.items()} or {"teacher": cfg.teacher}
-    roles = {"student": cfg.student, **teachers}
+    roles = configured_models(cfg)
     for role, path in roles.items():
         if not path:
             raise GndpoError(f"config has no {role} model path")
         if not Path(path).exists():
-            raise GndpoError(f"{role} model path does not exist: {path}")
+            raise GndpoError(f"{role} model path does not exist: {path} (a model is a local folder, a hub id org/name[@revision], "
+                             "or for a teacher run:RUN[@K])")
         try:
             check_model_files(path)
         except GndpoError as exc:
             raise GndpoError(f"{role}: {exc}") from None
     if cfg.score.cross_tokenizer:  # log-probs are mapped by character offsets (gndpo.stages.text.align)
         return
-    for path in teachers.values():
-        check_same_tokenizer(cfg.student, path)
+    for role, path in roles.items():
+        if role != "student":
+            check_same_tokenizer(cfg.student, path)
 
 
 def check_precision(cfg: Config) -> None:
@@ -238,28 +248,47 @@ def check_metrics_backends(cfg: Config) -> None:
             raise GndpoError(f"logging.backends names {backend}, which is not installed (pip install 'gndpo[metrics]')")
 
 
-def resolve_teachers(cfg: Config, known: dict | None = None) -> tuple[Config, dict]:
-    """(``cfg`` with each teacher that is another run's policy, ``run:RUN[@K]``, replaced by that
-    policy's local folder, for the checks that read the models; {reference: resolution} for run.yaml,
-    :mod:`gndpo.pipeline.run.teacher_runs`). ``known``: resolutions to keep as they are (a fork's, from
-    its parent)."""
-    if cfg.teacher == SELF_TEACHER:
-        return cfg, {}
-    runs = {ref: (known or {}).get(ref) or resolve_reference(ref, open_run(parse_reference(ref)[0]), model_cache_dir())
-            for ref in references(cfg.teacher_models())}
-    if not runs:
-        return cfg, {}
+@dataclasses.dataclass(frozen=True)
+class ResolvedModels:
+    """A config's models resolved to local folders once, at ``gndpo init`` (or fork): ``local`` is the
+    config with each model replaced by its folder, for the checks that read the models; ``teacher_runs``
+    and ``hub_models`` are what run.yaml records so every later process reads the same files."""
 
-    def folder(teacher: str) -> str:
-        return teacher_folder(teacher, runs[teacher], model_cache_dir()) if is_reference(teacher) else teacher
+    local: Config
+    teacher_runs: dict  # {"run:...": resolution} (gndpo.pipeline.run.teacher_runs)
+    hub_models: dict  # {"org/name[@rev]": {id, revision, commit}} (gndpo.storage.hub)
 
-    local = dataclasses.replace(cfg, teacher=folder(cfg.teacher) if cfg.teacher else "", teachers={n: folder(t) for n, t in cfg.teachers.items()})
-    return local, runs
+    def records(self) -> dict:
+        """The run.yaml sections of the resolutions (none for a run of local folders)."""
+        return {k: v for k, v in (("teacher_runs", self.teacher_runs), ("hub_models", self.hub_models)) if v}
 
 
-def run_yaml(cfg: Config, teacher_runs: dict, **extra) -> bytes:
+def resolve_models(cfg: Config, known_runs: dict | None = None, known_hub: dict | None = None) -> ResolvedModels:
+    """Resolve every model ``cfg`` names: a teacher that is another run's policy (``run:RUN[@K]``) to
+    that policy's files, a hub id (``org/name[@rev]``) to a commit and its local snapshot, a folder to
+    itself. ``known_runs`` / ``known_hub``: resolutions to keep as they are (a fork's, from its parent)."""
+    runs, hub = dict(known_runs or {}), dict(known_hub or {})
+    folders = {}
+    for role, name in configured_models(cfg).items():
+        if not name or name in folders:
+            continue
+        if is_reference(name):
+            runs[name] = runs.get(name) or resolve_reference(name, open_run(parse_reference(name)[0]), model_cache_dir())
+            folders[name] = teacher_folder(name, runs[name], model_cache_dir())
+        elif name in hub:
+            folders[name] = hub_snapshot(hub[name], role)
+        elif is_hub_id(name):
+            resolved = resolve_hub_model(name, role)
+            hub[name], folders[name] = resolved.record(), resolved.folder
+    used = set(folders)
+    local = dataclasses.replace(cfg, student=folders.get(cfg.student, cfg.student), teacher=folders.get(cfg.teacher, cfg.teacher),
+                                teachers={n: folders.get(t, t) for n, t in cfg.teachers.items()})
+    return ResolvedModels(local, {k: v for k, v in runs.items() if k in used}, {k: v for k, v in hub.items() if k in used})
+
+
+def run_yaml(cfg: Config, models: ResolvedModels, **extra) -> bytes:
     """A run's ``run.yaml``: the config as written, then what was resolved when the run was created."""
-    more = {**({"teacher_runs": teacher_runs} if teacher_runs else {}), **extra}
+    more = {**models.records(), **extra}
     return (config_to_yaml(cfg) + (yaml.safe_dump(more, sort_keys=False) if more else "")).encode()
 
 
@@ -274,7 +303,8 @@ def init_run(url: str, cfg: Config) -> Run:
             raise GndpoError(f"run folder {url} was created from another config; use a new folder")
         return existing
     written = cfg
-    cfg, teacher_runs = resolve_teachers(cfg)  # the checks read the teachers' local folders
+    models = resolve_models(cfg)
+    cfg = models.local  # the checks read the models' local folders
     validate_method(cfg.method)
     check_metrics_backends(cfg)
 
@@ -298,7 +328,7 @@ def init_run(url: str, cfg: Config) -> Run:
     store_images(fs, images)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
-    if not fs.create("run.yaml", run_yaml(written, teacher_runs)):
+    if not fs.create("run.yaml", run_yaml(written, models)):
         # A concurrent init won; accept it only if it is the same experiment.
         return init_run(url, written)
-    return Run(fs=fs, cfg=written, teacher_runs=teacher_runs or None)
+    return open_run(url)

@@ -206,7 +206,7 @@ def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
     picked = strayed_rollouts(run, r, rows)
     if not picked:
         return "<p>No scored rollouts.</p>"
-    tok = load_tokenizer(run.cfg.student)  # the student's tokenizer (every policy version keeps it)
+    tok = load_tokenizer(run.policy_path(0))  # the student's tokenizer (every policy version keeps it)
     shown = {p["prompt_id"]: image_ids(p) for p in run.prompts("train")}
     pictures = RunImages(run.fs)
     parts = [f"<p>Round {r} (policy version {r}); lpT - lpS per token: "

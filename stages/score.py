@@ -69,7 +69,7 @@ class ScoreJob:
                 check_same_tokenizer(policy, path)
         device = local_device()
         # A run whose prompts show pictures: the student's image tensors, and the pictures by prompt.
-        self.images = BatchImages.of_run(self.run, self.cfg.student)
+        self.images = BatchImages.of_run(self.run, self.run.policy_path(0))
         self.live.release_engine()
         # The rollout engine's log-probs may stand in for the student's forward (score.student_logprobs).
         self.from_engine = self.student_from_engine()

@@ -13,6 +13,7 @@ from gndpo.pipeline.run.images import image_ids
 from gndpo.pipeline.run.teacher_runs import is_reference, teacher_folder
 from gndpo.pipeline.tasks.plugins import use_plugin_dirs
 from gndpo.storage.cache import cache_dir
+from gndpo.storage.hub import hub_snapshot
 from gndpo.storage.records import InheritedRecords, StageRecords
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import read_prompt_table
@@ -33,6 +34,9 @@ class Run:
     # Teachers that are another run's policy ({"run:...": resolution}, pipeline.run.teacher_runs),
     # resolved once by `gndpo init`.
     teacher_runs: dict | None = None
+    # Models named by hub id ({"org/name[@rev]": {id, revision, commit}}, gndpo.storage.hub), resolved
+    # once by `gndpo init`: every process loads that commit, whatever the revision names since.
+    hub_models: dict | None = None
 
     def records(self, round_idx: int, stage: str) -> StageRecords:
         """The records (plan, claims, done markers, manifest) of ``stage`` in round ``round_idx``: the
@@ -58,7 +62,7 @@ class Run:
         """A local folder with the student that rolls out ``round_idx``: the config's student for round
         0, else the model exported by the previous round's train stage (downloaded if remote)."""
         if round_idx == 0:
-            return self.cfg.student
+            return self.model_folder(self.cfg.student, "student")
         records = self.records(round_idx - 1, "train")  # a forked run's early rounds live in its parent
         require_exported(records)
         return records.run.local_dir(self.policy_dir(round_idx), model_cache_dir())
@@ -87,11 +91,17 @@ class Run:
             path = records.run.local_dir(records.require_manifest()["metrics"]["ema_dir"], model_cache_dir())
         return {f"self/{weights}": path}
 
+    def model_folder(self, name: str, role: str = "model") -> str:
+        """The local folder of a configured model (``name`` as the config writes it): a folder as it is,
+        or for a hub id the snapshot of the commit this run was created with."""
+        record = (self.hub_models or {}).get(name)
+        return hub_snapshot(record, role) if record else name
+
     def teacher_folder(self, teacher: str) -> str:
-        """The local folder of a configured teacher: its path, or for ``run:...`` the other run's policy
-        this run was created with (downloaded if remote)."""
+        """The local folder of a configured teacher: its folder or hub snapshot (:meth:`model_folder`),
+        or for ``run:...`` the other run's policy this run was created with (downloaded if remote)."""
         if not is_reference(teacher):
-            return teacher
+            return self.model_folder(teacher, "teacher")
         resolution = (self.teacher_runs or {}).get(teacher)
         if resolution is None:
             raise GndpoError(f"teacher {teacher} was not resolved when {self.fs.url} was created (run.yaml has no teacher_runs entry for it); "
@@ -166,6 +176,7 @@ def open_run(url: str) -> Run:
         raise GndpoError(f"corrupt run.yaml in {url}") from None
     lineage = data.pop("lineage", None) if isinstance(data, dict) else None
     teacher_runs = data.pop("teacher_runs", None) if isinstance(data, dict) else None
+    hub_models = data.pop("hub_models", None) if isinstance(data, dict) else None
     if isinstance(data, dict):  # the run's own plugins import in every process that opens it
         use_plugin_dirs(data.get("plugin_dirs") or [])
-    return Run(fs=fs, cfg=config_from_dict(data), lineage=lineage, teacher_runs=teacher_runs)
+    return Run(fs=fs, cfg=config_from_dict(data), lineage=lineage, teacher_runs=teacher_runs, hub_models=hub_models)

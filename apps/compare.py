@@ -51,6 +51,7 @@ def round_rows(run) -> tuple[list[dict], list[float]]:
         if (r, "rollout") not in by:
             break
         row = {"round": r, "heldout_start": by[(r, "rollout")].get("heldout_accuracy"),
+               "heldout_kl_start": by.get((r, "score"), {}).get("heldout_reverse_kl"),  # prompts without answers
                "reward_mean": by.get((r, "normalize"), {}).get("reward_mean"),
                "kl_estimate": by.get((r, "normalize"), {}).get("reverse_kl_estimate")}
         if (r, "train") in by:

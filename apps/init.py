@@ -24,6 +24,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.load import config_to_yaml
 from gndpo.pipeline.config.schema import SELF_TEACHER, Config
+from gndpo.pipeline.methods import answer_readers
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.run.images import decode, image_ids, store_images, with_image_ids
 from gndpo.pipeline.run.prompts import load_prompts
@@ -316,7 +317,10 @@ def init_run(url: str, cfg: Config) -> Run:
         source = getattr(cfg.data, split)
         if not source:
             raise GndpoError(f"config has no data.{split} prompts file")
-        table = load_prompts(source, cfg.data, keep=cfg.teacher_context.columns() if split == "train" else ())
+        # What needs the training prompts' answers (a reward the method trains on, a teacher context
+        # showing it); without answers the held-out figure is label-free (Run.heldout_measure).
+        needs = answer_readers(cfg) if split == "train" else ""
+        table = load_prompts(source, cfg.data, keep=cfg.teacher_context.columns() if split == "train" else (), answers_for=needs)
         splits[split] = with_image_ids(table, images, f"data.{split}")
     check_prompt_count(cfg, len(splits["train"]))
     check_images(cfg, bool(images))

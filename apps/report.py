@@ -37,6 +37,10 @@ from gndpo.storage.tables import write_file
 CURVES = [
     # The y label is the run's reward (see heldout_label): "exact match" only where that is the reward.
     ("accuracy", "Held-out score (greedy) per policy version", None, [("rollout", "heldout_accuracy", "")]),
+    # Prompts without answers: the label-free held-out measure score computes for each policy version.
+    ("heldout_kl", "Held-out KL(student || teacher) estimate per token (sampled responses)", "nats", [("score", "heldout_reverse_kl", "")]),
+    ("heldout_teacher_logprob", "Teacher log-prob of the greedy held-out responses", "nats per token",
+     [("score", "heldout_teacher_logprob", "")]),
     ("reward", "Sampled reward", "mean reward", [("normalize", "reward_mean", "")]),
     ("teacher_kl", "Teacher KL estimate, KL(student || teacher) per token", "nats", [("normalize", "reverse_kl_estimate", "")]),
     ("grad_norm", "Gradient norm (pre-clip)", "norm", [("train", "grad_norm_mean", " mean"), ("train", "grad_norm_max", " max")]),
@@ -217,7 +221,7 @@ def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
         ratio = np.asarray(lp_t, np.float64) - np.asarray(lp_s, np.float64)
         mask = np.asarray(mask, np.float64)
         parts.append(
-            f'<div class="rollout"><div class="meta">{html.escape(rid)}: reward {reward:.3f}, '
+            f'<div class="rollout"><div class="meta">{html.escape(rid)}: {"" if reward is None else f"reward {reward:.3f}, "}'
             f'sum of lpT - lpS {float((ratio * mask).sum()):+.2f} over {int(mask.sum())} tokens, {html.escape(str(finish))}</div>'
             f'{picture_tags(pictures, shown.get(pid, []))}'
             f'<pre class="prompt">{html.escape(prompt)}</pre><div class="response">{token_spans(tok, token_ids, ratio, mask)}</div></div>'
@@ -323,7 +327,7 @@ def heldout_label(series: list[Series]) -> str:
 def round_table(series: list[Series]) -> str:
     """The main metrics as an HTML table, one row per (series, round); ``round_seconds`` is the round's
     wall time, each stage from its first claim to its last commit (of the first run of a series)."""
-    cols = [("rollout", "heldout_accuracy"), ("normalize", "reward_mean"), ("normalize", "reverse_kl_estimate"),
+    cols = [("rollout", "heldout_accuracy"), ("score", "heldout_reverse_kl"), ("normalize", "reward_mean"), ("normalize", "reverse_kl_estimate"),
             ("train", "grad_norm_mean"), ("train", "clip_fraction"), ("normalize", "response_length_mean")]
     head = "<tr><th>run</th><th>round</th>" + "".join(f"<th>{html.escape(m)}</th>" for _, m in cols) + "<th>round_seconds</th></tr>"
     body = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from importlib import metadata
 
 import typer
 import typer.core
@@ -64,6 +65,21 @@ app = typer.Typer(
 )
 
 
+def version_of(package: str = "gndpo") -> str:
+    """The installed package's version (its metadata), or "unknown" for a source tree that is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def print_version(asked: bool) -> None:
+    """``gndpo --version``: print ``gndpo X.Y.Z`` and exit before any command runs."""
+    if asked:
+        typer.echo(f"gndpo {version_of()}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def options(
     log_level: str = typer.Option(
@@ -73,6 +89,7 @@ def options(
         None, "--progress", help="auto (default: a bar on a terminal, plain lines otherwise) | bar | lines | none."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress and only warnings and errors (--progress none --log-level warning)."),
+    version: bool = typer.Option(False, "--version", is_eager=True, expose_value=False, callback=print_version, help="Print gndpo's version and exit."),
 ):
     """Offline, resumable, round-based on-policy distillation with cached teacher scores."""
     if quiet:
@@ -95,7 +112,7 @@ def register() -> None:
         return
     # Imported here rather than at the top: vLLM's engine processes re-import the entry module (this
     # one, through cli.__main__ or the package's __main__) and must not pay for every command's imports.
-    from gndpo.cli import compare, convert, demo, eval, export, fork, gc, init, methods, recipe, report, run, sql, stages, status
+    from gndpo.cli import compare, config, convert, demo, eval, export, fork, gc, init, methods, recipe, report, run, sql, stages, status
 
     commands = [
         ("init", init.init), *stages.STAGE_COMMANDS.items(), ("run", run.run), ("status", status.status), ("sql", sql.sql),
@@ -105,6 +122,10 @@ def register() -> None:
     ]
     for name, function in commands:
         app.command(name=name)(function)
+    config_group = typer.Typer(name="config", help="The config: the whole of one (show), every key there is (keys).", no_args_is_help=True)
+    config_group.command(name="show")(config.show)
+    config_group.command(name="keys")(config.keys)
+    app.add_typer(config_group, name="config")
 
 
 def main() -> None:

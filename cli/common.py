@@ -1,5 +1,6 @@
 """What every command shares: user errors, filesystem errors and stop signals as one line and a non-zero
-exit, a traceback only when asked for (``--log-level debug``)."""
+exit, a traceback only when asked for (``--log-level debug``); settings written ``key=value`` after a
+command's arguments, and the notice an old spelling (``--set``, ``-n``) gets."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -29,6 +31,8 @@ def user_errors(fn=None, *, resumable: bool = False):
       says that committed work is kept and which command resumes it. A stage process that ``gndpo run``
       started exits without a word: ``gndpo run`` says it.
 
+    The notices of old spellings the command met (:func:`notice`) follow on stderr when it succeeds.
+
     At ``--log-level debug`` the traceback comes first, with the exception it was raised from (``raise
     GndpoError(...) from exc``): the out-of-memory or library failure behind a one-line "cannot load a
     model" stays findable."""
@@ -37,18 +41,25 @@ def user_errors(fn=None, *, resumable: bool = False):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        NOTICES.clear()
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except (GndpoError, OSError) as exc:
+            NOTICES.clear()  # the error is the one line to read; an old spelling's notice comes once it runs
             _debug_traceback(exc)
             print(f"error: {exc if isinstance(exc, GndpoError) else describe_os_error(exc)}", file=sys.stderr)
             raise typer.Exit(1) from None
         except (KeyboardInterrupt, Stopped) as exc:
+            NOTICES.clear()
             signum = signal_of(exc)
             _debug_traceback(exc)
             if not os.environ.get(STAGE_OF_RUN_ENV):
                 print(stopped_line(signum, resumable), file=sys.stderr)
             raise typer.Exit(exit_code(signum)) from None
+        for line in NOTICES:
+            print(line, file=sys.stderr)
+        NOTICES.clear()
+        return result
 
     return wrapper
 
@@ -123,3 +134,48 @@ def echo_table(rows: list[dict]) -> None:
         typer.echo("(no rows)")
         return
     echo_frame(pl.DataFrame(rows))
+
+
+# A setting on the command line: a dotted config key, "=", its value (YAML). Keys are identifiers (a
+# teachers name may hold "-"), so a path or a compare entry (METHOD+key=value) never reads as one.
+SETTING = re.compile(r"[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*=")
+
+
+def is_setting(argument: str) -> bool:
+    """Whether a command-line argument is a ``key=value`` setting."""
+    return SETTING.match(argument) is not None
+
+
+# The notices of the command running: :func:`user_errors` prints them on stderr when it ends, and drops
+# them when it fails (its one-line error is then the only line) or is stopped.
+NOTICES: list[str] = []
+
+
+def notice(old: str, new: str) -> None:
+    """The one line an old spelling gets: it still works, and this is how to write it now."""
+    NOTICES.append(f"notice: {old} is deprecated; {new}")
+
+
+def split_settings(arguments: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the arguments that are not settings, the ``key=value`` settings), each in order."""
+    arguments = arguments or []
+    return [a for a in arguments if not is_setting(a)], [a for a in arguments if is_setting(a)]
+
+
+def settings_with(settings: list[str], old: list[str] | None, option: str = "--set") -> list[str]:
+    """``settings`` (written ``key=value`` after the arguments) after those of an old repeatable
+    ``option`` (which get a notice), so the new spelling wins where both set a key."""
+    if old:
+        notice(option, "write key=value after the arguments")
+    return [*(old or []), *settings]
+
+
+def rounds_of(rounds: int | None, old: int | None, default: int = 3) -> int:
+    """The round count of ``--rounds`` or its old short form ``-n`` (with a notice: ``-n`` also reads
+    as samples, rollout.n), else ``default``."""
+    if old is None:
+        return default if rounds is None else rounds
+    if rounds is not None and rounds != old:
+        raise GndpoError(f"--rounds {rounds} and -n {old} disagree; give --rounds once")
+    notice("-n", f"write --rounds {old} (-n reads like rollout.n, the samples per prompt)")
+    return old

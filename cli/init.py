@@ -10,7 +10,9 @@ from gndpo.pipeline.config.load import load_config
 def init(
     run: str = typer.Argument(..., help="Run folder: a local path or an fsspec URL (s3://bucket/run)."),
     config: Optional[str] = typer.Option(None, "--config", "-c", help="Experiment YAML."),
-    overrides: Optional[List[str]] = typer.Argument(None, help="key=value overrides, e.g. train.lr=1e-5"),
+    overrides: Optional[List[str]] = typer.Argument(
+        None, metavar="KEY=VALUE", show_default=False, help="Settings over the config, e.g. train.lr=1e-5 (gndpo config keys lists them)."
+    ),
 ):
     """Create a run: validate models and prompts, import prompts, freeze the config."""
     from gndpo.apps.init import init_run  # at call time: torch and transformers load only for this command

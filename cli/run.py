@@ -2,7 +2,7 @@ from typing import Optional
 
 import typer
 
-from gndpo.cli.common import stdout_kept_for_data, user_errors
+from gndpo.cli.common import rounds_of, stdout_kept_for_data, user_errors
 from gndpo.pipeline.observe.metrics import round_summary
 from gndpo.pipeline.run.run import open_run
 
@@ -10,7 +10,8 @@ from gndpo.pipeline.run.run import open_run
 @user_errors(resumable=True)
 def run(
     run: str = typer.Argument(..., help="Run folder (local path or fsspec URL)."),
-    rounds: int = typer.Option(3, "--rounds", "-n", min=1, help="Total number of rounds the run should have."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", min=1, help="Total number of rounds the run should have (default 3)."),
+    old_rounds: Optional[int] = typer.Option(None, "-n", min=1, hidden=True, help="Old spelling of --rounds."),
     gpus: Optional[int] = typer.Option(
         None,
         "--gpus",
@@ -29,6 +30,7 @@ def run(
     """Run the round loop; stages already committed are skipped, so rerunning resumes."""
     from gndpo.apps.loop import run_loop  # at call time: torch and transformers load only for this command
 
+    rounds = rounds_of(rounds, old_rounds)
     with stdout_kept_for_data():
         run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive)
     typer.echo(round_summary(open_run(run)))

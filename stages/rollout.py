@@ -14,6 +14,7 @@ greedy held-out accuracy on the same engine, which is what the demo's per-round 
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pyarrow as pa
 
@@ -33,7 +34,7 @@ from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, 
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.text.guide import TeacherGuide
 from gndpo.stages.text.heldout_eval import HeldoutTask, greedy_eval
-from gndpo.storage.records import EVAL_UNIT
+from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS
 from gndpo.storage.shards import ROLLOUTS, write_shard
 
 
@@ -84,7 +85,7 @@ class RolloutJob:
             {"unit": f"u{i // rollout_cfg.prompts_per_unit:05d}", "prompt_ids": ids[i : i + rollout_cfg.prompts_per_unit]}
             for i in range(0, len(ids), rollout_cfg.prompts_per_unit)
         ]
-        if rollout_cfg.eval_heldout:
+        if rollout_cfg.eval_heldout and self.run.heldout_measure() != "none":
             units.append({"unit": EVAL_UNIT})
         return units, {"policy_version": self.round, "prompts": len(ids), "n": rollout_cfg.n}
 
@@ -103,10 +104,10 @@ class RolloutJob:
                                                 exported=exported and self.run.fs.uri(exported))
         # Recorded for score, whose student_logprobs auto trusts the sampler's log-probs from fp32 engines only.
         self.engine_bits = DTYPES[engine_dtype(self.cfg.engine)].itemsize * 8
-        self.rewards = run_rewards(self.cfg)
+        # Without answers only the rewards that read none are computed, and the run's reward may be None.
+        self.rewards = run_rewards(self.cfg, self.run.has_answers("train"))
         self.stop_ids = stop_token_ids(self.tok, self.cfg.data)
         self.banned = unsampleable(policy)  # a VLM's image placeholders
-        self.reward = self.rewards[self.cfg.reward]
         self.tool_use = ToolUse.from_config(self.cfg.rollout)
         self.guide = None
         if self.cfg.rollout.guided_fraction > 0:
@@ -124,13 +125,15 @@ class RolloutJob:
         u = sample_seed(rollout_cfg.seed, self.round, f"guide:{prompt_id}", 0) / 2**32
         return u < rollout_cfg.guided_fraction
 
-    def sampling(self, seed: int, max_tokens: int, extra_stops: list[str]):
-        """One student turn's SamplingParams: the run's sampling settings with this turn's seed."""
+    def sampling(self, seed: int, max_tokens: int, extra_stops: list[str], temperature: float | None = None):
+        """One student turn's SamplingParams: the run's sampling settings with this turn's seed (and
+        ``temperature`` where given: 0 for a greedy held-out response)."""
         from vllm import SamplingParams
 
         rollout_cfg = self.cfg.rollout
         return SamplingParams(
-            n=1, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k, max_tokens=max_tokens, seed=seed, logprobs=0,
+            n=1, temperature=rollout_cfg.temperature if temperature is None else temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
+            max_tokens=max_tokens, seed=seed, logprobs=0,
             logit_bias=self.banned,
             stop_token_ids=self.stop_ids, stop=list(rollout_cfg.stop) + extra_stops or None, include_stop_str_in_output=bool(extra_stops),
         )
@@ -154,28 +157,34 @@ class RolloutJob:
                     c.add_prefix(*self.guide.prefix(prompt, rendered.token_ids, c.seed))
                 conversations.append(c)
                 meta.append((rendered.text, s))
-        # A unit can take minutes: its own progress moves as responses finish inside vLLM's loop. With
-        # tools a generation ends a turn, not a response: those count when their conversation ends.
-        with progress.task(f"rollout r{self.round} {unit['unit']}", total=len(conversations), unit="responses", transient=True) as bar:
+        self.generate(conversations, f"rollout r{self.round} {unit['unit']}", self.sampling)
+        crash_point("rollout.generate")
+        rows = [self.row(c, text, s) for c, (text, s) in zip(conversations, meta)]
+        table = pa.Table.from_pylist(rows, schema=ROLLOUTS)
+        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
+        rewarded = [r["reward"] for r in rows if r["reward"] is not None]
+        return [record], {
+            "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows),
+            **({"reward_sum": sum(rewarded)} if rewarded else {}),
+            **conversation_counts(rows), **(self.live.probe or {}), "engine_dtype_bits": self.engine_bits,
+        }
+
+    def generate(self, conversations: list[Conversation], label: str, sampling) -> None:
+        """Write ``conversations`` to their ends on the engine (``sampling``: :meth:`sampling` or a
+        variant), with a progress bar: a unit can take minutes, so its own progress moves as responses
+        finish inside vLLM's loop; with tools a generation ends a turn, not a response, and those count
+        when their conversation ends."""
+        with progress.task(label, total=len(conversations), unit="responses", transient=True) as bar:
             def turn_done(ended: list) -> None:
                 if self.tool_use is not None:
                     bar.advance(len(ended))
                 bar.show(tokens=sum(len(c.response_ids) for c in conversations))
 
-            run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, rollout_cfg.max_tokens, self.sampling,
+            run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, self.cfg.rollout.max_tokens, sampling,
                               on_turn=turn_done, on_finished=None if self.tool_use is not None else bar.advance)
-        crash_point("rollout.generate")
-        rows = [self.row(c, text, s) for c, (text, s) in zip(conversations, meta)]
-        table = pa.Table.from_pylist(rows, schema=ROLLOUTS)
-        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
-        return [record], {
-            "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows),
-            "reward_sum": sum(r["reward"] for r in rows),
-            **conversation_counts(rows), **(self.live.probe or {}), "engine_dtype_bits": self.engine_bits,
-        }
 
-    def row(self, c: Conversation, prompt_text: str, sample_idx: int) -> dict:
-        """The stored row of one finished conversation."""
+    def row(self, c: Conversation, prompt_text: str, sample_idx: int, rewards: dict | None = None) -> dict:
+        """The stored row of one finished conversation, rewarded by ``rewards`` (default: the run's)."""
         rollout_cfg = self.cfg.rollout
         pid = c.row["prompt_id"]
         prefix_len = len(c.response_ids) - sum(c.loss_mask) if self.guide is not None else 0
@@ -194,7 +203,7 @@ class RolloutJob:
             "finish_reason": c.finish_reason,
             "num_turns": c.num_turns,
             "tool_calls": c.tool_calls,
-            **self.rewarded(c),
+            **self.rewarded(c, self.rewards if rewards is None else rewards),
             "temperature": rollout_cfg.temperature,
             "top_p": rollout_cfg.top_p,
             "top_k": rollout_cfg.top_k,
@@ -206,16 +215,35 @@ class RolloutJob:
             "response": self.tok.decode(c.response_ids, skip_special_tokens=self.tool_use is None),
         }
 
-    def rewarded(self, c: Conversation) -> dict:
-        rewards = score_response(self.rewards, c.student_text(self.tok), c.row)
-        return {"reward": rewards[self.cfg.reward], "rewards": rewards}
+    def rewarded(self, c: Conversation, rewards: dict) -> dict:
+        values = score_response(rewards, c.student_text(self.tok), c.row)
+        return {"reward": values.get(self.cfg.reward), "rewards": values}
 
     def _eval_unit(self, out_dir):
-        task = HeldoutTask(self.run.prompts("heldout"), self.reward, self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use, self.images)
+        if self.run.heldout_measure() == "label_free":
+            return self._label_free_eval_unit(out_dir)
+        reward = run_rewards(self.cfg)[self.cfg.reward]
+        task = HeldoutTask(self.run.prompts("heldout"), reward, self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use, self.images)
         result = greedy_eval(self.llm, self.tok, task)
         record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"))
         record["kind"] = "eval"
         return [record], {"eval": result}
+
+    def _label_free_eval_unit(self, out_dir):
+        """Held-out prompts without answers: each prompt's greedy response (sample 0) and one sampled at
+        the run's temperature (sample 1), stored as rollout rows for score's teacher to read (the
+        held-out reverse-KL estimate and the teacher's log-prob of the greedy answer)."""
+        heldout = self.run.prompts("heldout")
+        rows, answer_free = [], run_rewards(self.cfg, with_answers=False)
+        for sample_idx, temperature in enumerate((0.0, self.cfg.rollout.temperature)):
+            rendered = [render_prompt(self.tok, prompt, self.cfg.data) for prompt in heldout]
+            conversations = [Conversation(prompt, r.token_ids, sample_seed(self.cfg.rollout.seed, self.round, f"heldout:{prompt['prompt_id']}", sample_idx))
+                             for prompt, r in zip(heldout, rendered)]
+            self.generate(conversations, f"rollout r{self.round} held-out", partial(self.sampling, temperature=temperature))
+            rows += [{**self.row(c, r.text, sample_idx, answer_free), "temperature": temperature} for c, r in zip(conversations, rendered)]
+        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", pa.Table.from_pylist(rows, schema=ROLLOUTS))
+        record["kind"] = HELDOUT_ROLLOUTS
+        return [record], {"eval": {"label_free": True, "n": len(heldout)}}
 
     def summarize(self, commits):
         """The manifest's metrics: responses, tokens, rewards, speed, the held-out score, tool use."""
@@ -225,7 +253,7 @@ class RolloutJob:
             "policy_version": self.round,
             "responses": responses,
             "tokens": sum(c["tokens"] for c in gen),
-            "reward_mean": sum(c["reward_sum"] for c in gen) / max(responses, 1),
+            "reward_mean": sum(c["reward_sum"] for c in gen) / max(responses, 1) if all("reward_sum" in c for c in gen) else None,
             "seconds": sum(c["seconds"] for c in commits),
             **conversation_metrics(gen, responses),
         }
@@ -238,6 +266,6 @@ class RolloutJob:
             if any(key in c for c in gen):
                 metrics[key] = max(c.get(key, 0) for c in gen)
         for c in commits:
-            if c["unit"] == EVAL_UNIT:
+            if c["unit"] == EVAL_UNIT and "accuracy" in c["eval"]:
                 metrics["heldout_accuracy"] = c["eval"]["accuracy"]
         return metrics

@@ -16,6 +16,8 @@ One score unit per rollout unit, read top to bottom in :meth:`ScoreJob.run_unit`
 
 from __future__ import annotations
 
+import numpy as np
+import pyarrow as pa
 import torch
 
 from gndpo.pipeline.config.checks import engine_logprob_blockers
@@ -34,8 +36,8 @@ from gndpo.stages.scoring.shard import refuse_non_finite, score_shard
 from gndpo.stages.scoring.teachers import EngineTeacher, ModuleTeachers, OtherTokenizerTeacher, TeacherEngineColumns
 from gndpo.stages.text.cross_tokenizer import CrossTokenizerTeacher, TeacherModule
 from gndpo.stages.text.teacher_context import TeacherPrompts
-from gndpo.storage.records import EVAL_UNIT
-from gndpo.storage.shards import write_shard
+from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS
+from gndpo.storage.shards import flat_values, read_shard, write_shard
 
 
 class ScoreJob:
@@ -49,11 +51,15 @@ class ScoreJob:
         self.live = live or LiveModels()
 
     def plan(self):
-        """One unit per committed rollout shard (the evaluation unit's excepted)."""
+        """One unit per committed rollout shard (the evaluation unit's excepted), plus one for the held-out
+        responses rollout sampled for the label-free held-out measure (prompts without answers)."""
         rollouts = self.run.records(self.round, "rollout").require_manifest()
         units = [
             {"unit": u["unit"], "rollout_files": u["files"]} for u in rollouts["units"] if u["unit"] != EVAL_UNIT
         ]
+        heldout = [f for u in rollouts["units"] if u["unit"] == EVAL_UNIT for f in u["files"] if f.get("kind") == HELDOUT_ROLLOUTS]
+        if heldout:
+            units.append({"unit": EVAL_UNIT, "rollout_files": heldout})
         extras = sorted(score_needs(self.cfg.method))
         teacher = self.cfg.teachers or self.cfg.teacher
         return units, {"rollout_manifest_finished_at": rollouts["finished_at"], "teacher": teacher, "extras": extras}
@@ -187,6 +193,8 @@ class ScoreJob:
     def run_unit(self, unit, out_dir):
         """Every teacher's (and, where the method needs it, the student's) per-token values for the
         rollout shard's responses, refused if any is not finite, as one score shard."""
+        if unit["unit"] == EVAL_UNIT:
+            return [], self.heldout_measure(unit["rollout_files"])
         rows = UnitRows.read(self.run.fs, unit["rollout_files"])
         scored = self.teacher.score(rows, self.topk)
         refuse_non_finite(scored.per_token, rows, self.round)
@@ -194,8 +202,30 @@ class ScoreJob:
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
         return [record], counts
 
+    def heldout_measure(self, files: list[dict]) -> dict:
+        """The label-free held-out measure of the round's policy (prompts without answers): the
+        reverse-KL estimate, mean over the sampled responses' tokens of student minus teacher log-prob,
+        and the teacher's mean log-prob per token of the greedy responses (rollout's held-out rows:
+        sample 0 greedy, 1 sampled)."""
+        table = pa.concat_tables([read_shard(self.run.fs, f) for f in files])
+        # One temperature per scored unit: the greedy rows are read at the sampled rows' (only the
+        # teacher's column of them is used, at temperature 1 like every teacher's).
+        column = table.schema.get_field_index("temperature")
+        table = table.set_column(column, "temperature", pa.array([self.cfg.rollout.temperature] * table.num_rows, pa.float64()))
+        rows = UnitRows.of_table(table)
+        per_token = self.teacher.score(rows, 0).per_token
+        sample = np.repeat(table.column("sample_idx").to_numpy(), rows.lengths)
+        sampled = flat_values(table.column("loss_mask"))[0].astype(bool)
+        teacher, student = per_token["teacher_logprobs"].astype(np.float64), per_token["student_logprobs"].astype(np.float64)
+        greedy, drawn = sampled & (sample == 0), sampled & (sample == 1)
+        return {"eval": {"reverse_kl": float(np.mean(student[drawn] - teacher[drawn])) if drawn.any() else None,
+                            "teacher_logprob": float(np.mean(teacher[greedy])) if greedy.any() else None,
+                            "prompts": int((table.column("sample_idx").to_numpy() == 0).sum())}}
+
     def summarize(self, commits):
         """The manifest's metrics: tokens, speed, and the student's columns against the sampler's."""
+        heldout = [c["eval"] for c in commits if c["unit"] == EVAL_UNIT]
+        commits = [c for c in commits if c["unit"] != EVAL_UNIT]
         total = lambda key: sum(c.get(key, 0.0) for c in commits)  # noqa: E731
         seconds, student_tokens = total("seconds"), total("student_tokens")
         metrics = {"tokens": total("tokens"), "seconds": seconds, "tokens_per_s": total("tokens") / max(seconds, 1e-9)}
@@ -215,4 +245,6 @@ class ScoreJob:
             metrics["cross_tokenizer/unaligned_fraction"] = unaligned / max(unaligned + metrics["tokens"], 1)
             # Tokens whose teacher value is a share of a span of several student tokens (stages/text/align.py).
             metrics["cross_tokenizer/split_span_fraction"] = sum(c.get("split_span_tokens", 0) for c in commits) / max(metrics["tokens"], 1)
+        for figures in heldout:  # the label-free held-out measure of the round's policy (rollout's prompts)
+            metrics.update({"heldout_reverse_kl": figures["reverse_kl"], "heldout_teacher_logprob": figures["teacher_logprob"]})
         return metrics

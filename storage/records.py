@@ -191,6 +191,9 @@ def train_optimizer_state(fs, commit: dict) -> dict | None:
 
 # The rollout stage's extra unit that measures held-out accuracy; its file is not a rollout shard.
 EVAL_UNIT = "eval-heldout"
+# The kind of an evaluation unit's file that holds held-out responses as rollout rows (prompts without
+# answers: score's teacher reads them for the label-free held-out measure).
+HELDOUT_ROLLOUTS = "heldout_rollouts"
 
 
 def rollout_shards(manifest: dict) -> list[dict]:

@@ -63,6 +63,12 @@ def build_config(data: dict, overrides: list[str], base: Path) -> Config:
     return config_from_dict(resolve_paths(apply_overrides(data, list(overrides)), base))
 
 
+def override_config(cfg: Config, overrides: list[str]) -> Config:
+    """``cfg`` (a run's frozen config, say) with ``overrides`` applied, their relative paths resolved
+    against the current folder as on the command line; ``cfg`` itself where there are none."""
+    return build_config(cfg.to_dict(), overrides, Path.cwd()) if overrides else cfg
+
+
 # Settings that name a local model or data file: (section or None, key).
 PATH_KEYS = ((None, "student"), (None, "teacher"), ("data", "train"), ("data", "heldout"))
 

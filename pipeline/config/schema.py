@@ -7,6 +7,8 @@ contradict each other, when the config is read, so an unknown key, a mistyped va
 range or a choice that does not exist is a one-line error naming the key, given by ``gndpo init``
 before anything is written, and no stage needs to check a setting again. A Config is not changed
 once built (``dataclasses.replace`` makes another). Reading YAML files and overrides: :mod:`.load`.
+:func:`config_keys` reads the schema back, every key with its type, default, bounds or choices and its
+comments (``gndpo config keys``, and the docs' reference), so the comments here are the keys' documentation.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import inspect
+import io
 import json
 import math
+import re
 import string
+import tokenize
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal, TypedDict
@@ -70,10 +76,14 @@ class Turn(TypedDict):
 class DataConfig:
     """Prompt files and how a prompt becomes the text the student sees (gndpo.stages.text.chat)."""
 
-    train: str = ""  # prompts for rollouts: jsonl / parquet / csv, any fsspec URL
-    heldout: str = ""  # evaluation prompts with answers
+    # Prompts for rollouts: a jsonl / parquet / csv file (any fsspec URL), a folder of Parquet shards or one
+    # written by datasets' save_to_disk, or a dataset id in the datasets cache (hf:ORG/NAME, hf:ORG/NAME/CONFIG);
+    # a folder or an id ends in @SPLIT to pick a split (data/gsm8k@test, hf:openai/gsm8k/main@train).
+    train: str = ""
+    heldout: str = ""  # evaluation prompts, in the same forms as train
     prompt_key: str = "prompt"  # a plain prompt, wrapped as one user turn
     messages_key: str = "messages"  # or a list of {role, content} turns (system turn included)
+    conversations_key: str = "conversations"  # or ShareGPT rows: {from, value} turns (from: human, gpt, system, tool)
     # The answer column; a dotted name reads a field of a struct column (geo3k: reward_model.ground_truth).
     answer_key: str = "answer"
     # Each row's images (a list, or one): paths relative to the prompts file, URLs, bytes, or datasets'
@@ -93,8 +103,8 @@ class DataConfig:
 class TipConfig:
     """Section 4: keep the most informative tokens (student entropy OR teacher-student KL)."""
 
-    enabled: bool = False
-    keep_ratio: Annotated[float, Range(gt=0, le=1)] = 0.5
+    enabled: bool = False  # keep only the informative tokens (the method's loss on those alone)
+    keep_ratio: Annotated[float, Range(gt=0, le=1)] = 0.5  # the share of each batch's tokens kept
     entropy_quantile: Fraction = 0.98  # h is capped at this batch quantile before min-max scaling
 
 
@@ -102,9 +112,9 @@ class TipConfig:
 class PacedConfig:
     """Section 5: weight each prompt by p^a (1-p)^b of its pass rate p this round."""
 
-    enabled: bool = False
-    a: NonNegative = 1.0
-    b: NonNegative = 1.0
+    enabled: bool = False  # weight prompts by their pass rate
+    a: NonNegative = 1.0  # exponent of p
+    b: NonNegative = 1.0  # exponent of 1 - p
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,7 @@ class TropdConfig:
     base: Literal["opd", "gndpo"] = "gndpo"  # PG term on trusted tokens
     tau: Fraction = 1.0  # trusted when P >= tau
     tau_quantile: Annotated[float, Range(ge=-1, le=1)] = -1.0  # >= 0: tau is this quantile of P over the batch instead
-    outlier: Literal["mask", "clip", "fkl"] = "fkl"
+    outlier: Literal["mask", "clip", "fkl"] = "fkl"  # untrusted tokens: no loss (mask), r_t clipped (clip) or forward KL (fkl)
     clip_value: float = -1.0  # clip mode: r_t <- max(r_t, clip_value)
     fkl_coef: NonNegative = 1.0  # fkl mode: weight (lambda) of forward_kl_topk on outlier tokens
 
@@ -123,8 +133,8 @@ class TropdConfig:
 class EopdConfig:
     """Section 7: OPD plus forward KL on tokens where the teacher is uncertain."""
 
-    entropy_threshold: NonNegative = 0.8  # nats
-    fkl_coef: NonNegative = 1.0
+    entropy_threshold: NonNegative = 0.8  # nats; a token whose teacher entropy exceeds it also gets forward KL
+    fkl_coef: NonNegative = 1.0  # weight of that forward KL (on the teacher's top-k)
 
 
 @dataclass(frozen=True)
@@ -158,16 +168,16 @@ class MethodConfig:
     # "" = the method's default; none = no policy-gradient term (the divergence methods' default)
     policy_loss: Literal["", "gspo", "ppo", "reinforce", "is", "none"] = ""
     loss_agg: Literal["", "seq-mean-token-mean", "token-mean"] = ""  # "" = the method's default
-    clip_low: NonNegative = 0.2
-    clip_high: NonNegative = 0.2
-    std_eps: Positive = 1e-8
+    clip_low: NonNegative = 0.2  # ppo / gspo: the importance ratio is clipped from below at 1 - clip_low
+    clip_high: NonNegative = 0.2  # ppo / gspo: and from above at 1 + clip_high
+    std_eps: Positive = 1e-8  # added to a variance before it divides (GNDPO's standardization, MiniLLM's whitening)
     # With several routed teachers: GNDPO's mean and std of c over the whole round (global) or over
     # each teacher's tokens (teacher), so a teacher whose scores run higher does not dominate.
     stats_scope: Literal["global", "teacher"] = "global"
-    jsd_beta: Annotated[float, Range(gt=0, lt=1)] = 0.5
+    jsd_beta: Annotated[float, Range(gt=0, lt=1)] = 0.5  # jsd: the mixture M = beta teacher + (1 - beta) student
     schedule: str = ""  # divergence methods, e.g. "fkl:2,rkl:4": forward KL rounds 0-1, then reverse KL
     reward_beta: NonNegative = 0.0  # > 0: reward-weighted responses, w_i = B softmax(r_i / reward_beta)
-    minillm_gamma: Annotated[float, Range(gt=0, le=1)] = 0.95
+    minillm_gamma: Annotated[float, Range(gt=0, le=1)] = 0.95  # minillm: discount of the per-token log-ratio returns
     # Top-k divergences: "bucket" compares the k teacher ids plus one "rest" bucket per model (1 - its
     # top-k mass), so student mass outside the teacher's top-k is paid for; "renormalized" compares both
     # models renormalized over the k ids (the student's tail is then free).
@@ -211,7 +221,7 @@ class SelfTeacherConfig:
     # (theta_ema <- ema_decay theta_ema + (1 - ema_decay) theta, starting from the initial student)
     # and exported beside each round's model.
     weights: Literal["frozen", "live", "ema"] = "frozen"
-    ema_decay: Annotated[float, Range(gt=0, lt=1)] = 0.999
+    ema_decay: Annotated[float, Range(gt=0, lt=1)] = 0.999  # weights ema: the average's decay per optimizer step
 
 
 @dataclass(frozen=True)
@@ -225,7 +235,7 @@ class TeacherContextConfig:
     # OP2SD's ablation: every placeholder but {prompt} filled from another, seeded prompt of the set
     # (never the prompt itself), so the context is real but about a different problem.
     other_problem: bool = False
-    seed: NonNegativeInt = 0
+    seed: NonNegativeInt = 0  # other_problem: seed of the choice of the other prompt
 
     def columns(self) -> tuple[str, ...]:
         """The prompt-row columns the turns name, in order of first use ({prompt} included)."""
@@ -238,20 +248,20 @@ class RolloutConfig:
     """How the student samples: prompts and samples a round, the work-unit size, sampling settings, the
     length budget, stops, multi-turn tools, and the held-out evaluation rollout runs each round."""
 
-    prompts_per_round: Count = 256
+    prompts_per_round: Count = 256  # prompts drawn from data.train each round
     n: Count = 4  # samples per prompt
     prompts_per_unit: Count = 64  # work-unit size; fixed by the plan, independent of worker count
-    temperature: Positive = 1.0
-    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    temperature: Positive = 1.0  # sampling temperature
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0  # nucleus sampling's p; 1 = off
     top_k: Annotated[int, Range(ge=-1)] = -1  # -1 = off
-    max_tokens: Count = 8
-    seed: NonNegativeInt = 0
+    max_tokens: Count = 8  # the most tokens of a response (of each student turn, with tools)
+    seed: NonNegativeInt = 0  # the sampling seed (which prompts each round draws, and the engine's)
     eval_heldout: bool = True  # also log the policy's greedy held-out accuracy with the same engine
     # Off-policy guidance (TrOPD, section 6): for this fraction of prompts the teacher writes the first
     # guide_prefix_tokens tokens and the student continues; prefix tokens are not trained by policy
     # gradient (loss_mask 0) but by forward KL on the teacher's top-k.
     guided_fraction: Fraction = 0.0
-    guide_prefix_tokens: Count = 2
+    guide_prefix_tokens: Count = 2  # tokens the teacher writes at the start of a guided response
     # Generation stops at the tokenizer's EOS, the chat template's end-of-turn token and these strings.
     stop: list[str] = field(default_factory=list)
     # Responses cut at max_tokens (finish_reason "length"): keep (trained like any other, the usual
@@ -265,9 +275,9 @@ class RolloutConfig:
     # each student turn is also capped by max_tokens). A tool that fails or runs past tool_timeout_s
     # answers with an error message instead.
     tools: list[str] = field(default_factory=list)
-    max_turns: Count = 4
-    max_tool_response_tokens: Count = 512
-    tool_timeout_s: Positive = 10.0
+    max_turns: Count = 4  # tools: the most student turns in one response
+    max_tool_response_tokens: Count = 512  # tools: the most tokens of one interleaved response
+    tool_timeout_s: Positive = 10.0  # tools: seconds a call may take before it answers with an error
 
     @property
     def response_tokens(self) -> int:
@@ -284,10 +294,10 @@ class LoraConfig:
     and the adapters beside them (``model/adapter/``, PEFT's format), and a later train continues from
     the initial student plus those adapters, so the run trains one adapter throughout."""
 
-    enabled: bool = False
-    rank: Count = 16
-    alpha: Positive = 32.0
-    dropout: Annotated[float, Range(ge=0.0, lt=1.0)] = 0.0
+    enabled: bool = False  # train low-rank adapters instead of every weight
+    rank: Count = 16  # the adapters' rank r
+    alpha: Positive = 32.0  # the adapters' output is scaled by alpha / rank
+    dropout: Annotated[float, Range(ge=0.0, lt=1.0)] = 0.0  # dropout on the adapters' input while training
     # Module names as PEFT matches them ("q_proj", ...), or ["all-linear"]: every linear layer but the output layer.
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     train_output_layer: bool = False  # the output layer trains in full beside the adapters
@@ -303,7 +313,7 @@ class LoraConfig:
 class ModelConfig:
     """How score and train place and run the student and teacher (resolved in gndpo.stages.models.device)."""
 
-    dtype: Precision = "auto"
+    dtype: Precision = "auto"  # score's and train's precision: auto = bf16 on a GPU that supports it, else fp32
     attn_implementation: AttnImplementation = "sdpa"  # flash_attention_2 where installed
     # Full-vocabulary logits exist for at most this many response positions at a time (lm_head and
     # log-softmax run chunk by chunk after one backbone pass; train recomputes a chunk in backward).
@@ -340,7 +350,7 @@ class ScoreConfig:
     # A forward pass holds at most max_tokens_per_batch (padded prompt + response) tokens and at most
     # rows_per_chunk responses; responses are grouped by length so padding stays small.
     max_tokens_per_batch: Count = 32768
-    rows_per_chunk: Count = 128
+    rows_per_chunk: Count = 128  # the most responses in one forward pass
     teacher_topk: Count = 16  # k of the teacher top-k (ids, log-probs) stored for divergence methods
     # Precision of the stored per-token values. bfloat16 rounds them to bf16 (kept in float32 columns,
     # so every reader sees plain floats) and shards shrink about 2.5x; the importance ratio at a round's
@@ -383,23 +393,23 @@ class TrainConfig:
     """How train updates the student: optimizer, learning-rate schedule, clipping, optimizer steps and
     batch sizes per round, DeepSpeed (ZeRO stage, ranks, offload), checkpoints within a round."""
 
-    lr: Positive = 1e-6
+    lr: Positive = 1e-6  # AdamW's (peak) learning rate
     # The lr over a round's optimizer steps: constant, or cosine from lr at the first step down to
     # lr * lr_min_ratio at the last (restarting each round: a function of the step, so resume-safe).
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    lr_min_ratio: Fraction = 0.1
+    lr_min_ratio: Fraction = 0.1  # cosine: the last step's lr as a share of lr
     # Round r's peak lr is lr * lr_round_decay**r: later rounds, whose student is near what the teacher
     # can give, move it less (1 = every round starts at lr).
     lr_round_decay: Annotated[float, Range(gt=0, le=1)] = 1.0
-    weight_decay: NonNegative = 0.0
+    weight_decay: NonNegative = 0.0  # AdamW's weight decay
     optimizer_steps: Count = 1  # mini-batches per round (1 = one step per rollout batch, as the paper)
     # A micro-batch (one forward/backward on one rank) holds at most max_tokens_per_batch padded tokens
     # and at most micro_batch_size responses.
     max_tokens_per_batch: Count = 16384
-    micro_batch_size: Count = 64
+    micro_batch_size: Count = 64  # the most responses in one micro-batch
     grad_clip: NonNegative = 1.0  # 0 = no clipping
     zero_stage: Annotated[int, Range(ge=0, le=3)] = 0  # 0-3; with 3 the model is built partitioned and the export gathers it
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
     carry_optimizer_state: bool = True  # keep AdamW moments across rounds
     # Write the carried optimizer state (AdamW's moments, and the fp32 master weights in bf16: about 3x
     # the exported policy's bytes) after every state_every-th round only. A process that keeps its
@@ -415,7 +425,7 @@ class TrainConfig:
     state_async: bool = True
     checkpoint_every: NonNegativeInt = 8  # optimizer steps between in-round checkpoints a retry resumes from (0 = none)
     num_processes: NonNegativeInt = 0  # train ranks on this node; 0 = one per visible GPU (1 on CPU)
-    seed: NonNegativeInt = 0
+    seed: NonNegativeInt = 0  # torch's seed and the shuffle of a round's responses into optimizer steps
 
 
 @dataclass(frozen=True)
@@ -429,9 +439,9 @@ class EngineConfig:
     # gpu_memory_utilization. A token takes 2 x layers x KV heads x head size x the dtype's bytes (46 KB for
     # SmolLM2-135M in fp32): 0.25 GiB holds 5,800 of them, 32 sequences of 180 tokens at once.
     kv_cache_gib: Annotated[float, Range(gt=0)] = 1.0
-    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.85
-    max_num_seqs: Count = 256
-    tensor_parallel_size: Count = 1
+    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.85  # the share of a GPU's memory the engine may take
+    max_num_seqs: Count = 256  # the most sequences the engine runs at once
+    tensor_parallel_size: Count = 1  # GPUs one engine spans
     # CPU build only (the default there): the engine runs inside the gndpo process that uses it (vLLM's
     # uniprocess executor and in-process engine core) instead of in an engine-core process and a worker
     # process of its own. Each of those is a fresh interpreter that imports torch and vLLM again: about
@@ -448,7 +458,7 @@ class LoggingConfig:
     run reports does not change what it computes."""
 
     backends: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)  # tensorboard: RUN/tensorboard/
-    wandb_project: str = "gndpo"
+    wandb_project: str = "gndpo"  # the W&B project runs log to
     wandb_entity: str = ""  # empty: the default entity of the logged-in account
     wandb_mode: Literal["online", "offline"] = "online"  # offline: write RUN/logs/wandb/ only (upload later with `wandb sync`)
     # score's entropy metrics: one more full-vocabulary pass per scored chunk and model; off saves it
@@ -461,12 +471,12 @@ class Config:
     read and checked (:func:`gndpo.pipeline.config.load.load_config`); its :meth:`fingerprint` is the
     run's identity, so a rerun with other settings is refused rather than mixed in."""
 
-    student: str = ""
-    teacher: str = ""
+    student: str = ""  # the model trained: a Hugging Face model folder (or hub id)
+    teacher: str = ""  # the model that scores the student's tokens: a model folder (or hub id), self or run:RUN[@K]
     teachers: dict[str, str] = field(default_factory=dict)  # several teachers: {name: model path}, instead of teacher
     self_teacher: SelfTeacherConfig = field(default_factory=SelfTeacherConfig)  # with teacher: self
     teacher_context: TeacherContextConfig = field(default_factory=TeacherContextConfig)
-    reward: str = "exact_match"
+    reward: str = "exact_match"  # what grades a response: a built-in reward (gndpo.pipeline.tasks.rewards) or module:function
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
@@ -676,3 +686,83 @@ def _check_self_distillation(cfg: Config) -> None:
         raise GndpoError(f"config key teacher_context.messages: {{{bad[0]}}} is not a column name (write {{{{ and }}}} for literal braces)")
     if cfg.teacher_context.other_problem and not cfg.teacher_context.messages:
         raise GndpoError("teacher_context.other_problem needs teacher_context.messages (the context to take from another prompt)")
+
+
+# -- the schema read back: every key with its type, default, bounds or choices and its comment -----------
+# (what `gndpo config keys` lists and the docs' reference is generated from: one source, this module)
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One config key as the schema declares it: dotted ``key``, its ``type`` in words, its ``default``
+    (YAML flow style), what it ``allows`` (a Range's bounds or a Literal's choices, "" where any value of
+    the type goes) and its ``description`` (the field's comments, on one line)."""
+
+    key: str
+    type: str
+    default: str
+    allows: str
+    description: str
+
+
+def config_keys(cls: type | None = None, prefix: str = "") -> list[KeyDoc]:
+    """Every leaf key of ``cls`` (default :class:`Config`) and its sections, in the schema's order."""
+    cls = Config if cls is None else cls
+    hints = typing.get_type_hints(cls, include_extras=True)
+    comments = field_comments(cls)
+    found = []
+    for f in dataclasses.fields(cls):
+        typ, checks = hints[f.name], ()
+        if typing.get_origin(typ) is Annotated:
+            typ, *checks = typing.get_args(typ)
+        if dataclasses.is_dataclass(typ):
+            found += config_keys(typ, f"{prefix}{f.name}.")
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        allows = " and ".join(c.describe() for c in checks) or _allowed_choices(typ)
+        found.append(KeyDoc(f"{prefix}{f.name}", _type_name(typ), json.dumps(default), allows, comments.get(f.name, "")))
+    return found
+
+
+def _type_name(typ) -> str:
+    """``typ`` as a key listing shows it: int, float, str (a Literal's too), bool, list[str], dict[str, str]."""
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin is Literal:
+        return type(args[0]).__name__
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if typing.is_typeddict(typ):
+        return _describe(typ)
+    return "any" if typ is Any else typ.__name__
+
+
+def _allowed_choices(typ) -> str:
+    """"one of a, b" for a Literal (or a list of them), else ""."""
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin is list and typing.get_origin(args[0]) is Literal:
+        return f"each one of {_choices(args[0])}"
+    return f"one of {_choices(typ)}" if origin is Literal else ""
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """{field: its description} of a dataclass of this module, read from its source: the block of
+    ``#`` lines right above the field, then the comment at the end of its line, joined on one line."""
+    lines = inspect.getsource(cls).splitlines()
+    trailing, whole_line = {}, set()
+    for tok in tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline):
+        if tok.type == tokenize.COMMENT:
+            row = tok.start[0] - 1
+            if not lines[row][: tok.start[1]].strip():
+                whole_line.add(row)
+            trailing[row] = tok.string.lstrip("#").strip()
+    found = {}
+    for i, line in enumerate(lines):
+        match = re.match(r"    (\w+)\s*:", line)
+        if match is None:
+            continue
+        above, j = [], i - 1
+        while j >= 0 and j in whole_line:
+            above.insert(0, trailing[j])
+            j -= 1
+        found[match.group(1)] = " ".join([*above, *([trailing[i]] if i in trailing and i not in whole_line else [])])
+    return found

@@ -1,7 +1,7 @@
 """What `gndpo status` shows: per round and stage, its state (committed, running, stopped), units planned /
-claimed / done / stale, the rows and tokens of its data (a rollout's held-out evaluation apart, as its
-accuracy), wall time and throughput, read from plans, claims, commit records and manifests; and with
-``--phases``, where each stage's time went (:func:`phase_rows`)."""
+claimed / done / stale, the rows and tokens of its data (the held-out evaluation apart, as rollout's
+accuracy or, for prompts without answers, score's label-free reverse-KL estimate), wall time and
+throughput, read from plans, claims, commit records and manifests; and with ``--phases``, where each stage's time went (:func:`phase_rows`)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,10 @@ def stage_rows(run) -> list[dict]:
                     "tokens": tokens,
                     "seconds": None if seconds is None else round(seconds, 1),
                     "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
-                    "heldout": evals[0]["accuracy"] if evals else None,
+                    # The held-out figure: rollout's accuracy, or without answers score's label-free
+                    # reverse-KL estimate of the round's policy on held-out prompts.
+                    "heldout": evals[0].get("accuracy") if evals else None,
+                    "heldout_kl": evals[0].get("reverse_kl") if evals else None,
                 }
             )
     return rows

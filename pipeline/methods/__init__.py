@@ -29,12 +29,13 @@ from gndpo.pipeline.methods.base import (
     merge_groups,
 )
 from gndpo.pipeline.methods.distill import clamped_score, gndpo_stats_from_sums, score_partial_sums
+from gndpo.pipeline.tasks.rewards import reads_answer
 
 METHODS: dict[str, Method] = {m.name: m for mod in (distill, divergence, trust, outcome) for m in mod.METHODS}
 MODIFIERS = [*tip.MODIFIERS, *divergence.MODIFIERS, *outcome.MODIFIERS]
 
 __all__ = [
-    "METHODS", "MODIFIERS", "Method", "Response", "Stats", "StatsQuery", "Targets", "clamped_score",
+    "METHODS", "MODIFIERS", "Method", "Response", "Stats", "StatsQuery", "Targets", "answer_readers", "clamped_score",
     "get_method", "gndpo_stats_from_sums", "method_statistics", "policy_settings", "response_targets",
     "score_needs", "score_partial_sums",
 ]
@@ -64,6 +65,22 @@ def validate(cfg) -> Method:
     if cfg.outcome.coef != 0 or cfg.name in ("grpo", "gdpo"):
         outcome.check_outcome_rewards(cfg)
     return method
+
+
+def answer_readers(cfg) -> str:
+    """What in run config ``cfg`` needs each training prompt's reference answer, as a phrase for a
+    one-line error ("" when nothing does): the method or a modifier that trains on a reward that reads
+    the answer (the outcome methods, PACED's pass rates, reward weighting, outcome mixing), or a teacher
+    context that shows it. GNDPO, OPD, the divergences and TIP learn from the teacher alone."""
+    method = cfg.method
+    used = {"outcome": list(method.outcome.rewards), "primary": [cfg.reward], "": []}
+    users = [(f"method.name {method.name}", METHODS[method.name].rewards_used)] if method.name in METHODS else []
+    users += [(m.knob, m.rewards_used) for m in active_modifiers(method)]
+    readers = [f"{user} (reward {', '.join(r for r in used[source] if reads_answer(r))})"
+               for user, source in users if any(reads_answer(r) for r in used[source])]
+    if "answer" in cfg.teacher_context.columns():
+        readers.append("teacher_context ({answer} in its messages)")
+    return "; ".join(readers)
 
 
 def policy_settings(cfg) -> tuple[str, str]:

@@ -127,6 +127,8 @@ class Method:
     old_logprobs: str = "student"  # "sampler": ratios against vLLM's log-probs (Tinker)
     # (method config, round) -> divergence for the div term (forward KL unless the method chooses)
     divergence: Callable = lambda cfg, round_idx: "forward_kl"
+    # The rewards its targets use: "outcome" (method.outcome.rewards), "primary" (the run's reward) or "".
+    rewards_used: str = ""
 
 
 def no_statistics(q, cfg, round_idx) -> tuple[dict, dict]:
@@ -175,3 +177,4 @@ class Modifier:
     statistics: Callable  # like Method.statistics
     apply: Callable  # (Targets, Response, Stats, method config, round) -> Targets
     needs: frozenset = frozenset()
+    rewards_used: str = ""  # as Method's

@@ -125,6 +125,8 @@ METHODS = [
 ]
 
 MODIFIERS = [
-    Modifier("reward_weight", "method.reward_beta > 0", lambda cfg: cfg.reward_beta > 0, _reward_weight_statistics, _apply_reward_weight),
-    Modifier("paced", "method.paced.enabled", lambda cfg: cfg.paced.enabled or cfg.name == "paced", _pass_rate_statistics, _apply_paced),
+    Modifier("reward_weight", "method.reward_beta > 0", lambda cfg: cfg.reward_beta > 0, _reward_weight_statistics, _apply_reward_weight,
+             rewards_used="primary"),
+    Modifier("paced", "method.paced.enabled", lambda cfg: cfg.paced.enabled or cfg.name == "paced", _pass_rate_statistics, _apply_paced,
+             rewards_used="primary"),
 ]

@@ -128,9 +128,10 @@ def _apply_outcome_mix(t: Targets, resp: Response, stats: Stats, cfg, round_idx:
 
 METHODS = [
     Method("grpo", "group-normalized outcome reward, the weighted sum of method.outcome.rewards (section 9)",
-           _grpo_statistics, _grpo_targets, policy_loss="ppo"),
+           _grpo_statistics, _grpo_targets, policy_loss="ppo", rewards_used="outcome"),
     Method("gdpo", "per-reward group normalization, weighted sum, batch whitening (section 9)",
-           _gdpo_statistics, _gdpo_targets, policy_loss="ppo"),
+           _gdpo_statistics, _gdpo_targets, policy_loss="ppo", rewards_used="outcome"),
 ]
 
-MODIFIERS = [Modifier("outcome_mix", "method.outcome.coef != 0", lambda cfg: cfg.outcome.coef != 0, _grpo_statistics, _apply_outcome_mix)]
+MODIFIERS = [Modifier("outcome_mix", "method.outcome.coef != 0", lambda cfg: cfg.outcome.coef != 0, _grpo_statistics, _apply_outcome_mix,
+                      rewards_used="outcome")]

@@ -44,6 +44,7 @@ def round_summary(run) -> str:
         return "no round trained yet"
     r = max(trained)
     figures = [("held-out", by.get((r, "rollout"), {}).get("heldout_accuracy"), ".3f"),
+               ("held-out KL", by.get((r, "score"), {}).get("heldout_reverse_kl"), ".3f"),
                ("reward", by.get((r, "normalize"), {}).get("reward_mean"), ".3f"),
                ("KL estimate", by.get((r, "normalize"), {}).get("reverse_kl_estimate"), ".3f"),
                ("loss", by[(r, "train")].get("loss_mean"), ".4g"), ("grad-norm max", by[(r, "train")].get("grad_norm_max"), ".3g")]

@@ -54,6 +54,26 @@ class Run:
         """The prompt table init imported for ``split`` ("train" or "heldout"), one dict per row."""
         return read_prompt_table(self.fs, f"prompts/{split}.parquet")
 
+    def has_answers(self, split: str) -> bool:
+        """Whether every prompt of ``split`` has a reference answer (a prompts file without an answer
+        column has none: on-policy distillation needs no labels)."""
+        rows = self.prompts(split)
+        return bool(rows) and all(r.get("answer") is not None for r in rows)
+
+    def heldout_measure(self) -> str:
+        """What each round measures on the held-out prompts: ``accuracy`` (the greedy response's reward)
+        where they have answers; else ``label_free`` (the reverse-KL estimate on a sampled response and
+        the teacher's log-prob of the greedy one, which score computes) where the teacher reads a
+        held-out prompt as the student does; else ``none`` (a teacher context, a teacher of another
+        tokenizer, routed teachers or pictures: those prompts are built from the training rows)."""
+        if self.has_answers("heldout"):
+            return "accuracy"
+        cfg = self.cfg
+        routed = bool(cfg.teachers) and cfg.score.teacher_mix == "route"
+        if cfg.teacher_context.messages or cfg.score.cross_tokenizer or routed or self.images_per_prompt():
+            return "none"
+        return "label_free"
+
     def images_per_prompt(self) -> int:
         """The most images one prompt of the run shows (0: a text-only run)."""
         return max((len(image_ids(p)) for split in PROMPT_SPLITS for p in self.prompts(split)), default=0)

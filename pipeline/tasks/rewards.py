@@ -305,15 +305,26 @@ REWARDS: dict[str, Reward] = {
 }
 
 
+# The built-ins that never read the row's reference answer (formats; the tool rewards read tool_calls).
+ANSWER_FREE = frozenset({"integer_format", "answer_format", "math_format", "tool_format", "tool_correctness"})
+
+
+def reads_answer(name: str) -> bool:
+    """Whether reward ``name`` may read the row's reference answer (a user's reward is taken to)."""
+    return name not in ANSWER_FREE
+
+
 def get_reward(name: str) -> Reward:
     """A built-in reward by name, or a user's by import path ``module:function``; a GndpoError otherwise."""
     return named_callable(name, REWARDS, "reward")
 
 
-def run_rewards(cfg) -> dict[str, Reward]:
-    """Every reward a run records per response: the built-ins plus the custom ones the config names."""
+def run_rewards(cfg, with_answers: bool = True) -> dict[str, Reward]:
+    """Every reward a run records per response: the built-ins plus the custom ones the config names;
+    without answers (prompts that have none), only those that do not read one."""
     named = [cfg.reward, *cfg.method.outcome.rewards]
-    return {**REWARDS, **{name: get_reward(name) for name in named if name not in REWARDS}}
+    rewards = {**REWARDS, **{name: get_reward(name) for name in named if name not in REWARDS}}
+    return rewards if with_answers else {name: fn for name, fn in rewards.items() if not reads_answer(name)}
 
 
 def score_response(rewards: dict[str, Reward], response: str, row: dict) -> dict[str, float]:
@@ -335,6 +346,8 @@ def score_response(rewards: dict[str, Reward], response: str, row: dict) -> dict
 
 
 def check_rewards(cfg, row: dict) -> None:
-    """Import every reward the config names and call each on ``row`` (with its reference answer as the
-    response), so a broken reward is refused at init, not in the middle of a rollout."""
-    score_response(run_rewards(cfg), str(row["answer"]), row)
+    """Import every reward the config names and call each on ``row`` (with its reference answer, or
+    without one its prompt, as the response), so a broken reward is refused at init, not in the middle
+    of a rollout."""
+    with_answers = row.get("answer") is not None
+    score_response(run_rewards(cfg, with_answers), str(row["answer"] if with_answers else row["prompt"]), row)

@@ -36,7 +36,10 @@ class UnitRows:
 
     @classmethod
     def read(cls, fs, files: list[dict]) -> UnitRows:
-        table = pa.concat_tables([read_shard(fs, f) for f in files])
+        return cls.of_table(pa.concat_tables([read_shard(fs, f) for f in files]))
+
+    @classmethod
+    def of_table(cls, table: pa.Table) -> UnitRows:
         prompts, prompt_offsets = flat_values(table.column("prompt_token_ids"))
         responses, offsets = flat_values(table.column("response_token_ids"))
         return cls(table, prompts, prompt_offsets, responses, offsets)

@@ -1,4 +1,4 @@
-"""An example of a user's reward for `examples/own-chat-data.yaml`: a function of (response text,
+"""An example of a user's reward for `examples/own-chat-data-gdpo.yaml`: a function of (response text,
 prompt row) returning a float. The row holds the prompt file's prompt_id, prompt, messages (JSON) and
 the answer column (named by data.answer_key)."""
 

@@ -24,6 +24,7 @@ from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.run.images import RunImages, copy_images
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.pipeline.tasks.rewards import run_rewards
+from gndpo.stages.models.loading import read_once
 from gndpo.storage.runfs import RunFS
 
 # What a round's rollouts depend on besides the seeds: a fork keeps them as they were.
@@ -70,10 +71,11 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     validate_method(local.method)
     check_backend(local)
     check_precision(local)
-    check_models(local)
-    check_routes(local, parent.prompts("train"))
-    check_images(local, parent.images_per_prompt() > 0)
-    check_teacher_prompts(local, parent.prompts("train"), RunImages(parent.fs).get)
+    with read_once():  # the checks read the same models' tokenizers and configs several times
+        check_models(local)
+        check_routes(local, parent.prompts("train"))
+        check_images(local, parent.images_per_prompt() > 0)
+        check_teacher_prompts(local, parent.prompts("train"), RunImages(parent.fs).get)
     lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}
     body = run_yaml(cfg, models, lineage=lineage)
     fs = RunFS(url)

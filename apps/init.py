@@ -32,7 +32,7 @@ from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, model_cache_dir, open_run
 from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, resolve_reference, teacher_folder
 from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import attn_implementation, visible_gpus
-from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer
+from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
 from gndpo.stages.text.agent import ToolUse
@@ -303,12 +303,23 @@ def init_run(url: str, cfg: Config) -> Run:
         if existing.cfg.fingerprint() != cfg.fingerprint():
             raise GndpoError(f"run folder {url} was created from another config; use a new folder")
         return existing
-    written = cfg
     models = resolve_models(cfg)
-    cfg = models.local  # the checks read the models' local folders
+    with read_once():  # the checks read the same models' tokenizers and configs many times
+        splits, images = checked_prompts(url, models.local)
+    store_images(fs, images)
+    for split, table in splits.items():
+        write_prompt_table(fs, f"prompts/{split}.parquet", table)
+    if not fs.create("run.yaml", run_yaml(cfg, models)):
+        # A concurrent init won; accept it only if it is the same experiment.
+        return init_run(url, cfg)
+    return open_run(url)
+
+
+def checked_prompts(url: str, cfg: Config) -> tuple[dict, dict]:
+    """Every check of a new run (``cfg`` names the models' local folders) and its prompts, read and
+    checked: ({split: prompt table}, {image id: bytes}), nothing written yet."""
     validate_method(cfg.method)
     check_metrics_backends(cfg)
-
     check_backend(cfg)
     check_precision(cfg)
     check_models(cfg)
@@ -325,14 +336,9 @@ def init_run(url: str, cfg: Config) -> Run:
     check_prompt_count(cfg, len(splits["train"]))
     check_images(cfg, bool(images))
     check_round_fits(url, cfg, check_context(cfg, splits, images))
-    check_rewards(cfg, splits["train"].row(0, named=True))
-    check_tools(cfg, splits["train"].row(0, named=True))
-    check_routes(cfg, splits["train"].to_dicts())
-    check_teacher_prompts(cfg, splits["train"].to_dicts(), lambda image: decode(images[image]))
-    store_images(fs, images)
-    for split, table in splits.items():
-        write_prompt_table(fs, f"prompts/{split}.parquet", table)
-    if not fs.create("run.yaml", run_yaml(written, models)):
-        # A concurrent init won; accept it only if it is the same experiment.
-        return init_run(url, written)
-    return open_run(url)
+    train = splits["train"].to_dicts()
+    check_rewards(cfg, train[0])
+    check_tools(cfg, train[0])
+    check_routes(cfg, train)
+    check_teacher_prompts(cfg, train, lambda image: decode(images[image]))
+    return splits, images

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -28,6 +30,33 @@ MODEL_FOLDER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
 CROSS_TOKENIZER_HINT = "to distil across tokenizers, set score.cross_tokenizer: true (log-probs matched by character offsets)"
 # Weight files transformers' from_pretrained reads (sharded checkpoints are named like these too).
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.h5", "*.msgpack", "*.ckpt.index")
+
+
+# Within :func:`read_once`: each folder's tokenizer and config, read once ({(kind, folder): value}).
+_READ_ONCE: ContextVar[dict | None] = ContextVar("gndpo_read_once", default=None)
+
+
+@contextmanager
+def read_once():
+    """Within the block, each model folder's tokenizer and config are read from disk once and shared:
+    `gndpo init`'s checks ask for the same models' tokenizers and configs many times, and the folders do
+    not change while they run. The tokenizers must not be modified."""
+    token = _READ_ONCE.set({})
+    try:
+        yield
+    finally:
+        _READ_ONCE.reset(token)
+
+
+def _once(kind: str, path: str, read):
+    """``read()``, or inside :func:`read_once` the value it gave for ``(kind, path)`` before."""
+    memo = _READ_ONCE.get()
+    if memo is None:
+        return read()
+    key = (kind, str(Path(path).resolve()))
+    if key not in memo:
+        memo[key] = read()
+    return memo[key]
 
 
 def _check_model_folder(path: str) -> None:
@@ -93,10 +122,14 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     _check_model_folder(path)
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    except Exception as exc:
-        raise GndpoError(f"cannot load a tokenizer from {path}: {whole_message(exc)}") from exc
+
+    def read():
+        try:
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        except Exception as exc:
+            raise GndpoError(f"cannot load a tokenizer from {path}: {whole_message(exc)}") from exc
+
+    return _once("tokenizer", path, read)
 
 
 def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None, dtype: torch.dtype | None = None,
@@ -124,6 +157,10 @@ def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None
 def model_config(path: str) -> dict:
     """The model's Hugging Face config as a dict: its ``config.json``, or, for a hub id or a folder
     transformers knows how to read otherwise, what ``AutoConfig`` reads."""
+    return _once("config", path, lambda: _read_model_config(path))
+
+
+def _read_model_config(path: str) -> dict:
     local = Path(path) / "config.json"
     if local.is_file():
         try:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gndpo.pipeline.config.schema import config_from_dict
-from gndpo.pipeline.methods import answer_readers
+from gndpo.pipeline.methods import METHODS, answer_readers
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.live import LiveModels
@@ -54,6 +54,12 @@ def test_what_needs_answers():
     assert answer_readers(config_from_dict({"method": {"paced": {"enabled": True}}})).startswith("method.paced.enabled")
     context = {"messages": [{"role": "user", "content": "{prompt} (The answer is {answer}.)"}]}
     assert "teacher_context" in answer_readers(config_from_dict({"teacher": "self", "teacher_context": context}))
+
+
+def test_only_the_reward_methods_need_answers():
+    """docs/models-and-data.md's table: of the methods, the outcome ones and PACED read the answer."""
+    needing = {name for name in METHODS if answer_readers(config_from_dict({"method": {"name": name}}))}
+    assert needing == {"grpo", "gdpo", "paced"}
 
 
 def test_grpo_on_prompts_without_answers_is_refused(tmp_path, tiny_assets):

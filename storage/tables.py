@@ -186,7 +186,7 @@ def read_dataset_id(url: str) -> pl.DataFrame:
     try:
         import datasets
     except ImportError:
-        raise GndpoError("reading a dataset id needs the datasets package: pip install datasets") from None
+        raise GndpoError("reading a dataset id needs the datasets package: pip install 'gndpo[datasets]'") from None
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity_error()  # not the cache's notes ("using the latest cached version")
     try:

@@ -232,7 +232,7 @@ def test_a_dataset_id_without_the_datasets_package(monkeypatch):
         import sys
 
         monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as where it is not installed
-    refused(lambda: load_prompts("hf:acme/toy@train"), "reading a dataset id needs the datasets package: pip install datasets")
+    refused(lambda: load_prompts("hf:acme/toy@train"), "reading a dataset id needs the datasets package: pip install 'gndpo[datasets]'")
     refused(lambda: load_prompts("hf:"), "write hf:ORG/NAME")
 
 

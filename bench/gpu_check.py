@@ -10,10 +10,19 @@ project's own code, each in its own process so that one failure (an OOM, a hang,
   student (:mod:`tests.realistic`): score, train (one ``take_step``), the kept engine before round 1's
   rollout (no vLLM here: what its 0.85 wake-up would find free is computed), score and train of round 1;
   memory printed at each step;
-* ``train_1p7b`` (and ``train_1p7b_ckpt``, gradient checkpointing on): one optimizer step of a random
-  Qwen3-1.7B-shape student with the config's defaults, a full 16,384-token micro-batch;
+* ``train_1p7b``: one optimizer step of a random Qwen3-1.7B-shape student with the config's defaults, a
+  full 16,384-token micro-batch, its memory split into phases (the student's log-probs, the rest of the
+  loss, backward, the optimizer step: the engine's ``backward``/``step`` and the objective's
+  ``student_logprobs``/``micro_batch_loss`` wrapped by this script, torch's peak reset between them).
+  Variants: ``train_1p7b_ckpt`` (train.gradient_checkpointing on, as train runs it),
+  ``train_1p7b_ckpt_live`` (the same, the engine put in training mode by this script, which
+  transformers' checkpointing needs), ``train_1p7b_8k`` and ``train_1p7b_8k_ckpt_live`` (the same rows
+  at train.max_tokens_per_batch 8,192: two micro-batches);
 * ``qwen_vl``: a tiny random Qwen2.5-VL (:mod:`tests.vision_models`), train's log-probs with shared
   prompts against whole sequences and the model's own forward, fp32 and bf16.
+
+In ``collectives``, a rank's step that ran with no process group (past a failed ``run_collective``) is
+reported ``skipped`` (ok null), not ok: without a group its collectives return early or cannot run.
 
 Each check reports ok, the error's first line, wall time, torch's peak allocated memory and the GPU's
 used memory sampled by nvidia-smi every 0.2 s, into ``--out`` (rewritten after every check). No vLLM.
@@ -21,6 +30,7 @@ used memory sampled by nvidia-smi every 0.2 s, into ``--out`` (rewritten after e
     python3 bench/gpu_check.py --out $OUT/gpu_check.json                 # on the GPU machine, ~5 min
     .venv/bin/python bench/gpu_check.py --tiny --out /tmp/gpu_check.json  # a CPU dry run: tiny shapes, gloo
     python3 bench/gpu_check.py --code /tmp/head --commit 53455fe ...     # another checkout's code (a baseline)
+    python3 bench/gpu_check.py --only train_1p7b --only train_1p7b_8k ...  # some checks (repeatable)
 """
 
 from __future__ import annotations
@@ -47,7 +57,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from gpu_round import MemorySampler, gpu_query, version  # noqa: E402
 
-CHECKS = {"collectives": 75, "qwen_vl": 90, "handover": 200, "train_1p7b": 150, "train_1p7b_ckpt": 120}  # name: cap (s)
+CHECKS = {"collectives": 75, "qwen_vl": 90, "handover": 200, "train_1p7b": 150, "train_1p7b_ckpt": 120,  # name: cap (s)
+          "train_1p7b_ckpt_live": 120, "train_1p7b_8k": 120, "train_1p7b_8k_ckpt_live": 120}
+TRAIN_VARIANTS = {"train_1p7b": {}, "train_1p7b_ckpt": {"checkpointing": True}, "train_1p7b_ckpt_live": {"checkpointing": True, "live": True},
+                  "train_1p7b_8k": {"max_tokens": 8192}, "train_1p7b_8k_ckpt_live": {"checkpointing": True, "live": True, "max_tokens": 8192}}
+GROUP_STEPS = ("run_collective", "init_process_group")  # a rank's steps that form the group (the others need one)
 WORK = Path(tempfile.gettempdir()) / "gndpo-gpu-check"
 GIB = 2**30
 
@@ -75,8 +89,9 @@ def first_line(exc: BaseException) -> str:
 
 
 class Recorder:
-    def __init__(self, path: str, device):
+    def __init__(self, path: str, device, needs_group: bool = False):
         self.path, self.device, self.cuda, self.out = path, device, device.type == "cuda", {"steps": [], "ok": None}
+        self.needs_group = needs_group  # a rank of several: a step (but one forming the group) with no group is skipped
         self.save()
 
     def save(self) -> None:
@@ -105,6 +120,12 @@ class Recorder:
             traceback.print_exc()
         entry["seconds"] = round(time.time() - t0, 2)
         entry["group"] = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        entry["status"] = "ok" if entry["ok"] else "FAIL"
+        if self.needs_group and entry["group"] is None and not name.endswith(GROUP_STEPS):
+            # It ran without a process group: its collectives returned early or could not run, so it says nothing.
+            entry.update(ok=None, status="skipped", reason="no process group")
+            if "error" in entry:
+                entry["error_without_group"] = entry.pop("error")
         entry.update(self.memory())
         self.out["steps"].append(entry)
         print(f"[{self.out.get('name', '')}] {json.dumps(entry)}", flush=True)
@@ -112,9 +133,11 @@ class Recorder:
         return value if entry["ok"] else None
 
     def finish(self, ok: bool | None = None, error: str | None = None, **extra) -> None:
-        failed = [s for s in self.out["steps"] if not s["ok"]]
+        ran = [s for s in self.out["steps"] if s.get("status") != "skipped"]
+        failed = [s for s in ran if not s["ok"]]
         where = f"rank {failed[0]['rank']} " if failed and "rank" in failed[0] else ""
-        self.out.update(extra, ok=all(s["ok"] for s in self.out["steps"]) if ok is None else ok,
+        self.out["skipped_steps"] = len(self.out["steps"]) - len(ran)
+        self.out.update(extra, ok=all(s["ok"] for s in ran) if ok is None else ok,
                         error=error or (f"{where}{failed[0]['step']}: {failed[0]['error']}" if failed else None))
         self.save()
 
@@ -261,7 +284,69 @@ def check_handover(rec: Recorder, tiny: bool) -> None:
                error=None if fits != [False] else "r1_before_rollout: the kept engine leaves less free than vLLM's wake-up asks")
 
 
-def check_train_1p7b(rec: Recorder, tiny: bool, checkpointing: bool = False) -> None:
+class Phases:
+    """Memory at the ends of one step's phases: each phase's torch peak (reset at its start) and what is
+    allocated and reserved at its end. ``mark(name)`` closes the phase ``name`` that ran since the last mark."""
+
+    def __init__(self, rec: Recorder):
+        self.rec, self.rows, self.micro, self.t = rec, [], -1, time.time()
+
+    def reset(self) -> None:
+        if self.rec.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.t = time.time()
+
+    def mark(self, name: str, **extra) -> None:
+        row = {"phase": name, "micro": self.micro, **extra}
+        if self.rec.cuda:
+            torch.cuda.synchronize()
+            row.update(peak_alloc_gib=round(torch.cuda.max_memory_allocated() / GIB, 2), alloc_gib=round(torch.cuda.memory_allocated() / GIB, 2),
+                       reserved_gib=round(torch.cuda.memory_reserved() / GIB, 2))
+            self.rec.out["peak_alloc_gib"] = max(self.rec.out.get("peak_alloc_gib", 0), row["peak_alloc_gib"])
+            torch.cuda.reset_peak_memory_stats()
+        row["seconds"] = round(time.time() - self.t, 2)
+        self.t = time.time()
+        self.rows.append(row)
+        print(f"  phase {json.dumps(row)}", flush=True)
+
+    def watch(self, engine) -> None:
+        """Wrap the objective's micro_batch_loss and student_logprobs (its class: a frozen dataclass) and the
+        engine's backward and step, so each marks its phase's end."""
+        from gndpo.stages.train import Objective
+
+        loss_fn, logprobs_fn, backward_fn, step_fn = Objective.micro_batch_loss, Objective.student_logprobs, engine.backward, engine.step
+
+        def micro_batch_loss(obj, model, micro, *args, **kwargs):
+            self.micro += 1
+            self.mark("before_forward")  # since the last mark: the learning rate set, the accumulation boundary
+            out = loss_fn(obj, model, micro, *args, **kwargs)
+            self.mark("loss", tokens=sum(r.tokens for r in micro), rows=len(micro))  # the rest of the loss on the log-probs
+            return out
+
+        def student_logprobs(obj, *args, **kwargs):
+            self.mark("batch")  # the token batch built on the device
+            out = logprobs_fn(obj, *args, **kwargs)
+            self.mark("logprobs")  # the student's forward: backbone + chunked lm_head/log-softmax, kept for backward
+            return out
+
+        def backward(*args, **kwargs):
+            out = backward_fn(*args, **kwargs)
+            self.mark("backward")
+            return out
+
+        def step(*args, **kwargs):
+            out = step_fn(*args, **kwargs)
+            self.mark("step")  # the optimizer step (on the accumulation boundary), gradients zeroed
+            return out
+
+        Objective.micro_batch_loss, Objective.student_logprobs = micro_batch_loss, student_logprobs
+        engine.backward, engine.step = backward, step
+
+
+def check_train_1p7b(rec: Recorder, tiny: bool, checkpointing: bool = False, live: bool = False, max_tokens: int | None = None) -> None:
+    """One optimizer step at the defaults (and ``checkpointing``; ``live``: the engine put in training
+    mode by this script; ``max_tokens``: train.max_tokens_per_batch), its memory by phase."""
     from gndpo.stages.models.live import LiveModels
 
     device = rec.device
@@ -269,20 +354,42 @@ def check_train_1p7b(rec: Recorder, tiny: bool, checkpointing: bool = False) -> 
     path = rec.step("build_student", lambda: student_1p7b(tiny, device))
     if path is None:
         return rec.finish()
-    cfg = config(path, **({"gradient_checkpointing": True} if checkpointing else {}))
+    train = {"gradient_checkpointing": True} if checkpointing else {}
+    if max_tokens:  # tiny: 100 tokens, two micro-batches of its rows as 8,192 makes of the full ones
+        train["max_tokens_per_batch"] = 100 if tiny else max_tokens
+    cfg = config(path, **train)
     rec.out["settings"] = {k: getattr(cfg.train, k) for k in ("zero_stage", "gradient_checkpointing", "max_tokens_per_batch", "micro_batch_size")}
-    rec.out["settings"]["shared_prompts"] = cfg.model.shared_prompts
+    rec.out["settings"].update(shared_prompts=cfg.model.shared_prompts, attn_implementation=cfg.model.attn_implementation, dtype=cfg.model.dtype,
+                               training_mode_set_by_check=live)
     # One full micro-batch at the default budget: 2 prompts x 8 samples of 128 + 896 tokens = 16,384.
     rows = token_rows(1 if tiny else 2, 4 if tiny else 8, 16 if tiny else 128, 32 if tiny else 896, 1024 if tiny else 151_936, cfg.score.teacher_topk)
     holder = {}
 
     def build() -> dict:
-        holder["engine"], _ = LiveModels().train_engine(cfg, path, None, 1)
-        n = sum(p.numel() for p in holder["engine"].module.parameters())
-        return {"parameters": n}
+        engine, _ = LiveModels().train_engine(cfg, path, None, 1)
+        module = engine.module
+        out = {"parameters": sum(p.numel() for p in module.parameters()), "module_training_as_built": module.training,
+               "checkpointing_layers": sum(1 for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True)}
+        if live:
+            engine.train()  # transformers checkpoints a layer only while the module is in training mode
+        out["module_training"] = module.training
+        holder["engine"] = engine
+        return out
 
     if rec.step("build_engine", build) is not None:
-        rec.step("train_step", lambda: train_step(holder["engine"], cfg, rows, device))
+        phases = Phases(rec)
+        phases.watch(holder["engine"])
+        phases.reset()
+
+        def step() -> dict:
+            out = train_step(holder["engine"], cfg, rows, device)
+            phases.mark("after_step")  # take_step's own numbers (the loss all-reduced, the norm read)
+            peaks = [r["peak_alloc_gib"] for r in phases.rows if "peak_alloc_gib" in r]
+            return {**out, "step_peak_alloc_gib": max(peaks, default=None),
+                    "peak_phase": max(phases.rows, key=lambda r: r.get("peak_alloc_gib", 0))["phase"] if peaks else None}
+
+        rec.step("train_step", step)
+        rec.out["phases"] = phases.rows
     rec.finish()
 
 
@@ -358,7 +465,8 @@ def check_collectives(rec: Recorder, tiny: bool) -> None:
         for s in r["steps"]:
             rec.out["steps"].append({"rank": rank, **s})
         rec.out.setdefault("exit_codes", []).append(p.returncode)
-    rec.finish(ok=all(r["steps"] and all(s["ok"] for s in r["steps"]) for r in ranks) and all(p.returncode == 0 for p in procs))
+    rec.finish(ok=all(r["steps"] and all(s["ok"] for s in r["steps"] if s.get("status") != "skipped") for r in ranks)
+               and all(p.returncode == 0 for p in procs))
 
 
 def rank_child(rec: Recorder, tiny: bool) -> None:
@@ -401,12 +509,13 @@ def rank_child(rec: Recorder, tiny: bool) -> None:
 
 def child(args) -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    rec = Recorder(args.result, device)
+    rec = Recorder(args.result, device, needs_group=args.rank_child)
     rec.out["name"] = args.child or f"rank{os.environ.get('RANK')}"
     if args.rank_child:
         return rank_child(rec, args.tiny)
-    {"collectives": check_collectives, "handover": check_handover, "train_1p7b": check_train_1p7b, "qwen_vl": check_qwen_vl,
-     "train_1p7b_ckpt": lambda r, t: check_train_1p7b(r, t, checkpointing=True)}[args.child](rec, args.tiny)
+    if args.child in TRAIN_VARIANTS:
+        return check_train_1p7b(rec, args.tiny, **TRAIN_VARIANTS[args.child])
+    {"collectives": check_collectives, "handover": check_handover, "qwen_vl": check_qwen_vl}[args.child](rec, args.tiny)
 
 
 # -- the parent: one process per check, nvidia-smi sampled, results written as they come ----------------

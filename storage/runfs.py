@@ -2,7 +2,7 @@
 
 Everything a stage persists goes through :class:`RunFS`, so a run folder can be a local path, a shared
 filesystem or an object store URL (``s3://bucket/run``) without the stages knowing. Two primitives carry
-the crash-safety protocol (docs/storage.md):
+the crash-safety protocol (docs/concepts/run-folder.md):
 
 * :meth:`RunFS.create` writes a file only if it does not exist yet (exclusive create). Locally it writes a
   temporary file and hard-links it into place, which fails if the target exists; on object stores it uses

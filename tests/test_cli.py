@@ -209,7 +209,7 @@ def test_init_refuses_bad_values_before_writing(tmp_path, tiny_config, override,
 
 @pytest.mark.parametrize("name", ["gsm8k-8b-to-1.7b.yaml", "own-chat-data.yaml", "own-chat-data-gdpo.yaml"])
 def test_example_configs_parse(name):
-    """The README's cookbook configs are valid configs (their models and data live elsewhere)."""
+    """The examples' configs are valid configs (their models and data live elsewhere)."""
     cfg = load_config(str(Path(__file__).parent.parent / "examples" / name))
     assert cfg.data.chat_template == "auto" and cfg.rollout.max_tokens >= 1024
 

@@ -289,16 +289,16 @@ def test_gc_keep_rounds_frees_old_policies_and_keeps_what_readers_need(run_dir, 
     assert bad.returncode == 1 and "--keep-rounds must be at least 1" in bad.stderr and stray.is_dir()
 
 
-def test_readme_first_run_works_as_written(tmp_path, tiny_assets):
-    """README's "first run of your own" block, run as written by bash in a fresh folder (its gndpo is the
-    venv's; demo-run/config.yaml is the tiny toy's): a reward in the current folder imports, the run
-    trains two rounds, status and sql answer."""
+def test_docs_first_run_works_as_written(tmp_path, tiny_assets):
+    """docs/getting-started/your-own-model.md's "first run of your own" block, run as written by bash in a
+    fresh folder (its gndpo is the venv's; demo-run/config.yaml is the tiny toy's): a reward in the current
+    folder imports, the run trains two rounds, status and sql answer."""
     import re
     import subprocess
     import sys
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = re.search(r"A first run of your own.*?```bash\n(.*?)```", readme, re.S)[1]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "getting-started" / "your-own-model.md").read_text()
+    block = re.search(r"A first run of your own.*?```bash\n(.*?)```", page, re.S)[1]
     (tmp_path / "demo-run").mkdir()
     (tmp_path / "demo-run" / "config.yaml").write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
     script = block.replace(".venv/bin/gndpo", str(Path(sys.executable).with_name("gndpo")))
@@ -572,14 +572,14 @@ def test_sql_formats_round_trip_and_every_view_has_round(run_dir, tmp_path):
     assert bad.returncode == 1 and "unknown --format 'xml'" in bad.stderr
 
 
-def test_readme_sql_cookbook_runs(run_dir):
-    """Every `gndpo sql RUN "..."` of README's cookbook runs on a real run and returns rows."""
+def test_docs_sql_cookbook_runs(run_dir):
+    """Every `gndpo sql RUN "..."` of docs/how-to/monitoring.md's cookbook runs on a real run and returns rows."""
     import re
 
     from gndpo.pipeline.observe.sql import query
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    cookbook = readme[readme.index("A cookbook:"):]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "how-to" / "monitoring.md").read_text()
+    cookbook = page[page.index("A cookbook:"):]
     statements = re.findall(r'gndpo sql RUN "(.*?)"', cookbook, re.S)
     assert len(statements) >= 5
     for statement in statements:

@@ -2,7 +2,7 @@
 
     storage/  <-  pipeline/  <-  stages/  <-  apps/  <-  cli/
 
-Each top-level folder is one layer (docs/architecture.md's table). A module may import its own layer
+Each top-level folder is one layer (docs/development/architecture.md's table). A module may import its own layer
 and the layers below it, never one above, and that holds for imports inside functions too (they are
 scanned like the others) and for modules named by string (``importlib.import_module("gndpo...")``, a
 ``python -m gndpo...`` command line, an f-string that starts a module name): a string that names a gndpo
@@ -267,7 +267,7 @@ def test_public_classes_have_docstrings():
 
 
 def test_the_architecture_doc_lists_the_layers_as_the_tree_has_them():
-    """docs/architecture.md's layout table: one row per top-level code folder, in layer order, with the
+    """docs/development/architecture.md's layout table: one row per top-level code folder, in layer order, with the
     layer number this test enforces."""
-    rows = re.findall(r"^\| `(\w+)/`[^|]*\| (\d) \|", (ROOT / "docs" / "architecture.md").read_text(), re.M)
+    rows = re.findall(r"^\| `(\w+)/`[^|]*\| (\d) \|", (ROOT / "docs" / "development" / "architecture.md").read_text(), re.M)
     assert [(folder, int(layer)) for folder, layer in rows] == [(name, LAYERS[f"gndpo.{name}"]) for name in LAYER_NAMES]

@@ -1,4 +1,4 @@
-"""Every method of docs/methods.md after opd/gndpo against a re-derivation written here from the
+"""Every method of docs/reference/methods.md after opd/gndpo against a re-derivation written here from the
 formulas, with plain loops on small hand-made responses (not the implementation's vectorized code).
 
 The statistics go through the same DuckDB queries normalize runs, over tables built here with the

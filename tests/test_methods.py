@@ -1,5 +1,5 @@
 """OPD / GNDPO advantages and the policy losses, against straightforward re-derivations of
-docs/methods.md (opd and gndpo) written here with plain Python loops (not the implementation)."""
+docs/reference/methods.md (opd and gndpo) written here with plain Python loops (not the implementation)."""
 
 import math
 

@@ -57,7 +57,7 @@ def test_what_needs_answers():
 
 
 def test_only_the_reward_methods_need_answers():
-    """docs/models-and-data.md's table: of the methods, the outcome ones and PACED read the answer."""
+    """docs/getting-started/models-and-data.md's table: of the methods, the outcome ones and PACED read the answer."""
     needing = {name for name in METHODS if answer_readers(config_from_dict({"method": {"name": name}}))}
     assert needing == {"grpo", "gdpo", "paced"}
 

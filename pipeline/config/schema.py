@@ -159,7 +159,7 @@ class OutcomeConfig:
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """Which method trains the student, and its knobs (formulas: docs/methods.md).
+    """Which method trains the student, and its knobs (formulas: docs/reference/methods.md).
 
     ``policy_loss`` and ``loss_agg`` left empty take the method's own default (``gndpo methods``)."""
 

@@ -1,4 +1,4 @@
-"""The method family: every method docs/methods.md describes, selected by ``method.name``.
+"""The method family: every method docs/reference/methods.md describes, selected by ``method.name``.
 
 Each module declares its methods whole (score columns, normalize statistics, train targets):
 

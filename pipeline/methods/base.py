@@ -1,6 +1,6 @@
 """What every method is made of, and the data it sees.
 
-A method (docs/methods.md) is three things, declared together in one module of this package:
+A method (docs/reference/methods.md) is three things, declared together in one module of this package:
 
 * ``needs``: the optional per-token columns the score stage must store for it (teacher top-k ids and
   log-probs, teacher / student entropy, full-vocabulary KL(p_S || p_T));

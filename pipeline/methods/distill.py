@@ -1,4 +1,4 @@
-"""Policy-gradient distillation with the teacher's log-ratio as the advantage (docs/methods.md: opd, gndpo, tinker, minillm).
+"""Policy-gradient distillation with the teacher's log-ratio as the advantage (docs/reference/methods.md: opd, gndpo, tinker, minillm).
 
 * OPD: A_t = clamp(lpT - lpS, -5, 5) * m_t.
 * GNDPO: the same clamped score, normalized by its mean and unbiased std over ALL valid tokens of the

@@ -1,4 +1,4 @@
-"""Divergence losses on the teacher's top-k, reward-weighted distillation, PACED (docs/methods.md).
+"""Divergence losses on the teacher's top-k, reward-weighted distillation, PACED (docs/reference/methods.md).
 
 The loss term itself, D_t over the stored teacher top-k and the student's full softmax, is
 :func:`gndpo.pipeline.methods.losses.topk_divergence`; here is what each method asks of it. ``method.topk_form``

@@ -2,7 +2,7 @@
 
 All functions work on padded ``[B, T]`` tensors with a 0/1 ``mask``. Aggregation divides by the GLOBAL
 number of sequences or tokens of the optimizer step (passed in), never by a micro-batch's own count, so
-gradient accumulation and data parallelism do not change the objective (docs/methods.md, Aggregation).
+gradient accumulation and data parallelism do not change the objective (docs/reference/methods.md, Aggregation).
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def other_vocabulary_divergence(
     kind: str, student_topk_logp: torch.Tensor, teacher_topk_logp: torch.Tensor, teacher_rest_logp: torch.Tensor,
     other: OtherVocabulary, beta: float = 0.5, clip: float = 0.0,
 ) -> torch.Tensor:
-    """Per-token divergence [..., k] -> [...] with a teacher of another vocabulary (docs/methods.md,
+    """Per-token divergence [..., k] -> [...] with a teacher of another vocabulary (docs/reference/methods.md,
     "Top-k divergences across vocabularies").
 
     Matched part: the bucket divergence (:func:`topk_divergence`) on the teacher's top-k tokens that

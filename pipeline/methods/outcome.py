@@ -1,4 +1,4 @@
-"""Outcome-reward methods (docs/methods.md: grpo and gdpo): GRPO, GDPO, and mixing an outcome advantage into
+"""Outcome-reward methods (docs/reference/methods.md: grpo and gdpo): GRPO, GDPO, and mixing an outcome advantage into
 distillation. Rewards are the named functions of :mod:`gndpo.pipeline.tasks.rewards`; rollout stores every
 registered reward per response, ``method.outcome.rewards`` picks the ones used and ``weights`` their
 weights. Normalize computes the per-prompt group statistics (scope = prompt_id) and GDPO's batch

@@ -1,4 +1,4 @@
-"""TIP token selection (docs/methods.md, Modifiers): train only on the tokens where the student is uncertain or
+"""TIP token selection (docs/reference/methods.md, Modifiers): train only on the tokens where the student is uncertain or
 disagrees with the teacher. Applies to any method (``method.tip.enabled``).
 
     h_t = H(p_S) (student entropy)   d_t = max(0, KL(p_S || p_T)) (full vocabulary, from score)

@@ -1,4 +1,4 @@
-"""Trust-region and entropy-aware variants of OPD (docs/methods.md: tropd, eopd, reopold).
+"""Trust-region and entropy-aware variants of OPD (docs/reference/methods.md: tropd, eopd, reopold).
 
 TrOPD [interp]: P_t = min(exp(lpT - lpS), 1) is the speculative-decoding acceptance probability;
 tokens with P_t >= tau get the OPD/GNDPO policy-gradient term, the others ("outliers") are dropped

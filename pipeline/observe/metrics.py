@@ -10,9 +10,143 @@ import hashlib
 import json
 import logging
 import os
+import re
+from dataclasses import dataclass
 
 from gndpo.errors import first_line
 from gndpo.storage.records import STAGES
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One key of a stage manifest's ``metrics`` (what ``metrics.jsonl``, ``gndpo sql``'s ``metrics``
+    view, the report and the logging backends show): the ``stage`` that writes it (``every``: all four),
+    its ``name`` (``<phase>`` stands for one of :data:`PHASES`), what it means, and ``when`` it is there
+    (empty: every round)."""
+
+    stage: str
+    name: str
+    meaning: str
+    when: str = ""
+
+
+# The phases a unit's clock charges time and bytes to (gndpo.storage.meter: ``with phase(...)`` in the stages).
+PHASES = ("setup", "compute", "write", "checkpoint", "export", "replay", "state")
+
+# Every metric a stage commits, documented (docs/reference/metrics.md is generated from this table; the
+# docs tests check that a toy round's manifests, every stage's summarize and every method's normalize
+# statistics write only these keys, and that each of these keys is written by one of them).
+METRICS: tuple[Metric, ...] = (
+    Metric("every", "phase_<phase>_seconds", "Seconds of the stage's work spent in the phase, summed over its units (units that ran side by "
+           "side on several workers add up): setup (loading models, starting engines), compute (the time no other phase took), write "
+           "(writing the shards), checkpoint, export, replay, state (train's in-round checkpoints, exported policy, replayed steps, "
+           "optimizer state).", "the phases the stage went through"),
+    Metric("every", "phase_<phase>_bytes", "Bytes of data files the stage wrote to the run folder in the phase.", "as the seconds"),
+    # rollout
+    Metric("rollout", "policy_version", "The policy that sampled: k is the student after k trained rounds (the round's index)."),
+    Metric("rollout", "responses", "Responses sampled for training (held-out ones are not counted)."),
+    Metric("rollout", "tokens", "Response tokens sampled for training (tool turns and teacher prefixes included)."),
+    Metric("rollout", "reward_mean", "Mean of the run's reward over the training responses; null where the prompts have no answers."),
+    Metric("rollout", "seconds", "Seconds of work of the stage's units, summed (the held-out unit included)."),
+    Metric("rollout", "tokens_per_s", "tokens / the seconds of the units that sampled them."),
+    Metric("rollout", "tool_mask/llm_tokens", "Tokens the student wrote, per response (verl's name)."),
+    Metric("rollout", "tool_mask/tool_tokens", "Tokens of tool turns (and the template around them), per response."),
+    Metric("rollout", "tool_mask/tool_ratio", "The tool turns' share of all response tokens."),
+    Metric("rollout", "num_turns/mean", "Student turns per response (1 without tools)."),
+    Metric("rollout", "num_turns/min", "The fewest student turns of any response."),
+    Metric("rollout", "num_turns/max", "The most student turns of any response."),
+    Metric("rollout", "tool_calls/per_response", "Tool calls per response."),
+    Metric("rollout", "tool_calls/errors", "Tool calls that failed (unreadable call, unknown tool, the tool raised)."),
+    Metric("rollout", "engine_dtype_bits", "Bits of the rollout engine's precision (the least precise worker's): 32, 16."),
+    Metric("rollout", "engine_probe_gap_max", "Largest |log-prob| gap between the engine and train's forward on the probe batch "
+           "(gndpo.stages.models.probe): does the engine sample from the weights train exported.", "the policy has a probe (rounds after the first)"),
+    Metric("rollout", "engine_probe_gap_mean", "Mean of that gap.", "as engine_probe_gap_max"),
+    Metric("rollout", "engine_reloaded", "1 where the new policy was loaded into a kept engine instead of a fresh one.", "as engine_probe_gap_max"),
+    Metric("rollout", "engine_restarted", "1 where a kept engine failed the probe and a fresh one replaced it.", "as engine_probe_gap_max"),
+    Metric("rollout", "engine_adapters", "1 where the engine served the round's LoRA adapters (model.lora.serve adapters).",
+           "a LoRA student served as adapters, with a probe"),
+    Metric("rollout", "heldout_accuracy", "Greedy accuracy on data.heldout of the policy that sampled (the run's reward).",
+           "rollout.eval_heldout and held-out prompts with answers"),
+    # score
+    Metric("score", "tokens", "Response tokens scored."),
+    Metric("score", "seconds", "Seconds of work of the scoring units, summed."),
+    Metric("score", "tokens_per_s", "tokens / seconds."),
+    Metric("score", "student_logprobs_from_engine", "1 where the student's log-probs are the rollout engine's (score.student_logprobs), "
+           "0 where score recomputed them."),
+    Metric("score", "student_entropy_mean", "The student's mean entropy (nats) over the tokens it sampled (verl's actor/entropy).",
+           "the student's forward ran and logging.entropy_metrics (or the method needs it)"),
+    Metric("score", "teacher_entropy_mean", "The teacher's mean entropy (nats) over the same tokens.", "logging.entropy_metrics (or the method needs it)"),
+    Metric("score", "rollout_logprob_diff_max", "Largest |student log-prob recomputed by score - the sampler's|: engine and trainer "
+           "disagreeing on the same policy (verl's training/rollout_probs_diff_max).", "rollout.temperature 1 and recomputed student log-probs"),
+    Metric("score", "rollout_logprob_diff_mean", "Mean of that difference over the sampled tokens.", "as rollout_logprob_diff_max"),
+    Metric("score", "cross_tokenizer/unaligned_tokens", "Student tokens the teacher's tokens did not cover exactly (no signal there).",
+           "score.cross_tokenizer"),
+    Metric("score", "cross_tokenizer/unaligned_fraction", "Their share of the response tokens.", "score.cross_tokenizer"),
+    Metric("score", "cross_tokenizer/split_span_fraction", "Share of tokens whose teacher value is a share of a span of several student tokens.",
+           "score.cross_tokenizer"),
+    Metric("score", "heldout_reverse_kl", "Label-free held-out figure: the reverse-KL estimate mean(lpS - lpT) on one sampled response "
+           "per held-out prompt.", "rollout.eval_heldout, held-out prompts without answers, and a teacher that reads them as the student does (no teacher "
+           "context, routing or pictures; the same tokenizer)"),
+    Metric("score", "heldout_teacher_logprob", "The teacher's mean log-prob of the greedy held-out responses' tokens.", "as heldout_reverse_kl"),
+    # normalize
+    Metric("normalize", "token_count", "Valid tokens of the round (loss mask 1; truncated responses left out under rollout.truncated drop)."),
+    Metric("normalize", "c_mean", "Mean of the clamped score c_t = clamp(lpT - lpS, -method.clamp, method.clamp) over the valid tokens."),
+    Metric("normalize", "c_var", "Its unbiased variance (GNDPO's normalization uses c_mean and c_var)."),
+    Metric("normalize", "c_std", "Its standard deviation."),
+    Metric("normalize", "c_min", "Smallest c_t."),
+    Metric("normalize", "c_max", "Largest c_t."),
+    Metric("normalize", "responses", "Responses in the statistics."),
+    Metric("normalize", "reverse_kl_estimate", "-c_mean: the round's KL(student || teacher) estimate (k1, clamped)."),
+    Metric("normalize", "reward_mean", "Mean reward over every response (dropped ones included); null without answers."),
+    Metric("normalize", "response_length_mean", "Mean response length in tokens."),
+    Metric("normalize", "response_length_max", "Longest response in tokens."),
+    Metric("normalize", "truncated_fraction", "Share of responses cut at rollout.max_tokens."),
+    Metric("normalize", "seconds", "Seconds the statistics took."),
+    Metric("normalize", "tokens_per_s", "token_count / seconds."),
+    Metric("normalize", "minillm_mean", "Mean of MiniLLM's discounted per-token returns (whitening).", "method minillm"),
+    Metric("normalize", "minillm_var", "Their unbiased variance.", "method minillm"),
+    Metric("normalize", "gdpo_mean", "Mean of GDPO's pre-advantage A_pre over responses (or tokens).", "method gdpo"),
+    Metric("normalize", "gdpo_std", "Its standard deviation over responses.", "method gdpo, method.outcome.gdpo_batch_norm sequence"),
+    Metric("normalize", "gdpo_var", "Its variance over tokens.", "method gdpo, method.outcome.gdpo_batch_norm token"),
+    Metric("normalize", "tip_h_cap", "TIP: the student-entropy cap (method.tip.entropy_quantile of the batch).", "method.tip.enabled"),
+    Metric("normalize", "tip_h_min", "TIP: smallest capped student entropy (min-max scaling).", "method.tip.enabled"),
+    Metric("normalize", "tip_h_max", "TIP: largest capped student entropy.", "method.tip.enabled"),
+    Metric("normalize", "tip_d_min", "TIP: smallest per-token KL.", "method.tip.enabled"),
+    Metric("normalize", "tip_d_max", "TIP: largest per-token KL.", "method.tip.enabled"),
+    Metric("normalize", "tropd_tau", "TrOPD's trust threshold on P = min(pi_T / pi_S, 1) (method.tropd.tau, or its batch quantile).", "method tropd"),
+    Metric("normalize", "responses_weighted", "Responses B in the reward weights w_i = B softmax(r_i / method.reward_beta).", "method.reward_beta > 0"),
+    Metric("normalize", "reward_logsumexp", "logsumexp of r_i / method.reward_beta over the responses.", "method.reward_beta > 0"),
+    # train
+    Metric("train", "policy_version", "The policy the update produced: round + 1."),
+    Metric("train", "model_dir", "Run-relative folder of the exported student (Hugging Face format)."),
+    Metric("train", "ema_dir", "Run-relative folder of the exported EMA teacher.", "teacher: self with self_teacher.weights ema"),
+    Metric("train", "loss_mean", "Mean loss over the optimizer steps."),
+    Metric("train", "grad_norm_mean", "Mean gradient norm (before clipping) over the steps."),
+    Metric("train", "grad_norm_max", "Largest gradient norm of any step."),
+    Metric("train", "grad_norm_std", "Standard deviation of the steps' gradient norms."),
+    Metric("train", "clip_fraction", "Share of loss tokens whose ratio the policy loss clipped (verl's actor/pg_clipfrac)."),
+    Metric("train", "ratio_mean", "Mean importance ratio pi_theta / pi_old over the loss tokens."),
+    Metric("train", "optimizer_steps", "Optimizer steps taken."),
+    Metric("train", "adv_min", "Smallest advantage over the tokens with a policy-gradient term; null for pure divergence methods."),
+    Metric("train", "adv_max", "Largest advantage."),
+    Metric("train", "adv_mean", "Mean advantage."),
+    Metric("train", "adv_std", "Standard deviation of the advantages."),
+    Metric("train", "divergence", "The divergence of the round's divergence term (forward_kl, reverse_kl, jsd, ...)."),
+    Metric("train", "tokens", "Response tokens in the update."),
+    Metric("train", "seconds", "Seconds of the update (export and state included)."),
+    Metric("train", "tokens_per_s", "tokens / seconds."),
+)
+
+
+def metric_doc(stage: str, key: str) -> Metric | None:
+    """The :data:`METRICS` entry that documents ``key`` of ``stage``'s manifest, or None."""
+    for m in METRICS:
+        if m.stage not in (stage, "every"):
+            continue
+        pattern = re.escape(m.name).replace(re.escape("<phase>"), "(" + "|".join(PHASES) + ")")
+        if re.fullmatch(pattern, key):
+            return m
+    return None
 
 
 def committed_rounds(run) -> int:

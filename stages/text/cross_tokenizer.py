@@ -17,7 +17,7 @@ With a top-k divergence, the teacher's top-k at each span's first position (its 
 distribution after the same text as the student's at the span's first token) is stored with the student
 id of each token's text (:mod:`gndpo.stages.text.vocabulary`), or as a token without a student twin;
 positions inside a span of several student tokens have no teacher distribution after the same text and
-store no entry (their divergence is 0: docs/methods.md, "Top-k divergences across vocabularies").
+store no entry (their divergence is 0: docs/reference/methods.md, "Top-k divergences across vocabularies").
 
 With images, a vision-language teacher of another family reads each picture through its own processor
 (its expansion in the prompt, its image tensors in the forward); a text-only teacher reads the

@@ -129,6 +129,22 @@ def deepspeed_config(cfg, world: int, dtype: torch.dtype) -> dict:
     return config
 
 
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them.
+
+    transformers checkpoints a layer only while that layer is in training mode, and ``from_pretrained``
+    returns the model in eval mode, which train keeps: a training-mode forward would turn the model's
+    dropout on, and the round's first importance ratio against score's eval-mode log-probs would no
+    longer be 1. So only the checkpointed layers themselves are marked as training (``Module.train``
+    would recurse into their attention and MLP, whose dropout reads their own mode)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
+            module.training = True
+
+
 def build_engine(cfg, policy: str, world: int, base: str | None = None):
     """A DeepSpeed engine on the round's policy; returns (engine, config dict). With ``model.lora`` the
     model is ``base`` (the initial student) with the adapters ``policy`` carries (fresh ones in round 0)."""
@@ -154,7 +170,7 @@ def build_engine(cfg, policy: str, world: int, base: str | None = None):
     if cfg.model.freeze_vision and is_vision_model(policy):
         freeze_all_but_language_model(model)
     if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
     )

@@ -58,14 +58,17 @@ def save_preprocessing(policy: str, folder: str) -> None:
 
 
 def probe_student(model, policy: str, pad_id: int) -> dict:
-    """The probe's log-probs under the trained weights, in eval mode (the module's mode is restored)."""
-    was_training = model.training
+    """The probe's log-probs under the trained weights, in eval mode; every submodule's mode is restored
+    as it was (train marks only its checkpointed layers as training: ``model.train(was_training)`` would
+    reset them, and a kept engine's later rounds would recompute nothing)."""
+    modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
         processor = load_processor(policy) if is_vision_model(policy) else None
         return probe_logprobs(model, min(len(load_tokenizer(policy)), output_width(model)), pad_id, processor)
     finally:
-        model.train(was_training)
+        for module, training in modes.items():
+            module.training = training
 
 
 def export_ema(ema: EmaWeights, module, policy: str, fs, out_dir: str) -> list[dict]:

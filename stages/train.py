@@ -74,14 +74,15 @@ from gndpo.storage.meter import phase
 
 
 def all_reduce(values: np.ndarray, op: str = "sum") -> np.ndarray:
-    """Element-wise sum / max / min of ``values`` over ranks (identity on one rank)."""
+    """Element-wise sum / max / min of ``values`` over ranks (identity on one rank), on this rank's
+    device: NCCL, the group's backend on GPUs, reduces CUDA tensors only."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
-    t = torch.as_tensor(values, dtype=torch.float64)
+    t = torch.as_tensor(values, dtype=torch.float64, device=local_device())
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-    return t.numpy()
+    return t.cpu().numpy()
 
 
 def start_forward(engine) -> None:

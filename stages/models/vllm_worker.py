@@ -27,12 +27,22 @@ class GndpoWorker:
         """Load ``weights_path``'s checkpoint, or ``weights`` ({checkpoint name: tensor}, handed over in
         memory by an in-process caller), into the running model, tied output layers included; returns
         how many output layers were tied to the new embedding again (0 for an untied model)."""
+        from vllm.config import set_current_vllm_config
+
+        # As vLLM's own Worker.reload_weights does: layers built while the weights load (and the head's
+        # kernels rebuilt below) read the engine's config from this context, not a default one.
+        with set_current_vllm_config(self.vllm_config):
+            if weights is not None:
+                self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
+            else:
+                self.model_runner.reload_weights(weights_path=weights_path)
+            return self._tie_output_layer()
+
+    def _tie_output_layer(self) -> int:
+        """Tie a tied model's output layer to its reloaded embedding again and rebuild its kernels; 1
+        where it did, 0 for an untied model or an unusual shape."""
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-        if weights is not None:
-            self.model_runner.reload_weights(weights_iterator=iter(weights.items()))
-        else:
-            self.model_runner.reload_weights(weights_path=weights_path)
         model = self.model_runner.get_model()
         config = getattr(model, "config", None)
         if not getattr(getattr(config, "text_config", None) or config, "tie_word_embeddings", False):

@@ -56,6 +56,10 @@ def init_distributed(dist: Dist) -> None:
                                            world_size=dist.world)
     if not dist.launched:
         os.environ.setdefault("LOCAL_RANK", str(dist.local_rank))
+    # This rank's GPU first: NCCL ties a rank's communicator to the current CUDA device when the group is
+    # made (DeepSpeed passes it as device_id), and run_collective's first broadcast follows at once; on
+    # the default device every rank would sit on cuda:0.
+    local_device()
     forget_destroyed_world_group()
     # On CPU DeepSpeed builds its shared-memory communication extension here and print()s "... built
     # successfully" on stdout: that line goes to the log at DEBUG instead.

@@ -31,7 +31,7 @@ from gndpo.pipeline.run.prompts import load_prompts
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, model_cache_dir, open_run
 from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, resolve_reference, teacher_folder
 from gndpo.pipeline.tasks.rewards import check_rewards
-from gndpo.stages.models.device import attn_implementation, visible_gpus
+from gndpo.stages.models.device import flash_attention_blocker
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
@@ -74,12 +74,13 @@ def check_models(cfg: Config) -> None:
 
 
 def check_precision(cfg: Config) -> None:
-    """Whether ``model.attn_implementation`` can run here (flash_attention_2: flash-attn installed, a CUDA
-    GPU), checked only where this machine has a GPU, since a run is often created on a machine without
-    one. The names of dtypes and attention kernels are the schema's choices, checked when the config is read."""
-
-    if visible_gpus() > 0:
-        attn_implementation(cfg.model.attn_implementation)
+    """Warn, in one line, where ``model.attn_implementation: flash_attention_2`` cannot run on this
+    machine (flash-attn not installed, no CUDA GPU): stages that run where it cannot use sdpa instead,
+    and a run is often created on a login node that the GPU nodes differ from. The names of dtypes and
+    attention kernels are the schema's choices, checked when the config is read."""
+    if cfg.model.attn_implementation == "flash_attention_2" and (reason := flash_attention_blocker()):
+        logging.getLogger("gndpo").warning("model.attn_implementation flash_attention_2: %s here; a stage that runs where "
+                                           "flash-attn cannot falls back to sdpa", reason)
 
 
 def longest_prompt(model_path: str, rows: list[dict], data, images: dict[str, bytes]) -> tuple[int, int]:

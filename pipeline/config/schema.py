@@ -314,7 +314,7 @@ class ModelConfig:
     """How score and train place and run the student and teacher (resolved in gndpo.stages.models.device)."""
 
     dtype: Precision = "auto"  # score's and train's precision: auto = bf16 on a GPU that supports it, else fp32
-    attn_implementation: AttnImplementation = "sdpa"  # flash_attention_2 where installed
+    attn_implementation: AttnImplementation = "sdpa"  # flash_attention_2 where flash-attn can run (elsewhere sdpa, with a warning)
     # Full-vocabulary logits exist for at most this many response positions at a time (lm_head and
     # log-softmax run chunk by chunk after one backbone pass; train recomputes a chunk in backward).
     # Still the cap on the chunk, now sized by logits_budget_mib below; at a small vocabulary (the toy's)

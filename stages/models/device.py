@@ -9,12 +9,13 @@ are slower than fp32 on most CPUs, and fp32 keeps the CPU toy's numbers exact.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 from functools import lru_cache
 
 import torch
 
-from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.dist import Dist, usable_cpus
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,17 +46,35 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, value in DTYPES.items() if value == dtype)
 
 
+def flash_attn_installed() -> bool:
+    """Whether the flash-attn package is importable here (without importing it: it loads CUDA)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def flash_attention_blocker() -> str:
+    """Why flash_attention_2 cannot run in this process ("" where it can): the flash-attn package, which
+    the gpu extra does not install (it builds against the local CUDA), or a CUDA GPU is missing."""
+    if not flash_attn_installed():
+        return "the flash-attn package is not installed (pip install flash-attn)"
+    if local_device().type != "cuda":
+        return "this machine has no CUDA GPU"
+    return ""
+
+
 def attn_implementation(name: str) -> str:
-    """The attention kernel to ask transformers for (one of the schema's choices); flash_attention_2 only
-    where this machine can run it, which the schema cannot know."""
-    if name == "flash_attention_2":
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            raise GndpoError("model.attn_implementation flash_attention_2 needs the flash-attn package") from None
-        if local_device().type != "cuda":
-            raise GndpoError("model.attn_implementation flash_attention_2 needs a CUDA GPU")
+    """The attention kernel to ask transformers for (one of the schema's choices): ``name``, except
+    flash_attention_2 where this process cannot run it (:func:`flash_attention_blocker`), which gets
+    sdpa and a one-line warning, once: a config written for GPU nodes with flash-attn still runs where
+    it is missing, as the schema's default (sdpa) would."""
+    if name == "flash_attention_2" and (reason := flash_attention_blocker()):
+        _warn_once(f"model.attn_implementation flash_attention_2: {reason}; using sdpa")
+        return "sdpa"
     return name
+
+
+@lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logging.getLogger("gndpo").warning(message)
 
 
 def visible_gpus() -> int:

@@ -19,7 +19,10 @@ Nothing about the storage protocol changes: every stage still writes, commits an
 run folder, so a run killed anywhere resumes the same way, and ``--worker`` processes can still join.
 On a GPU the engine is started with vLLM's sleep mode and put to sleep (weights offloaded, KV cache
 freed) while score and train hold the device, and the kept teacher waits in CPU memory during train.
-This GPU path has not run on a GPU yet (none was available to this project's tests).
+The DeepSpeed engine is not kept past the next vLLM engine's start or wake-up on a GPU: vLLM sizes its KV
+cache from the device's free memory, and the trainer (about 14 bytes a parameter) with the allocator's
+cached blocks left too little for it (bench/results/gpu_check.md); the next round's train rebuilds it
+from storage. This GPU path has not run with vLLM on a GPU yet.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ class LiveModels:
             llm = make_llm(policy, cfg, seed=seed, images=images)
             self.probe = self._measure_probe(llm, policy, reloaded=False)
             return llm
+        self.free_device_for_engine()
         key = (repr(cfg), _architecture(policy), images)
         live = self._kept_engine(key)
         restarted = 0
@@ -159,6 +163,8 @@ class LiveModels:
         takes each round's adapters per request: nothing is reloaded. The probe checks the engine with
         the adapters against train's own log-probs for the exported (merged) weights."""
         key = (repr(cfg), _architecture(base), "lora", rank)
+        if self.keep:
+            self.free_device_for_engine()
         live = self._kept_engine(key) if self.keep else None
         if live is None:
             llm = make_llm(base, cfg, seed=seed, sleep_mode=self.keep and cuda_available(), lora_rank=rank)
@@ -214,6 +220,20 @@ class LiveModels:
         return {"engine_probe_gap_max": gap["max"], "engine_probe_gap_mean": gap["mean"],
                 "engine_reloaded": int(reloaded), "engine_restarted": restarted}
 
+    def free_device_for_engine(self) -> None:
+        """On a GPU, before a vLLM engine starts or wakes up: drop the kept DeepSpeed engine and return the
+        allocator's cached blocks to the device. vLLM takes ``engine.gpu_memory_utilization`` of the
+        device's memory and refuses to start (or wake) where less is free; the trainer and the cache
+        left too little (at 1B on an H200: 111.96 GiB free, 118.83 asked). The next round's train
+        rebuilds the engine from the committed export and optimizer state."""
+        if not cuda_available():
+            return
+        import torch
+
+        self.drop_trainer()
+        gc.collect()  # a DeepSpeed engine holds reference cycles: dropping the name frees nothing until now
+        torch.cuda.empty_cache()
+
     def release_engine(self) -> None:
         """Let the other stages have the device: on a GPU the kept engines (the student's, and the
         teacher's of ``score.backend: vllm``) sleep (weights to CPU memory, KV cache freed); on CPU there
@@ -252,6 +272,7 @@ class LiveModels:
         student's engine sleeps while it scores."""
         if not self.keep:
             return make_llm(path, cfg, max_logprobs=max_logprobs, images=images)
+        self.free_device_for_engine()
         key = (path, repr(cfg), max_logprobs, images)
         live = self._teacher_engine = self._alive(self._teacher_engine, "the teacher's engine")
         if live is not None and live.key != key:

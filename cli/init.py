@@ -13,10 +13,15 @@ def init(
     overrides: Optional[List[str]] = typer.Argument(
         None, metavar="KEY=VALUE", show_default=False, help="Settings over the config, e.g. train.lr=1e-5 (gndpo config keys lists them)."
     ),
+    gpu_memory: Optional[str] = typer.Option(
+        None, "--gpu-memory", help="The GPU to size each stage's memory for, e.g. 80GiB, where init runs without it (default: this machine's GPU, if any)."
+    ),
 ):
     """Create a run: validate models and prompts, import prompts, freeze the config."""
+    from gndpo.apps.gpu_memory import parse_memory  # at call time, as init_run: it imports torch and transformers
     from gndpo.apps.init import init_run  # at call time: torch and transformers load only for this command
 
+    gpu_bytes = parse_memory(gpu_memory) if gpu_memory else None
     cfg = load_config(config, overrides or [])
-    r = init_run(run, cfg)
+    r = init_run(run, cfg, gpu_bytes)
     typer.echo(f"run ready: {r.fs.uri('')} (config {cfg.fingerprint()})")

@@ -77,6 +77,11 @@ def _warn_once(message: str) -> None:
     logging.getLogger("gndpo").warning(message)
 
 
+def gpu_memory() -> int | None:
+    """The memory of this machine's first visible GPU in bytes; None without one."""
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
 def visible_gpus() -> int:
     """GPUs this process may use (0 on a machine without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -175,6 +175,24 @@ def _read_model_config(path: str) -> dict:
         raise GndpoError(f"cannot read the model config of {path}: {whole_message(exc)}") from exc
 
 
+def architecture_parameter_count(path: str) -> int:
+    """The number of weights ``path``'s architecture has, from its config alone: the model is built on
+    the meta device (no memory, no weights read), so a login node sizes an 8B model in a second."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    def count() -> int:
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+            auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+            with torch.device("meta"):
+                model = auto.from_config(config)
+        except Exception as exc:
+            raise GndpoError(f"cannot build the architecture of {path} from its config: {whole_message(exc)}") from exc
+        return sum(p.numel() for p in model.parameters())  # tied weights once
+
+    return _once("parameters", path, count)
+
+
 def is_vision_model(path: str) -> bool:
     """Whether the model at ``path`` reads images (its config has a vision tower)."""
     return "vision_config" in model_config(path)

@@ -1,0 +1,149 @@
+"""Each stage's GPU memory, estimated at `gndpo init` from the model sizes, the batch budgets and the GPU
+(the one this machine has, or ``gndpo init --gpu-memory 80GiB`` on a login node), and the sizes refused
+there instead of running out of memory on the GPU node.
+
+The rates are the device check's measurements (bench/results/gpu_check.md: one H200, bf16, a random
+Qwen3-1.7B-shaped student, ZeRO-0, sdpa), scaled by the model's shape:
+
+* train's DeepSpeed engine holds ``ENGINE_BYTES`` a parameter (bf16 weights, fp32 master weights and
+  AdamW's two fp32 moments; measured 14.1), its gradients 2 more between micro-batches, and building it
+  or taking a step briefly ``TRANSIENT_BYTES`` a parameter (measured 24.0 and 24.05); under ZeRO-2 and 3
+  the optimizer's share (and ZeRO-3's weights) divide by the train ranks;
+* the activations kept for backward: ``ACTIVATION_BYTES`` per hidden unit, layer and position (3.2 MiB
+  a position at hidden 2048 and 28 layers); with gradient checkpointing each layer's input (2 bytes a
+  hidden unit) and one layer's activations, recomputed in backward;
+* score holds both models' weights and, per model, at most two logits buffers of
+  ``model.logits_budget_mib``; its no-grad forward one layer's activations for its batch;
+* rollout's vLLM engine takes ``engine.gpu_memory_utilization`` of the GPU by design, and must fit the
+  student's weights in it.
+
+``SLACK`` covers the short-lived buffers measured beside each peak. A stage above ``LIMIT`` of the GPU
+is refused (the caching allocator held 6-12 GiB above the measured peaks, and CUDA's context 1.3 GiB);
+above ``WARN`` it is a warning. Rollout's engine has never run on a GPU here, nor has anything on several
+GPUs or below ZeRO-0's precision measured: these are estimates, printed with the GPU they assume.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import SELF_TEACHER, Config
+from gndpo.stages.models.loading import architecture_parameter_count, model_config
+
+GIB = 2**30
+ENGINE_BYTES = 14.1  # per parameter: train's DeepSpeed engine at bf16 (2 weights + 12 optimizer), measured
+GRAD_BYTES = 2.0  # per parameter: bf16 gradients, held between the micro-batches of a step
+TRANSIENT_BYTES = 24.1  # per parameter: the engine's build and each optimizer step, measured (38.46 and 38.53 GiB at 1.72B)
+ACTIVATION_BYTES = 58.5  # per hidden unit, layer and position kept for backward (bf16), measured
+CHECKPOINT_BYTES = 2.0  # per hidden unit, layer and position: a checkpointed layer's input (bf16)
+SLACK = 2 * GIB  # short-lived buffers beside each measured peak
+LIMIT = 0.85  # of the GPU's memory: above it a stage is refused
+WARN = 0.70  # above it, a warning
+MIN_KV_CACHE = 1 * GIB  # vLLM needs room for some KV cache beside the weights
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimate needs of a model: its parameters, hidden size and layers."""
+
+    parameters: int
+    hidden: int
+    layers: int
+
+    @classmethod
+    def of(cls, path: str) -> Shape:
+        config = model_config(path)
+        text = config.get("text_config") or config
+        return cls(architecture_parameter_count(path), int(text["hidden_size"]), int(text["num_hidden_layers"]))
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """One stage's estimated peak on one GPU, with what to change where it does not fit."""
+
+    stage: str
+    bytes: float
+    knobs: str
+
+
+def parse_memory(text: str) -> int:
+    """``80GiB``, ``80GB``, ``81559MiB`` or a number of GiB, as bytes; a one-line error otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)
+    if match is None:
+        raise GndpoError(f"--gpu-memory {text!r}: write a size such as 80GiB, 80GB or 81559MiB")
+    scale = {"GiB": GIB, "GB": 1e9, "MiB": 2**20, "MB": 1e6, "TiB": 2**40, "TB": 1e12, None: GIB}[match[2]]
+    return int(float(match[1]) * scale)
+
+
+def train_peak(cfg: Config, student: Shape, gpu: int) -> StagePeak:
+    """Train's peak on one rank: the engine with the activations of a full micro-batch, or its build and
+    optimizer step, whichever is larger; its advice names the micro-batch that would fit ``gpu``."""
+    train_cfg = cfg.train
+    ranks = max(train_cfg.num_processes, 1)  # 0 (one rank a GPU) counts as one: the largest share
+    optimizer = (ENGINE_BYTES - 2) / (ranks if train_cfg.zero_stage >= 1 else 1)
+    weights = 2 / (ranks if train_cfg.zero_stage == 3 else 1)
+    engine = student.parameters * (weights + optimizer)
+    positions = train_cfg.max_tokens_per_batch
+    if train_cfg.gradient_checkpointing:
+        per_position = student.hidden * (CHECKPOINT_BYTES * student.layers + ACTIVATION_BYTES)
+    else:
+        per_position = student.hidden * ACTIVATION_BYTES * student.layers
+    forward = engine + student.parameters * GRAD_BYTES + positions * per_position + SLACK
+    transient = student.parameters * (TRANSIENT_BYTES - ENGINE_BYTES) / (ranks if train_cfg.zero_stage >= 1 else 1)
+    fitting = int((LIMIT * gpu - (forward - positions * per_position)) // per_position)
+    knobs = f"set train.max_tokens_per_batch to at most {fitting}" if fitting >= 1024 else "train on more GPUs with train.zero_stage 2 or 3"
+    if not train_cfg.gradient_checkpointing:
+        knobs += ", or train.gradient_checkpointing: true"
+    return StagePeak("train", max(forward, engine + transient), knobs)
+
+
+def score_peak(cfg: Config, student: Shape, teachers: list[Shape], gpu: int) -> StagePeak:
+    """Score's peak: the student and (HF backend) teacher weights, their logits buffers, a batch's
+    activations; with ``score.backend: vllm`` the teacher's engine takes its share of the GPU."""
+    score_cfg, budget = cfg.score, cfg.model.logits_budget_mib * 2**20
+    on_modules = teachers if score_cfg.backend == "hf" else []
+    weights = 2 * (student.parameters + sum(t.parameters for t in on_modules))
+    buffers = 2 * budget * (1 + len(on_modules))
+    widest = max([student.hidden, *(t.hidden for t in on_modules)])
+    engine = score_cfg.engine.gpu_memory_utilization * gpu if score_cfg.backend == "vllm" else 0
+    total = weights + buffers + score_cfg.max_tokens_per_batch * widest * ACTIVATION_BYTES + SLACK + engine
+    return StagePeak("score", total, "lower score.max_tokens_per_batch or model.logits_budget_mib" +
+                     (", or score.engine.gpu_memory_utilization" if engine else ""))
+
+
+def rollout_peak(cfg: Config, student: Shape, gpu: int) -> StagePeak:
+    """Rollout's vLLM engine: its share of the GPU, which must hold the student's weights and some KV cache."""
+    share = cfg.engine.gpu_memory_utilization * gpu
+    if 2 * student.parameters + MIN_KV_CACHE > share:
+        raise GndpoError(f"rollout: the student's weights ({2 * student.parameters / GIB:.1f} GiB in bf16) leave no room for a KV cache "
+                         f"in vLLM's share of the GPU ({share / GIB:.1f} GiB, engine.gpu_memory_utilization {cfg.engine.gpu_memory_utilization}): "
+                         "raise engine.gpu_memory_utilization, or use a larger GPU")
+    return StagePeak("rollout", share, "lower engine.gpu_memory_utilization")
+
+
+def estimate_stages(cfg: Config, gpu: int) -> list[StagePeak]:
+    """Rollout's, score's and train's peaks for ``cfg`` (models as local folders) on a GPU of ``gpu`` bytes."""
+    student = Shape.of(cfg.student)
+    teachers = [student] if cfg.teacher == SELF_TEACHER else [Shape.of(p) for p in cfg.teacher_models().values()]
+    return [rollout_peak(cfg, student, gpu), score_peak(cfg, student, teachers, gpu), train_peak(cfg, student, gpu)]
+
+
+def check_gpu_memory(cfg: Config, gpu: int | None) -> list[StagePeak]:
+    """Estimate every stage on a GPU of ``gpu`` bytes (None: no GPU known here, nothing checked): one
+    line of the estimates, a one-line refusal naming the stage that does not fit and what to change, a
+    warning for one above ``WARN`` of the GPU."""
+    if gpu is None:
+        return []
+    peaks = estimate_stages(cfg, gpu)
+    line = ", ".join(f"{p.stage} {p.bytes / GIB:.1f}" for p in peaks)
+    for peak in peaks:
+        if peak.stage != "rollout" and peak.bytes > LIMIT * gpu:
+            raise GndpoError(f"{peak.stage} needs about {peak.bytes / GIB:.1f} GiB of the GPU's {gpu / GIB:.1f} GiB (estimated per stage: {line} GiB; "
+                             f"at most {LIMIT:.0%} fits beside the allocator's cache): {peak.knobs}")
+        if peak.stage != "rollout" and peak.bytes > WARN * gpu:
+            logging.getLogger("gndpo").warning(f"{peak.stage} needs about {peak.bytes / GIB:.1f} GiB of the GPU's {gpu / GIB:.1f} GiB: {peak.knobs}")
+    logging.getLogger("gndpo").info(f"GPU memory per stage, estimated for a {gpu / GIB:.1f} GiB GPU: {line} GiB")
+    return peaks

@@ -1,0 +1,93 @@
+"""`gndpo init` sizes each stage's GPU memory (apps/gpu_memory.py) and refuses, in one line with the
+setting to change, a stage that does not fit the GPU: this machine's, or `--gpu-memory` on a login node.
+The estimate is held to the device check's measurements on an H200 (bench/results/gpu_check_2.json),
+and run on a CPU machine against the GSM8K example's shapes (Qwen3-1.7B from Qwen3-8B)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gndpo.apps.gpu_memory import GIB, Shape, parse_memory, train_peak
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.stages.models.loading import architecture_parameter_count
+from tests.conftest import assert_one_line_error, invoke
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "gsm8k-8b-to-1.7b.yaml"
+MEASURED = Path(__file__).resolve().parent.parent / "bench" / "results" / "gpu_check_2.json"
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "max_position_embeddings": 40960,
+         "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+SHAPES = {  # Qwen3-1.7B's and Qwen3-8B's config.json, the fields that decide their size
+    "student": {**QWEN3, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
+                "tie_word_embeddings": True},
+    "teacher": {**QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+                "tie_word_embeddings": False},
+}
+
+
+def test_the_estimate_holds_to_the_h200_measurements():
+    """One optimizer step of a random 1.72B Qwen3-shaped student, ZeRO-0, one full micro-batch: the
+    estimate is at or above each measured peak (torch's allocated memory) and within 15% of it."""
+    checks = json.loads(MEASURED.read_text())["checks"]
+    student = Shape(1_720_574_976, 2048, 28)  # the check's build_engine step counted these parameters
+    for name, settings in (("train_1p7b", {}), ("train_1p7b_8k", {"max_tokens_per_batch": 8192}),
+                           ("train_1p7b_ckpt_live", {"gradient_checkpointing": True})):
+        measured = checks[name]["peak_alloc_gib"]
+        estimate = train_peak(config_from_dict({"train": settings}), student, 140 * GIB).bytes / GIB
+        assert measured <= estimate <= 1.15 * measured, (name, measured, estimate)
+
+
+def test_memory_sizes_parse():
+    assert parse_memory("80GiB") == 80 * GIB and parse_memory("80GB") == 80 * 10**9 and parse_memory("81559MiB") == 81559 * 2**20
+    assert parse_memory("141") == 141 * GIB
+    with pytest.raises(GndpoError, match="write a size such as 80GiB"):
+        parse_memory("eighty")
+
+
+@pytest.fixture
+def example_shapes(tmp_path, tiny_assets) -> dict[str, Path]:
+    """Folders with Qwen3-1.7B's and Qwen3-8B's configs, the toy's tokenizer and a token weight file:
+    enough for init's checks, which read configs and tokenizers, never the weights."""
+    folders = {}
+    for role, config in SHAPES.items():
+        folder = folders[role] = tmp_path / role
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(tiny_assets / "student" / name, folder / name)
+        save_file({"placeholder": torch.zeros(1)}, str(folder / "model.safetensors"))
+    rows = [json.loads(line) for line in (tiny_assets / "train.jsonl").read_text().splitlines()]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps({"question": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    return folders
+
+
+def init_example(tmp_path: Path, folders: dict, *settings: str):
+    data = tmp_path / "gsm8k.jsonl"
+    return invoke("init", tmp_path / "run", "--config", EXAMPLE, f"student={folders['student']}", f"teacher={folders['teacher']}",
+                  f"data.train={data}", f"data.heldout={data}", "data.system_prompt=''", "rollout.prompts_per_round=16", *settings)
+
+
+def test_the_gsm8k_example_fits_an_80gib_gpu_and_its_defaults_would_not(tmp_path, example_shapes, caplog):
+    assert architecture_parameter_count(str(example_shapes["student"])) == pytest.approx(1.72e9, rel=0.01)
+    assert architecture_parameter_count(str(example_shapes["teacher"])) == pytest.approx(8.19e9, rel=0.01)
+    refused = init_example(tmp_path, example_shapes, "--gpu-memory", "80GiB", "train.gradient_checkpointing=false")
+    line = assert_one_line_error(refused, "train needs about", "of the GPU's 80.0 GiB", "set train.max_tokens_per_batch to at most",
+                                 "or train.gradient_checkpointing: true")
+    assert "rollout 68.0, score" in line  # every stage's estimate, in the one line
+    assert not (tmp_path / "run" / "run.yaml").exists()
+    with caplog.at_level(logging.INFO, logger="gndpo"):
+        accepted = init_example(tmp_path, example_shapes, "--gpu-memory", "80GiB")
+    assert accepted.exit_code == 0, accepted.output
+    estimates = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GPU memory per stage")]
+    assert estimates and "estimated for a 80.0 GiB GPU: rollout 68.0, score" in estimates[0], estimates
+
+
+def test_a_bad_gpu_memory_is_one_line(tmp_path, example_shapes):
+    assert_one_line_error(init_example(tmp_path, example_shapes, "--gpu-memory", "lots"), "--gpu-memory 'lots'")

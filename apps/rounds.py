@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.exec.dist import Dist
+from gndpo.pipeline.exec.dist import Dist, usable_cpus
 from gndpo.pipeline.exec.signals import STAGE_OF_RUN_ENV, die_with_parent
 from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.pipeline.observe import progress
@@ -137,12 +137,16 @@ def stage_processes(
       ``<log_dir>/r0003-score-gpu1.log``;
     * train: one process, under torchrun with ``num_processes`` ranks if > 0, else one per GPU;
     * normalize, and every stage with gpus == 0: one process, output inherited (as before GPUs counted).
+
+    Where several processes share the node (workers, train's ranks), each gets its share of the CPUs
+    (``GNDPO_THREADS``): each would otherwise start a torch thread per CPU, and 8 workers on a node
+    would run 8 times as many threads as it has cores.
     """
     if gpus < 0:
         raise GndpoError(f"--gpus must be >= 0, got {gpus}")
     if stage == "train":
         nproc = num_processes if num_processes > 0 else max(gpus, 1)
-        return [StageProcess(stage_command(url, stage, round_idx, nproc), {}, None)]
+        return [StageProcess(stage_command(url, stage, round_idx, nproc), cpu_share(nproc) if nproc > 1 else {}, None)]
     if gpus == 0 or stage not in ("rollout", "score"):
         return [StageProcess(stage_command(url, stage, round_idx), {}, None)]
     per = max(gpus_per_worker, 1)
@@ -151,18 +155,25 @@ def stage_processes(
     ids = _device_ids(gpus)
     log_dir = log_dir or worker_log_dir(url)
     procs = []
+    threads = cpu_share(gpus // per)
     for w in range(gpus // per):
         group = ids[w * per : (w + 1) * per]
         name = f"gpu{w * per}" if per == 1 else f"gpu{w * per}-{(w + 1) * per - 1}"
         procs.append(
             StageProcess(
                 [*stage_command(url, stage, round_idx), "--worker"],
-                {"CUDA_VISIBLE_DEVICES": ",".join(group), "LOCAL_RANK": "0"},
+                {"CUDA_VISIBLE_DEVICES": ",".join(group), "LOCAL_RANK": "0", **threads},
                 f"{log_dir}/r{round_idx:04d}-{stage}-{name}.log",
                 name,
             )
         )
     return procs
+
+
+def cpu_share(processes: int) -> dict[str, str]:
+    """The environment that gives each of ``processes`` processes on this node its share of the CPUs
+    this one may use (at least one): read by :func:`gndpo.stages.models.device.set_cpu_threads`."""
+    return {"GNDPO_THREADS": str(max(usable_cpus() // processes, 1))}
 
 
 def run_stage_processes(procs: list[StageProcess], stage: str, round_idx: int) -> None:

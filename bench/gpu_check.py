@@ -8,13 +8,15 @@ project's own code, each in its own process so that one failure (an OOM, a hang,
   cannot form, the same steps again on a plain torch group without DeepSpeed's device binding;
 * ``handover``: ``gndpo run``'s kept models (``LiveModels(keep=True)``) with a 1.07B realistic-shape
   student (:mod:`tests.realistic`): score, train (one ``take_step``), the kept engine before round 1's
-  rollout (no vLLM here: what its 0.85 wake-up would find free is computed), score and train of round 1;
-  memory printed at each step;
+  rollout (no vLLM here: what its 0.85 wake-up would find free is computed, before and after
+  ``LiveModels.free_device_for_engine``, which rollout's ``student_engine`` calls before it wakes the
+  engine), score and train of round 1; memory printed at each step;
 * ``train_1p7b``: one optimizer step of a random Qwen3-1.7B-shape student with the config's defaults, a
   full 16,384-token micro-batch, its memory split into phases (the student's log-probs, the rest of the
   loss, backward, the optimizer step: the engine's ``backward``/``step`` and the objective's
   ``student_logprobs``/``micro_batch_loss`` wrapped by this script, torch's peak reset between them).
-  Variants: ``train_1p7b_ckpt`` (train.gradient_checkpointing on, as train runs it),
+  Variants: ``train_1p7b_ckpt`` (train.gradient_checkpointing on, as train runs it), ``train_1p7b_ckpt_pkg``
+  (the same; named for the run on the package whose ``enable_checkpointing`` marks the layers as training),
   ``train_1p7b_ckpt_live`` (the same, the engine put in training mode by this script, which
   transformers' checkpointing needs), ``train_1p7b_8k`` and ``train_1p7b_8k_ckpt_live`` (the same rows
   at train.max_tokens_per_batch 8,192: two micro-batches);
@@ -58,8 +60,9 @@ sys.path.insert(0, str(HERE))
 from gpu_round import MemorySampler, gpu_query, version  # noqa: E402
 
 CHECKS = {"collectives": 75, "qwen_vl": 90, "handover": 200, "train_1p7b": 150, "train_1p7b_ckpt": 120,  # name: cap (s)
-          "train_1p7b_ckpt_live": 120, "train_1p7b_8k": 120, "train_1p7b_8k_ckpt_live": 120}
-TRAIN_VARIANTS = {"train_1p7b": {}, "train_1p7b_ckpt": {"checkpointing": True}, "train_1p7b_ckpt_live": {"checkpointing": True, "live": True},
+          "train_1p7b_ckpt_pkg": 120, "train_1p7b_ckpt_live": 120, "train_1p7b_8k": 120, "train_1p7b_8k_ckpt_live": 120}
+TRAIN_VARIANTS = {"train_1p7b": {}, "train_1p7b_ckpt": {"checkpointing": True}, "train_1p7b_ckpt_pkg": {"checkpointing": True},
+                  "train_1p7b_ckpt_live": {"checkpointing": True, "live": True},
                   "train_1p7b_8k": {"max_tokens": 8192}, "train_1p7b_8k_ckpt_live": {"checkpointing": True, "live": True, "max_tokens": 8192}}
 GROUP_STEPS = ("run_collective", "init_process_group")  # a rank's steps that form the group (the others need one)
 WORK = Path(tempfile.gettempdir()) / "gndpo-gpu-check"
@@ -267,12 +270,25 @@ def check_handover(rec: Recorder, tiny: bool) -> None:
         return out
 
     def before_rollout() -> dict:
-        live.release_engine()  # what rollout's wake_up of the sleeping vLLM engine would find
+        # What rollout's wake_up of the sleeping vLLM engine would find: student_engine frees the device first
+        # (where the package has free_device_for_engine); the free memory is read before and after.
+        live.release_engine()
+        out = {"kept_trainer_before": live._trainer is not None}
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            out.update(free_before_gib=round(free / GIB, 2), reserved_before_gib=round(torch.cuda.memory_reserved() / GIB, 2))
+        freer = getattr(live, "free_device_for_engine", None)
+        out["free_device_for_engine"] = freer is not None
+        if freer is not None:
+            freer()
+        out["kept_trainer_after"] = live._trainer is not None
         if device.type != "cuda":
-            return {}
+            return out
+        torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         want = cfg.engine.gpu_memory_utilization * total
-        return {"free_gib": round(free / GIB, 2), "total_gib": round(total / GIB, 2), "vllm_wants_gib": round(want / GIB, 2),
+        return {**out, "free_gib": round(free / GIB, 2), "total_gib": round(total / GIB, 2), "vllm_wants_gib": round(want / GIB, 2),
                 "vllm_wake_fits": free >= want, "held_bytes_per_parameter": round((total - free) / params["n"], 1)}
 
     for name, fn in (("r0_score", lambda: score(0)), ("r0_train", lambda: train(0, None)), ("r1_before_rollout", before_rollout),
@@ -369,7 +385,9 @@ def check_train_1p7b(rec: Recorder, tiny: bool, checkpointing: bool = False, liv
         engine, _ = LiveModels().train_engine(cfg, path, None, 1)
         module = engine.module
         out = {"parameters": sum(p.numel() for p in module.parameters()), "module_training_as_built": module.training,
-               "checkpointing_layers": sum(1 for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True)}
+               "checkpointing_layers": sum(1 for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True),
+               "training_modules": sum(1 for m in module.modules() if m.training),  # enable_checkpointing marks its layers only
+               "checkpointing_layers_training": sum(1 for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True and m.training)}
         if live:
             engine.train()  # transformers checkpoints a layer only while the module is in training mode
         out["module_training"] = module.training

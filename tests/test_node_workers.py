@@ -60,7 +60,22 @@ def test_eight_gpus(tmp_path):
     assert len(stage_processes(url, "normalize", 3, gpus=8)) == 1
     (train,) = stage_processes(url, "train", 3, gpus=8, num_processes=0)
     assert train.argv == [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8", *cli("train", url, 3)[1:]]
-    assert train.env == {} and train.log_path is None
+    assert train.log_path is None
+
+
+def test_processes_sharing_a_node_share_its_cpus(tmp_path, monkeypatch):
+    """8 workers (or ranks) on a 64-CPU node: 8 torch threads each, not 64 (set_cpu_threads reads
+    GNDPO_THREADS); one process alone keeps them all."""
+    url = str(tmp_path / "run")
+    monkeypatch.setattr(rounds, "usable_cpus", lambda: 64)
+    assert [p.env["GNDPO_THREADS"] for p in stage_processes(url, "score", 3, gpus=8)] == ["8"] * 8
+    assert [p.env["GNDPO_THREADS"] for p in stage_processes(url, "rollout", 3, gpus=8, gpus_per_worker=2)] == ["16"] * 4
+    (train,) = stage_processes(url, "train", 3, gpus=8, num_processes=0)
+    assert train.env == {"GNDPO_THREADS": "8"}
+    (train,) = stage_processes(url, "train", 3, gpus=1, num_processes=0)
+    assert train.env == {}
+    monkeypatch.setattr(rounds, "usable_cpus", lambda: 4)
+    assert {p.env["GNDPO_THREADS"] for p in stage_processes(url, "score", 3, gpus=8)} == {"1"}
 
 
 def test_num_processes_overrides_the_gpu_count(tmp_path):

@@ -135,9 +135,11 @@ def load_tokenizer(path: str):
 def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None, dtype: torch.dtype | None = None,
                    place: bool = True):
     """A causal LM (an image-text-to-text one where the config has a vision tower) from ``path`` in
-    ``model.dtype`` with ``model.attn_implementation``, moved to
-    ``device`` (default: this process's). ``place=False`` leaves it where it was built: train hands the
-    model to DeepSpeed, which places it, or under ZeRO-3 has already partitioned it onto the devices."""
+    ``model.dtype`` with ``model.attn_implementation``, on ``device`` (default: this process's): a GPU's
+    weights are read straight onto it, not built in host memory first (8 score workers of a node would
+    each hold an 8B teacher there, about 150 GB). ``place=False`` leaves it where it was built: train
+    hands the model to DeepSpeed, which places it, or under ZeRO-3 has already partitioned it onto the
+    devices."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     model_cfg = model_cfg or ModelConfig()
@@ -145,13 +147,14 @@ def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     check_model_files(path)
     auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+    onto = {"device_map": {"": device}} if place and device.type == "cuda" else {}
     try:
         model = auto.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation(model_cfg.attn_implementation), trust_remote_code=False
+            path, dtype=dtype, attn_implementation=attn_implementation(model_cfg.attn_implementation), trust_remote_code=False, **onto
         )
     except Exception as exc:
         raise GndpoError(f"cannot load a model from {path}: {whole_message(exc)}") from exc
-    return model.to(device) if place else model
+    return model.to(device) if place and not onto else model
 
 
 def model_config(path: str) -> dict:

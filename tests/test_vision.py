@@ -191,14 +191,17 @@ def test_init_stores_each_image_once_by_content_and_reads_geo3k_parquet(tmp_path
     assert stored == sorted(set(ids))
 
 
+@pytest.mark.parametrize("share_prompts", [False, True], ids=["whole-rows", "shared-prompts"])
 @pytest.mark.parametrize("family", ["idefics3", "qwen2_5_vl"])
-def test_the_batched_forward_with_images_equals_the_models_own_for_two_families(family):
-    """Score's and train's forward (right-padded batch, image tensors from the image processor, the VLM's
-    base model, chunked output layer) against the model's own forward row by row; freeze_vision leaves
-    the vision tower without gradient and the language model with one."""
+def test_the_batched_forward_with_images_equals_the_models_own_for_two_families(family, share_prompts):
+    """Score's and train's forward (a right-padded batch, or the prompts' left-padded pass and the
+    responses' on its cache; image tensors from the image processor, the VLM's base model, chunked output
+    layer) against the model's own forward row by row, with Qwen2.5-VL's image-aware M-RoPE positions
+    (gndpo gave it plain 1-D positions: 4.5e-3 off); freeze_vision leaves the vision tower without
+    gradient and the language model with one."""
     from tests.vision_models import check_forward
 
-    result = check_forward(family, torch.device("cpu"), torch.float32)
+    result = check_forward(family, torch.device("cpu"), torch.float32, share_prompts=share_prompts)
     assert result["max_diff"] < 1e-5
     assert result["frozen_parameters"] > 0 and result["language_model_grads"] and not result["vision_grads"]
 

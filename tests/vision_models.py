@@ -75,10 +75,12 @@ def pictures(n: int) -> list:
     return out
 
 
-def check_forward(family: str, device: torch.device, dtype: torch.dtype, rows: int = 3) -> dict:
-    """Per-token log-probs of random responses after an image prompt, through gndpo's batch path and
-    through the model's own forward (row by row, unpadded), and a backward with the vision tower
-    frozen. Returns the largest difference and what the backward reached."""
+def check_forward(family: str, device: torch.device, dtype: torch.dtype, rows: int = 3, share_prompts: bool = False) -> dict:
+    """Per-token log-probs of random responses after an image prompt, through gndpo's batch path
+    (``share_prompts``: the prompts' pass, left-padded, then the responses' on its cache) and through the
+    model's own forward (row by row, unpadded, given what its processor gives it: for Qwen2.5-VL the
+    token types from which it builds its image-aware M-RoPE positions), and a backward with the vision
+    tower frozen. Returns the largest difference and what the backward reached."""
     model, tok, processor = FAMILIES[family]()
     model = model.to(device=device, dtype=dtype)
     images = [[im] for im in pictures(rows)]
@@ -86,7 +88,7 @@ def check_forward(family: str, device: torch.device, dtype: torch.dtype, rows: i
     prompts = [expanded_prompt(family, tok, grids[i] if grids is not None else None) for i in range(rows)]
     rng = np.random.default_rng(0)
     responses = [rng.integers(3, 90, size=4 + 2 * i).tolist() for i in range(rows)]  # printable characters only
-    batch = make_batch(prompts, responses, tok.pad_token_id, device)
+    batch = make_batch(prompts, responses, tok.pad_token_id, device, share_prompts=share_prompts, image_keys=list(range(rows)))
     batch.images = image_inputs(processor, images, device)
     frozen = freeze_all_but_language_model(model)
     logp = policy_token_logprobs(model, batch, 64, 1.0).sampled
@@ -96,6 +98,8 @@ def check_forward(family: str, device: torch.device, dtype: torch.dtype, rows: i
         for i in range(rows):
             ids = torch.tensor([prompts[i] + responses[i]], device=device)
             inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in image_inputs(processor, [images[i]], device).items()}
+            if family == "qwen2_5_vl":  # what Qwen2.5-VL's processor returns beside the ids
+                inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
             full = model(input_ids=ids, **inputs).logits[0].float().log_softmax(-1)
             start = len(prompts[i])
             want.append(full[start - 1 : -1].gather(-1, ids[0, start:, None])[:, 0])

@@ -174,6 +174,20 @@ def backbone(model, ids: torch.Tensor, attention_mask: torch.Tensor, images: dic
     return model.get_decoder()(input_ids=ids, attention_mask=attention_mask, **kwargs)
 
 
+def mrope_positions(model, ids: torch.Tensor, attention_mask: torch.Tensor, images: dict | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a model that places an image's tokens by their patch grid (M-RoPE: Qwen2-VL, Qwen2.5-VL, ...)
+    and a batch with images: (position ids [3, B, L], each row's offset of the text positions after its
+    images, [B, 1]), as the model's own ``get_rope_index`` computes them; None otherwise. The model builds
+    these itself only from the processor's ``mm_token_type_ids``, which gndpo's rows do not carry, and
+    never where positions are given (the shared-prompt passes give them): without them every token would
+    get plain 1-D positions, silently."""
+    base = model.base_model
+    if not images or "image_grid_thw" not in images or not hasattr(base, "get_rope_index"):
+        return None
+    token_types = (ids == model.config.image_token_id).int()  # 1: an image's token (the rows have no video)
+    return base.get_rope_index(ids, token_types, image_grid_thw=images["image_grid_thw"], attention_mask=attention_mask)
+
+
 def response_hidden(model, batch: TokenBatch) -> torch.Tensor:
     """The backbone's last hidden state at every response-predicting position, as [N, H].
 
@@ -185,16 +199,22 @@ def response_hidden(model, batch: TokenBatch) -> torch.Tensor:
     is predicted by its prompt's last position, its t-th by the response pass at t - 1. Both passes run
     for every batch, so ranks of one ZeRO-3 group call each module equally often."""
     if batch.prefix_ids is None:
-        out = backbone(model, batch.ids, batch.attention_mask, batch.images, use_cache=False)
+        mrope = mrope_positions(model, batch.ids, batch.attention_mask, batch.images)
+        out = backbone(model, batch.ids, batch.attention_mask, batch.images, use_cache=False, **({"position_ids": mrope[0]} if mrope else {}))
         return out.last_hidden_state[batch.rows, batch.cols]
     prefix_mask = batch.prefix_mask
-    prefix_positions = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+    mrope = mrope_positions(model, batch.prefix_ids, prefix_mask, batch.images)
+    prefix_positions = mrope[0] if mrope else (prefix_mask.cumsum(-1) - 1).clamp(min=0)
     prefix = backbone(model, batch.prefix_ids, prefix_mask, batch.images, position_ids=prefix_positions, use_cache=True)
     cache = prefix.past_key_values
     cache.reorder_cache(batch.prefix_of)
     prompt_lengths = prefix_mask.sum(-1)[batch.prefix_of]
+    if mrope:  # text after the images continues from the prompt's largest position, in all three sections
+        prompt_lengths = prompt_lengths + mrope[1][batch.prefix_of, 0]
     width = batch.ids.shape[1]
     positions = prompt_lengths.unsqueeze(-1) + torch.arange(width, device=batch.ids.device)
+    if mrope:
+        positions = positions.unsqueeze(0).expand(3, -1, -1)
     mask = torch.cat([prefix_mask[batch.prefix_of], batch.attention_mask], dim=-1)
     out = backbone(model, batch.ids, mask, position_ids=positions, past_key_values=cache, use_cache=True)
     first = prefix.last_hidden_state[batch.prefix_of, -1]

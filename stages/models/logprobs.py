@@ -344,9 +344,10 @@ def pair_token_stats(teacher, student, batch: TokenBatch, token_chunk: int, stud
             scratch = reduction_scratch(s_all if s_all is not None else t_all)
         out.update(vocabulary_reductions(s_all, t_all, ids, scratch, entropies, kl))
         for name, value in out.items():
-            parts.setdefault(name, []).append(value.cpu())
+            parts.setdefault(name, []).append(value)  # [chunk] or [chunk, k]: small beside the chunk's logits
         del t_all, s_all  # the next chunk allocates its own [chunk, V] buffers
-    return {name: torch.cat(values) for name, values in parts.items()}
+    # One copy to the CPU per column and batch: a copy per chunk waits for the GPU each time.
+    return {name: torch.cat(values).cpu() for name, values in parts.items()}
 
 
 def sampled_and_topk(s_all: torch.Tensor | None, t_all: torch.Tensor | None, targets: torch.Tensor, topk: int):

@@ -18,9 +18,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import shutil
+import socket
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +34,7 @@ from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.lora import has_adapters
 from gndpo.stages.training.ema import EmaWeights
+from gndpo.storage.cache import cache_dir
 from gndpo.storage.records import CHECKPOINTS, train_optimizer_state
 from gndpo.storage.shards import verified_bytes
 
@@ -60,17 +66,49 @@ def save_state(engine, fs, rel: str, dist: Dist) -> list[dict] | None:
 def load_state(engine, fs, state: dict, world: int) -> bool:
     """Load a state written by :func:`save_state` after checking every file against its sha256. A state
     written by another number of ranks is skipped (False): ZeRO partitions are per rank. Every rank
-    fetches all files, as DeepSpeed's ZeRO-1/2 loader reads every rank's optimizer partition."""
+    reads all files, as DeepSpeed's ZeRO-1/2 loader reads every rank's optimizer partition, from one
+    download per node (:func:`node_state_folder`)."""
     if state.get("world", 1) != world:
         return False
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / CHECKPOINT_TAG
-        folder.mkdir()
-        for record in state["files"]:
-            (folder / Path(record["path"]).name).write_bytes(verified_bytes(fs, record))
-        engine.load_checkpoint(tmp, tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
+    with node_state_folder(fs, state, Dist.from_env()) as root:
+        engine.load_checkpoint(root, tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
                                load_module_strict=not has_adapters(engine.module))
     return True
+
+
+@contextmanager
+def node_state_folder(fs, state: dict, dist: Dist) -> Iterator[str]:
+    """A folder whose ``CHECKPOINT_TAG`` subfolder holds ``state``'s files, each checked against its
+    sha256: downloaded once per node, by its first rank (local rank 0), into the node's cache, and read
+    by every rank of the node after a barrier (8 ranks each fetching every partition was 8 downloads of
+    the whole state); removed once every rank has loaded. One rank alone uses a temporary folder."""
+    if dist.world == 1:
+        with tempfile.TemporaryDirectory() as tmp:
+            download_state(fs, state, Path(tmp) / CHECKPOINT_TAG)
+            yield tmp
+        return
+    import torch.distributed as torch_dist
+
+    # The node and the run in the name: a cache on a filesystem several nodes share gets one folder a node.
+    key = hashlib.sha1(f"{socket.gethostname()}:{fs.url}:{[r['sha256'] for r in state['files']]}".encode()).hexdigest()[:16]
+    root = cache_dir("states") / key
+    if dist.local_rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        download_state(fs, state, root / CHECKPOINT_TAG)
+    torch_dist.barrier()
+    try:
+        yield str(root)
+    finally:
+        torch_dist.barrier()
+        if dist.local_rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def download_state(fs, state: dict, folder: Path) -> None:
+    """``state``'s files into ``folder``, each checked against its commit record."""
+    folder.mkdir(parents=True)
+    for record in state["files"]:
+        (folder / Path(record["path"]).name).write_bytes(verified_bytes(fs, record))
 
 
 # -- within a round ---------------------------------------------------------------------------------

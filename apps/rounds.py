@@ -75,6 +75,8 @@ def run_stage(
             manifest = Worker(records, job, ttl=lease_ttl, log=log, on_manifest=committed).run(wait_for_others=not worker)
         if manifest is not None and dist.main:
             write_metrics_jsonl(run)
+        if manifest is not None and stage == "train" and live is not None:
+            live.train_committed()
     return manifest
 
 

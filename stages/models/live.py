@@ -359,6 +359,11 @@ class LiveModels:
         if self.keeps_trainer(world):
             self._trainer = _Trainer(engine, (repr(cfg.train), repr(cfg.model), world), model_dir, cfg.train.zero_stage == 3, pending)
 
+    def train_committed(self) -> None:
+        """The train stage of the kept engine has committed: its deferred state's record may follow."""
+        if self._trainer is not None and self._trainer.pending is not None:
+            self._trainer.pending.release()
+
     def drop_trainer(self) -> None:
         """Forget the kept DeepSpeed engine, once its pending state write (if any) has finished."""
         if self._trainer is not None:

@@ -215,8 +215,9 @@ class DeferredState:
     (``train.state_async``): the round commits without waiting, naming :attr:`record` as where its
     state will be, and the write overlaps the next round's rollout, score and normalize, which leave
     the engine's weights and optimizer as they are. The next update calls :meth:`wait` before its
-    first step changes them. The record is written last, so until it exists the state does not: a
-    process that dies first leaves none, and the next train replays from the last written state
+    first step changes them. The record is written last, and only once the commit that names it
+    exists (:meth:`release`, or :meth:`wait`), so until it exists the state does not: a process that
+    dies first leaves none, and the next train replays from the last written state
     (:func:`last_carried_state`), as after a ``train.state_every`` round."""
 
     RECORD = "optimizer.json"
@@ -225,14 +226,20 @@ class DeferredState:
         self.record = f"{out_dir}/{self.RECORD}"
         self._log = log
         self._error: BaseException | None = None
+        self._released = threading.Event()  # the round's commit exists: the record may follow it
         self._thread = threading.Thread(target=self._write, args=(engine, fs, out_dir), name="gndpo-state", daemon=True)
         self._thread.start()
+
+    def release(self) -> None:
+        """The commit naming :attr:`record` is written: the record may be written after the files."""
+        self._released.set()
 
     def _write(self, engine, fs, out_dir: str) -> None:
         try:
             t0 = time.perf_counter()
             state = carry_state(engine, fs, out_dir, Dist())
             written = sum(f["bytes"] for f in state["files"])
+            self._released.wait()
             crash_point("train.state_write")
             fs.create_json(self.record, {**state, "seconds": round(time.perf_counter() - t0, 3), "bytes": written})
         except BaseException as exc:  # noqa: BLE001 - reported by wait(), on the thread that can act on it
@@ -241,6 +248,7 @@ class DeferredState:
     def wait(self) -> None:
         """Block until the state and its record are written. A failed write is logged, not raised: the
         round is committed, and a train that later needs the state replays without it."""
+        self._released.set()  # whoever waits needs the state now: the round's commit is long written
         self._thread.join()
         if self._error is not None:
             self._log(f"train: writing the optimizer state to {self.record} failed ({self._error!r}); "

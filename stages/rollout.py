@@ -24,7 +24,7 @@ from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.run.seeds import derived_seed
-from gndpo.pipeline.tasks.rewards import run_rewards, score_response
+from gndpo.pipeline.tasks.rewards import get_reward, run_rewards, score_response
 from gndpo.stages.models.device import DTYPES, local_device
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, unsampleable
@@ -222,8 +222,7 @@ class RolloutJob:
     def _eval_unit(self, out_dir):
         if self.run.heldout_measure() == "label_free":
             return self._label_free_eval_unit(out_dir)
-        reward = run_rewards(self.cfg)[self.cfg.reward]
-        task = HeldoutTask(self.run.prompts("heldout"), reward, self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use, self.images)
+        task = HeldoutTask(self.run.prompts("heldout"), get_reward(self.cfg.reward), self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use, self.images)
         result = greedy_eval(self.llm, self.tok, task)
         record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"))
         record["kind"] = "eval"
@@ -235,8 +234,8 @@ class RolloutJob:
         held-out reverse-KL estimate and the teacher's log-prob of the greedy answer)."""
         heldout = self.run.prompts("heldout")
         rows, answer_free = [], run_rewards(self.cfg, with_answers=False)
+        rendered = [render_prompt(self.tok, prompt, self.cfg.data) for prompt in heldout]
         for sample_idx, temperature in enumerate((0.0, self.cfg.rollout.temperature)):
-            rendered = [render_prompt(self.tok, prompt, self.cfg.data) for prompt in heldout]
             conversations = [Conversation(prompt, r.token_ids, sample_seed(self.cfg.rollout.seed, self.round, f"heldout:{prompt['prompt_id']}", sample_idx))
                              for prompt, r in zip(heldout, rendered)]
             self.generate(conversations, f"rollout r{self.round} held-out", partial(self.sampling, temperature=temperature))

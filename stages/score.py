@@ -37,7 +37,7 @@ from gndpo.stages.scoring.teachers import EngineTeacher, ModuleTeachers, OtherTo
 from gndpo.stages.text.cross_tokenizer import CrossTokenizerTeacher, TeacherModule
 from gndpo.stages.text.teacher_context import TeacherPrompts
 from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS
-from gndpo.storage.shards import flat_values, read_shard, write_shard
+from gndpo.storage.shards import read_shard, write_shard
 
 
 class ScoreJob:
@@ -214,13 +214,14 @@ class ScoreJob:
         table = table.set_column(column, "temperature", pa.array([self.cfg.rollout.temperature] * table.num_rows, pa.float64()))
         rows = UnitRows.of_table(table)
         per_token = self.teacher.score(rows, 0).per_token
-        sample = np.repeat(table.column("sample_idx").to_numpy(), rows.lengths)
-        sampled = flat_values(table.column("loss_mask"))[0].astype(bool)
+        sample_of_row = table.column("sample_idx").to_numpy()
+        sample = np.repeat(sample_of_row, rows.lengths)
+        sampled = rows.loss_masks.astype(bool)
         teacher, student = per_token["teacher_logprobs"].astype(np.float64), per_token["student_logprobs"].astype(np.float64)
         greedy, drawn = sampled & (sample == 0), sampled & (sample == 1)
         return {"eval": {"reverse_kl": float(np.mean(student[drawn] - teacher[drawn])) if drawn.any() else None,
                             "teacher_logprob": float(np.mean(teacher[greedy])) if greedy.any() else None,
-                            "prompts": int((table.column("sample_idx").to_numpy() == 0).sum())}}
+                            "prompts": int((sample_of_row == 0).sum())}}
 
     def summarize(self, commits):
         """The manifest's metrics: tokens, speed, and the student's columns against the sampler's."""

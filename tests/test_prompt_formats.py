@@ -17,10 +17,15 @@ import pytest
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import DataConfig
-from gndpo.pipeline.run.prompts import has_answers, load_prompts, prompt_id
+from gndpo.pipeline.run.prompts import load_prompts, prompt_id
 
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
-needs_datasets = pytest.mark.skipif(not HAS_DATASETS, reason="the datasets package is not installed (not a gndpo dependency)")
+needs_datasets = pytest.mark.skipif(not HAS_DATASETS, reason="the datasets package is not installed (pip install 'gndpo[datasets]')")
+
+
+def has_answers(table) -> bool:
+    """Whether every row of a loaded prompt table has an answer (Run.has_answers, on a run's table)."""
+    return "answer" in table.columns and table.height > 0 and table["answer"].null_count() == 0
 
 
 def refused(call, *fragments) -> str:

@@ -167,11 +167,6 @@ def row_answers(df: pl.DataFrame, key: str, url: str, references: list, answers_
     return [v if v is not None else r for v, r in zip(values, references)], column is not None or bool(answers_for)
 
 
-def has_answers(table: pl.DataFrame) -> bool:
-    """Whether every row of a prompt table (:func:`load_prompts`) has an answer."""
-    return "answer" in table.columns and table.height > 0 and table["answer"].null_count() == 0
-
-
 def row_images(df: pl.DataFrame, images_key: str, url: str) -> list[list[bytes]] | None:
     """Each row's images as bytes (:func:`gndpo.pipeline.run.images.source_images`), or None for a file
     without an image column."""

@@ -66,6 +66,20 @@ def image_inputs(processor, images: list[list], device: torch.device) -> dict[st
     return {k: v.to(device) for k, v in out.items()}
 
 
+def mrope_positions(model, ids: torch.Tensor, attention_mask: torch.Tensor, images: dict | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a model that places an image's tokens by their patch grid (M-RoPE: Qwen2-VL, Qwen2.5-VL, ...)
+    and a batch with images: (position ids [3, B, L], each row's offset of the text positions after its
+    images, [B, 1]), as the model's own ``get_rope_index`` computes them; None otherwise. The model builds
+    these itself only from the processor's ``mm_token_type_ids``, which gndpo's rows do not carry, and
+    never where positions are given (the shared-prompt passes give them): without them every token would
+    get plain 1-D positions, silently."""
+    base = model.base_model
+    if not images or "image_grid_thw" not in images or not hasattr(base, "get_rope_index"):
+        return None
+    token_types = (ids == model.config.image_token_id).int()  # 1: an image's token (the rows have no video)
+    return base.get_rope_index(ids, token_types, image_grid_thw=images["image_grid_thw"], attention_mask=attention_mask)
+
+
 class BatchImages:
     """The pictures of a run's prompts by prompt id, and the processor that turns a batch's pictures
     into the forward's tensors (score and train: the rows of a batch name their prompts)."""

@@ -19,7 +19,6 @@ from pathlib import Path
 import yaml
 from transformers.utils import logging as hf_logging
 
-from gndpo.apps.gpu_memory import check_gpu_memory
 from gndpo.apps.round_size import check_round_fits
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.checks import check_backend
@@ -33,6 +32,7 @@ from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, model_cache_dir, open_run
 from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, resolve_reference, teacher_folder
 from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import flash_attention_blocker, gpu_memory
+from gndpo.stages.models.gpu_memory import check_gpu_memory
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
@@ -299,7 +299,7 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
     """Create the run at ``url`` from ``cfg`` after every check (settings, models, prompts, context),
     writing the prompts and, last and exclusively, run.yaml; the existing run where ``url`` holds one
     made from the same config, a GndpoError where it holds another. ``gpu_bytes``: the GPU each stage's
-    memory is estimated for (:mod:`gndpo.apps.gpu_memory`; default: this machine's, none without one)."""
+    memory is estimated for (:mod:`gndpo.stages.models.gpu_memory`; default: this machine's, none without one)."""
     fs = RunFS(url)
     if fs.exists("run.yaml"):
         existing = open_run(url)

@@ -18,8 +18,8 @@ def init(
     ),
 ):
     """Create a run: validate models and prompts, import prompts, freeze the config."""
-    from gndpo.apps.gpu_memory import parse_memory  # at call time, as init_run: it imports torch and transformers
     from gndpo.apps.init import init_run  # at call time: torch and transformers load only for this command
+    from gndpo.stages.models.gpu_memory import parse_memory  # at call time, as init_run: it imports torch and transformers
 
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else None
     cfg = load_config(config, overrides or [])

@@ -164,23 +164,23 @@ class Objective:
     # that teacher's vocabulary (stages/text/vocabulary.py), on the device.
     teacher_names: tuple[str, ...] = ()
     student_unmatched: torch.Tensor | None = None  # [teachers, V]
+    # Whether a micro-batch reads each distinct prompt once (model.shared_prompts). Not under gradient
+    # checkpointing: a checkpointed layer drops the prompt's keys and values.
+    share_prompts: bool = True
 
     @classmethod
     def of(cls, cfg, round_idx: int, pad_id: int, device: torch.device, images: BatchImages | None = None,
-           student_unmatched: dict[str, np.ndarray] | None = None) -> Objective:
+           student_unmatched: dict[str, np.ndarray] | None = None, checkpointing: bool = False) -> Objective:
+        """The round's objective; ``checkpointing``: whether the model recomputes its layers in backward."""
         policy_loss, loss_agg = policy_settings(cfg.method)
         # A div term is computed only where the method stored the teacher top-k for one.
         divergence = divergence_of(cfg.method, round_idx) if TOPK in score_needs(cfg.method) else None
-        if not (divergence and student_unmatched):
-            return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images)
-        masks = torch.from_numpy(np.stack(list(student_unmatched.values()))).to(device)
-        return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images, tuple(student_unmatched), masks)
+        masks = names = None
+        if divergence and student_unmatched:
+            names, masks = tuple(student_unmatched), torch.from_numpy(np.stack(list(student_unmatched.values()))).to(device)
+        return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images, names or (), masks,
+                   share_prompts=cfg.model.shared_prompts and not checkpointing)
 
-    @property
-    def share_prompts(self) -> bool:
-        """Whether a micro-batch reads each distinct prompt once (model.shared_prompts). Not under
-        gradient checkpointing: a checkpointed layer drops the prompt's keys and values."""
-        return self.cfg.model.shared_prompts and not self.cfg.train.gradient_checkpointing
 
     def micro_batch_loss(self, model, micro: list[TrainRow], min_chunks: int, n_seqs: int, n_tokens: int, weight_sum: float):
         """(this micro-batch's share of the step loss, [loss, clipped tokens, sum of ratios]).
@@ -415,7 +415,10 @@ class TrainJob:
         torch.manual_seed(cfg.train.seed)
         pad_id = load_tokenizer(policy).pad_token_id or 0
         unmatched = self.student_unmatched(round_idx, policy, engine.module.get_output_embeddings().out_features)
-        return share, steps, Objective.of(cfg, round_idx, pad_id, local_device(), BatchImages.of_run(self.run, policy), unmatched)
+        # The model says whether it checkpoints (train.gradient_checkpointing, or auto's choice for this GPU).
+        checkpointing = bool(getattr(engine.module, "is_gradient_checkpointing", False))
+        return share, steps, Objective.of(cfg, round_idx, pad_id, local_device(), BatchImages.of_run(self.run, policy), unmatched,
+                                          checkpointing)
 
     def student_unmatched(self, round_idx: int, policy: str, vocabulary: int) -> dict[str, np.ndarray] | None:
         """With a top-k divergence against teachers of another vocabulary: {teacher name: [vocabulary]

@@ -1,4 +1,4 @@
-"""`gndpo init` sizes each stage's GPU memory (apps/gpu_memory.py) and refuses, in one line with the
+"""`gndpo init` sizes each stage's GPU memory (stages/models/gpu_memory.py) and refuses, in one line with the
 setting to change, a stage that does not fit the GPU: this machine's, or `--gpu-memory` on a login node.
 The estimate is held to the device check's measurements on an H200 (bench/results/gpu_check_2.json),
 and run on a CPU machine against the GSM8K example's shapes (Qwen3-1.7B from Qwen3-8B)."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gndpo.apps.gpu_memory import GIB, Shape, parse_memory, train_peak
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.stages.models.gpu_memory import GIB, Shape, parse_memory, train_peak, uses_checkpointing
 from gndpo.stages.models.loading import architecture_parameter_count
 from tests.conftest import assert_one_line_error, invoke
 
@@ -40,7 +40,8 @@ def test_the_estimate_holds_to_the_h200_measurements():
     for name, settings in (("train_1p7b", {}), ("train_1p7b_8k", {"max_tokens_per_batch": 8192}),
                            ("train_1p7b_ckpt_live", {"gradient_checkpointing": True})):
         measured = checks[name]["peak_alloc_gib"]
-        estimate = train_peak(config_from_dict({"train": settings}), student, 140 * GIB).bytes / GIB
+        cfg = config_from_dict({"train": settings})
+        estimate = train_peak(cfg, student, 140 * GIB, cfg.train.gradient_checkpointing is True).bytes / GIB
         assert measured <= estimate <= 1.15 * measured, (name, measured, estimate)
 
 
@@ -74,7 +75,7 @@ def init_example(tmp_path: Path, folders: dict, *settings: str):
                   f"data.train={data}", f"data.heldout={data}", "data.system_prompt=''", "rollout.prompts_per_round=16", *settings)
 
 
-def test_the_gsm8k_example_fits_an_80gib_gpu_and_its_defaults_would_not(tmp_path, example_shapes, caplog):
+def test_the_gsm8k_example_fits_an_80gib_gpu_and_would_not_without_checkpointing(tmp_path, example_shapes, caplog):
     assert architecture_parameter_count(str(example_shapes["student"])) == pytest.approx(1.72e9, rel=0.01)
     assert architecture_parameter_count(str(example_shapes["teacher"])) == pytest.approx(8.19e9, rel=0.01)
     refused = init_example(tmp_path, example_shapes, "--gpu-memory", "80GiB", "train.gradient_checkpointing=false")
@@ -87,6 +88,23 @@ def test_the_gsm8k_example_fits_an_80gib_gpu_and_its_defaults_would_not(tmp_path
     assert accepted.exit_code == 0, accepted.output
     estimates = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GPU memory per stage")]
     assert estimates and "estimated for a 80.0 GiB GPU: rollout 68.0, score" in estimates[0], estimates
+    assert "train with gradient checkpointing" in estimates[0]  # the example leaves it to auto, which turns it on here
+
+
+def test_auto_checkpoints_only_where_the_gpu_needs_it(example_shapes):
+    """train.gradient_checkpointing: auto is on where the step without it is estimated above 70% of the
+    GPU (the GSM8K example's 1.72B student: 80 GiB yes, a 1 TiB GPU no), off without a GPU; true and
+    false are kept whatever the GPU."""
+    student = str(example_shapes["student"])
+    auto = config_from_dict({"train": {"max_tokens_per_batch": 16384}})
+    assert auto.train.gradient_checkpointing == "auto"
+    without = train_peak(auto, Shape.of(student), 80 * GIB, checkpointing=False).bytes
+    assert without > 0.7 * 80 * GIB
+    assert uses_checkpointing(auto, student, 80 * GIB) and not uses_checkpointing(auto, student, 1024 * GIB)
+    assert not uses_checkpointing(auto, student, None)
+    for setting in (True, False):
+        cfg = config_from_dict({"train": {"gradient_checkpointing": setting}})
+        assert uses_checkpointing(cfg, student, 80 * GIB) is setting and uses_checkpointing(cfg, student, 1024 * GIB) is setting
 
 
 def test_a_bad_gpu_memory_is_one_line(tmp_path, example_shapes):

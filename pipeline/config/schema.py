@@ -23,6 +23,7 @@ import math
 import re
 import string
 import tokenize
+import types
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal, TypedDict
@@ -409,7 +410,10 @@ class TrainConfig:
     micro_batch_size: Count = 64  # the most responses in one micro-batch
     grad_clip: NonNegative = 1.0  # 0 = no clipping
     zero_stage: Annotated[int, Range(ge=0, le=3)] = 0  # 0-3; with 3 the model is built partitioned and the export gathers it
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, more compute
+    # Recompute each layer's activations in backward: less memory, about a third more compute. auto =
+    # on where a GPU is found and train's estimated peak without it is above 70% of the GPU's memory
+    # (stages/models/gpu_memory.py; `gndpo init` prints the estimate), off on CPU.
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     carry_optimizer_state: bool = True  # keep AdamW moments across rounds
     # Write the carried optimizer state (AdamW's moments, and the fp32 master weights in bf16: about 3x
     # the exported policy's bytes) after every state_every-th round only. A process that keeps its
@@ -538,7 +542,7 @@ def _coerce(value: Any, typ: type, name: str):
             hint = did_you_mean(value, typing.get_args(typ)) if isinstance(value, str) else ""
             raise GndpoError(f"config key {name} must be one of {_choices(typ)}, got {value!r}{hint}")
         return value
-    if typing.get_origin(typ) in (list, dict):
+    if typing.get_origin(typ) in (list, dict, types.UnionType, typing.Union):
         if not _holds(value, typ):
             raise GndpoError(f"config key {name} must be {_describe(typ)}, got {value!r}")
         return value
@@ -563,6 +567,8 @@ def _holds(value: Any, typ) -> bool:
     origin, args = typing.get_origin(typ), typing.get_args(typ)
     if origin is Literal:
         return isinstance(value, str) and value in args
+    if origin in (types.UnionType, typing.Union):  # `bool | Literal["auto"]`: a value of one of its types, as written
+        return any(_holds(value, arg) for arg in args)
     if origin is list:
         return isinstance(value, list) and all(_holds(item, args[0]) for item in value)
     if origin is dict:
@@ -592,6 +598,8 @@ def _describe(typ) -> str:
     origin, args = typing.get_origin(typ), typing.get_args(typ)
     if origin is Literal:
         return f"({' | '.join(args)})"
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_choices(arg) if typing.get_origin(arg) is Literal else _describe(arg) for arg in args)
     if origin is list:
         return f"a list of {_describe(args[0])}"
     if origin is dict:

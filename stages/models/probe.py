@@ -7,7 +7,8 @@ writes, beside each exported model, the log-probs its own forward gives a fixed 
 (``gndpo_probe.json``: a few seeded sequences of token ids), and rollout asks its engine for the same
 log-probs (vLLM prompt log-probs) before it samples. The gap between the two is the round's
 ``engine_probe_gap_max``/``_mean`` metric; a kept engine whose gap exceeds the tolerance of the
-engine's precision is replaced by a fresh one, with a warning. Costs one short forward on each side.
+engine's precision is replaced by a fresh one, with a warning; where the fresh engine's gap is itself
+beyond that tolerance, it becomes the measure for later reloads. Costs one short forward on each side.
 
 A vision-language student's probe adds one sequence that shows a picture (seeded noise, rebuilt from
 its seed on both sides), so a reload that kept the old vision tower or connector shows in the gap too:
@@ -35,6 +36,10 @@ PROBE_PICTURE_PIXELS = 64  # a side of the image probe's picture; every processo
 # engine is within 1e-5 of transformers on SmolLM2; the stale output layer this guards against was
 # 1.9e-3 off on average. 16-bit engines round each logit to ~3 significant digits.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
+# Where a fresh engine's own gap is above its dtype's tolerance (a large model in 16 bits), a reload is
+# held to this multiple of that gap: the rounding of consecutive rounds' models differs little, while
+# weights left stale differ by a whole round's update.
+CALIBRATED = 3.0
 
 
 def probe_token_ids(vocabulary: int, seed: int = 0, avoid: frozenset = frozenset()) -> list[list[int]]:

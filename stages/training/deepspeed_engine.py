@@ -23,7 +23,8 @@ import sys
 import torch
 
 from gndpo.pipeline.exec.dist import Dist
-from gndpo.stages.models.device import local_device, resolve_dtype
+from gndpo.stages.models.device import gpu_memory, local_device, resolve_dtype
+from gndpo.stages.models.gpu_memory import uses_checkpointing
 from gndpo.stages.models.loading import is_vision_model, load_causal_lm
 from gndpo.stages.models.lora import adapted_student
 from gndpo.stages.models.vision import freeze_all_but_language_model
@@ -173,7 +174,7 @@ def build_engine(cfg, policy: str, world: int, base: str | None = None):
     model.config.use_cache = False
     if cfg.model.freeze_vision and is_vision_model(policy):
         freeze_all_but_language_model(model)
-    if cfg.train.gradient_checkpointing:
+    if uses_checkpointing(cfg, base or policy, gpu_memory()):
         enable_checkpointing(model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config

@@ -1,6 +1,8 @@
 """Each stage's GPU memory, estimated at `gndpo init` from the model sizes, the batch budgets and the GPU
 (the one this machine has, or ``gndpo init --gpu-memory 80GiB`` on a login node), and the sizes refused
-there instead of running out of memory on the GPU node.
+there instead of running out of memory on the GPU node; and whether train checkpoints its layers'
+activations where ``train.gradient_checkpointing`` is auto (:func:`uses_checkpointing`, which init and
+train ask alike).
 
 The rates are the device check's measurements (bench/results/gpu_check.md: one H200, bf16, a random
 Qwen3-1.7B-shaped student, ZeRO-0, sdpa), scaled by the model's shape:
@@ -67,6 +69,7 @@ class StagePeak:
     stage: str
     bytes: float
     knobs: str
+    how: str = ""  # how the stage runs where that decides its peak: " with gradient checkpointing"
 
 
 def parse_memory(text: str) -> int:
@@ -78,16 +81,17 @@ def parse_memory(text: str) -> int:
     return int(float(match[1]) * scale)
 
 
-def train_peak(cfg: Config, student: Shape, gpu: int) -> StagePeak:
-    """Train's peak on one rank: the engine with the activations of a full micro-batch, or its build and
-    optimizer step, whichever is larger; its advice names the micro-batch that would fit ``gpu``."""
+def train_peak(cfg: Config, student: Shape, gpu: int, checkpointing: bool) -> StagePeak:
+    """Train's peak on one rank, with or without gradient ``checkpointing``: the engine with the
+    activations of a full micro-batch, or its build and optimizer step, whichever is larger; its advice
+    names the micro-batch that would fit ``gpu``."""
     train_cfg = cfg.train
     ranks = max(train_cfg.num_processes, 1)  # 0 (one rank a GPU) counts as one: the largest share
     optimizer = (ENGINE_BYTES - 2) / (ranks if train_cfg.zero_stage >= 1 else 1)
     weights = 2 / (ranks if train_cfg.zero_stage == 3 else 1)
     engine = student.parameters * (weights + optimizer)
     positions = train_cfg.max_tokens_per_batch
-    if train_cfg.gradient_checkpointing:
+    if checkpointing:
         per_position = student.hidden * (CHECKPOINT_BYTES * student.layers + ACTIVATION_BYTES)
     else:
         per_position = student.hidden * ACTIVATION_BYTES * student.layers
@@ -95,9 +99,20 @@ def train_peak(cfg: Config, student: Shape, gpu: int) -> StagePeak:
     transient = student.parameters * (TRANSIENT_BYTES - ENGINE_BYTES) / (ranks if train_cfg.zero_stage >= 1 else 1)
     fitting = int((LIMIT * gpu - (forward - positions * per_position)) // per_position)
     knobs = f"set train.max_tokens_per_batch to at most {fitting}" if fitting >= 1024 else "train on more GPUs with train.zero_stage 2 or 3"
-    if not train_cfg.gradient_checkpointing:
+    if not checkpointing:
         knobs += ", or train.gradient_checkpointing: true"
-    return StagePeak("train", max(forward, engine + transient), knobs)
+    return StagePeak("train", max(forward, engine + transient), knobs, " with gradient checkpointing" if checkpointing else "")
+
+
+def uses_checkpointing(cfg: Config, student: str, gpu: int | None) -> bool:
+    """Whether train recomputes activations in backward for ``student`` (a model folder) on a GPU of
+    ``gpu`` bytes (None: no GPU): ``train.gradient_checkpointing`` where it is true or false; with auto,
+    only where train's estimated peak without it is above ``WARN`` of the GPU (a third more compute
+    buys room no smaller model needs, and the CPU demo keeps its numbers)."""
+    setting = cfg.train.gradient_checkpointing
+    if setting != "auto":
+        return setting
+    return gpu is not None and train_peak(cfg, Shape.of(student), gpu, checkpointing=False).bytes > WARN * gpu
 
 
 def score_peak(cfg: Config, student: Shape, teachers: list[Shape], gpu: int) -> StagePeak:
@@ -128,7 +143,8 @@ def estimate_stages(cfg: Config, gpu: int) -> list[StagePeak]:
     """Rollout's, score's and train's peaks for ``cfg`` (models as local folders) on a GPU of ``gpu`` bytes."""
     student = Shape.of(cfg.student)
     teachers = [student] if cfg.teacher == SELF_TEACHER else [Shape.of(p) for p in cfg.teacher_models().values()]
-    return [rollout_peak(cfg, student, gpu), score_peak(cfg, student, teachers, gpu), train_peak(cfg, student, gpu)]
+    checkpointing = uses_checkpointing(cfg, cfg.student, gpu)
+    return [rollout_peak(cfg, student, gpu), score_peak(cfg, student, teachers, gpu), train_peak(cfg, student, gpu, checkpointing)]
 
 
 def check_gpu_memory(cfg: Config, gpu: int | None) -> list[StagePeak]:
@@ -138,7 +154,7 @@ def check_gpu_memory(cfg: Config, gpu: int | None) -> list[StagePeak]:
     if gpu is None:
         return []
     peaks = estimate_stages(cfg, gpu)
-    line = ", ".join(f"{p.stage} {p.bytes / GIB:.1f}" for p in peaks)
+    line = ", ".join(f"{p.stage}{p.how} {p.bytes / GIB:.1f}" for p in peaks)
     for peak in peaks:
         if peak.stage != "rollout" and peak.bytes > LIMIT * gpu:
             raise GndpoError(f"{peak.stage} needs about {peak.bytes / GIB:.1f} GiB of the GPU's {gpu / GIB:.1f} GiB (estimated per stage: {line} GiB; "

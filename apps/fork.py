@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, resolve_models, run_yaml
+from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, check_teacher_servers, resolve_models, run_yaml
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.load import apply_overrides
@@ -76,6 +76,7 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
         check_routes(local, parent.prompts("train"))
         check_images(local, parent.images_per_prompt() > 0)
         check_teacher_prompts(local, parent.prompts("train"), RunImages(parent.fs).get)
+        check_teacher_servers(cfg, local, parent.images_per_prompt() > 0)
     lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}
     body = run_yaml(cfg, models, lineage=lineage)
     fs = RunFS(url)

@@ -34,6 +34,7 @@ from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import flash_attention_blocker, gpu_memory
 from gndpo.stages.models.gpu_memory import check_gpu_memory
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
+from gndpo.stages.models.teacher_server import checked_pool, served_models, teacher_server_settings
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
 from gndpo.stages.text.agent import ToolUse
@@ -51,10 +52,19 @@ def configured_models(cfg: Config) -> dict[str, str]:
     return {"student": cfg.student, **teachers}
 
 
+def served_teachers(cfg: Config) -> set[str]:
+    """The teachers (as the config names them) that ``score.backend: server`` scores through servers:
+    their weights stay on the servers; a self-teacher's are the student's."""
+    if cfg.score.backend != "server" or cfg.teacher == SELF_TEACHER:
+        return set()
+    return set(cfg.teacher_models().values())
+
+
 def check_models(cfg: Config) -> None:
-    """Every model exists and holds weights, and the teachers share the student's tokenizer (fail fast:
-    distillation over different vocabularies would compare log-probs of different tokens). ``cfg``
-    names local folders (:func:`resolve_models`)."""
+    """Every model exists and holds weights (a served teacher its config: its servers hold the weights),
+    and the teachers share the student's tokenizer (fail fast: distillation over different
+    vocabularies would compare log-probs of different tokens). ``cfg`` names local folders
+    (:func:`resolve_models`)."""
 
     roles = configured_models(cfg)
     for role, path in roles.items():
@@ -63,6 +73,10 @@ def check_models(cfg: Config) -> None:
         if not Path(path).exists():
             raise GndpoError(f"{role} model path does not exist: {path} (a model is a local folder, a hub id org/name[@revision], "
                              "or for a teacher run:RUN[@K])")
+        if role != "student" and path in served_teachers(cfg):
+            if not (Path(path) / "config.json").is_file():
+                raise GndpoError(f"{role}: not a model folder (no config.json): {path}")
+            continue
         try:
             check_model_files(path)
         except GndpoError as exc:
@@ -130,6 +144,19 @@ def check_images(cfg: Config, with_images: bool) -> None:
     mixed = bool(readers) and len(readers) < len(paths)  # text and vision teachers side by side
     if mixed or any(not same_image_processing(readers[0], r) for r in readers[1:]):
         raise GndpoError(f"the teachers {', '.join(paths)} process images differently; several teachers of one run must share one image processor")
+
+
+def check_teacher_servers(cfg: Config, local: Config, with_images: bool) -> None:
+    """``score.backend: server``: each teacher's servers serve the teacher the run expects, as
+    :func:`checked_pool` checks it against the teacher's files (``local`` names their folders; ``cfg``
+    as written names what the servers serve), and no teacher is shown pictures through them."""
+    if cfg.score.backend != "server":
+        return
+    for (name, settings), folder in zip(teacher_server_settings(cfg).items(), served_models(local).values()):
+        if with_images and is_vision_model(folder):
+            raise GndpoError(f"score.backend server cannot show the vision-language teacher {name} the prompts' pictures (/v1/completions "
+                             "takes token ids without images): use score.backend hf or vllm, or a text teacher with teacher_context.messages")
+        checked_pool(settings, folder, cfg.score.server_tolerance).close()
 
 
 def check_prompt_count(cfg: Config, prompts: int) -> None:
@@ -281,7 +308,7 @@ def resolve_models(cfg: Config, known_runs: dict | None = None, known_hub: dict 
         elif name in hub:
             folders[name] = hub_snapshot(hub[name], role)
         elif is_hub_id(name):
-            resolved = resolve_hub_model(name, role)
+            resolved = resolve_hub_model(name, role, weights=name not in served_teachers(cfg))
             hub[name], folders[name] = resolved.record(), resolved.folder
     used = set(folders)
     local = dataclasses.replace(cfg, student=folders.get(cfg.student, cfg.student), teacher=folders.get(cfg.teacher, cfg.teacher),
@@ -310,6 +337,7 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
     with read_once():  # the checks read the same models' tokenizers and configs many times
         splits, images = checked_prompts(url, models.local)
         check_gpu_memory(models.local, gpu_bytes or gpu_memory())
+        check_teacher_servers(cfg, models.local, bool(images))
     store_images(fs, images)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)

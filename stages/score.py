@@ -16,6 +16,8 @@ One score unit per rollout unit, read top to bottom in :meth:`ScoreJob.run_unit`
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pyarrow as pa
 import torch
@@ -30,7 +32,9 @@ from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, is_vision_model, load_tokenizer, vocabulary_size
 from gndpo.stages.models.logprobs import logits_chunk
 from gndpo.stages.models.lora import without_adapters
+from gndpo.stages.models.teacher_server import teacher_server_settings
 from gndpo.stages.models.vision import BatchImages, load_processor, same_image_processing
+from gndpo.stages.models.vllm_engine import response_logprobs
 from gndpo.stages.scoring.forward import StudentForward, UnitRows
 from gndpo.stages.scoring.shard import refuse_non_finite, score_shard
 from gndpo.stages.scoring.teachers import EngineTeacher, ModuleTeachers, OtherTokenizerTeacher, TeacherEngineColumns
@@ -109,13 +113,13 @@ class ScoreJob:
             cross, student_tok = {}, load_tokenizer(policy)
             for n, p in teachers.items():
                 prompts = self._teacher_prompts(p)
-                cross[n] = CrossTokenizerTeacher(self._teacher_columns(p, prompts, device), prompts, student_tok, score_cfg.teacher_end_text)
+                cross[n] = CrossTokenizerTeacher(self._teacher_columns(n, p, prompts, device), prompts, student_tok, score_cfg.teacher_end_text)
             return OtherTokenizerTeacher(self._student_forward(student, [], pad_id, device), cross, routes)
-        if score_cfg.backend == "vllm":
-            engine = self._teacher_engine(path)
+        if score_cfg.backend in ("vllm", "server"):
+            scorers = {n: self._teacher_scorer(n, p) for n, p in teachers.items()}
             # vLLM expands a picture's placeholder itself: with pictures it reads the teacher's own rendering.
             context = self._teacher_prompts(path) if self.images is not None else self._teacher_context(path)
-            return EngineTeacher(self._student_forward(student, [], pad_id, device), engine, name, context)
+            return EngineTeacher(self._student_forward(student, [], pad_id, device), scorers, routes, context)
         modules = {n: self._teacher_module(p, policy, student, device) for n, p in teachers.items()}
         forward = self._student_forward(student, list(modules.values()), pad_id, device, path)
         return ModuleTeachers(forward, modules, routes, self._teacher_context(path))
@@ -137,14 +141,22 @@ class ScoreJob:
             return without_adapters(student)
         return self.live.causal_lm(path, self.cfg.model, device, fixed=not self.run.teacher_changes() and path != policy)
 
-    def _teacher_columns(self, teacher_path: str, prompts: TeacherPrompts, device):
-        """Where a cross-tokenizer teacher's numbers come from: its vLLM engine (score.backend vllm) or
-        its module; ``prompts``: how it renders each prompt."""
+    def _teacher_columns(self, name: str, teacher_path: str, prompts: TeacherPrompts, device):
+        """Where a cross-tokenizer teacher's numbers come from: its vLLM engine or servers (score.backend
+        vllm, server) or its module; ``prompts``: how it renders each prompt."""
         score_cfg = self.cfg.score
-        if score_cfg.backend == "vllm":
-            return TeacherEngineColumns(self._teacher_engine(teacher_path), prompts)
+        if score_cfg.backend in ("vllm", "server"):
+            return TeacherEngineColumns(self._teacher_scorer(name, teacher_path), prompts)
         module = self.live.causal_lm(teacher_path, self.cfg.model, device, fixed=True)
         return TeacherModule(module, prompts, device, logits_chunk(module, self.cfg.model), score_cfg.max_tokens_per_batch, score_cfg.rows_per_chunk)
+
+    def _teacher_scorer(self, name: str, teacher_path: str):
+        """The teacher ``name``'s prompt log-probs (response_logprobs' signature): from its vLLM engine,
+        or from its servers, checked against the teacher's files when this worker starts."""
+        if self.cfg.score.backend == "vllm":
+            return partial(response_logprobs, self._teacher_engine(teacher_path))
+        settings = teacher_server_settings(self.cfg)[name]
+        return self.live.teacher_pool(settings, teacher_path, self.cfg.score.server_tolerance).response_logprobs
 
     def _teacher_engine(self, teacher_path: str):
         """The teacher's vLLM engine (score.engine), sized for the run's pictures if it reads them."""

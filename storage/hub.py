@@ -50,10 +50,11 @@ class HubModel:
     revision: str  # what the config asked for: a branch, tag or commit (main when not given)
     commit: str  # the 40-hex commit the revision named when the run was created
     folder: str  # the local snapshot of that commit
+    weights: bool = True  # False: a served teacher's snapshot, its weights left on the hub
 
     def record(self) -> dict:
         """What ``run.yaml`` keeps of the resolution (the folder is per machine)."""
-        return {"id": self.id, "revision": self.revision, "commit": self.commit}
+        return {"id": self.id, "revision": self.revision, "commit": self.commit, **({} if self.weights else {"weights": False})}
 
 
 def split_hub_id(name: str) -> tuple[str, str]:
@@ -64,34 +65,42 @@ def split_hub_id(name: str) -> tuple[str, str]:
     return match["repo"], match["revision"] or "main"
 
 
-def resolve_hub_model(name: str, role: str) -> HubModel:
+def resolve_hub_model(name: str, role: str, weights: bool = True) -> HubModel:
     """``name`` (``org/name[@revision]``) resolved to a commit and its local snapshot, downloaded where
-    missing and the hub is reachable. One-line GndpoErrors naming ``role`` for an unknown id or
-    revision, an id that is neither cached nor reachable (offline), a gated model without access, and a
-    snapshot without weights."""
+    missing and the hub is reachable (without ``weights``: its config and tokenizer only, for a teacher
+    its servers hold). One-line GndpoErrors naming ``role`` for an unknown id or revision, an id that is
+    neither cached nor reachable (offline), a gated model without access, and a snapshot without
+    weights where they are needed."""
     repo, revision = split_hub_id(name)
-    folder = _snapshot(repo, revision, role, name)
+    folder = _snapshot(repo, revision, role, name, weights)
     commit = Path(folder).name
     if not COMMIT.match(commit):
         raise GndpoError(f"{role} {name}: the hub cache gave {folder}, which is not a snapshots/<commit> folder")
-    if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in Path(folder).rglob("*")):
+    if weights and not any(p.name.endswith(WEIGHT_SUFFIXES) for p in Path(folder).rglob("*")):
         raise GndpoError(f"{role} {name}: the snapshot {commit[:12]} has no weights (no *.safetensors or *.bin files in {folder})")
-    return HubModel(id=repo, revision=revision, commit=commit, folder=folder)
+    return HubModel(id=repo, revision=revision, commit=commit, folder=folder, weights=weights)
 
 
 def hub_snapshot(record: dict, role: str = "model") -> str:
     """The local snapshot folder of a recorded resolution's commit: the cached one without asking the hub
-    (a commit's files never change), else downloaded at that commit."""
+    (a commit's files never change), else downloaded at that commit (weights only if it was resolved
+    with them)."""
+    weights = record.get("weights", True)
     try:
-        return snapshot_download(record["id"], revision=record["commit"], local_files_only=True)
+        return snapshot_download(record["id"], revision=record["commit"], local_files_only=True, ignore_patterns=_ignored(weights))
     except LocalEntryNotFoundError:
-        return _snapshot(record["id"], record["commit"], role, f"{record['id']}@{record['commit'][:12]}")
+        return _snapshot(record["id"], record["commit"], role, f"{record['id']}@{record['commit'][:12]}", weights)
 
 
-def _snapshot(repo: str, revision: str, role: str, name: str) -> str:
+def _ignored(weights: bool) -> list[str] | None:
+    """snapshot_download's ignore_patterns: the weight files where they are not wanted."""
+    return None if weights else [f"*{suffix}" for suffix in WEIGHT_SUFFIXES]
+
+
+def _snapshot(repo: str, revision: str, role: str, name: str, weights: bool = True) -> str:
     """snapshot_download with the hub library's failures as one-line GndpoErrors."""
     try:
-        return snapshot_download(repo, revision=revision)
+        return snapshot_download(repo, revision=revision, ignore_patterns=_ignored(weights))
     except GatedRepoError:
         raise GndpoError(f"{role} {name} is a gated model: accept its terms on the hub and set HF_TOKEN "
                          "(or run `huggingface-cli login`) with an account that has access") from None

@@ -30,6 +30,7 @@ def _one_core_per_worker() -> None:
 
 _one_core_per_worker()
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402  (after the worker's core is set: see above)
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -167,6 +168,27 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
     m = open_run(str(run_dir)).records(round_idx, stage).manifest()
     files = rollout_shards(m) if stage == "rollout" else manifest_files(m)
     return sorted((r for f in files for r in pq.read_table(Path(run_dir) / f["path"]).to_pylist()), key=lambda r: r["rollout_id"])
+
+
+def assert_teacher_columns_agree(reference: list[dict], other: list[dict], atol: float, topk: bool) -> None:
+    """Two scorings of the same rollouts (score rows sorted by rollout id): the teacher's sampled-token
+    log-probs within ``atol``, the student's identical and, with ``topk``, the teacher's top-k
+    log-probs within ``atol`` and its ids identical wherever the values are not tied."""
+    assert [r["rollout_id"] for r in reference] == [r["rollout_id"] for r in other] and reference
+    compared = 0
+    for ref, got in zip(reference, other):
+        np.testing.assert_allclose(got["teacher_logprobs"], ref["teacher_logprobs"], rtol=0, atol=atol)
+        assert got["student_logprobs"] == ref["student_logprobs"]
+        if not topk:
+            continue
+        for ids_r, lp_r, ids_o, lp_o in zip(ref["teacher_topk_ids"], ref["teacher_topk_logprobs"], got["teacher_topk_ids"], got["teacher_topk_logprobs"]):
+            np.testing.assert_allclose(lp_o, lp_r, rtol=0, atol=atol)
+            gaps = np.diff(lp_r)  # descending: a position's id is fixed when it differs from both neighbours
+            for j in range(len(ids_r)):
+                if not ((j > 0 and abs(gaps[j - 1]) < atol) or (j < len(gaps) and abs(gaps[j]) < atol)):
+                    assert ids_r[j] == ids_o[j]
+                    compared += 1
+    assert compared > 100 or not topk
 
 
 def model_logprobs(model, prompt, response):

@@ -52,7 +52,7 @@ REFUSED = [
     ("data.chat_template=chatml", "config key data.chat_template must be one of auto, none, got 'chatml'"),
     ("rollout.truncated=cut", "config key rollout.truncated must be one of keep, mask, drop, got 'cut'"),
     ("score.dtype=float16", "config key score.dtype must be one of float32, bfloat16, got 'float16'"),
-    ("score.backend=tgi", "config key score.backend must be one of hf, vllm, got 'tgi'"),
+    ("score.backend=tgi", "config key score.backend must be one of hf, vllm, server, got 'tgi'"),
     ("method.stats_scope=prompt", "config key method.stats_scope must be one of global, teacher, got 'prompt'"),
     ("self_teacher.weights=average", "config key self_teacher.weights must be one of frozen, live, ema, got 'average'"),
     ("logging.wandb_mode=disabled", "config key logging.wandb_mode must be one of online, offline, got 'disabled'"),
@@ -154,7 +154,11 @@ def test_every_declared_choice_is_accepted_and_nothing_else():
     for key, choices in declared.items():
         for choice in choices:
             data = nested(key, choice)
-            cfg = config_from_dict({**data, **routed} if key == "method.stats_scope" and choice == "teacher" else data)
+            if key == "method.stats_scope" and choice == "teacher":
+                data = {**data, **routed}
+            elif key == "score.backend" and choice == "server":  # it needs its servers
+                data = {"score": {"backend": "server", "servers": ["http://127.0.0.1:8000"]}}
+            cfg = config_from_dict(data)
             section = cfg
             for part in key.split("."):
                 section = getattr(section, part)

@@ -167,6 +167,16 @@ def test_init_refuses_teachers_that_cannot_read_the_pictures(tmp_path, vision_pa
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
+def test_init_refuses_a_served_vision_teacher(tmp_path, vision_pair):
+    """score.backend server scores token ids through /v1/completions, which takes no pictures: a
+    vision-language teacher of a run whose prompts show pictures is refused before any server is asked."""
+    cfg = vision_config(tmp_path, vision_pair, score={"rows_per_chunk": 4, "backend": "server", "servers": ["http://127.0.0.1:9"],
+                                                      "server_model": "vision-teacher"})
+    assert_one_line_error(invoke("init", tmp_path / "run", "--config", write_config(tmp_path, cfg)),
+                          "cannot show the vision-language teacher", "use score.backend hf or vllm")
+    assert not (tmp_path / "run" / "run.yaml").exists()
+
+
 def test_init_stores_each_image_once_by_content_and_reads_geo3k_parquet(tmp_path, vision_pair):
     """geo3k's verl layout: ``prompt`` as chat messages with <image>, ``images`` as {bytes, path}
     structs, the answer in ``reward_model.ground_truth``; the same picture twice is stored once."""

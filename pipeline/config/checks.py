@@ -13,20 +13,25 @@ ENGINE_CANNOT = {TEACHER_ENTROPY: "the teacher's entropy", TOKEN_KL: "the full-v
 
 def check_backend(cfg) -> None:
     """A GndpoError (one line) when the scoring set-up cannot give what the run's method needs:
-    ``score.backend: vllm`` returns the teacher's sampled-token and top-k log-probs, not its whole
-    distribution; ``score.cross_tokenizer`` maps log-probs and top-k by token text, so nothing defined over one
+    ``score.backend: vllm`` and ``server`` return the teacher's sampled-token and top-k log-probs, not
+    its whole distribution; ``score.cross_tokenizer`` maps log-probs and top-k by token text, so nothing defined over one
     vocabulary at every position (the teacher's entropy, the full KL)."""
     if cfg.score.cross_tokenizer:
         check_other_vocabulary(cfg)
     check_student_logprobs(cfg)
-    if cfg.score.backend != "vllm":
+    backend = cfg.score.backend
+    if backend == "hf":
         return
     missing = [what for need, what in ENGINE_CANNOT.items() if need in score_needs(cfg.method)]
     if missing:
         raise GndpoError(
-            f"score.backend vllm gives the teacher's sampled-token and top-k log-probs only; method {cfg.method.name} "
+            f"score.backend {backend} gives the teacher's sampled-token and top-k log-probs only; method {cfg.method.name} "
             f"also needs {' and '.join(missing)}: use score.backend hf"
         )
+    if TOPK in score_needs(cfg.method) and cfg.teachers and cfg.score.teacher_mix == "mean":
+        raise GndpoError(f"score.teacher_mix mean with score.backend {backend} mixes sampled-token log-probs only (each teacher's "
+                         "top-k is its own, and the rest of its distribution unknown): route each prompt to one teacher "
+                         "(score.teacher_mix route) for a top-k method, or use score.backend hf")
 
 
 def check_other_vocabulary(cfg) -> None:

@@ -360,8 +360,23 @@ class ScoreConfig:
     # Where the teacher's log-probs come from: hf (the teacher module on the score worker's device,
     # every column) or vllm (a vLLM engine scoring the stored token ids as prompt log-probs: the
     # sampled token's and the top-k; engine settings below, tensor_parallel_size for a teacher larger
-    # than one GPU). The student's log-probs are always recomputed by the training forward.
-    backend: Literal["hf", "vllm"] = "hf"
+    # than one GPU) or server (OpenAI-compatible teacher servers, below: the sampled token's and the
+    # top-k, as vllm). The student's log-probs are always recomputed by the training forward.
+    backend: Literal["hf", "vllm", "server"] = "hf"
+    # score.backend server: the teacher's servers, as base URLs (http://host:8000; vLLM's server, or
+    # SGLang's where its API answers alike); with several teachers, {teacher name: [URLs]}.
+    servers: list[str] | dict[str, list[str]] = field(default_factory=list)
+    # The name the servers serve the teacher under (their /v1/models, vLLM's --served-model-name); with
+    # several teachers {teacher name: name}. Empty: the teacher's hub id (a local folder needs one).
+    server_model: str | dict[str, str] = ""
+    server_api_key_env: str = ""  # an environment variable holding the servers' key (a bearer token; never stored)
+    server_ca_bundle: str = ""  # https: a CA bundle to verify the servers with (empty: the system's)
+    server_timeout_s: Positive = 300.0  # one request's longest wait for its answer
+    server_retries: NonNegativeInt = 5  # attempts after a request's first failure, each on the least loaded server
+    server_in_flight: Count = 8  # requests in flight per server
+    # Replicas of one teacher must score a fixed probe sequence alike: the largest mean |log-prob
+    # difference| accepted between a server and the first (bf16 replicas on different GPU types differ).
+    server_tolerance: Positive = 3e-2
     # Where the student's log-prob of each sampled token comes from: recompute (a forward of the student,
     # the same function train differentiates, so a round's first importance ratio is 1 up to float
     # rounding), engine (the rollout engine's sampler log-probs: no student forward in score, and with
@@ -644,8 +659,9 @@ def _check_combinations(cfg: Config) -> None:
         if len(cfg.teachers) < 2 or not all(k and v for k, v in cfg.teachers.items()):
             raise GndpoError(f"config key teachers must map two or more names to model paths, got {cfg.teachers!r}")
         if cfg.score.backend == "vllm":
-            raise GndpoError("several teachers are scored with score.backend hf only (one teacher per vLLM engine is not built yet)")
+            raise GndpoError("several teachers are scored with score.backend hf or server only (one teacher per vLLM engine is not built yet)")
     _check_self_distillation(cfg)
+    _check_servers(cfg)
     _check_lora(cfg)
     if cfg.score.teacher_end_text and not cfg.score.cross_tokenizer:
         raise GndpoError("score.teacher_end_text is for a teacher of another tokenizer (score.cross_tokenizer true)")
@@ -662,6 +678,30 @@ def _check_combinations(cfg: Config) -> None:
             f"config key rollout.guide_prefix_tokens ({rollout_cfg.guide_prefix_tokens}) must be below rollout.max_tokens "
             f"({rollout_cfg.max_tokens}) when rollout.guided_fraction > 0: the student must write part of each response"
         )
+
+
+def _check_servers(cfg: Config) -> None:
+    """``score.backend: server``'s settings: URLs for every teacher (a list for one, a mapping by name for
+    several), a served self-teacher that does not change, no server settings for another backend."""
+    score_cfg = cfg.score
+    if score_cfg.backend != "server":
+        if score_cfg.servers or score_cfg.server_model:
+            raise GndpoError(f"score.servers and score.server_model are for score.backend server, not {score_cfg.backend}")
+        return
+    names = list(cfg.teachers) if cfg.teachers else []
+    if names and not (isinstance(score_cfg.servers, dict) and set(score_cfg.servers) == set(names)):
+        raise GndpoError(f"score.servers must map each teacher ({', '.join(names)}) to its servers' URLs, got {score_cfg.servers!r}")
+    if not names and not (isinstance(score_cfg.servers, list) and score_cfg.servers):
+        raise GndpoError(f"score.backend server needs the teacher's servers as a list of URLs in score.servers, got {score_cfg.servers!r}")
+    if isinstance(score_cfg.server_model, dict) and not set(score_cfg.server_model) <= set(names):
+        raise GndpoError(f"score.server_model names teachers the run does not have: {', '.join(sorted(set(score_cfg.server_model) - set(names)))}")
+    bad = [u for urls in (score_cfg.servers.values() if isinstance(score_cfg.servers, dict) else [score_cfg.servers]) for u in urls
+           if not u.startswith(("http://", "https://"))]
+    if bad:
+        raise GndpoError(f"score.servers: {bad[0]!r} is not a URL (write http://host:port or https://host:port)")
+    if cfg.teacher == SELF_TEACHER and cfg.self_teacher.weights != "frozen":
+        raise GndpoError(f"score.backend server serves fixed weights; self_teacher.weights {cfg.self_teacher.weights} changes them every "
+                         "round: use self_teacher.weights frozen (the servers serve the initial student)")
 
 
 def _check_lora(cfg: Config) -> None:
@@ -739,6 +779,8 @@ def _type_name(typ) -> str:
         return type(args[0]).__name__
     if origin in (list, dict):
         return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if origin in (types.UnionType, typing.Union):
+        return " | ".join(_type_name(a) for a in args)
     if typing.is_typeddict(typ):
         return _describe(typ)
     return "any" if typ is Any else typ.__name__

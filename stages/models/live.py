@@ -38,6 +38,7 @@ from gndpo.stages.models.device import resolve_dtype
 from gndpo.stages.models.loading import load_causal_lm, model_config
 from gndpo.stages.models.lora import ADAPTER_DIR, adapted_student, policy_state_dict
 from gndpo.stages.models.probe import CALIBRATED, TOLERANCE, probe_gap
+from gndpo.stages.models.teacher_server import ServerPool, ServerSettings, check_against_teacher, checked_pool
 from gndpo.stages.models.vllm_engine import (
     AdapterEngine,
     adapter_request,
@@ -99,6 +100,7 @@ class LiveModels:
     probe: dict | None = None  # the latest student engine's gap to its exported model (stages.probe)
     _adapter_ids: dict = field(default_factory=dict)  # adapter folder -> its vLLM LoRA id (adapter_engine)
     _calibrated: dict = field(default_factory=dict)  # engine key -> probe tolerance a fresh engine's gap set
+    _pools: dict = field(default_factory=dict)  # ServerSettings -> ServerPool (score.backend server)
 
     # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
     def student_engine(self, policy: str, cfg, seed: int, images: int = 0, exported: str | None = None):
@@ -306,6 +308,19 @@ class LiveModels:
             live.asleep = False
         return live.llm
 
+    def teacher_pool(self, settings: ServerSettings, teacher_folder: str, tolerance: float) -> ServerPool:
+        """A pool of the teacher's servers (``score.backend: server``), each checked against the teacher
+        at ``teacher_folder`` whenever a worker asks (:func:`checked_pool`); kept, its connections last
+        the run."""
+        pool = self._pools.get(settings) if self.keep else None
+        if pool is not None:
+            check_against_teacher(pool, teacher_folder, tolerance)
+            return pool
+        pool = checked_pool(settings, teacher_folder, tolerance)
+        if self.keep:
+            self._pools[settings] = pool
+        return pool
+
     # -- score: HF modules -----------------------------------------------------------------------------
     def causal_lm(self, path: str, model_cfg, device, fixed: bool, base: str | None = None):
         """An eval-mode causal LM with ``path``'s weights on ``device``. ``fixed`` marks a model that never
@@ -396,6 +411,9 @@ class LiveModels:
         while (live := self._engine or self._teacher_engine) is not None:
             self._shut_down(live)
         self._modules.clear()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
 
 # Config entries that fix the shapes of a model's weights: equal ones load into a running engine.

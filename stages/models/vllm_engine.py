@@ -41,6 +41,7 @@ from gndpo.pipeline.exec.dist import scoped_environ
 from gndpo.pipeline.exec.signals import ENGINE_OWNER_ENV, descendants, process_running
 from gndpo.stages.models.device import dtype_name, resolve_dtype
 from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
+from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
 
 GIB = 1 << 30
 # vLLM's CPU platform lets this legacy variable (GiB), when set, replace an engine's kv_cache_memory_bytes.
@@ -386,18 +387,6 @@ def response_logprobs(llm, prompts: list, responses: list, topk: int, images: li
     images = images or [None] * len(prompts)
     requests = [token_prompt([int(t) for t in p] + [int(t) for t in r], imgs) for p, r, imgs in zip(prompts, responses, images)]
     outputs = _generate(llm, requests, params)
-    sampled, ids, values = [], [], []
-    for r, out in zip(responses, outputs):
-        start = len(out.prompt_token_ids) - len(r)
-        for position, token in zip(range(start, start + len(r)), r):
-            entry = out.prompt_logprobs[position]
-            sampled.append(entry[int(token)].logprob)
-            if topk:
-                ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= topk)
-                ids.append([tid for _, tid, _ in ranked[:topk]])
-                values.append([v for _, _, v in ranked[:topk]])
-    result = {"logprobs": np.asarray(sampled, np.float32)}
-    if topk:
-        result["topk_ids"] = np.asarray(ids, np.int32).reshape(-1, topk)
-        result["topk_logprobs"] = np.asarray(values, np.float32).reshape(-1, topk)
-    return result
+    positions = [[{} if entry is None else {tid: (lp.rank, lp.logprob) for tid, lp in entry.items()} for entry in out.prompt_logprobs]
+                 for out in outputs]
+    return flat_response_logprobs(positions, responses, topk)

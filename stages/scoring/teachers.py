@@ -10,14 +10,17 @@ and adds the teacher's columns its own way:
   (the mean of their distributions), per ``score.teacher_mix``.
 * :class:`EngineTeacher` (``score.backend: vllm``): sampled-token and top-k log-probs from a vLLM engine,
   as prompt log-probs over the stored ids (:func:`gndpo.stages.models.vllm_engine.response_logprobs`;
-  tensor parallel through ``score.engine``). Methods that need the teacher's whole distribution (its
-  entropy, the full KL) are refused with this backend, and the rest mass beside the top-k is
+  tensor parallel through ``score.engine``); with ``score.backend: server`` the same numbers from
+  OpenAI-compatible teacher servers (:mod:`gndpo.stages.models.teacher_server`), one pool a teacher,
+  several teachers routed or mixed. Methods that need the teacher's whole distribution (its
+  entropy, the full KL) are refused with these backends, and the rest mass beside the top-k is
   1 - sum(top-k p) (:func:`rest_logprob_from_topk`).
 * :class:`OtherTokenizerTeacher` (``score.cross_tokenizer``): a teacher with its own tokenizer scores its
   own tokens of each response's text, mapped onto the student's tokens by character offsets
   (:mod:`gndpo.stages.text.cross_tokenizer`), its log-probs given to the student's tokens span by span
   and its top-k stored in the student's vocabulary where a token of the same text exists; the teacher
-  scores with its module or, with ``score.backend: vllm``, its engine (:class:`TeacherEngineColumns`).
+  scores with its module or, with ``score.backend: vllm`` or ``server``, its engine or servers
+  (:class:`TeacherEngineColumns`).
 
 With a teacher context (``teacher_context.messages``), or pictures the teacher's processor expands its
 own way, the teacher reads a prompt of its own before the same response ids
@@ -28,11 +31,11 @@ placeholder unexpanded, with the pictures, and expands it itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from gndpo.pipeline.methods.losses import REST_MASS_FLOOR
-from gndpo.stages.models.vllm_engine import response_logprobs
 from gndpo.stages.scoring.forward import StudentForward, UnitRows, place
 from gndpo.stages.text.cross_tokenizer import CrossTokenizerTeacher
 from gndpo.stages.text.teacher_context import TeacherPrompts
@@ -107,22 +110,33 @@ def teacher_groups(prompt_ids: list[str], names: list[str], routes: dict[str, st
 
 
 class EngineTeacher:
-    """``score.backend: vllm``: the teacher's columns from its vLLM engine, after the student's forward."""
+    """``score.backend: vllm`` or ``server``: each teacher's columns from its scorer (its vLLM engine, or
+    its servers' pool; :func:`gndpo.stages.models.vllm_engine.response_logprobs`'s signature), after the
+    student's forward. Several teachers (servers only) are routed, or mixed: the log of the mean of
+    their probabilities of each sampled token (init refuses a top-k method with the mean mix: each
+    teacher's top-k is its own)."""
 
-    def __init__(self, forward: StudentForward, engine, name: str, context: TeacherPrompts | None):
-        self.forward, self.engine, self.name, self.context = forward, engine, name, context
+    def __init__(self, forward: StudentForward, scorers: dict[str, Callable], routes: dict[str, str], context: TeacherPrompts | None):
+        """``scorers``: {name recorded per row: scorer}; ``routes``: {prompt id: teacher name} for
+        ``score.teacher_mix: route`` (empty: every row to the one teacher, or to the mean of several)."""
+        self.forward, self.scorers, self.routes, self.context = forward, scorers, routes, context
 
     def score(self, rows: UnitRows, topk: int) -> Scored:
-        every = list(range(rows.n))
-        per_token = self.forward.columns(rows, [(None, every)], topk)
-        # In the unit's token order, like the student's columns.
+        per_token = self.forward.columns(rows, [(None, list(range(rows.n)))], topk)
+        n_tokens = len(per_token["student_logprobs"])
         prompts, images = engine_prompts(self.context, rows)
-        by_engine = response_logprobs(self.engine, prompts, [rows.response(i) for i in every], topk, images)
-        per_token["teacher_logprobs"] = by_engine["logprobs"]
-        if topk:
-            per_token["teacher_topk_ids"], per_token["teacher_topk_logprobs"] = by_engine["topk_ids"], by_engine["topk_logprobs"]
-            per_token["teacher_rest_logprob"] = rest_logprob_from_topk(by_engine["topk_logprobs"])
-        return Scored(per_token, [self.name] * rows.n)
+        labels = [""] * rows.n
+        for label, names, members in teacher_groups(rows.prompt_ids, list(self.scorers), self.routes):
+            shown = [images[i] for i in members] if images is not None else None
+            answers = [self.scorers[name]([prompts[i] for i in members], [rows.response(i) for i in members], topk, shown) for name in names]
+            columns = {"teacher_logprobs": mean_logprob([a["logprobs"] for a in answers])}
+            if topk:
+                columns.update(teacher_topk_ids=answers[0]["topk_ids"], teacher_topk_logprobs=answers[0]["topk_logprobs"],
+                               teacher_rest_logprob=rest_logprob_from_topk(answers[0]["topk_logprobs"]))
+            place(per_token, columns, rows.token_positions(members), n_tokens)
+            for i in members:
+                labels[i] = label
+        return Scored(per_token, labels)
 
 
 class OtherTokenizerTeacher:
@@ -169,12 +183,12 @@ def mean_logprob(values: list[np.ndarray]) -> np.ndarray:
 
 
 class TeacherEngineColumns:
-    """A cross-tokenizer teacher's numbers from its vLLM engine (``score.backend: vllm``): prompt
-    log-probs over its own rendering of each prompt and its own tokens of the response; the rest mass
-    beside the top-k is 1 - sum(top-k p), as with :class:`EngineTeacher`."""
+    """A cross-tokenizer teacher's numbers from its scorer (``score.backend: vllm`` or ``server``: its
+    engine, or its servers): prompt log-probs over its own rendering of each prompt and its own tokens
+    of the response; the rest mass beside the top-k is 1 - sum(top-k p), as with :class:`EngineTeacher`."""
 
-    def __init__(self, engine, prompts: TeacherPrompts):
-        self.engine, self.prompts = engine, prompts
+    def __init__(self, scorer: Callable, prompts: TeacherPrompts):
+        self.scorer, self.prompts = scorer, prompts
 
     def columns(self, rows: list[dict], responses: list[list[int]], topk: int) -> list[dict]:
         """See :class:`gndpo.stages.text.cross_tokenizer.TeacherColumns`. vLLM expands each picture's
@@ -183,7 +197,7 @@ class TeacherEngineColumns:
             prompts, images = [self.prompts.token_ids(row) for row in rows], None
         else:
             prompts, images = [self.prompts.unexpanded(row)[1] for row in rows], [self.prompts.images(row) for row in rows]
-        flat = response_logprobs(self.engine, prompts, responses, topk, images)
+        flat = self.scorer(prompts, responses, topk, images)
         named = {"teacher_logprobs": flat["logprobs"].astype(np.float64)}
         if topk:
             named.update(teacher_topk_ids=flat["topk_ids"], teacher_topk_logprobs=flat["topk_logprobs"],

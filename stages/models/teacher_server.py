@@ -1,0 +1,337 @@
+"""Teachers served apart (``score.backend: server``): a pool of OpenAI-compatible servers scores the
+stored token ids, the way large teachers are deployed (vLLM's server, often shared by several jobs).
+
+What a server must support (vLLM's OpenAI-compatible server does; SGLang's only where its API answers
+the same): ``GET /v1/models`` (the name it serves), ``POST /tokenize`` (its tokenization of a text) and
+``POST /v1/completions`` with a token-id ``prompt`` and vLLM's ``prompt_logprobs``: the log-prob of
+every prompt position's token and of its top-k, which is all score needs. Each response is sent as the
+prompt's and the response's ids (never re-tokenized) with ``max_tokens: 1``, temperature 1 and no
+penalties, so the teacher's raw distribution is what comes back whatever the server's defaults.
+
+The pool spreads requests over its servers by outstanding work (tokens in flight), at most
+``score.server_in_flight`` a server; a request that fails (connection, timeout, 5xx, 429) is retried on
+the least loaded server after a backoff with jitter, and the server that failed is taken out for a
+cooldown, then probed back in with one request. A 401/403 is one line naming the server; when every
+attempt has failed, one line names each server's last error. Score commits a unit only when every row
+is scored, so a server's failure costs retries and at worst the unit's rerun, never rows.
+
+Before a worker scores (and at ``gndpo init``), :func:`check_servers` holds each server to the teacher
+the run expects: the model it reports, its tokenization of a probe text, and its log-probs on a fixed
+probe sequence, which every server of the pool must give alike (within ``score.server_tolerance``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import ssl
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import SELF_TEACHER
+from gndpo.stages.models.loading import load_tokenizer, vocabulary_size
+from gndpo.stages.models.probe import probe_token_ids
+from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
+from gndpo.storage.hub import is_hub_id, split_hub_id
+
+# A text with digits, spaces, punctuation, an accent and a newline: tokenizers that differ anywhere
+# common usually differ here.
+PROBE_TEXT = "Teacher check: 12 + 30 = 42, 6 x 7 = 42; naïve café.\nThe end!"
+RETRIABLE_STATUS = {408, 429, 500, 502, 503, 504}
+COOLDOWN_S = (1.0, 30.0)  # a failed server's first and longest time out of the pool
+BACKOFF_S = (0.5, 8.0)  # a retry's first and longest wait (doubling, with jitter)
+
+
+class RetriableError(Exception):
+    """A failure another attempt may not repeat: the connection, a timeout, an overloaded server."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """One teacher's servers and how to talk to them (from ``score.server_*``)."""
+
+    urls: tuple[str, ...]
+    model: str  # the name the servers serve the teacher under
+    api_key: str | None = None  # sent as a bearer token; read from the environment, never stored
+    verify: bool | str = True  # https: verify the certificate (a CA bundle's path, or the system's)
+    timeout_s: float = 300.0
+    retries: int = 5
+    in_flight: int = 8
+
+    @classmethod
+    def of(cls, score_cfg, urls: list[str], model: str) -> ServerSettings:
+        """The settings of ``score_cfg`` (the run's ``score``) for servers ``urls`` serving ``model``;
+        the key from the environment variable ``score.server_api_key_env`` names (a one-line error where
+        it is named and not set)."""
+        key, bundle = None, score_cfg.server_ca_bundle
+        if bundle and not os.path.isfile(bundle):
+            raise GndpoError(f"score.server_ca_bundle {bundle} is not a file")
+        if score_cfg.server_api_key_env:
+            key = os.environ.get(score_cfg.server_api_key_env)
+            if not key:
+                raise GndpoError(f"score.server_api_key_env names {score_cfg.server_api_key_env}, which is not set in this environment")
+        return cls(tuple(base_url(u) for u in urls), model, key, bundle or True,
+                   score_cfg.server_timeout_s, score_cfg.server_retries, score_cfg.server_in_flight)
+
+
+def base_url(url: str) -> str:
+    """``url`` without a trailing slash or ``/v1``: http://host:8000/v1/ -> http://host:8000."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    return " ".join(str(text).split())[:limit]
+
+
+@dataclass
+class Server:
+    """One server of the pool and its state: work in flight, and when it may be tried again."""
+
+    url: str
+    outstanding: int = 0  # tokens of the requests in flight
+    requests: int = 0  # requests in flight
+    down_until: float = 0.0  # out of the pool until then; afterwards on probation (one request) until one succeeds
+    failures: int = 0  # consecutive
+    last_error: str = ""
+
+    def capacity(self, in_flight: int, now: float) -> int:
+        if now < self.down_until:
+            return 0
+        return 1 if self.failures else in_flight
+
+
+@dataclass
+class ServerPool:
+    """The servers of one teacher (:class:`ServerSettings`) and the client that spreads requests over them."""
+
+    settings: ServerSettings
+    servers: list[Server] = field(init=False)
+    _lock: threading.Condition = field(init=False, default_factory=threading.Condition)
+
+    def __post_init__(self):
+        if not self.settings.urls:
+            raise GndpoError("score.backend server needs at least one URL in score.servers")
+        self.servers = [Server(u) for u in self.settings.urls]
+        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        timeout = httpx.Timeout(self.settings.timeout_s, connect=min(10.0, self.settings.timeout_s))
+        verify = self.settings.verify
+        if isinstance(verify, str):  # a CA bundle's path
+            verify = ssl.create_default_context(cafile=verify)
+        # trust_env off: proxy variables meant for the internet do not reroute a cluster's own servers.
+        self.client = httpx.Client(headers=headers, timeout=timeout, verify=verify, trust_env=False)
+        self._threads = ThreadPoolExecutor(max_workers=len(self.servers) * self.settings.in_flight, thread_name_prefix="teacher-server")
+        self._batches, self._cancelled = itertools.count(1), set()
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+    # -- scoring ---------------------------------------------------------------------------------------
+    def response_logprobs(self, prompts: list, responses: list, topk: int, images: list | None = None) -> dict:
+        """As :func:`gndpo.stages.models.vllm_engine.response_logprobs`, from the pool: one request a
+        response, all in flight at once within each server's bound. ``images`` must be None: the
+        completions API takes no pictures beside a token-id prompt (init refuses such a teacher)."""
+        if images is not None and any(images):
+            raise GndpoError("score.backend server cannot show a teacher pictures: /v1/completions takes token ids without images")
+        sequences = [[int(t) for t in p] + [int(t) for t in r] for p, r in zip(prompts, responses)]
+        batch = next(self._batches)
+        futures = [self._threads.submit(self.prompt_logprobs, ids, topk, batch=batch) for ids in sequences]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f.exception() for f in done if f.exception() is not None), None)
+        if failed is not None:
+            # The batch cannot commit: its other requests stop waiting for a server (those in flight end
+            # with their answer or their timeout, unread).
+            with self._lock:
+                self._cancelled.add(batch)
+                self._lock.notify_all()
+            raise failed
+        return flat_response_logprobs([f.result() for f in futures], responses, topk)
+
+    def prompt_logprobs(self, ids: list[int], topk: int, server: Server | None = None, batch: int = 0) -> list[dict]:
+        """The teacher's answer at every position of ``ids`` ({token id: (rank, log-prob)}; the first
+        position has none), from whichever server the pool gives the request to (or ``server``);
+        ``batch``: the call of :meth:`response_logprobs` it belongs to."""
+        payload = {"model": self.settings.model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": topk,
+                   # The teacher's raw distribution, whatever the server's defaults (a teacher scored at
+                   # temperature 0 or with a penalty gives other numbers for the same tokens).
+                   "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
+                   "frequency_penalty": 0.0, "repetition_penalty": 1.0, "seed": 0}
+        answer = self.request("/v1/completions", payload, cost=len(ids), server=server, batch=batch)
+        try:
+            positions = answer["choices"][0]["prompt_logprobs"]
+            parsed = [{} if p is None else {int(t): (v["rank"], float(v["logprob"])) for t, v in p.items()} for p in positions]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise GndpoError(f"a teacher server's completions answer has no usable prompt_logprobs ({one_line(exc)}): "
+                             "a teacher server must support vLLM's prompt_logprobs") from None
+        if len(parsed) != len(ids):
+            raise GndpoError(f"a teacher server answered prompt_logprobs for {len(parsed)} positions of a {len(ids)}-token prompt; "
+                             "it must score the token ids it is sent")
+        return parsed
+
+    # -- the pool --------------------------------------------------------------------------------------
+    def request(self, path: str, payload: dict | None, cost: int = 1, server: Server | None = None, batch: int = 0) -> dict:
+        """POST ``payload`` (GET where None) to ``path`` of the least loaded server, or of ``server``,
+        retrying elsewhere after a retriable failure; a GndpoError (one line) once retries are spent,
+        or at once for a refusal no retry mends (401/403, another 4xx)."""
+        attempts = 1 if server is not None else self.settings.retries + 1
+        for attempt in range(attempts):
+            chosen = server or self._acquire(cost, batch)
+            if server is not None:
+                self._take(server, cost)
+            try:
+                answer = self._send(chosen, path, payload)
+                self._succeeded(chosen)
+                return answer
+            except RetriableError as exc:
+                self._failed(chosen, one_line(exc))
+                if server is not None:
+                    raise GndpoError(f"teacher server {chosen.url}: {one_line(exc)}") from None
+            finally:
+                self._release(chosen, cost)
+            if attempt + 1 < attempts:
+                time.sleep(min(BACKOFF_S[1], BACKOFF_S[0] * 2**attempt) * random.uniform(0.5, 1.0))
+        errors = "; ".join(f"{s.url}: {s.last_error or 'no error'}" for s in self.servers)
+        raise GndpoError(f"every teacher server failed ({attempts} attempts for one request): {errors}")
+
+    def _send(self, server: Server, path: str, payload: dict | None) -> dict:
+        try:
+            if payload is None:
+                response = self.client.get(server.url + path)
+            else:
+                response = self.client.post(server.url + path, json=payload)
+        except httpx.TransportError as exc:  # refused, reset, timed out, TLS
+            if isinstance(exc, httpx.ConnectError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                raise GndpoError(f"teacher server {server.url}: its certificate does not verify ({one_line(exc)}); "
+                                 "name its CA bundle in score.server_ca_bundle") from None
+            raise RetriableError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+        if response.status_code in (401, 403):
+            raise GndpoError(f"teacher server {server.url} refused the request ({response.status_code}): "
+                             "set the key it expects in the environment variable score.server_api_key_env names")
+        if response.status_code in RETRIABLE_STATUS:
+            raise RetriableError(f"HTTP {response.status_code} {one_line(response.text, 200)}")
+        if response.status_code >= 400:
+            raise GndpoError(f"teacher server {server.url} answered {path} with HTTP {response.status_code}: {one_line(response.text)}")
+        try:
+            return response.json()
+        except ValueError:
+            raise RetriableError(f"an answer that is not JSON: {one_line(response.text, 120)}") from None
+
+    def _acquire(self, cost: int, batch: int) -> Server:
+        """The server with the least outstanding work and a free slot, waiting for one; servers out of
+        the pool come back on probation once their cooldown has passed. A GndpoError once another
+        request of ``batch`` has failed for good."""
+        with self._lock:
+            while True:
+                if batch in self._cancelled:
+                    raise GndpoError("another request of the batch failed")
+                now = time.monotonic()
+                free = [s for s in self.servers if s.requests < s.capacity(self.settings.in_flight, now)]
+                if free:
+                    chosen = min(free, key=lambda s: (s.outstanding, s.requests))
+                    chosen.outstanding += cost
+                    chosen.requests += 1
+                    return chosen
+                waits = [s.down_until - now for s in self.servers if s.down_until > now]
+                self._lock.wait(timeout=max(0.05, min(waits)) if waits else None)
+
+    def _take(self, server: Server, cost: int) -> None:
+        with self._lock:
+            server.outstanding += cost
+            server.requests += 1
+
+    def _release(self, server: Server, cost: int) -> None:
+        with self._lock:
+            server.outstanding -= cost
+            server.requests -= 1
+            self._lock.notify_all()
+
+    def _succeeded(self, server: Server) -> None:
+        with self._lock:
+            server.failures = 0
+
+    def _failed(self, server: Server, error: str) -> None:
+        """Out of the pool for a cooldown that doubles with each failure, counting once the requests
+        that were in flight together when it failed."""
+        with self._lock:
+            server.last_error = error
+            if time.monotonic() < server.down_until:
+                return
+            server.failures += 1
+            server.down_until = time.monotonic() + min(COOLDOWN_S[1], COOLDOWN_S[0] * 2 ** (server.failures - 1))
+
+
+# -- is it the teacher the run expects? -------------------------------------------------------------------
+def check_servers(pool: ServerPool, tokenizer, vocabulary: int, tolerance: float) -> None:
+    """Each server serves ``pool.settings.model``, tokenizes :data:`PROBE_TEXT` as ``tokenizer`` (the
+    teacher's) does, and scores the probe sequences (:func:`~gndpo.stages.models.probe.probe_token_ids`
+    below ``vocabulary``) within ``tolerance`` (mean |difference| of the log-probs) of the first server:
+    a one-line GndpoError naming the server otherwise."""
+    model, expected = pool.settings.model, tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    probe = probe_token_ids(vocabulary)
+    reference = None
+    for server in pool.servers:
+        served = [m.get("id") for m in pool.request("/v1/models", None, server=server).get("data", [])]
+        if model not in served:
+            raise GndpoError(f"teacher server {server.url} serves {', '.join(map(str, served)) or 'no model'}, not {model} "
+                             "(score.server_model names the teacher as its servers call it)")
+        tokens = pool.request("/tokenize", {"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False}, server=server).get("tokens")
+        if tokens != expected:
+            raise GndpoError(f"teacher server {server.url} tokenizes a probe text differently from the teacher's tokenizer "
+                             f"({len(tokens or [])} tokens against {len(expected)}): it serves another tokenizer")
+        answers = [pool.prompt_logprobs(ids, 0, server=server) for ids in probe]
+        scores = flat_response_logprobs(answers, [ids[1:] for ids in probe], 0)["logprobs"]
+        if reference is None:
+            reference = scores
+            continue
+        gap = float(np.abs(scores - reference).mean())
+        if not gap <= tolerance:
+            raise GndpoError(f"teacher server {server.url} scores the probe sequence {gap:.3g} apart from {pool.servers[0].url} "
+                             f"(score.server_tolerance {tolerance:g}): the replicas serve different weights or precisions")
+
+
+# -- the run's teachers and their servers -------------------------------------------------------------
+def served_models(cfg) -> dict[str, str]:
+    """{teacher name recorded per row: the model as the config names it} of the run's teachers: a
+    self-teacher's servers serve the initial student (init refuses one that follows the student)."""
+    return {f"self/{cfg.self_teacher.weights}": cfg.student} if cfg.teacher == SELF_TEACHER else cfg.teacher_models()
+
+
+def teacher_server_settings(cfg) -> dict[str, ServerSettings]:
+    """{teacher name: its servers' settings} for ``cfg`` (``score.servers``, a list for one teacher or a
+    mapping by teacher name): the name each serves its teacher under is ``score.server_model``'s, else
+    the teacher's hub id (a one-line error for a local folder without one)."""
+    score_cfg, settings = cfg.score, {}
+    for name, model in served_models(cfg).items():
+        urls = score_cfg.servers.get(name, []) if isinstance(score_cfg.servers, dict) else score_cfg.servers
+        served = score_cfg.server_model.get(name, "") if isinstance(score_cfg.server_model, dict) else score_cfg.server_model
+        if not urls:
+            raise GndpoError(f"score.backend server: score.servers gives no URL for the teacher {name}")
+        if not served and not is_hub_id(model):
+            raise GndpoError(f"score.backend server: name the model the servers of the teacher {name} serve in score.server_model "
+                             "(a local folder has no name a server reports)")
+        settings[name] = ServerSettings.of(score_cfg, urls, served or split_hub_id(model)[0])
+    return settings
+
+
+def check_against_teacher(pool: ServerPool, teacher_folder: str, tolerance: float) -> None:
+    """:func:`check_servers` with the tokenizer and vocabulary of the teacher at ``teacher_folder``."""
+    check_servers(pool, load_tokenizer(teacher_folder), vocabulary_size(teacher_folder), tolerance)
+
+
+def checked_pool(settings: ServerSettings, teacher_folder: str, tolerance: float) -> ServerPool:
+    """A pool of ``settings``' servers, each held to the teacher at ``teacher_folder``."""
+    pool = ServerPool(settings)
+    try:
+        check_against_teacher(pool, teacher_folder, tolerance)
+    except BaseException:
+        pool.close()
+        raise
+    return pool

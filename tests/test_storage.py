@@ -135,3 +135,16 @@ def test_live_lease_is_not_taken_and_losing_commit_removes_its_attempt(tmp_path)
     assert not first.compute(job.plan()[0][0], 1)
     assert not fs.exists(records.attempt_dir("u0", 1))
     assert records.done("u0")["attempt"] == 2
+
+
+def test_one_worker_lists_the_commits_a_bounded_number_of_times_not_once_a_unit(tmp_path, monkeypatch):
+    """A worker knows its own commits; other workers' it lists when it finds nothing to claim and at
+    most every LIST_EVERY_S. Listing after every unit made a stage of N units cost N listings of up to
+    N commit records (bench/executor_scale.py measures it at 10,000 units)."""
+    fs = RunFS(str(tmp_path))
+    records = StageRecords(fs, 0, "rollout")
+    listings, list_done = [], records.done_units
+    monkeypatch.setattr(records, "done_units", lambda: listings.append(1) or list_done())
+    manifest = Worker(records, CountingJob(fs, [1] * 60), log=lambda *_: None).run()
+    assert [u["unit"] for u in manifest["units"]] == [f"u{i}" for i in range(60)]
+    assert len(listings) <= 2, len(listings)

@@ -37,6 +37,7 @@ from gndpo.storage.records import StageRecords
 _units_log = logging.getLogger(__name__)
 # Counts of a unit's commit summary that progress sums and shows with their rate.
 PROGRESS_COUNTS = ("prompts", "responses", "tokens")
+LIST_EVERY_S = 10.0  # seconds between a worker's listings of the commits other workers made
 
 
 class StageJob(Protocol):
@@ -179,25 +180,33 @@ class Worker:
             return manifest
         plan = self.ensure_plan()
         units = {u["unit"]: u for u in plan["units"]}
-        done = self.records.done_units()
+        done = self.records.done_units() & set(units)
+        pending = {u: None for u in units if u not in done}  # in plan order; a dict: O(1) removal
+        listed_at = time.monotonic()
         with progress.task(f"{self.records.stage} r{self.records.round}", total=len(units), unit="units") as bar:
-            bar.advance(len(done & set(units)))
-            while True:
-                pending = [u for u in units if u not in done]
-                if not pending:
-                    break
+            bar.advance(len(done))
+            while pending:
                 claimed = next(((u, a) for u in pending if (a := self.try_claim(u)) is not None), None)
                 if claimed is None:
                     if not wait_for_others:
                         return None
                     time.sleep(self.poll)
-                    summary = None
                 else:
-                    summary = self.compute(units[claimed[0]], claimed[1]) or {}
-                # One listing per pass, not one per unit (a listing is a request on object stores).
-                now_done = self.records.done_units()
-                bar.advance(len((now_done - done) & set(units)), **{k: summary[k] for k in PROGRESS_COUNTS if k in (summary or {})})
-                done = now_done
+                    summary = self.compute(units[claimed[0]], claimed[1])
+                    if summary is not None or self.records.done(claimed[0]) is not None:  # not an abandoned lease
+                        pending.pop(claimed[0])
+                        done.add(claimed[0])
+                        bar.advance(1, **{k: summary[k] for k in PROGRESS_COUNTS if k in (summary or {})})
+                # Other workers' commits: listed when nothing could be claimed, else at most every
+                # LIST_EVERY_S. A listing is a request on object stores and grows with the units; one
+                # after every unit made a stage of N units cost N listings of up to N records.
+                if claimed is None or time.monotonic() - listed_at > LIST_EVERY_S:
+                    others = (self.records.done_units() & set(units)) - done
+                    for unit in others:
+                        pending.pop(unit, None)
+                    done |= others
+                    bar.advance(len(others))
+                    listed_at = time.monotonic()
         return self.finish(plan)
 
     def compute(self, unit: dict, attempt: int) -> dict | None:

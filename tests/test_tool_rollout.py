@@ -7,7 +7,6 @@ rows. The train loss on the reference's rows must have exactly zero gradient at 
 predicts a prompt, tool or template token.
 """
 
-import dataclasses
 import signal
 
 import numpy as np
@@ -231,8 +230,7 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
     assert any((row.mask == 0).any() for row in micro)
     policy_loss, loss_agg = policy_settings(run.cfg.method)
     # Whole sequences, so that the captured hidden states are one [B, T] grid of prompt + response.
-    cfg = dataclasses.replace(run.cfg, model=dataclasses.replace(run.cfg.model, shared_prompts=False))
-    objective = Objective(cfg, policy_loss, loss_agg, divergence=None, pad_id=0, device=torch.device("cpu"))
+    objective = Objective(run.cfg, policy_loss, loss_agg, divergence=None, pad_id=0, device=torch.device("cpu"), share_prompts=False)
     model = AutoModelForCausalLM.from_pretrained(str(tool_assets / "student"))
 
     captured = {}

@@ -187,11 +187,7 @@ class Worker:
             bar.advance(len(done))
             while pending:
                 claimed = next(((u, a) for u in pending if (a := self.try_claim(u)) is not None), None)
-                if claimed is None:
-                    if not wait_for_others:
-                        return None
-                    time.sleep(self.poll)
-                else:
+                if claimed is not None:
                     summary = self.compute(units[claimed[0]], claimed[1])
                     if summary is not None or self.records.done(claimed[0]) is not None:  # not an abandoned lease
                         pending.pop(claimed[0])
@@ -207,6 +203,10 @@ class Worker:
                     done |= others
                     bar.advance(len(others))
                     listed_at = time.monotonic()
+                if claimed is None and pending:  # what is left is held by live leases of other workers
+                    if not wait_for_others:
+                        return None
+                    time.sleep(self.poll)
         return self.finish(plan)
 
     def compute(self, unit: dict, attempt: int) -> dict | None:

@@ -20,13 +20,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import RESULTS, machine, save_json  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent))  # the repository root, for tests.s3_server
+from tests.s3_server import start_moto_server  # noqa: E402
 
 BUCKET = "gndpo-bench"
 
@@ -92,20 +93,7 @@ def moto_endpoint() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(endpoint, timeout=2)
-            break
-        except urllib.error.HTTPError:  # it answers: started
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("moto_server did not start") from None
-            time.sleep(0.2)
+    server, endpoint = start_moto_server(port)
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
                        "FSSPEC_S3_ENDPOINT_URL": endpoint})
     fsspec.config.set_conf_env(fsspec.config.conf)

@@ -3,11 +3,6 @@ server, started here), with `gndpo status`, `gndpo sql` and `gndpo eval` reading
 
 import json
 import os
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import fsspec.config
@@ -15,6 +10,7 @@ import pytest
 import yaml
 
 from tests.conftest import free_ports, gndpo, tiny_config_dict
+from tests.s3_server import MOTO_SERVER, start_moto_server
 
 pytestmark = pytest.mark.slow
 BUCKET = "gndpo-test"
@@ -23,26 +19,10 @@ BUCKET = "gndpo-test"
 @pytest.fixture(scope="module")
 def s3_endpoint():
     boto3 = pytest.importorskip("boto3")
-    moto_server = Path(sys.executable).with_name("moto_server")
-    if not moto_server.exists():
+    if not MOTO_SERVER.exists():
         pytest.skip("moto's server is not installed (the test extra installs it)")
-    # moto's server in a process of its own: in this one, Flask's request-context proxies would sit in
-    # sys.modules, and vLLM's CPU start-up scans every module's attributes (vllm/triton_utils/
-    # dispatcher.py), which fails on them, for the in-process engines that later tests of this worker build.
     port, = free_ports(1)
-    server = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(endpoint, timeout=2)
-            break
-        except urllib.error.HTTPError:  # it answers: started
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, "moto_server did not start"
-            time.sleep(0.2)
+    server, endpoint = start_moto_server(port)
     env = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",

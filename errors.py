@@ -20,8 +20,9 @@ def first_line(exc: BaseException, with_type: bool = False) -> str:
     return line or type(exc).__name__
 
 
-def whole_message(exc: BaseException, limit: int = 300) -> str:
-    """A library's whole message on one line (whitespace collapsed: its first line alone may stop
-    mid-sentence), shortened to ``limit`` characters; its type's name when it has none."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
+def whole_message(exc: BaseException | str, limit: int = 300) -> str:
+    """A library's whole message (or a text, such as a server's answer) on one line (whitespace
+    collapsed: its first line alone may stop mid-sentence), shortened to ``limit`` characters; an
+    exception's type's name when it has none."""
+    text = " ".join(str(exc).split()) or (type(exc).__name__ if isinstance(exc, BaseException) else "")
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"

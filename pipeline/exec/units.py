@@ -180,7 +180,7 @@ class Worker:
             return manifest
         plan = self.ensure_plan()
         units = {u["unit"]: u for u in plan["units"]}
-        done = self.records.done_units() & set(units)
+        done = self.records.done_units() & units.keys()
         pending = {u: None for u in units if u not in done}  # in plan order; a dict: O(1) removal
         listed_at = time.monotonic()
         with progress.task(f"{self.records.stage} r{self.records.round}", total=len(units), unit="units") as bar:
@@ -197,7 +197,7 @@ class Worker:
                 # LIST_EVERY_S. A listing is a request on object stores and grows with the units; one
                 # after every unit made a stage of N units cost N listings of up to N records.
                 if claimed is None or time.monotonic() - listed_at > LIST_EVERY_S:
-                    others = (self.records.done_units() & set(units)) - done
+                    others = (self.records.done_units() & units.keys()) - done
                     for unit in others:
                         pending.pop(unit, None)
                     done |= others

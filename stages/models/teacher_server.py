@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from gndpo.errors import GndpoError
+from gndpo.errors import GndpoError, first_line, whole_message
 from gndpo.pipeline.config.schema import SELF_TEACHER
 from gndpo.stages.models.loading import load_tokenizer, vocabulary_size
 from gndpo.stages.models.probe import probe_token_ids
@@ -87,10 +87,6 @@ def base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def one_line(text: str, limit: int = 300) -> str:
-    return " ".join(str(text).split())[:limit]
-
-
 @dataclass
 class Server:
     """One server of the pool and its state: work in flight, and when it may be tried again."""
@@ -117,8 +113,6 @@ class ServerPool:
     _lock: threading.Condition = field(init=False, default_factory=threading.Condition)
 
     def __post_init__(self):
-        if not self.settings.urls:
-            raise GndpoError("score.backend server needs at least one URL in score.servers")
         self.servers = [Server(u) for u in self.settings.urls]
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
         timeout = httpx.Timeout(self.settings.timeout_s, connect=min(10.0, self.settings.timeout_s))
@@ -169,7 +163,7 @@ class ServerPool:
             positions = answer["choices"][0]["prompt_logprobs"]
             parsed = [{} if p is None else {int(t): (v["rank"], float(v["logprob"])) for t, v in p.items()} for p in positions]
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise GndpoError(f"a teacher server's completions answer has no usable prompt_logprobs ({one_line(exc)}): "
+            raise GndpoError(f"a teacher server's completions answer has no usable prompt_logprobs ({whole_message(exc)}): "
                              "a teacher server must support vLLM's prompt_logprobs") from None
         if len(parsed) != len(ids):
             raise GndpoError(f"a teacher server answered prompt_logprobs for {len(parsed)} positions of a {len(ids)}-token prompt; "
@@ -191,9 +185,9 @@ class ServerPool:
                 self._succeeded(chosen)
                 return answer
             except RetriableError as exc:
-                self._failed(chosen, one_line(exc))
+                self._failed(chosen, whole_message(exc))
                 if server is not None:
-                    raise GndpoError(f"teacher server {chosen.url}: {one_line(exc)}") from None
+                    raise GndpoError(f"teacher server {chosen.url}: {whole_message(exc)}") from None
             finally:
                 self._release(chosen, cost)
             if attempt + 1 < attempts:
@@ -209,20 +203,20 @@ class ServerPool:
                 response = self.client.post(server.url + path, json=payload)
         except httpx.TransportError as exc:  # refused, reset, timed out, TLS
             if isinstance(exc, httpx.ConnectError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
-                raise GndpoError(f"teacher server {server.url}: its certificate does not verify ({one_line(exc)}); "
+                raise GndpoError(f"teacher server {server.url}: its certificate does not verify ({whole_message(exc)}); "
                                  "name its CA bundle in score.server_ca_bundle") from None
-            raise RetriableError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+            raise RetriableError(first_line(exc, with_type=True)) from None
         if response.status_code in (401, 403):
             raise GndpoError(f"teacher server {server.url} refused the request ({response.status_code}): "
                              "set the key it expects in the environment variable score.server_api_key_env names")
         if response.status_code in RETRIABLE_STATUS:
-            raise RetriableError(f"HTTP {response.status_code} {one_line(response.text, 200)}")
+            raise RetriableError(f"HTTP {response.status_code} {whole_message(response.text, 200)}")
         if response.status_code >= 400:
-            raise GndpoError(f"teacher server {server.url} answered {path} with HTTP {response.status_code}: {one_line(response.text)}")
+            raise GndpoError(f"teacher server {server.url} answered {path} with HTTP {response.status_code}: {whole_message(response.text)}")
         try:
             return response.json()
         except ValueError:
-            raise RetriableError(f"an answer that is not JSON: {one_line(response.text, 120)}") from None
+            raise RetriableError(f"an answer that is not JSON: {whole_message(response.text, 120)}") from None
 
     def _acquire(self, cost: int, batch: int) -> Server:
         """The server with the least outstanding work and a free slot, waiting for one; servers out of

@@ -108,13 +108,13 @@ def padded(rows: list[TrainRow], key: str, width: int, device, dtype=torch.float
 # -- the schedule of optimizer steps ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Step:
-    """One optimizer step as this rank takes it: its token-budgeted micro-batches, and the numbers every
-    rank must agree on: the step's global response count, loss-token count and response-weight sum (the
-    loss normalisers), and how many micro-batches and output chunks to run, the maximum over ranks.
-    Equal counts keep collective calls aligned (gradient all-reduce, and ZeRO-3's per-call parameter
-    gathers)."""
+    """One optimizer step as this rank takes it: its token-budgeted micro-batches (positions in the
+    step's rows, read when the step comes), and the numbers every rank must agree on: the step's
+    global response count, loss-token count and response-weight sum (the loss normalisers), and how
+    many micro-batches and output chunks to run, the maximum over ranks. Equal counts keep collective
+    calls aligned (gradient all-reduce, and ZeRO-3's per-call parameter gathers)."""
 
-    micros: list[list[TrainRow]]
+    micros: list[list[int]]
     n_micro: int
     chunks: list[int]  # output-layer chunks per micro-batch
     n_seqs: int
@@ -124,19 +124,19 @@ class Step:
 
 def schedule_steps(share: RoundShare, train_cfg, chunk: int) -> list[Step]:
     """The round's optimizer steps from this rank's share (``train_cfg``: the train settings; ``chunk``:
-    positions per output-layer chunk); collective, every rank calls it."""
+    positions per output-layer chunk), made from the share's light index alone; collective, every
+    rank calls it."""
     micros = [
-        [[rows[i] for i in idx] for idx in token_budget_batches(np.array([r.tokens for r in rows]), train_cfg.max_tokens_per_batch, train_cfg.micro_batch_size,
-                                                                [r.prompt_id for r in rows])]
-        for rows in share.steps
+        [list(idx) for idx in token_budget_batches(step.tokens, train_cfg.max_tokens_per_batch, train_cfg.micro_batch_size, step.prompt_ids)]
+        for step in share.index
     ]
-    n_tokens = all_reduce(np.array([sum(float(r.mask.sum()) for r in rows) for rows in share.steps]))
-    weight_sum = all_reduce(np.array([sum(r.weight for r in rows) for rows in share.steps], dtype=np.float64))
+    n_tokens = all_reduce(np.array([step.loss_tokens for step in share.index]))
+    weight_sum = all_reduce(np.array([step.weight_sum for step in share.index], dtype=np.float64))
     n_micro = all_reduce(np.array([max(len(m), 1) for m in micros]), "max").astype(int)
     chunks = np.zeros((len(micros), int(n_micro.max(initial=1))))
     for i, step in enumerate(micros):
         for j, micro in enumerate(step):
-            chunks[i, j] = -(-sum(len(r.response) for r in micro) // chunk)
+            chunks[i, j] = -(-int(share.index[i].response_tokens[micro].sum()) // chunk)
     chunks = all_reduce(chunks, "max").astype(int)
     return [
         Step(micros=micros[i], n_micro=int(n_micro[i]), chunks=chunks[i].tolist(),
@@ -260,13 +260,14 @@ class Objective:
         )
 
 
-def optimizer_step(engine, objective: Objective, step: Step, world: int, zero_stage: int) -> dict:
-    """One optimizer step: this rank's micro-batches each add their share of the step loss."""
+def optimizer_step(engine, objective: Objective, step: Step, rows: list[TrainRow], world: int, zero_stage: int) -> dict:
+    """One optimizer step: this rank's micro-batches of the step's ``rows`` each add their share of
+    the step loss."""
     step_loss, clipped, ratio_sum, grad_norm = 0.0, 0.0, 0.0, None
     for j in range(step.n_micro):
         boundary = j == step.n_micro - 1
         engine.set_gradient_accumulation_boundary(boundary)
-        micro = step.micros[j] if j < len(step.micros) else []
+        micro = [rows[k] for k in step.micros[j]] if j < len(step.micros) else []
         start_forward(engine)
         loss, stats = objective.micro_batch_loss(engine.module, micro, step.chunks[j], step.n_seqs, step.n_tokens, step.weight_sum)
         # DeepSpeed averages gradients over ranks; the shares already sum to the step loss.
@@ -303,11 +304,12 @@ def round_lr(train_cfg, round_idx: int, step: int, n_steps: int) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * step / (n_steps - 1)))
 
 
-def take_step(engine, objective: Objective, steps: list[Step], i: int, train_cfg, round_idx: int, world: int) -> dict:
-    """Optimizer step ``i`` of round ``round_idx`` at its scheduled learning rate; its numbers."""
+def take_step(engine, objective: Objective, share: RoundShare, steps: list[Step], i: int, train_cfg, round_idx: int, world: int) -> dict:
+    """Optimizer step ``i`` of round ``round_idx`` (its rows read from ``share``) at its scheduled
+    learning rate; its numbers."""
     lr = round_lr(train_cfg, round_idx, i, len(steps))
     set_learning_rate(engine, lr)
-    return {**optimizer_step(engine, objective, steps[i], world, train_cfg.zero_stage), "lr": lr}
+    return {**optimizer_step(engine, objective, steps[i], share.rows(i), world, train_cfg.zero_stage), "lr": lr}
 
 
 def set_learning_rate(engine, lr: float) -> None:
@@ -320,10 +322,10 @@ def set_learning_rate(engine, lr: float) -> None:
 def advantage_range(share: RoundShare) -> dict:
     """Advantage min/max/mean/std over the tokens with a policy-gradient term, over all ranks (None
     for pure divergence methods); collective."""
-    advs = np.concatenate([r.adv[r.pg_mask > 0] for rows in share.steps for r in rows] + [np.zeros(0)]).astype(np.float64)
-    total, squares, count = all_reduce(np.array([advs.sum(), (advs**2).sum(), advs.size]))
-    lo = all_reduce(np.array([advs.min() if advs.size else np.inf]), "min")[0]
-    hi = all_reduce(np.array([advs.max() if advs.size else -np.inf]), "max")[0]
+    advs = share.advantages
+    total, squares, count = all_reduce(np.array([advs.total, advs.squares, advs.count]))
+    lo = all_reduce(np.array([advs.low]), "min")[0]
+    hi = all_reduce(np.array([advs.high]), "max")[0]
     if not count:
         return {"adv_min": None, "adv_max": None, "adv_mean": None, "adv_std": None}
     mean = total / count
@@ -379,8 +381,11 @@ class TrainJob:
         round's policy (and its optimizer state and probe)."""
         with phase("setup"):
             update = self.prepare_update()
-        history = self.train(update, out_dir)
-        return self.finish(update, history, out_dir)
+        try:
+            history = self.train(update, out_dir)
+            return self.finish(update, history, out_dir)
+        finally:
+            update.share.close()  # its step files
 
     def prepare_update(self) -> Update:
         """Everything the round's update runs on, built in the order it needs: the output-layer chunk
@@ -456,9 +461,12 @@ class TrainJob:
         if state is None or load_state(engine, self.run.fs, state, dist.world):
             with phase("replay"):
                 for round_idx in range(base + 1, self.round):
-                    _, steps, objective = self.round_work(round_idx, engine, start)
-                    for i in range(len(steps)):
-                        take_step(engine, objective, steps, i, cfg.train, round_idx, dist.world)
+                    share, steps, objective = self.round_work(round_idx, engine, start)
+                    try:
+                        for i in range(len(steps)):
+                            take_step(engine, objective, share, steps, i, cfg.train, round_idx, dist.world)
+                    finally:
+                        share.close()
                     start = self.run.policy_path(round_idx + 1)
             if self.exports_equal(engine, start):
                 self.log(f"train r{self.round}: optimizer state replayed from round {base + 1} to round {self.round - 1}")
@@ -491,7 +499,7 @@ class TrainJob:
         with progress.task(f"train r{self.round}", total=len(update.steps), unit="steps") as bar:
             bar.advance(len(history))
             for i in range(len(history), len(update.steps)):
-                step = take_step(update.engine, update.objective, update.steps, i, self.cfg.train, self.round, self.dist.world)
+                step = take_step(update.engine, update.objective, update.share, update.steps, i, self.cfg.train, self.round, self.dist.world)
                 history.append(step)
                 if update.ema is not None:
                     update.ema.update(update.engine.module)

@@ -215,12 +215,14 @@ def verify_shards(run: RunFS, records: list[dict]) -> None:
         verified_bytes(run, record)
 
 
-def read_shard(run: RunFS, record: dict) -> pa.Table:
-    """Read one committed shard, refusing it if it no longer matches its commit record."""
+def read_shard(run: RunFS, record: dict, columns: list[str] | None = None) -> pa.Table:
+    """Read one committed shard, refusing it if it no longer matches its commit record. With
+    ``columns``, only those the file has are decoded (an older shard may lack a later column)."""
     uri = run.holding(record).uri(record["path"])
     data = verified_bytes(run, record)
     try:
-        table = pq.read_table(io.BytesIO(data))
+        parquet = pq.ParquetFile(io.BytesIO(data))
+        table = parquet.read(columns=None if columns is None else [c for c in columns if c in parquet.schema_arrow.names])
     except Exception as exc:  # pyarrow raises several types for a damaged file
         raise GndpoError(f"corrupt shard (unreadable Parquet): {uri}: {exc}") from None
     if table.num_rows != record["rows"]:

@@ -251,7 +251,7 @@ def test_every_method_computes_its_targets_on_a_self_distillation_round(rolled_o
         fork_run(str(rolled_out), url, 0, overrides)
         run_stages(url, "score", "normalize", live=live)
         share = load_share(open_run(url), 0, 0, 1)
-        rows = [row for step in share.steps for row in step]
+        rows = share.all_rows()
         assert len(rows) == sum(share.step_sizes) > 0, name
         for row in rows:
             for value in (row.adv, row.div, row.mask, row.old_logp):

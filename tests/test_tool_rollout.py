@@ -226,7 +226,7 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
 
     run = open_run(str(reference))
     share = load_share(run, 0, 0, 1)
-    micro = [row for step in share.steps for row in step]
+    micro = share.all_rows()
     assert any((row.mask == 0).any() for row in micro)
     policy_loss, loss_agg = policy_settings(run.cfg.method)
     # Whole sequences, so that the captured hidden states are one [B, T] grid of prompt + response.

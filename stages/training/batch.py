@@ -1,18 +1,24 @@
-"""Train's batch join: this rank's share of the round, with the method's targets, as numpy arrays.
+"""Train's batch join: this rank's share of the round, with the method's targets, streamed by mini-batch.
 
 Every rank reads the round's rollout ids (one short string per response), shuffles them with the
 round's seed and cuts them into ``train.optimizer_steps`` mini-batches; rank r takes every world-th
-response of each mini-batch. Only then are the heavy columns (token ids, log-probs, the teacher's
-top-k) read, for this rank's rows only, straight from Arrow buffers into numpy views: no per-token
-Python objects, whatever the response length or k. The method's targets (advantage, policy-gradient
-mask, divergence weight, loss mask, response weight) come from the committed round statistics.
+response of each mini-batch. Then the heavy columns (token ids, log-probs, the teacher's top-k) are
+read one rollout shard (and its score rows) at a time, for this rank's rows only, straight from Arrow
+buffers into numpy views, joined with the method's targets (advantage, policy-gradient mask,
+divergence weight, loss mask, response weight) from the committed round statistics, and written to
+one local file per step (:class:`gndpo.storage.step_files.StepFiles`). What stays in memory is the
+light index the schedule needs (lengths, prompt ids, the steps' loss-token and weight sums); a step's
+rows are read back when it comes. Train's memory is thus one shard's rows while the round is read and
+two mini-batches while it trains, whatever the round's size.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -20,16 +26,18 @@ import pyarrow.compute as pc
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods import Response, get_method, response_targets, score_needs
-from gndpo.pipeline.methods.base import TOPK
+from gndpo.pipeline.methods.base import TOPK, Stats
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.run.stats import round_stats
 from gndpo.storage.records import manifest_files, rollout_shards
-from gndpo.storage.shards import flat_values, read_shards
+from gndpo.storage.shards import flat_values, read_shard
+from gndpo.storage.step_files import StepFiles
 
 ROLLOUT_COLUMNS = ["rollout_id", "prompt_id", "prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs",
                    "reward", "rewards", "teacher_prefix_len", "finish_reason"]
 SCORE_COLUMNS = ["rollout_id", "teacher", "teacher_logprobs", "student_logprobs", "teacher_entropy", "student_entropy", "token_kl",
                  "aligned"]
+TOPK_COLUMNS = ["teacher_topk_ids", "teacher_topk_logprobs", "teacher_rest_logprob"]  # the last one where score stored it
 
 
 @dataclass
@@ -59,15 +67,6 @@ class TrainRow:
         return len(self.prompt) + len(self.response)
 
 
-@dataclass
-class RoundShare:
-    """The round's mini-batches as this rank sees them: ``steps[i]`` are this rank's rows of step i,
-    ``step_sizes[i]`` the number of responses of step i over all ranks."""
-
-    steps: list[list[TrainRow]]
-    step_sizes: list[int]
-
-
 def topk_columns(available: list[str]) -> list[str]:
     """The score columns a top-k method reads: the teacher's ids and log-probs, and its rest log-prob
     where the shards have it (older ones do not)."""
@@ -85,39 +84,214 @@ def step_order(rollout_ids: list[str], seed: int, round_idx: int, optimizer_step
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
+@dataclass
+class StepIndex:
+    """What the schedule needs of one step's rows on this rank, in the step's order, without their
+    tokens: each row's padded-batch cost, response length and prompt id, and the step's loss-token
+    count and response-weight sum."""
+
+    tokens: np.ndarray
+    response_tokens: np.ndarray
+    prompt_ids: list[str]
+    loss_tokens: float
+    weight_sum: float
+
+
+@dataclass
+class AdvantageSums:
+    """Count, sum, sum of squares and range of the advantages on policy-gradient tokens (this rank's rows)."""
+
+    count: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+    low: float = math.inf
+    high: float = -math.inf
+
+    def add(self, adv: np.ndarray) -> None:
+        if adv.size:
+            adv = adv.astype(np.float64, copy=False)
+            self.count += adv.size
+            self.total += float(adv.sum())
+            self.squares += float((adv**2).sum())
+            self.low, self.high = min(self.low, float(adv.min())), max(self.high, float(adv.max()))
+
+
+class RoundShare:
+    """This rank's share of a round, streamed: the light per-step index (``index[i]``, what the schedule
+    needs) in memory, each step's stored columns (rollout and score rows side by side) in one local file
+    per step, joined into train rows when the step comes, with the next step read ahead in a background
+    thread. So train holds at most two mini-batches of rows, whatever the round's size.
+    ``step_sizes[i]`` is the number of responses of step i over all ranks."""
+
+    def __init__(self, index: list[StepIndex], step_sizes: list[int], advantages: AdvantageSums, files: StepFiles, join):
+        self.index, self.step_sizes, self.advantages = index, step_sizes, advantages
+        self._files, self._join = files, join  # join(rollouts, scores) -> the rows, as load_share made them
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gndpo-step-reader")
+        self._pending: dict[int, Future] = {}
+
+    def rows(self, step: int) -> list[TrainRow]:
+        """Step ``step``'s rows on this rank, in the step's order; starts reading step ``step + 1``."""
+        pending = self._pending.pop(step, None) or self._reader.submit(self._read, step)
+        self._pending = {}  # a step read ahead but not taken (a resumed round starts later) is dropped
+        if step + 1 < len(self.index):
+            self._pending[step + 1] = self._reader.submit(self._read, step + 1)
+        return pending.result()
+
+    def all_rows(self) -> list[TrainRow]:
+        """Every row of the share, step after step (for inspection; holds the whole share)."""
+        return [row for step in range(len(self.index)) for row in self._read(step)]
+
+    def _read(self, step: int) -> list[TrainRow]:
+        table = self._files.read(step)
+        return [] if table is None else self._join(*split_rows(table.sort_by(POSITION)))
+
+    def close(self) -> None:
+        """Stop reading ahead and remove the step files."""
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._files.close()
+
+
 def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     """Rank ``rank``'s share of round ``round_idx``: the round's responses (less those
     ``rollout.truncated`` keeps out) in ``train.optimizer_steps`` steps, shuffled by the train seed,
-    each step's rows split across the ``world`` ranks, joined with their scores and targets."""
+    each step's rows split across the ``world`` ranks, joined with their scores and targets. The round
+    is read one rollout shard at a time and its rows are written to per-step files, so memory holds one
+    shard's rows, never the round's."""
     cfg = run.cfg
-    method_cfg = cfg.method
-    needs_topk = TOPK in score_needs(method_cfg)
     rollout_files = rollout_shards(run.records(round_idx, "rollout").require_manifest())
     score_files = manifest_files(run.records(round_idx, "score").require_manifest())
-    rollouts = read_shards(run.fs, rollout_files).select(ROLLOUT_COLUMNS)
-    scores = read_shards(run.fs, score_files)
-    scores = scores.select(SCORE_COLUMNS + (topk_columns(scores.column_names) if needs_topk else []))
-    all_ids = rollouts.column("rollout_id").to_pylist()
-    if len(set(all_ids)) != len(all_ids) or scores.num_rows != len(all_ids):
-        raise GndpoError(f"round {round_idx}: {scores.num_rows} score rows for {len(all_ids)} rollouts")
-    if cfg.rollout.truncated != "keep":
+    kept = kept_rollout_ids(run, rollout_files, round_idx)
+    score_file_of = score_files_by_rollout(run, score_files, round_idx, kept.total)
+    steps = step_order(kept.ids, cfg.train.seed, round_idx, cfg.train.optimizer_steps)
+    mine = [ids[rank::world] for ids in steps]
+    place = {rid: (i, pos) for i, ids in enumerate(mine) for pos, rid in enumerate(ids)}
+    writer = ShareWriter(mine)
+    stats = round_stats(run, round_idx)
+    score_columns = SCORE_COLUMNS + (TOPK_COLUMNS if TOPK in score_needs(cfg.method) else [])
+    wanted = pa.array(list(place), pa.string())
+    for rollout_file in rollout_files:
+        rollouts = read_shard(run.fs, rollout_file, ROLLOUT_COLUMNS)
+        rollouts = rollouts.filter(pc.is_in(rollouts.column("rollout_id"), value_set=wanted))
+        if not rollouts.num_rows:
+            continue
+        ids = rollouts.column("rollout_id")
+        # Score writes one shard per rollout shard, so this is one file; the join does not rely on it.
+        needed = sorted({score_file_of[rid] for rid in ids.to_pylist()})
+        scores = pa.concat_tables([read_shard(run.fs, score_files[j], score_columns) for j in needed], promote_options="default")
+        scores = scores.filter(pc.is_in(scores.column("rollout_id"), value_set=ids))
+        side_by_side = beside(rollouts, scores)
+        writer.add_rows(side_by_side, [place[rid] for rid in ids.to_pylist()], _join(*split_rows(side_by_side), run, round_idx, stats))
+    return writer.share([len(ids) for ids in steps], partial(_join, run=run, round_idx=round_idx, stats=stats))
+
+
+POSITION = "step_position"  # a step file's column: the row's place in its step
+SCORE_PREFIX = "score."  # a step file's score columns, beside the rollout's
+
+
+def beside(rollouts: pa.Table, scores: pa.Table) -> pa.Table:
+    """``rollouts`` with each row's score columns beside it (prefixed), one table row per response."""
+    score_row_of = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
+    missing = [rid for rid in rollouts.column("rollout_id").to_pylist() if rid not in score_row_of]
+    if missing:
+        raise GndpoError(f"rollout {missing[0]} has no score row")
+    scores = scores.take([score_row_of[rid] for rid in rollouts.column("rollout_id").to_pylist()])
+    for name in scores.column_names:
+        rollouts = rollouts.append_column(SCORE_PREFIX + name, scores.column(name))
+    return rollouts
+
+
+def split_rows(table: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """(rollouts, scores) of a :func:`beside` table, row for row."""
+    scores = [name for name in table.column_names if name.startswith(SCORE_PREFIX)]
+    rollouts = [name for name in table.column_names if name not in scores and name != POSITION]
+    return table.select(rollouts), table.select(scores).rename_columns([name.removeprefix(SCORE_PREFIX) for name in scores])
+
+
+@dataclass
+class KeptIds:
+    """The round's rollout ids in manifest order, less the truncated ones ``rollout.truncated`` drops."""
+
+    ids: list[str]
+    total: int  # responses in the round, kept or not
+
+
+def kept_rollout_ids(run: Run, rollout_files: list[dict], round_idx: int) -> KeptIds:
+    """The rollout ids train takes (read without the heavy columns); refuses duplicates, and a round
+    whose every response was cut where ``rollout.truncated`` drops them."""
+    cfg = run.cfg
+    ids: list[str] = []
+    kept: list[str] = []
+    for record in rollout_files:
+        table = read_shard(run.fs, record, ["rollout_id", "finish_reason"])
+        file_ids = table.column("rollout_id").to_pylist()
+        ids += file_ids
         # mask and drop: a response cut at max_tokens has no loss and does not count in the step's
         # normalizers (drop also kept it out of normalize's statistics).
-        cut = pc.fill_null(pc.equal(rollouts.column("finish_reason"), "length"), False)
-        rollouts = rollouts.filter(pc.invert(cut))
-        all_ids = rollouts.column("rollout_id").to_pylist()
-        if not all_ids:
-            raise GndpoError(
-                f"round {round_idx}: every response was cut at rollout.max_tokens and rollout.truncated is "
-                f"{cfg.rollout.truncated}: nothing to train on (raise rollout.max_tokens, or use truncated: keep)"
-            )
-    steps = step_order(all_ids, cfg.train.seed, round_idx, cfg.train.optimizer_steps)
-    mine = [ids[rank::world] for ids in steps]
-    wanted = pa.array([rid for ids in mine for rid in ids], pa.string())
-    rollouts = rollouts.filter(pc.is_in(rollouts.column("rollout_id"), value_set=wanted))
-    scores = scores.filter(pc.is_in(scores.column("rollout_id"), value_set=wanted))
-    rows = _join(rollouts, scores, run, round_idx, needs_topk)
-    return RoundShare(steps=[[rows[rid] for rid in ids] for ids in mine], step_sizes=[len(ids) for ids in steps])
+        cut = [False] * len(file_ids) if cfg.rollout.truncated == "keep" else \
+            pc.fill_null(pc.equal(table.column("finish_reason"), "length"), False).to_pylist()
+        kept += [rid for rid, was_cut in zip(file_ids, cut) if not was_cut]
+    if len(set(ids)) != len(ids):
+        raise GndpoError(f"round {round_idx}: a rollout id appears twice in the rollout shards")
+    if ids and not kept:
+        raise GndpoError(
+            f"round {round_idx}: every response was cut at rollout.max_tokens and rollout.truncated is "
+            f"{cfg.rollout.truncated}: nothing to train on (raise rollout.max_tokens, or use truncated: keep)"
+        )
+    return KeptIds(kept, len(ids))
+
+
+def score_files_by_rollout(run: Run, score_files: list[dict], round_idx: int, responses: int) -> dict[str, int]:
+    """{rollout id: index of the score file holding its row}, from the score files' id column alone;
+    refuses a round whose score rows are not one per response."""
+    out: dict[str, int] = {}
+    rows = 0
+    for j, record in enumerate(score_files):
+        file_ids = read_shard(run.fs, record, ["rollout_id"]).column("rollout_id").to_pylist()
+        rows += len(file_ids)
+        out.update(dict.fromkeys(file_ids, j))
+    if rows != responses or len(out) != responses:
+        raise GndpoError(f"round {round_idx}: {rows} score rows for {responses} rollouts")
+    return out
+
+
+class ShareWriter:
+    """Collects this rank's rows as the round is read (in shard order) into the per-step files and the
+    light per-step index, each row at its place in its step."""
+
+    def __init__(self, mine: list[list[str]]):
+        self.files = StepFiles(len(mine))
+        sizes = [len(ids) for ids in mine]
+        self.tokens = [np.zeros(n, np.int64) for n in sizes]
+        self.response_tokens = [np.zeros(n, np.int64) for n in sizes]
+        self.prompt_ids = [[""] * n for n in sizes]
+        self.loss_tokens = [[0.0] * n for n in sizes]
+        self.weights = [[0.0] * n for n in sizes]
+        self.advantages = AdvantageSums()
+
+    def add_rows(self, table: pa.Table, places: list[tuple[int, int]], rows: list[TrainRow]) -> None:
+        """One shard's rows: their stored columns (``table``), each row's (step, position in the step)
+        and the train rows made from them, which only the index keeps a summary of."""
+        for (step, pos), row in zip(places, rows):
+            self.tokens[step][pos], self.response_tokens[step][pos] = row.tokens, len(row.response)
+            self.prompt_ids[step][pos] = row.prompt_id
+            self.loss_tokens[step][pos], self.weights[step][pos] = float(row.mask.sum()), row.weight
+            self.advantages.add(row.adv[row.pg_mask > 0])
+        # Ordered by step, then cut into each step's slice (no copy).
+        steps = np.array([step for step, _ in places])
+        order = np.argsort(steps, kind="stable")
+        table = table.append_column(POSITION, pa.array([pos for _, pos in places], pa.int64())).take(order)
+        steps = steps[order]
+        starts = np.flatnonzero(np.diff(steps, prepend=-1))
+        for start, end in zip(starts, [*starts[1:], len(steps)]):
+            self.files.append(int(steps[start]), table.slice(start, end - start))
+
+    def share(self, step_sizes: list[int], join) -> RoundShare:
+        """The finished share (its step files sealed); the step sums add the rows in step order.
+        ``join(rollouts, scores)``: the train rows of a step's stored columns."""
+        self.files.seal()
+        index = [StepIndex(self.tokens[i], self.response_tokens[i], self.prompt_ids[i], sum(self.loss_tokens[i]), sum(self.weights[i]))
+                 for i in range(len(self.tokens))]
+        return RoundShare(index, step_sizes, self.advantages, self.files, join)
 
 
 class ListColumns:
@@ -136,11 +310,11 @@ ROLLOUT_LISTS = ["prompt_token_ids", "response_token_ids", "loss_mask", "sampler
 OPTIONAL_SCORES = ("teacher_entropy", "student_entropy", "token_kl")
 
 
-def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_topk: bool) -> dict[str, TrainRow]:
-    """Train rows by rollout id: each rollout joined with its score row, with the method's targets."""
+def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, stats: Stats) -> list[TrainRow]:
+    """Train rows, in ``rollouts``' order: each rollout with its score row (``scores``' row of the same
+    index, as :func:`beside` lines them up) and the method's targets from the round's ``stats``."""
     method_cfg = run.cfg.method
-    stats = round_stats(run, round_idx)
-    score_row_of = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
+    needs_topk = TOPK in score_needs(method_cfg)
     optional = [*OPTIONAL_SCORES, *(topk_columns(scores.column_names) if needs_topk else [])]
     rollout_lists = ListColumns(rollouts, ROLLOUT_LISTS)
     cross = run.cfg.score.cross_tokenizer  # student tokens the teacher's tokens did not cover exactly get no loss
@@ -150,32 +324,29 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, needs_
         raise GndpoError(f"score rows of round {round_idx} have no teacher top-k, which method {method_cfg.name} needs")
     teachers = scores.column("teacher").to_pylist()
     old_logprobs = get_method(method_cfg.name).old_logprobs
-    rows = {}
+    rows = []
     for i, meta in enumerate(rollouts.select(["rollout_id", "prompt_id", "reward", "rewards", "teacher_prefix_len"]).to_pylist()):
-        j = score_row_of.get(meta["rollout_id"])
-        if j is None:
-            raise GndpoError(f"rollout {meta['rollout_id']} of round {round_idx} has no score row")
         response_ids = rollout_lists.row("response_token_ids", i, np.int64)
         response = Response(
             rollout_id=meta["rollout_id"], prompt_id=meta["prompt_id"],
-            mask=rollout_lists.row("loss_mask", i) * (score_lists.row("aligned", j) if cross else 1.0),
-            teacher_lp=score_lists.row("teacher_logprobs", j), student_lp=score_lists.row("student_logprobs", j),
+            mask=rollout_lists.row("loss_mask", i) * (score_lists.row("aligned", i) if cross else 1.0),
+            teacher_lp=score_lists.row("teacher_logprobs", i), student_lp=score_lists.row("student_logprobs", i),
             sampler_lp=rollout_lists.row("sampler_logprobs", i), rewards=dict(meta["rewards"] or {}), reward=meta["reward"],
             prefix=teacher_prefix(len(response_ids), meta["teacher_prefix_len"]),
-            **{name: (score_lists.row(name, j) if name in stored else None) for name in OPTIONAL_SCORES},
-            teacher=teachers[j] or "",
+            **{name: (score_lists.row(name, i) if name in stored else None) for name in OPTIONAL_SCORES},
+            teacher=teachers[i] or "",
         )
         targets = response_targets(response, stats, method_cfg, round_idx)
-        rows[meta["rollout_id"]] = TrainRow(
+        rows.append(TrainRow(
             rollout_id=response.rollout_id,
             prompt=rollout_lists.row("prompt_token_ids", i, np.int64), response=response_ids,
             old_logp=response.sampler_lp if old_logprobs == "sampler" else response.student_lp,
             adv=targets.adv, pg_mask=targets.pg_mask, div=targets.div, mask=targets.mask, weight=targets.weight,
             prompt_id=response.prompt_id, teacher=response.teacher,
-            topk_ids=score_lists.row("teacher_topk_ids", j, np.int64) if needs_topk else None,
-            topk_logp=score_lists.row("teacher_topk_logprobs", j) if needs_topk else None,
-            topk_rest=stored_rest(score_lists, j, len(response.mask)) if "teacher_rest_logprob" in stored else None,
-        )
+            topk_ids=score_lists.row("teacher_topk_ids", i, np.int64) if needs_topk else None,
+            topk_logp=score_lists.row("teacher_topk_logprobs", i) if needs_topk else None,
+            topk_rest=stored_rest(score_lists, i, len(response.mask)) if "teacher_rest_logprob" in stored else None,
+        ))
     return rows
 
 

@@ -16,6 +16,7 @@ Train turns targets into one loss (:mod:`gndpo.pipeline.methods.losses`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -147,8 +148,9 @@ class StatsQuery:
     def __init__(self, con):
         self.con = con
 
-    def one(self, sql: str) -> dict:
-        rel = self.con.sql(sql)
+    def one(self, sql: str, parameters: dict | None = None) -> dict:
+        """{column: value} of a one-row query (``parameters``: its ``$name`` values)."""
+        rel = self.con.sql(sql, params=parameters)
         row = rel.fetchall()[0]
         return {k: (float(v) if v is not None else None) for k, v in zip(rel.columns, row)}
 
@@ -157,6 +159,56 @@ class StatsQuery:
         rel = self.con.sql(sql)
         cols = rel.columns[1:]
         return {row[0]: {k: (float(v) if v is not None else None) for k, v in zip(cols, row[1:])} for row in rel.fetchall()}
+
+    def quantile(self, expression: str, q: float, source: str = "tokens") -> float | None:
+        """DuckDB's ``quantile_cont(expression, q)`` over ``source``'s non-null values, the same value
+        bit for bit, in memory that does not grow with the rows: ``quantile_cont`` holds every value
+        (16 GiB at a billion tokens), this selects the two order statistics it interpolates between by
+        narrowing a value range, a scan per step (:func:`order_statistics`). None over no values."""
+        values = f"SELECT ({expression}) AS v FROM {source}"
+        n, low, high, typ = self.con.execute(f"SELECT count(v), min(v), max(v), any_value(typeof(v)) FROM ({values})").fetchall()[0]
+        if not n:
+            return None
+        rank = (n - 1) * q  # DuckDB's: between the values of ranks floor(RN) and ceil(RN), RN = (n - 1) q
+        below = math.floor(rank)
+        first, second = order_statistics(self.con, values, below, n, low, high)
+        if rank == below:
+            return float(first)
+        # DuckDB interpolates the two itself, so the value is its own to the last bit: over two values,
+        # quantile_cont at the fraction d has RN = d.
+        return float(self.con.execute(f"SELECT quantile_cont(x, $d) FROM (SELECT unnest([$first::{typ}, $second::{typ}]) AS x)",
+                                      {"d": rank - below, "first": first, "second": second}).fetchall()[0][0])
+
+
+RANGE_BUCKETS = 4096  # value buckets per scan
+FETCHED_VALUES = 1 << 20  # a range with at most this many values is fetched and sorted
+
+
+def order_statistics(con, values: str, k: int, count: int, low: float, high: float) -> tuple[float, float | None]:
+    """The k-th and (k+1)-th smallest (0-based; None past the last) of the ``count`` non-null values
+    of ``values``' column ``v``, whose minimum and maximum are ``low`` and ``high``. Each scan counts
+    the values in ``RANGE_BUCKETS`` equal slices of the current range (a grouped count: bounded
+    memory) and keeps the slice holding the k-th, with its count and the smallest value after it; a
+    range of one value ends it, and one of at most ``FETCHED_VALUES`` values is fetched and sorted.
+    A value's slice is a monotone function of it, so a slice is exactly the values between its
+    minimum and maximum."""
+    after = None  # the smallest value above the current range
+    inside = f"SELECT v FROM ({values}) WHERE v BETWEEN $low AND $high"
+    while count > FETCHED_VALUES and low != high:
+        slices = con.execute(
+            f"SELECT least(floor((v::DOUBLE - $low) / ($high - $low) * {RANGE_BUCKETS}), {RANGE_BUCKETS - 1}) AS b, "
+            f"count(*), min(v), max(v) FROM ({inside}) GROUP BY b ORDER BY b", {"low": low, "high": high}
+        ).fetchall()
+        for i, (_, in_slice, smallest, largest) in enumerate(slices):
+            if k < in_slice:
+                after = slices[i + 1][2] if i + 1 < len(slices) else after
+                count, low, high = in_slice, smallest, largest
+                break
+            k -= in_slice
+    if low == high:
+        return low, low if k + 1 < count else after
+    fetched = np.sort(con.execute(inside, {"low": low, "high": high}).fetchnumpy()["v"])
+    return fetched[k].item(), fetched[k + 1].item() if k + 1 < len(fetched) else after
 
 
 def merge_groups(*parts: dict) -> dict:

@@ -17,16 +17,13 @@ from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TOKEN_KL, Modifier, Res
 
 
 def _statistics(q, cfg, round_idx):
-    qq = cfg.tip.entropy_quantile
-    return q.one(
-        f"""
-        WITH c AS (SELECT quantile_cont(hS, {qq}) AS cap FROM tokens),
-        v AS (SELECT least(hS, c.cap) AS h, greatest(kl, 0) AS d FROM tokens, c)
-        SELECT any_value(c.cap) AS tip_h_cap, min(h) AS tip_h_min, max(h) AS tip_h_max,
-               min(d) AS tip_d_min, max(d) AS tip_d_max
-        FROM v, c
-        """
-    ), {}
+    cap = q.quantile("hS", cfg.tip.entropy_quantile)  # exact, in bounded memory
+    ranges = q.one(
+        """SELECT min(h) AS tip_h_min, max(h) AS tip_h_max, min(d) AS tip_d_min, max(d) AS tip_d_max
+           FROM (SELECT least(hS, $cap) AS h, greatest(kl, 0) AS d FROM tokens)""",
+        {"cap": cap},
+    )
+    return {"tip_h_cap": cap, **ranges}, {}
 
 
 def _minmax(x: np.ndarray, lo: float, hi: float) -> np.ndarray:

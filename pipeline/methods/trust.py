@@ -31,7 +31,7 @@ def _tropd_statistics(q, cfg, round_idx):
     tropd_cfg = cfg.tropd
     if tropd_cfg.tau_quantile < 0:
         return {"tropd_tau": tropd_cfg.tau}, {}
-    return q.one(f"SELECT quantile_cont(exp(least(lpT - lpS, 0)), {tropd_cfg.tau_quantile}) AS tropd_tau FROM tokens"), {}
+    return {"tropd_tau": q.quantile("exp(least(lpT - lpS, 0))", tropd_cfg.tau_quantile)}, {}
 
 
 def _tropd_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
@@ -67,7 +67,7 @@ def _reopold_statistics(q, cfg, round_idx):
     if round_idx < cfg.reopold.switch_round:
         return {}, {}
     beta = cfg.reopold.beta
-    return q.one(f"SELECT quantile_cont(hS, {1.0 - beta}) AS reopold_entropy_cut FROM tokens"), {}
+    return {"reopold_entropy_cut": q.quantile("hS", 1.0 - beta)}, {}
 
 
 def _reopold_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:

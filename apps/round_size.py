@@ -14,16 +14,22 @@ not the weights, and each shard's footer is counted at ``SHARD_OVERHEAD``), and 
   AdamW's two fp32 moments and, below fp32, the fp32 master weights; each in-round checkpoint
   (``train.checkpoint_every``) is another such state.
 
-Train reads the round's rollout and score rows into memory (its ranks on one node together hold all of
-them). A round that does not fit the run folder's free space, or whose rows do not fit this machine's
-available memory, is refused; one that takes more than half of either gets a warning.
+Train streams a round by mini-batch (:mod:`gndpo.stages.training.batch`): while it reads the round it
+holds one work unit's rollout and score rows and up to ``BUFFER_BYTES`` of rows waiting for the step
+files, which it writes in the machine's temporary folder (the round's rows, compressed, at most their
+size before compression, where the round's rows pass that buffer); while it trains, two mini-batches
+(the step being taken and the next, read ahead). A round that does not fit the run folder's free space,
+whose step files do not fit the temporary folder's, or whose held rows do not fit this machine's
+available memory, is refused; one that takes more than half of any gets a warning.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +41,7 @@ from gndpo.stages.models.device import resolve_dtype
 from gndpo.stages.models.loading import parameter_count
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.shards import ROLLOUTS, scores_schema, token_bytes
+from gndpo.storage.step_files import BUFFER_BYTES
 
 # The score columns each optional need adds (gndpo.pipeline.methods.base.SCORE_EXTRAS).
 EXTRA_COLUMNS = {TOPK: ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_rest_logprob"),
@@ -56,10 +63,24 @@ class RoundSize:
     weights: int | None
     export_bytes: int
     state_bytes: int  # carried optimizer state and in-round checkpoints
+    unit_bytes: int = 0  # one work unit's rollout and score rows
+    steps: int = 1  # optimizer steps (mini-batches) per round
+    step_bytes: int = 0  # one optimizer step's rows
 
     @property
     def disk_bytes(self) -> int:
         return self.shard_bytes + self.export_bytes + self.state_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """The most of the round's rows train holds in memory: a unit's rows and the step files' buffer
+        while it reads the round, or two mini-batches while it trains."""
+        return max(self.unit_bytes + min(BUFFER_BYTES, self.shard_bytes), 2 * self.step_bytes)
+
+    @property
+    def step_file_bytes(self) -> int:
+        """What train's step files take in the temporary folder: none while the rows fit the buffer."""
+        return self.shard_bytes if self.shard_bytes > BUFFER_BYTES else 0
 
     def describe(self) -> str:
         weights = f"; {self.weights:,} weights: export {readable_size(self.export_bytes)}, optimizer state {readable_size(self.state_bytes)}" \
@@ -96,7 +117,10 @@ def estimate_round(cfg: Config, longest_prompt: int) -> RoundSize:
             one_state = weights * (width + ADAM_MOMENT_BYTES + (4 if width < 4 else 0))
             checkpoints = (train_cfg.optimizer_steps - 1) // train_cfg.checkpoint_every if train_cfg.checkpoint_every else 0
             state = one_state * (1 + checkpoints)
-    return RoundSize(rows, tokens, rollout + score + shards * SHARD_OVERHEAD, weights, export, state)
+    units = math.ceil(rollout_cfg.prompts_per_round / rollout_cfg.prompts_per_unit)
+    steps = max(1, min(train_cfg.optimizer_steps, rows))
+    return RoundSize(rows, tokens, rollout + score + shards * SHARD_OVERHEAD, weights, export, state,
+                     unit_bytes=math.ceil((rollout + score) / units), steps=steps, step_bytes=math.ceil((rollout + score) / steps))
 
 
 def free_bytes(url: str) -> int | None:
@@ -104,10 +128,22 @@ def free_bytes(url: str) -> int | None:
     fs = RunFS(url)
     if not fs.is_local:
         return None
-    path = Path(fs.path(""))
+    return shutil.disk_usage(existing_parent(Path(fs.path("")))).free
+
+
+def existing_parent(path: Path) -> Path:
     while not path.exists():
         path = path.parent
-    return shutil.disk_usage(path).free
+    return path
+
+
+def temp_space(url: str) -> tuple[int, bool]:
+    """(free space in the temporary folder train writes its step files in, whether the run folder is
+    on the same filesystem)."""
+    temp = Path(tempfile.gettempdir())
+    fs = RunFS(url)
+    same = fs.is_local and os.stat(existing_parent(Path(fs.path("")))).st_dev == os.stat(temp).st_dev
+    return shutil.disk_usage(temp).free, same
 
 
 def available_memory() -> int | None:
@@ -120,30 +156,39 @@ def available_memory() -> int | None:
         return None
 
 
-def check_round_size(size: RoundSize, free: int | None, memory: int | None) -> None:
-    """Refuse a round that cannot fit ``free`` bytes of disk or ``memory`` bytes of memory (None: not
-    known here); warn about one that takes more than half of either."""
+def check_round_size(size: RoundSize, free: int | None, memory: int | None, temp: tuple[int, bool] | None = None) -> None:
+    """Refuse a round that cannot fit ``free`` bytes of disk where the run folder is, ``temp`` (the
+    temporary folder's free bytes, whether it shares the run folder's filesystem) for train's step
+    files, or ``memory`` bytes of memory (None: not known here); warn about one that takes more than
+    half of any."""
     knobs = "lower rollout.prompts_per_round, rollout.n or rollout.max_tokens"
-    if free is not None:
-        if size.disk_bytes > free:
-            raise GndpoError(f"one round writes up to {readable_size(size.disk_bytes)} ({size.describe()}), more than the "
-                             f"{readable_size(free)} free where the run folder is: {knobs}, or free space")
-        if size.disk_bytes > SHARE * free:
-            logging.getLogger("gndpo").warning(f"one round writes up to {readable_size(size.disk_bytes)} ({size.describe()}), more than "
-                                               f"half of the {readable_size(free)} free where the run folder is")
-    # Train's ranks on a node together hold the round's rows; the model's own memory is the user's choice.
-    held = size.shard_bytes
-    if memory is not None:
-        if held > memory:
-            raise GndpoError(f"train holds up to {readable_size(held)} of the round's rows in memory ({size.describe()}), more than "
-                             f"the {readable_size(memory)} this machine has available: {knobs}")
-        if held > SHARE * memory:
-            logging.getLogger("gndpo").warning(f"train holds up to {readable_size(held)} of the round's rows in memory, more than half "
-                                               f"of the {readable_size(memory)} this machine has available")
+    written = size.disk_bytes
+    if temp is not None and temp[1]:
+        written += size.step_file_bytes  # the step files come out of the same free space
+    what = f"one round writes up to {readable_size(written)} ({size.describe()}), more than"
+    refuse_or_warn(written, free, f"{what} {{}} free where the run folder is", f": {knobs}, or free space")
+    if temp is not None and not temp[1] and size.step_file_bytes:
+        refuse_or_warn(size.step_file_bytes, temp[0], f"train's step files take up to {readable_size(size.step_file_bytes)}, more than "
+                       f"{{}} free in the temporary folder {tempfile.gettempdir()}", f": set TMPDIR to a larger folder, or {knobs}")
+    # Train's ranks on a node each hold their share of this; the model's own memory is the user's choice.
+    refuse_or_warn(size.held_bytes, memory, f"train holds up to {readable_size(size.held_bytes)} of the round's rows in memory (two "
+                   f"mini-batches of {-(-size.rows // size.steps)} responses, {readable_size(size.step_bytes)} each), more than {{}} "
+                   f"this machine has available", ": raise train.optimizer_steps, or lower rollout.prompts_per_unit")
+
+
+def refuse_or_warn(need: int, have: int | None, what: str, remedy: str) -> None:
+    """A one-line error (``what``, with ``{}`` for the readable ``have``, then ``remedy``) where
+    ``need`` exceeds ``have`` (None: not known here); a warning where it takes more than half of it."""
+    if have is None:
+        return
+    if need > have:
+        raise GndpoError(what.format(f"the {readable_size(have)}") + remedy)
+    if need > SHARE * have:
+        logging.getLogger("gndpo").warning(what.format(f"half of the {readable_size(have)}"))
 
 
 def check_round_fits(url: str, cfg: Config, longest_prompt: int) -> RoundSize:
     """:func:`check_round_size` against this machine, where ``gndpo init`` runs; returns the estimate."""
     size = estimate_round(cfg, longest_prompt)
-    check_round_size(size, free_bytes(url), available_memory())
+    check_round_size(size, free_bytes(url), available_memory(), temp_space(url))
     return size

@@ -80,3 +80,34 @@ def test_a_round_that_takes_more_than_half_gets_a_warning_and_runs(tiny_assets, 
 
 def test_readable_sizes():
     assert [round_size.readable_size(n) for n in (12, 2_122_491, 84e9, 1.6e12)] == ["12 B", "2.12 MB", "84 GB", "1.6 TB"]
+
+
+def example_round(assets, steps: int) -> round_size.RoundSize:
+    """The docs' example round: 4,096 prompts x 16 samples x 2,048 tokens, a top-64 method, prompts of 256 tokens."""
+    cfg = config_from_dict(tiny_config_dict(assets, method={"name": "reverse_kl"}, score={"teacher_topk": 64},
+                                            rollout={"prompts_per_round": 4096, "n": 16, "max_tokens": 2048, "prompts_per_unit": 64},
+                                            train={"optimizer_steps": steps}))
+    return round_size.estimate_round(cfg, longest_prompt=256)
+
+
+def test_train_holds_a_unit_or_two_mini_batches_of_rows_not_the_round(tiny_assets):
+    size = example_round(tiny_assets, steps=128)  # 512 responses per step
+    rows_bytes = size.shard_bytes - 2 * 64 * 10_000  # less the shards' footers
+    assert 72e9 < rows_bytes < 73e9
+    unit, step = -(-rows_bytes // 64), -(-rows_bytes // 128)
+    assert (size.unit_bytes, size.step_bytes) == (unit, step)
+    assert size.held_bytes == max(unit + (64 << 20), 2 * step) < 1.3e9
+    assert size.step_file_bytes == size.shard_bytes  # past the 64 MiB buffer the rows go to step files
+
+    # accepted where the disk holds the round and its step files; refused where it does not, or where a step is the round
+    round_size.check_round_size(size, free=100e9, memory=16e9, temp=(200e9, False))
+    round_size.check_round_size(size, free=200e9, memory=16e9, temp=(200e9, True))
+    both = round_size.readable_size(size.disk_bytes + size.step_file_bytes)
+    assert both.endswith(" GB") and 140 < float(both.split()[0]) < 150
+    with pytest.raises(round_size.GndpoError, match=f"one round writes up to {both} .* more than the 100 GB free where the run folder is"):
+        round_size.check_round_size(size, free=100e9, memory=16e9, temp=(100e9, True))
+    with pytest.raises(round_size.GndpoError, match="step files take up to 72.2 GB, more than the 10 GB free .* set TMPDIR"):
+        round_size.check_round_size(size, free=100e9, memory=16e9, temp=(10e9, False))
+    whole = example_round(tiny_assets, steps=1)
+    with pytest.raises(round_size.GndpoError, match=r"two mini-batches of 65536 responses, 72.2 GB each.*raise train.optimizer_steps"):
+        round_size.check_round_size(whole, free=200e9, memory=16e9, temp=(200e9, False))

@@ -5,8 +5,9 @@ Round 0's rollout and score shards are written through the project's work-unit p
 writes them (zstd Parquet, one rollout and one score shard per unit of ``--shard-tokens``), with
 responses of ``--length`` tokens and random log-probs, for two methods:
 
-* ``tropd``: GNDPO's advantages with TrOPD's trust region, sampled-token columns only; normalize
-  computes GNDPO's moments and one token-level quantile over every token (TrOPD's tau);
+* ``gndpo``: sampled-token columns only. Normalize runs as TrOPD (GNDPO's moments and one token-level
+  quantile over every token, TrOPD's tau), train's data path as GNDPO (whose targets need only the
+  sampled tokens; TrOPD's own would need a top-k);
 * ``reverse_kl``: a divergence on the teacher's top-16 per token (ids, log-probs and the rest).
 
 Measured:
@@ -53,7 +54,7 @@ TOPK = 16
 RESPONSES_PER_STEP = 512
 
 DATA_PATH = r"""
-import json, sys, time
+import dataclasses, json, sys, time
 import numpy as np
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.device import set_cpu_threads
@@ -62,6 +63,8 @@ from gndpo.stages.training.batch import load_share
 set_cpu_threads()
 t0 = time.time()
 run = open_run(sys.argv[1])
+if sys.argv[2]:  # train as another method over the same rows and statistics
+    run = dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, method=dataclasses.replace(run.cfg.method, name=sys.argv[2])))
 share = load_share(run, 0, 0, 1)
 t_index = time.time() - t0
 steps = schedule_steps(share, run.cfg.train, chunk=4096)
@@ -76,6 +79,14 @@ spilled = share._files.bytes_on_disk()
 share.close()
 print("RESULT " + json.dumps({"rows": rows, "tokens": tokens, "steps": len(steps), "index_seconds": t_index,
                               "step_files_gib": spilled / 2**30, "adv_sum": adv, "seconds_inside": time.time() - t0}))
+"""
+
+IMPORTS = r"""
+import json, resource
+from gndpo.pipeline.run.run import open_run
+from gndpo.stages.train import schedule_steps
+from gndpo.stages.training.batch import load_share
+print("RESULT " + json.dumps({}))
 """
 
 EXACT = r"""
@@ -118,7 +129,8 @@ class TopkStage(SyntheticStage):
 def make_run(folder: Path, method: str, tokens: int, length: int, shard_tokens: int) -> Path:
     assets = ensure_toy_assets(ASSETS, log=lambda *_: None)
     rows = -(-tokens // length)
-    methods = {"tropd": {"name": "tropd", "tropd": {"tau_quantile": 0.25, "outlier": "mask"}}, "reverse_kl": {"name": "reverse_kl"}}
+    # "gndpo": initialised as TrOPD, whose normalize adds a token quantile to GNDPO's moments
+    methods = {"gndpo": {"name": "tropd", "tropd": {"tau_quantile": 0.25, "outlier": "mask"}}, "reverse_kl": {"name": "reverse_kl"}}
     config = {
         "student": str(assets / "student"), "teacher": str(assets / "teacher"),
         "data": {"train": str(assets / "train.jsonl"), "heldout": str(assets / "heldout.jsonl")},
@@ -143,7 +155,8 @@ def bench(method: str, tokens: int, length: int, shard_tokens: int, exact: bool)
         run = make_run(folder, method, tokens, length, shard_tokens)
         built = time.time() - t0
         normalize = measured([sys.executable, "-m", "gndpo.cli", "normalize", str(run), "--round", "0"])
-        data_path = measured([sys.executable, "-c", DATA_PATH, str(run)])
+        data_path = measured([sys.executable, "-c", DATA_PATH, str(run), "gndpo" if method == "gndpo" else ""])
+        imports = measured([sys.executable, "-c", IMPORTS])  # the same process, its imports only
         from gndpo.pipeline.run.run import open_run
 
         stats = open_run(str(run)).records(0, "normalize").require_manifest()["metrics"]
@@ -151,10 +164,11 @@ def bench(method: str, tokens: int, length: int, shard_tokens: int, exact: bool)
             "method": method, "token_rows": int(stats["token_count"]), "responses": int(stats["responses"]), "response_length": length,
             "parquet_gib": sum(f.stat().st_size for f in (run / "rounds").rglob("*.parquet")) / 2**30, "build_seconds": built,
             "normalize": {k: normalize[k] for k in ("seconds", "peak_rss_gib")},
-            "train_data_path": {"seconds": data_path["seconds"], "peak_rss_gib": data_path["peak_rss_gib"], **data_path["result"]},
+            "train_data_path": {"seconds": data_path["seconds"], "peak_rss_gib": data_path["peak_rss_gib"],
+                                "imports_rss_gib": imports["peak_rss_gib"], **data_path["result"]},
             "statistics": {k: stats.get(k) for k in ("c_mean", "c_var", "tropd_tau")},
         }
-        if exact and method == "tropd":
+        if exact and method == "gndpo":
             ref = measured([sys.executable, "-c", EXACT, str(run)])
             out["exact"] = {"seconds": ref["seconds"], "peak_rss_gib": ref["peak_rss_gib"], **ref["result"]}
             out["moments_rel_error"] = max(abs(stats[k] - ref["result"][k]) / max(abs(ref["result"][k]), 1e-300) for k in ("c_mean", "c_var"))
@@ -169,7 +183,7 @@ def table(results: list[dict], command: str) -> str:
         f"`{command}` on {machine()}. Train's data path: the rows read, written to step files, read back and joined "
         f"({RESPONSES_PER_STEP} responses per step), without the model.",
         "",
-        "| method | response tokens | Parquet | normalize: wall / peak RSS | train data path: wall / peak RSS / step files "
+        "| method | response tokens | Parquet | normalize: wall / peak RSS | train data path: wall / peak RSS (imports alone) / step files "
         "| exact reference: wall / peak RSS | moments rel. error | quantile equal |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -177,7 +191,8 @@ def table(results: list[dict], command: str) -> str:
         exact = r.get("exact")
         lines.append(
             f"| {r['method']} | {r['token_rows'] / 1e6:,.0f}M | {r['parquet_gib']:.2f} GiB | {r['normalize']['seconds']:.1f} s / "
-            f"{r['normalize']['peak_rss_gib']:.2f} GiB | {r['train_data_path']['seconds']:.1f} s / {r['train_data_path']['peak_rss_gib']:.2f} GiB / "
+            f"{r['normalize']['peak_rss_gib']:.2f} GiB | {r['train_data_path']['seconds']:.1f} s / {r['train_data_path']['peak_rss_gib']:.2f} GiB "
+            f"({r['train_data_path']['imports_rss_gib']:.2f}) / "
             f"{r['train_data_path']['step_files_gib']:.2f} GiB | "
             + (f"{exact['seconds']:.1f} s / {exact['peak_rss_gib']:.2f} GiB | {r['moments_rel_error']:.1e} | {r['quantile_equal']} |"
                if exact else "not run | - | - |")
@@ -187,13 +202,13 @@ def table(results: list[dict], command: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=float, action="append", help="tropd rounds, response tokens (default 10e6, 100e6, 1e9)")
+    ap.add_argument("--tokens", type=float, action="append", help="gndpo rounds, response tokens (default 10e6, 100e6, 1e9)")
     ap.add_argument("--topk-tokens", type=float, action="append", help="reverse_kl top-16 rounds (default 10e6, 100e6; 0: none)")
     ap.add_argument("--length", type=int, default=2048)
-    ap.add_argument("--shard-tokens", type=float, default=10e6)
+    ap.add_argument("--shard-tokens", type=float, default=64 * 16 * 2048, help="tokens per unit (default: 64 prompts x 16 x 2,048)")
     ap.add_argument("--exact-up-to", type=float, default=100e6, help="run the exact references up to this size (they hold every value)")
     args = ap.parse_args()
-    runs = [("tropd", t) for t in (args.tokens or [10e6, 100e6, 1e9])] + [("reverse_kl", t) for t in (args.topk_tokens or [10e6, 100e6]) if t]
+    runs = [("gndpo", t) for t in (args.tokens or [10e6, 100e6, 1e9])] + [("reverse_kl", t) for t in (args.topk_tokens or [10e6, 100e6]) if t]
     results = []
     for method, tokens in runs:
         results.append(bench(method, int(tokens), args.length, int(args.shard_tokens), tokens <= args.exact_up_to))

@@ -171,19 +171,27 @@ def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     wanted = pa.array(list(place), pa.string())
     for rollout_file in rollout_files:
         rollouts = read_shard(run.fs, rollout_file, ROLLOUT_COLUMNS)
-        rollouts = rollouts.filter(pc.is_in(rollouts.column("rollout_id"), value_set=wanted))
+        if len(place) < kept.total:  # another rank's rows, or truncated ones, are left out
+            rollouts = rollouts.filter(pc.is_in(rollouts.column("rollout_id"), value_set=wanted))
         if not rollouts.num_rows:
             continue
         ids = rollouts.column("rollout_id")
         # Score writes one shard per rollout shard, so this is one file; the join does not rely on it.
         needed = sorted({score_file_of[rid] for rid in ids.to_pylist()})
         scores = pa.concat_tables([read_shard(run.fs, score_files[j], score_columns) for j in needed], promote_options="default")
-        scores = scores.filter(pc.is_in(scores.column("rollout_id"), value_set=ids))
+        if scores.num_rows != rollouts.num_rows:
+            scores = scores.filter(pc.is_in(scores.column("rollout_id"), value_set=ids))
         side_by_side = beside(rollouts, scores)
-        writer.add_rows(side_by_side, [place[rid] for rid in ids.to_pylist()], _join(*split_rows(side_by_side), run, round_idx, stats))
+        del rollouts, scores
+        # In pieces, so what the index computes from a row (targets, per token) never grows with the unit.
+        for start in range(0, side_by_side.num_rows, INDEX_PIECE_ROWS):
+            piece = side_by_side.slice(start, INDEX_PIECE_ROWS)
+            rows = _join(*split_rows(piece), run, round_idx, stats, with_topk=False)
+            writer.add_rows(piece, [place[row.rollout_id] for row in rows], rows)
     return writer.share([len(ids) for ids in steps], partial(_join, run=run, round_idx=round_idx, stats=stats))
 
 
+INDEX_PIECE_ROWS = 64  # rows whose targets the index computes at once
 POSITION = "step_position"  # a step file's column: the row's place in its step
 SCORE_PREFIX = "score."  # a step file's score columns, beside the rollout's
 
@@ -191,10 +199,13 @@ SCORE_PREFIX = "score."  # a step file's score columns, beside the rollout's
 def beside(rollouts: pa.Table, scores: pa.Table) -> pa.Table:
     """``rollouts`` with each row's score columns beside it (prefixed), one table row per response."""
     score_row_of = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
-    missing = [rid for rid in rollouts.column("rollout_id").to_pylist() if rid not in score_row_of]
+    rollout_ids = rollouts.column("rollout_id").to_pylist()
+    missing = [rid for rid in rollout_ids if rid not in score_row_of]
     if missing:
         raise GndpoError(f"rollout {missing[0]} has no score row")
-    scores = scores.take([score_row_of[rid] for rid in rollouts.column("rollout_id").to_pylist()])
+    order = [score_row_of[rid] for rid in rollout_ids]
+    if order != list(range(len(order))):  # score keeps the rollout shard's order: no copy then
+        scores = scores.take(order)
     for name in scores.column_names:
         rollouts = rollouts.append_column(SCORE_PREFIX + name, scores.column(name))
     return rollouts
@@ -310,11 +321,12 @@ ROLLOUT_LISTS = ["prompt_token_ids", "response_token_ids", "loss_mask", "sampler
 OPTIONAL_SCORES = ("teacher_entropy", "student_entropy", "token_kl")
 
 
-def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, stats: Stats) -> list[TrainRow]:
+def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, stats: Stats, with_topk: bool = True) -> list[TrainRow]:
     """Train rows, in ``rollouts``' order: each rollout with its score row (``scores``' row of the same
-    index, as :func:`beside` lines them up) and the method's targets from the round's ``stats``."""
+    index, as :func:`beside` lines them up) and the method's targets from the round's ``stats``; the
+    teacher's top-k only ``with_topk`` (the targets never read it)."""
     method_cfg = run.cfg.method
-    needs_topk = TOPK in score_needs(method_cfg)
+    needs_topk = with_topk and TOPK in score_needs(method_cfg)
     optional = [*OPTIONAL_SCORES, *(topk_columns(scores.column_names) if needs_topk else [])]
     rollout_lists = ListColumns(rollouts, ROLLOUT_LISTS)
     cross = run.cfg.score.cross_tokenizer  # student tokens the teacher's tokens did not cover exactly get no loss

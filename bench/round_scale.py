@@ -75,7 +75,7 @@ for i in range(len(steps)):
     rows += len(step_rows)
     tokens += sum(len(r.response) for r in step_rows)
     adv += sum(float(r.adv.sum()) for r in step_rows)
-spilled = share._files.bytes_on_disk()
+spilled = share.step_file_bytes()
 share.close()
 print("RESULT " + json.dumps({"rows": rows, "tokens": tokens, "steps": len(steps), "index_seconds": t_index,
                               "step_files_gib": spilled / 2**30, "adv_sum": adv, "seconds_inside": time.time() - t0}))

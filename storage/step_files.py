@@ -1,82 +1,108 @@
-"""A round's rows rewritten in the order train takes them: one local Parquet file per optimizer step.
+"""A round's rows regrouped in the order train takes them: one local Arrow IPC file of record batches,
+found by optimizer step.
 
 Train shuffles a round's responses into mini-batches, so the rows of one step lie scattered over every
 shard of the round. Reading a step from the shards would read the whole round at every step; holding
 the round in memory would make train's memory grow with the round. Instead train reads the round once,
-shard by shard, and appends each shard's rows of step i to step i's file here; step i is then one
-sequential read of one file. Appended rows wait in memory up to ``buffer_bytes`` in all, then every
-step's waiting rows become one row group of its file (a row group per shard and step would cost more
-to write and read than the rows themselves on a round of many small steps). A round whose rows never
-pass ``buffer_bytes`` stays in memory and writes no file. The files are a private scratch copy in the
-machine's temporary folder (``TMPDIR``), never part of the run, and go when the object is closed or
-collected.
+shard by shard, and appends each shard's rows of step i here. Appended rows wait in memory up to
+``BUFFER_BYTES`` in all; then every step's waiting rows become one record batch of the file, and the
+step remembers the batch's number. Reading step i reads its batches (a few per ``BUFFER_BYTES`` of
+round) and nothing else. An Arrow IPC file rather than Parquet: its footer holds 24 bytes per batch and
+a batch is read by offset, where a Parquet writer keeps every row group's column statistics in memory
+until it closes (gigabytes at a billion tokens, whose steps get a row group per flush).
+
+A round whose rows never pass ``BUFFER_BYTES`` stays in memory and writes no file. The file is a
+private scratch copy in the machine's temporary folder (``TMPDIR``), never part of the run, removed
+when the object is closed or collected; a process killed outright leaves it there, named
+``gndpo-steps-*``.
 """
 
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.ipc as ipc
 
-BUFFER_BYTES = 64 << 20  # rows waiting in memory before they go to the files
+BUFFER_BYTES = 64 << 20  # rows waiting in memory before they go to the file
 
 
 class StepFiles:
-    """``steps`` append-only local Parquet files, written while a round is read and read back one step
-    at a time. Not thread-safe while writing; reads (after :meth:`seal`) may come from any thread."""
+    """Rows appended by step while a round is read, read back one step at a time. Not thread-safe
+    while writing; reads (after :meth:`seal`) may come from any thread."""
 
-    def __init__(self, steps: int, buffer_bytes: int | None = None, prefix: str = "gndpo-steps-"):
-        self._folder = tempfile.TemporaryDirectory(prefix=prefix)
-        self._writers: dict[int, pq.ParquetWriter] = {}
+    def __init__(self, steps: int, buffer_bytes: int | None = None):
+        self.steps, self.buffer_bytes = steps, BUFFER_BYTES if buffer_bytes is None else buffer_bytes
         self._waiting: dict[int, list[pa.Table]] = {}
         self._waiting_bytes = 0
-        self._schema: pa.Schema | None = None
-        self.steps, self.buffer_bytes = steps, BUFFER_BYTES if buffer_bytes is None else buffer_bytes
+        self._batches: dict[int, list[int]] = {}  # step -> its record batches in the file, in order
+        self._written = 0
+        self._folder: tempfile.TemporaryDirectory | None = None
+        self._writer: ipc.RecordBatchFileWriter | None = None
+        self._sink = None
+        self._reader: ipc.RecordBatchFileReader | None = None  # opened at the first read, kept
+        self._reading = threading.Lock()  # one file position: one read at a time
 
-    def path(self, step: int) -> Path:
-        return Path(self._folder.name) / f"step-{step:06d}.parquet"
+    @property
+    def path(self) -> Path | None:
+        return Path(self._folder.name) / "steps.arrow" if self._folder else None
 
     def append(self, step: int, table: pa.Table) -> None:
-        """Add ``table``'s rows to step ``step``'s file (every table must have the same schema)."""
+        """Add ``table``'s rows to step ``step`` (every table must have the same schema)."""
         if not table.num_rows:
             return
-        self._schema = self._schema or table.schema
         self._waiting.setdefault(step, []).append(table)
         self._waiting_bytes += table.nbytes
         if self._waiting_bytes > self.buffer_bytes:
             self._flush()
 
     def _flush(self) -> None:
+        if self._writer is None:
+            self._folder = tempfile.TemporaryDirectory(prefix="gndpo-steps-")
+            schema = next(iter(self._waiting.values()))[0].schema
+            self._sink = pa.OSFile(str(self.path), "wb")
+            # lz4: the file is read once, soon, from local disk; its job is fewer bytes at little CPU.
+            self._writer = ipc.new_file(self._sink, schema, options=ipc.IpcWriteOptions(compression="lz4"))
         for step, tables in sorted(self._waiting.items()):
-            if step not in self._writers:
-                # zstd at a low level: the files are read once, from local disk.
-                self._writers[step] = pq.ParquetWriter(self.path(step), self._schema, compression="zstd", compression_level=1)
-            self._writers[step].write_table(pa.concat_tables(tables))
+            self._writer.write_batch(pa.concat_tables(tables).combine_chunks().to_batches()[0])
+            self._batches.setdefault(step, []).append(self._written)
+            self._written += 1
         self._waiting.clear()
         self._waiting_bytes = 0
 
     def seal(self) -> None:
-        """Finish every file (or, where nothing was written yet, keep the rows in memory); no more appends."""
-        if self._writers:
-            self._flush()
-        for writer in self._writers.values():
-            writer.close()
-        self._writers.clear()
+        """Write what waits (where the file was started) and finish it; no more appends."""
+        if self._writer is not None:
+            if self._waiting:
+                self._flush()
+            self._writer.close()
+            self._sink.close()
+            self._writer = None
 
     def read(self, step: int) -> pa.Table | None:
         """Step ``step``'s rows as appended (None where no row was appended to it)."""
         if step in self._waiting:
             return pa.concat_tables(self._waiting[step])
-        path = self.path(step)
-        return pq.read_table(path) if path.exists() else None
+        if step not in self._batches:
+            return None
+        with self._reading:
+            if self._reader is None:
+                self._source = pa.OSFile(str(self.path))
+                self._reader = ipc.open_file(self._source)
+            return pa.Table.from_batches([self._reader.get_batch(i) for i in self._batches[step]])
 
     def bytes_on_disk(self) -> int:
-        return sum(f.stat().st_size for f in Path(self._folder.name).glob("*.parquet"))
+        return self.path.stat().st_size if self.path and self.path.exists() else 0
 
     def close(self) -> None:
-        """Remove the files and the rows kept in memory."""
+        """Remove the file and the rows kept in memory."""
         self.seal()
         self._waiting.clear()
-        self._folder.cleanup()
+        with self._reading:
+            if self._reader is not None:
+                self._source.close()
+                self._reader = None
+        if self._folder is not None:
+            self._folder.cleanup()

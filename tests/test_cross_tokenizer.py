@@ -126,7 +126,9 @@ def test_statistics_and_loss_leave_unaligned_tokens_out(crossed, rolled_out):
     assert got["token_count"] == c.size
     assert got["c_mean"] == pytest.approx(c.mean(), abs=1e-9) and got["c_var"] == pytest.approx(c.var(ddof=1), rel=1e-9)
     scores = {s["rollout_id"]: s for s in committed_rows(crossed, "score")}
-    for row in load_share(run, 0, 0, 1).all_rows():
+    with load_share(run, 0, 0, 1) as share:
+        rows = share.all_rows()
+    for row in rows:
         assert np.all(row.mask[np.asarray(scores[row.rollout_id]["aligned"]) == 0] == 0)
     assert run.records(0, "train").manifest() is not None
 

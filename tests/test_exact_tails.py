@@ -312,7 +312,8 @@ def test_score_writes_the_rest_and_train_reads_it_or_recomputes_it(rolled_out, t
 
     for run_dir, stored in ((new, True), (old, False)):
         run_stages(run_dir, "normalize")
-        rows = load_share(open_run(str(run_dir)), 0, 0, 1).all_rows()
+        with load_share(open_run(str(run_dir)), 0, 0, 1) as share:
+            rows = share.all_rows()
         assert rows and all((r.topk_rest is not None) == stored for r in rows)
         if stored:
             assert all(len(r.topk_rest) == len(r.response) for r in rows)

@@ -250,8 +250,8 @@ def test_every_method_computes_its_targets_on_a_self_distillation_round(rolled_o
             overrides.append("method.outcome.rewards=[exact_match, integer_format]")
         fork_run(str(rolled_out), url, 0, overrides)
         run_stages(url, "score", "normalize", live=live)
-        share = load_share(open_run(url), 0, 0, 1)
-        rows = share.all_rows()
+        with load_share(open_run(url), 0, 0, 1) as share:
+            rows = share.all_rows()
         assert len(rows) == sum(share.step_sizes) > 0, name
         for row in rows:
             for value in (row.adv, row.div, row.mask, row.old_logp):

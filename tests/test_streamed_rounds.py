@@ -86,9 +86,8 @@ def test_a_streamed_share_is_the_whole_round_step_for_step_and_rank_for_rank(rol
 
     for world in (1, 2):
         for rank in range(world):
-            share = batch.load_share(run, 0, rank, world)
-            try:
-                assert (share._files.bytes_on_disk() > 0) == (buffer_bytes is not None)
+            with batch.load_share(run, 0, rank, world) as share:
+                assert (share.step_file_bytes() > 0) == (buffer_bytes is not None)
                 assert share.step_sizes == [len(ids) for ids in steps]
                 for i, ids in enumerate(steps):
                     want = [reference[rid] for rid in ids[rank::world]]
@@ -101,8 +100,6 @@ def test_a_streamed_share_is_the_whole_round_step_for_step_and_rank_for_rank(rol
                     assert index.prompt_ids == [r.prompt_id for r in want]
                     assert index.loss_tokens == sum(float(r.mask.sum()) for r in want)
                     assert index.weight_sum == sum(r.weight for r in want)
-            finally:
-                share.close()
 
 
 def test_a_share_reads_each_step_once_and_holds_at_most_the_next(monkeypatch):
@@ -122,12 +119,9 @@ def test_a_share_reads_each_step_once_and_holds_at_most_the_next(monkeypatch):
 
     monkeypatch.setattr(files, "read", counted)
     index = [StepIndex(np.zeros(1, np.int64), np.zeros(1, np.int64), [""], 0.0, 0.0) for _ in range(6)]
-    share = RoundShare(index, [1] * 6, AdvantageSums(), files, join=lambda rollouts, scores: rollouts.column("x").to_pylist())
-    try:
+    with RoundShare(index, [1] * 6, AdvantageSums(), files, join=lambda rollouts, scores: rollouts.column("x").to_pylist()) as share:
         assert share.rows(2) == [2]  # a resumed round starts at a later step
         for step in range(3, 6):
             assert len(share._pending) <= 1
             assert share.rows(step) == [step]
         assert reads == [2, 3, 4, 5]
-    finally:
-        share.close()

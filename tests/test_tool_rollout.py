@@ -225,8 +225,8 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
     from gndpo.stages.training.batch import load_share
 
     run = open_run(str(reference))
-    share = load_share(run, 0, 0, 1)
-    micro = share.all_rows()
+    with load_share(run, 0, 0, 1) as share:
+        micro = share.all_rows()
     assert any((row.mask == 0).any() for row in micro)
     policy_loss, loss_agg = policy_settings(run.cfg.method)
     # Whole sequences, so that the captured hidden states are one [B, T] grid of prompt + response.

@@ -6,7 +6,7 @@ response of each mini-batch. Then the heavy columns (token ids, log-probs, the t
 read one rollout shard (and its score rows) at a time, for this rank's rows only, straight from Arrow
 buffers into numpy views, joined with the method's targets (advantage, policy-gradient mask,
 divergence weight, loss mask, response weight) from the committed round statistics, and written to
-one local file per step (:class:`gndpo.storage.step_files.StepFiles`). What stays in memory is the
+local step files (:class:`gndpo.storage.step_files.StepFiles`). What stays in memory is the
 light index the schedule needs (lengths, prompt ids, the steps' loss-token and weight sums); a step's
 rows are read back when it comes. Train's memory is thus one shard's rows while the round is read and
 two mini-batches while it trains, whatever the round's size.
@@ -118,8 +118,8 @@ class AdvantageSums:
 
 class RoundShare:
     """This rank's share of a round, streamed: the light per-step index (``index[i]``, what the schedule
-    needs) in memory, each step's stored columns (rollout and score rows side by side) in one local file
-    per step, joined into train rows when the step comes, with the next step read ahead in a background
+    needs) in memory, each step's stored columns (rollout and score rows side by side) in the local step
+    files, joined into train rows when the step comes, with the next step read ahead in a background
     thread. So train holds at most two mini-batches of rows, whatever the round's size.
     ``step_sizes[i]`` is the number of responses of step i over all ranks."""
 
@@ -145,17 +145,27 @@ class RoundShare:
         table = self._files.read(step)
         return [] if table is None else self._join(*split_rows(table.sort_by(POSITION)))
 
+    def step_file_bytes(self) -> int:
+        """What the step files take on disk (0 where the rows stayed in memory)."""
+        return self._files.bytes_on_disk()
+
     def close(self) -> None:
         """Stop reading ahead and remove the step files."""
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._files.close()
+
+    def __enter__(self) -> RoundShare:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     """Rank ``rank``'s share of round ``round_idx``: the round's responses (less those
     ``rollout.truncated`` keeps out) in ``train.optimizer_steps`` steps, shuffled by the train seed,
     each step's rows split across the ``world`` ranks, joined with their scores and targets. The round
-    is read one rollout shard at a time and its rows are written to per-step files, so memory holds one
+    is read one rollout shard at a time and its rows are written to the step files, so memory holds one
     shard's rows, never the round's."""
     cfg = run.cfg
     rollout_files = rollout_shards(run.records(round_idx, "rollout").require_manifest())
@@ -266,7 +276,7 @@ def score_files_by_rollout(run: Run, score_files: list[dict], round_idx: int, re
 
 
 class ShareWriter:
-    """Collects this rank's rows as the round is read (in shard order) into the per-step files and the
+    """Collects this rank's rows as the round is read (in shard order) into the step files and the
     light per-step index, each row at its place in its step."""
 
     def __init__(self, mine: list[list[str]]):

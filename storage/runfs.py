@@ -101,8 +101,14 @@ class RunFS:
 
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under ``rel``; empty if it does not exist."""
+        path = self._fresh(self.path(rel))
+        # s3fs answers a listing of a missing prefix by listing its parent (to tell a missing folder
+        # from a file): a never-claimed unit's claims folder would cost a listing of every unit's. An
+        # existence check is two small requests whatever the parent holds.
+        if not self.is_local and not self.fs.exists(path):
+            return []
         try:
-            entries = self.fs.ls(self._fresh(self.path(rel)), detail=False)
+            entries = self.fs.ls(path, detail=False)
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)

@@ -9,6 +9,7 @@ import yaml
 
 from gndpo.apps import round_size
 from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.storage.step_files import BUFFER_BYTES
 from tests.conftest import assert_one_line_error, invoke, tiny_config_dict
 
 
@@ -96,8 +97,8 @@ def test_train_holds_a_unit_or_two_mini_batches_of_rows_not_the_round(tiny_asset
     assert 72e9 < rows_bytes < 73e9
     unit, step = -(-rows_bytes // 64), -(-rows_bytes // 128)
     assert (size.unit_bytes, size.step_bytes) == (unit, step)
-    assert size.held_bytes == max(unit + (64 << 20), 2 * step) < 1.3e9
-    assert size.step_file_bytes == size.shard_bytes  # past the 64 MiB buffer the rows go to step files
+    assert size.held_bytes == max(unit + BUFFER_BYTES, 2 * step) < 1.5e9
+    assert size.step_file_bytes == size.shard_bytes  # past the buffer the rows go to the step file
 
     # accepted where the disk holds the round and its step files; refused where it does not, or where a step is the round
     round_size.check_round_size(size, free=100e9, memory=16e9, temp=(200e9, False))

@@ -55,6 +55,32 @@ def test_exclusive_create_on_s3(s3_endpoint):
     assert fs.read_json("x.json") == {}
 
 
+def test_listing_a_missing_folder_does_not_list_its_parent(s3_endpoint):
+    """A never-claimed unit's claims folder: s3fs would answer by listing ``claims/``, every unit's
+    folder, so a worker's look at each unit grew with the stage (bench/executor_scale.py)."""
+    from gndpo.storage.runfs import RunFS
+
+    fs = RunFS(f"s3://{BUCKET}/listing")
+    for unit in range(30):
+        assert fs.create(f"claims/u{unit:03d}/a001.json", b"{}")
+    calls = []
+    original = fs.fs._call_s3
+
+    async def counted(method, *args, **kwargs):
+        calls.append((method, kwargs.get("Prefix")))
+        return await original(method, *args, **kwargs)
+
+    fs.fs._call_s3 = counted
+    try:
+        assert fs.listdir("claims/u999") == []
+        assert fs.listdir("claims/u007") == ["a001.json"]
+    finally:
+        del fs.fs._call_s3
+    assert len(fs.listdir("claims")) == 30
+    assert ("list_objects_v2", "listing/claims/") not in calls, calls  # the parent is never listed
+    assert len(calls) <= 5, calls
+
+
 def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))

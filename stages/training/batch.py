@@ -177,28 +177,34 @@ def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     place = {rid: (i, pos) for i, ids in enumerate(mine) for pos, rid in enumerate(ids)}
     writer = ShareWriter(mine)
     stats = round_stats(run, round_idx)
-    score_columns = SCORE_COLUMNS + (TOPK_COLUMNS if TOPK in score_needs(cfg.method) else [])
-    wanted = pa.array(list(place), pa.string())
+    # Another rank's rows, or truncated ones, are left out; with neither, nothing is filtered.
+    wanted = pa.array(list(place), pa.string()) if len(place) < kept.total else None
     for rollout_file in rollout_files:
-        rollouts = read_shard(run.fs, rollout_file, ROLLOUT_COLUMNS)
-        if len(place) < kept.total:  # another rank's rows, or truncated ones, are left out
-            rollouts = rollouts.filter(pc.is_in(rollouts.column("rollout_id"), value_set=wanted))
-        if not rollouts.num_rows:
-            continue
-        ids = rollouts.column("rollout_id")
-        # Score writes one shard per rollout shard, so this is one file; the join does not rely on it.
-        needed = sorted({score_file_of[rid] for rid in ids.to_pylist()})
-        scores = pa.concat_tables([read_shard(run.fs, score_files[j], score_columns) for j in needed], promote_options="default")
-        if scores.num_rows != rollouts.num_rows:
-            scores = scores.filter(pc.is_in(scores.column("rollout_id"), value_set=ids))
-        side_by_side = beside(rollouts, scores)
-        del rollouts, scores
+        side_by_side = shard_rows(run, rollout_file, score_files, score_file_of, wanted)
         # In pieces, so what the index computes from a row (targets, per token) never grows with the unit.
         for start in range(0, side_by_side.num_rows, INDEX_PIECE_ROWS):
             piece = side_by_side.slice(start, INDEX_PIECE_ROWS)
             rows = _join(*split_rows(piece), run, round_idx, stats, with_topk=False)
             writer.add_rows(piece, [place[row.rollout_id] for row in rows], rows)
     return writer.share([len(ids) for ids in steps], partial(_join, run=run, round_idx=round_idx, stats=stats))
+
+
+def shard_rows(run: Run, rollout_file: dict, score_files: list[dict], score_file_of: dict[str, int], wanted: pa.Array | None) -> pa.Table:
+    """One rollout shard's rows (only those whose id is in ``wanted``, where given) with their score
+    rows beside them (:func:`beside`), the score columns train reads."""
+    rollouts = read_shard(run.fs, rollout_file, ROLLOUT_COLUMNS)
+    if wanted is not None:
+        rollouts = rollouts.filter(pc.is_in(rollouts.column("rollout_id"), value_set=wanted))
+    ids = rollouts.column("rollout_id")
+    columns = SCORE_COLUMNS + (TOPK_COLUMNS if TOPK in score_needs(run.cfg.method) else [])
+    # Score writes one shard per rollout shard, so this is one file; the join does not rely on it.
+    needed = sorted({score_file_of[rid] for rid in ids.to_pylist()})
+    if not needed:
+        return rollouts
+    scores = pa.concat_tables([read_shard(run.fs, score_files[j], columns) for j in needed], promote_options="default")
+    if scores.num_rows != rollouts.num_rows:
+        scores = scores.filter(pc.is_in(scores.column("rollout_id"), value_set=ids))
+    return beside(rollouts, scores)
 
 
 INDEX_PIECE_ROWS = 64  # rows whose targets the index computes at once

@@ -104,10 +104,14 @@ con = connect(run.fs, threads=1)
 create_views(con, parquet_source(run.fs, rollouts), parquet_source(run.fs, scores), run.cfg)
 q = run.cfg.method.tropd.tau_quantile
 tau = con.execute(f"SELECT quantile_cont(exp(least(lpT - lpS, 0)), {q}) FROM tokens").fetchall()[0][0]
-c = np.concatenate([np.clip(pq.read_table(run.fs.path(r["path"]), columns=["teacher_logprobs"]).column(0).combine_chunks().values.to_numpy().astype(np.float64)
-                            - pq.read_table(run.fs.path(r["path"]), columns=["student_logprobs"]).column(0).combine_chunks().values.to_numpy(), -5.0, 5.0)
-                    for r in scores])
-print("RESULT " + json.dumps({"tropd_tau": tau, "c_mean": float(c.mean()), "c_var": float(c.var(ddof=1)), "token_count": int(c.size)}))
+n, total, squares = 0, 0.0, 0.0  # numpy's float64 sums, shard by shard (every token is valid here)
+for r in scores:
+    t = pq.read_table(run.fs.path(r["path"]), columns=["teacher_logprobs", "student_logprobs"])
+    lpT, lpS = (t.column(i).combine_chunks().values.to_numpy().astype(np.float64) for i in range(2))
+    c = np.clip(lpT - lpS, -5.0, 5.0)
+    n, total, squares = n + c.size, total + float(c.sum()), squares + float((c * c).sum())
+mean = total / n
+print("RESULT " + json.dumps({"tropd_tau": tau, "c_mean": mean, "c_var": (squares - n * mean * mean) / (n - 1), "token_count": n}))
 """
 
 
@@ -180,8 +184,8 @@ def bench(method: str, tokens: int, length: int, shard_tokens: int, exact: bool)
 
 def table(results: list[dict], command: str) -> str:
     lines = [
-        f"`{command}` on {machine()}. Train's data path: the rows read, written to step files, read back and joined "
-        f"({RESPONSES_PER_STEP} responses per step), without the model.",
+        f"`{command}` on {machine()}, {', '.join(sorted({r['date'] for r in results}))}. Train's data path: the rows read, "
+        f"written to step files, read back and joined ({RESPONSES_PER_STEP} responses per step), without the model.",
         "",
         "| method | response tokens | Parquet | normalize: wall / peak RSS | train data path: wall / peak RSS (imports alone) / step files "
         "| exact reference: wall / peak RSS | moments rel. error | quantile equal |",
@@ -190,7 +194,7 @@ def table(results: list[dict], command: str) -> str:
     for r in results:
         exact = r.get("exact")
         lines.append(
-            f"| {r['method']} | {r['token_rows'] / 1e6:,.0f}M | {r['parquet_gib']:.2f} GiB | {r['normalize']['seconds']:.1f} s / "
+            f"| {r['method']} | {r['requested_tokens'] / 1e6:,.0f}M | {r['parquet_gib']:.2f} GiB | {r['normalize']['seconds']:.1f} s / "
             f"{r['normalize']['peak_rss_gib']:.2f} GiB | {r['train_data_path']['seconds']:.1f} s / {r['train_data_path']['peak_rss_gib']:.2f} GiB "
             f"({r['train_data_path']['imports_rss_gib']:.2f}) / "
             f"{r['train_data_path']['step_files_gib']:.2f} GiB | "
@@ -206,17 +210,22 @@ def main() -> None:
     ap.add_argument("--topk-tokens", type=float, action="append", help="reverse_kl top-16 rounds (default 10e6, 100e6; 0: none)")
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--shard-tokens", type=float, default=64 * 16 * 2048, help="tokens per unit (default: 64 prompts x 16 x 2,048)")
-    ap.add_argument("--exact-up-to", type=float, default=100e6, help="run the exact references up to this size (they hold every value)")
+    ap.add_argument("--exact-up-to", type=float, default=1e9, help="run the exact references up to this size (DuckDB's quantile_cont holds "
+                    "every value: 16 GiB at 1B)")
+    ap.add_argument("--update", action="store_true", help="keep the other rows of the results file, replacing those run now")
     args = ap.parse_args()
     runs = [("gndpo", t) for t in (args.tokens or [10e6, 100e6, 1e9])] + [("reverse_kl", t) for t in (args.topk_tokens or [10e6, 100e6]) if t]
-    results = []
+    saved = json.loads((RESULTS / "round_scale.json").read_text()) if args.update else {"results": []}
+    results = {(r["method"], r["requested_tokens"]): r for r in saved["results"]}
     for method, tokens in runs:
-        results.append(bench(method, int(tokens), args.length, int(args.shard_tokens), tokens <= args.exact_up_to))
-        print(json.dumps(results[-1], indent=1), flush=True)
-    command = "python bench/round_scale.py " + " ".join(sys.argv[1:])
-    save_json(RESULTS / "round_scale.json", {"machine": machine(), "command": command, "results": results})
-    (RESULTS / "round_scale.md").write_text(table(results, command))
-    print(table(results, command))
+        results[method, int(tokens)] = {"requested_tokens": int(tokens), "date": time.strftime("%Y-%m-%d"),
+                                        **bench(method, int(tokens), args.length, int(args.shard_tokens), tokens <= args.exact_up_to)}
+        print(json.dumps(results[method, int(tokens)], indent=1), flush=True)
+    rows = sorted(results.values(), key=lambda r: (r["method"] != "gndpo", r["requested_tokens"]))
+    command = saved.get("command") if args.update else "python bench/round_scale.py " + " ".join(sys.argv[1:])
+    save_json(RESULTS / "round_scale.json", {"machine": machine(), "command": command, "results": rows})
+    (RESULTS / "round_scale.md").write_text(table(rows, command))
+    print(table(rows, command))
 
 
 if __name__ == "__main__":

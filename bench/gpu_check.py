@@ -221,8 +221,9 @@ def train_step(engine, cfg, rows, device, round_idx: int = 0) -> dict:
     from gndpo.stages.train import Objective, schedule_steps, take_step
     from gndpo.stages.training.batch import RoundShare
 
-    steps = schedule_steps(RoundShare(steps=[rows], step_sizes=[len(rows)]), cfg.train, logits_chunk(engine.module, cfg.model))
-    numbers = take_step(engine, Objective.of(cfg, round_idx, 0, device), steps, 0, cfg.train, round_idx, 1)
+    share = RoundShare.of_rows([rows])
+    steps = schedule_steps(share, cfg.train, logits_chunk(engine.module, cfg.model))
+    numbers = take_step(engine, Objective.of(cfg, round_idx, 0, device), share, steps, 0, cfg.train, round_idx, 1)
     return {"micro_batches": steps[0].n_micro, "tokens": sum(r.tokens for r in rows), "loss": numbers["loss"], "grad_norm": numbers["grad_norm"]}
 
 
@@ -503,7 +504,7 @@ def rank_child(rec: Recorder, tiny: bool) -> None:
     def steps(prefix: str, job) -> None:
         rec.step(prefix + "run_collective", lambda: run_collective(records, job) and {"current_device": cuda_now()})
         rec.step(prefix + "local_device", lambda: {"device": str(local_device())})
-        rec.step(prefix + "schedule_steps", lambda: {"n_tokens": schedule_steps(RoundShare([rows], [8]), cfg.train, 64)[0].n_tokens})
+        rec.step(prefix + "schedule_steps", lambda: {"n_tokens": schedule_steps(RoundShare.of_rows([rows], [8]), cfg.train, 64)[0].n_tokens})
         rec.step(prefix + "cuda_all_reduce", lambda: cuda_all_reduce(local_device()))
 
     def cuda_now():

@@ -206,7 +206,7 @@ def table(results: list[dict], command: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=float, action="append", help="gndpo rounds, response tokens (default 10e6, 100e6, 1e9)")
+    ap.add_argument("--tokens", type=float, action="append", help="gndpo rounds, response tokens (default 10e6, 100e6, 1e9; 0: none)")
     ap.add_argument("--topk-tokens", type=float, action="append", help="reverse_kl top-16 rounds (default 10e6, 100e6; 0: none)")
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--shard-tokens", type=float, default=64 * 16 * 2048, help="tokens per unit (default: 64 prompts x 16 x 2,048)")
@@ -214,7 +214,7 @@ def main() -> None:
                     "every value: 16 GiB at 1B)")
     ap.add_argument("--update", action="store_true", help="keep the other rows of the results file, replacing those run now")
     args = ap.parse_args()
-    runs = [("gndpo", t) for t in (args.tokens or [10e6, 100e6, 1e9])] + [("reverse_kl", t) for t in (args.topk_tokens or [10e6, 100e6]) if t]
+    runs = [("gndpo", t) for t in (args.tokens or [10e6, 100e6, 1e9]) if t] + [("reverse_kl", t) for t in (args.topk_tokens or [10e6, 100e6]) if t]
     saved = json.loads((RESULTS / "round_scale.json").read_text()) if args.update else {"results": []}
     results = {(r["method"], r["requested_tokens"]): r for r in saved["results"]}
     for method, tokens in runs:

@@ -159,13 +159,15 @@ def compare_train(plain_student, gndpo_student, run, pad_id: int) -> dict:
 
     tc = run.cfg.train
     objective = train_objective(run, pad_id)
-    steps = schedule_steps(load_share(run, 0, 0, 1), tc, logits_chunk(gndpo_student, run.cfg.model))
+    share = load_share(run, 0, 0, 1)
+    steps = schedule_steps(share, tc, logits_chunk(gndpo_student, run.cfg.model))
     sides = {"plain": (plain_student, Clock(), []), "gndpo_kernel": (gndpo_student, Clock(), [])}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=tc.lr, weight_decay=tc.weight_decay) for name, (m, _, _) in sides.items()}
     tokens = 0
-    for step in steps:
+    for i, step in enumerate(steps):
         totals = dict.fromkeys(sides, 0.0)
-        for j, micro in enumerate(step.micros):
+        rows = share.rows(i)
+        for j, micro in enumerate([rows[k] for k in idx] for idx in step.micros):
             for name, (model, clock, _) in sides.items():
                 with clock:
                     if name == "plain":

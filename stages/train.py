@@ -191,7 +191,7 @@ class Objective:
             return self.empty_micro_batch_loss(model, min_chunks), (0.0, 0.0, 0.0)
         device = self.device
         batch = self.token_batch(micro)
-        topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro])).to(device) if self.divergence is not None else None
+        topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro]).astype(np.int64)).to(device) if self.divergence is not None else None
         out = self.student_logprobs(model, batch, micro, topk_ids, min_chunks)
         logp = batch.padded(out.sampled)
         width = logp.shape[1]

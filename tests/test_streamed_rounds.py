@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -100,11 +101,17 @@ def test_a_streamed_share_is_the_whole_round_step_for_step_and_rank_for_rank(rol
                     assert index.prompt_ids == [r.prompt_id for r in want]
                     assert index.loss_tokens == sum(float(r.mask.sum()) for r in want)
                     assert index.weight_sum == sum(r.weight for r in want)
+                if world == 1:  # the schedule from the index is the one from the rows themselves
+                    from gndpo.stages.train import schedule_steps
+
+                    in_memory = batch.RoundShare.of_rows([[reference[rid] for rid in ids] for ids in steps])
+                    assert schedule_steps(share, run.cfg.train, 64) == schedule_steps(in_memory, run.cfg.train, 64)
+                    in_memory.close()
 
 
 def test_a_share_reads_each_step_once_and_holds_at_most_the_next(monkeypatch):
     """rows(i) reads step i (unless read ahead) and starts reading step i + 1, nothing further."""
-    from gndpo.stages.training.batch import AdvantageSums, RoundShare, StepIndex
+    from gndpo.stages.training.batch import AdvantageSums, RoundShare, StepIndex, read_step_rows
 
     files = StepFiles(6)
     for step in range(6):
@@ -119,7 +126,8 @@ def test_a_share_reads_each_step_once_and_holds_at_most_the_next(monkeypatch):
 
     monkeypatch.setattr(files, "read", counted)
     index = [StepIndex(np.zeros(1, np.int64), np.zeros(1, np.int64), [""], 0.0, 0.0) for _ in range(6)]
-    with RoundShare(index, [1] * 6, AdvantageSums(), files, join=lambda rollouts, scores: rollouts.column("x").to_pylist()) as share:
+    read_step = partial(read_step_rows, files, lambda rollouts, scores: rollouts.column("x").to_pylist())
+    with RoundShare(index, [1] * 6, AdvantageSums(), read_step, files) as share:
         assert share.rows(2) == [2]  # a resumed round starts at a later step
         for step in range(3, 6):
             assert len(share._pending) <= 1

@@ -118,16 +118,27 @@ class AdvantageSums:
 
 class RoundShare:
     """This rank's share of a round, streamed: the light per-step index (``index[i]``, what the schedule
-    needs) in memory, each step's stored columns (rollout and score rows side by side) in the local step
-    files, joined into train rows when the step comes, with the next step read ahead in a background
-    thread. So train holds at most two mini-batches of rows, whatever the round's size.
-    ``step_sizes[i]`` is the number of responses of step i over all ranks."""
+    needs) in memory, each step's rows read by ``read_step(i)`` when the step comes (from the step
+    files, :func:`load_share`), with the next step read ahead in a background thread. So train holds
+    at most two mini-batches of rows, whatever the round's size. ``step_sizes[i]`` is the number of
+    responses of step i over all ranks."""
 
-    def __init__(self, index: list[StepIndex], step_sizes: list[int], advantages: AdvantageSums, files: StepFiles, join):
+    def __init__(self, index: list[StepIndex], step_sizes: list[int], advantages: AdvantageSums, read_step,
+                 files: StepFiles | None = None):
         self.index, self.step_sizes, self.advantages = index, step_sizes, advantages
-        self._files, self._join = files, join  # join(rollouts, scores) -> the rows, as load_share made them
+        self._read, self._files = read_step, files
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gndpo-step-reader")
         self._pending: dict[int, Future] = {}
+
+    @classmethod
+    def of_rows(cls, steps: list[list[TrainRow]], step_sizes: list[int] | None = None) -> RoundShare:
+        """A share of rows already in memory, ``steps[i]`` step i's (benchmarks and tests)."""
+        advantages = AdvantageSums()
+        for row in (row for rows in steps for row in rows):
+            advantages.add(row.adv[row.pg_mask > 0])
+        index = [StepIndex(np.array([r.tokens for r in rows], np.int64), np.array([len(r.response) for r in rows], np.int64),
+                           [r.prompt_id for r in rows], sum(float(r.mask.sum()) for r in rows), sum(r.weight for r in rows)) for rows in steps]
+        return cls(index, step_sizes or [len(rows) for rows in steps], advantages, steps.__getitem__)
 
     def rows(self, step: int) -> list[TrainRow]:
         """Step ``step``'s rows on this rank, in the step's order; starts reading step ``step + 1``."""
@@ -141,24 +152,28 @@ class RoundShare:
         """Every row of the share, step after step (for inspection; holds the whole share)."""
         return [row for step in range(len(self.index)) for row in self._read(step)]
 
-    def _read(self, step: int) -> list[TrainRow]:
-        table = self._files.read(step)
-        return [] if table is None else self._join(*split_rows(table.sort_by(POSITION)))
-
     def step_file_bytes(self) -> int:
         """What the step files take on disk (0 where the rows stayed in memory)."""
-        return self._files.bytes_on_disk()
+        return self._files.bytes_on_disk() if self._files is not None else 0
 
     def close(self) -> None:
         """Stop reading ahead and remove the step files."""
         self._reader.shutdown(wait=True, cancel_futures=True)
-        self._files.close()
+        if self._files is not None:
+            self._files.close()
 
     def __enter__(self) -> RoundShare:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_step_rows(files: StepFiles, join, step: int) -> list[TrainRow]:
+    """Step ``step``'s train rows: its stored columns from ``files``, in the step's order, joined
+    (``join(rollouts, scores)``) with their targets."""
+    table = files.read(step)
+    return [] if table is None else join(*split_rows(table.sort_by(POSITION)))
 
 
 def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
@@ -318,7 +333,7 @@ class ShareWriter:
         self.files.seal()
         index = [StepIndex(self.tokens[i], self.response_tokens[i], self.prompt_ids[i], sum(self.loss_tokens[i]), sum(self.weights[i]))
                  for i in range(len(self.tokens))]
-        return RoundShare(index, step_sizes, self.advantages, self.files, join)
+        return RoundShare(index, step_sizes, self.advantages, partial(read_step_rows, self.files, join), self.files)
 
 
 class ListColumns:
@@ -329,8 +344,10 @@ class ListColumns:
         self.columns = {name: flat_values(table.column(name)) for name in names}
 
     def row(self, name: str, i: int, dtype=np.float64) -> np.ndarray:
+        """Row ``i`` of column ``name`` as ``dtype`` (None: as stored, a view without a copy)."""
         values, offsets = self.columns[name]
-        return values[offsets[i] : offsets[i + 1]].astype(dtype, copy=False)
+        view = values[offsets[i] : offsets[i + 1]]
+        return view if dtype is None else view.astype(dtype, copy=False)
 
 
 ROLLOUT_LISTS = ["prompt_token_ids", "response_token_ids", "loss_mask", "sampler_logprobs"]
@@ -371,8 +388,10 @@ def _join(rollouts: pa.Table, scores: pa.Table, run: Run, round_idx: int, stats:
             old_logp=response.sampler_lp if old_logprobs == "sampler" else response.student_lp,
             adv=targets.adv, pg_mask=targets.pg_mask, div=targets.div, mask=targets.mask, weight=targets.weight,
             prompt_id=response.prompt_id, teacher=response.teacher,
-            topk_ids=score_lists.row("teacher_topk_ids", i, np.int64) if needs_topk else None,
-            topk_logp=score_lists.row("teacher_topk_logprobs", i) if needs_topk else None,
+            # The top-k as stored (int32 ids, float32 log-probs), views: widened per row, a top-k
+            # step's rows took twice the stored bytes; the loss widens them per micro-batch.
+            topk_ids=score_lists.row("teacher_topk_ids", i, None) if needs_topk else None,
+            topk_logp=score_lists.row("teacher_topk_logprobs", i, None) if needs_topk else None,
             topk_rest=stored_rest(score_lists, i, len(response.mask)) if "teacher_rest_logprob" in stored else None,
         ))
     return rows
@@ -388,5 +407,5 @@ def teacher_prefix(length: int, prefix_len: int | None) -> np.ndarray:
 def stored_rest(score_lists: ListColumns, j: int, length: int) -> np.ndarray | None:
     """Score row ``j``'s stored teacher rest log-probs, or None where the row has none per token (the
     loss then recomputes the rest from the top-k)."""
-    rest = score_lists.row("teacher_rest_logprob", j)
+    rest = score_lists.row("teacher_rest_logprob", j, None)
     return rest if len(rest) == length else None

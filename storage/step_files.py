@@ -36,8 +36,8 @@ class StepFiles:
     """Rows appended by step while a round is read, read back one step at a time. Not thread-safe
     while writing; reads (after :meth:`seal`) may come from any thread."""
 
-    def __init__(self, steps: int, buffer_bytes: int | None = None):
-        self.steps, self.buffer_bytes = steps, BUFFER_BYTES if buffer_bytes is None else buffer_bytes
+    def __init__(self, buffer_bytes: int | None = None):
+        self.buffer_bytes = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
         self._waiting: dict[int, list[pa.Table]] = {}
         self._waiting_bytes = 0
         self._batches: dict[int, list[int]] = {}  # step -> its record batches in the file, in order
@@ -45,6 +45,7 @@ class StepFiles:
         self._folder: tempfile.TemporaryDirectory | None = None
         self._writer: ipc.RecordBatchFileWriter | None = None
         self._sink = None
+        self._source = None
         self._reader: ipc.RecordBatchFileReader | None = None  # opened at the first read, kept
         self._reading = threading.Lock()  # one file position: one read at a time
 

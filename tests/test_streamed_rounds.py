@@ -22,7 +22,7 @@ STEPS = 5
 def test_step_files_spill_past_their_buffer_and_read_back_what_was_appended():
     tables = {step: [pa.table({"x": pa.array(np.arange(part * 100, part * 100 + 50) + step)}) for part in range(3)] for step in range(4)}
     for buffer_bytes, spills in ((1 << 30, False), (1_000, True)):
-        files = StepFiles(4, buffer_bytes=buffer_bytes)
+        files = StepFiles(buffer_bytes=buffer_bytes)
         for part in range(3):
             for step in (0, 2, 3):  # step 1 gets no rows
                 files.append(step, tables[step][part])
@@ -113,7 +113,7 @@ def test_a_share_reads_each_step_once_and_holds_at_most_the_next(monkeypatch):
     """rows(i) reads step i (unless read ahead) and starts reading step i + 1, nothing further."""
     from gndpo.stages.training.batch import AdvantageSums, RoundShare, StepIndex, read_step_rows
 
-    files = StepFiles(6)
+    files = StepFiles()
     for step in range(6):
         files.append(step, pa.table({"step_position": pa.array([0], pa.int64()), "x": pa.array([step])}))
     files.seal()

@@ -70,7 +70,7 @@ class TrainRow:
 def topk_columns(available: list[str]) -> list[str]:
     """The score columns a top-k method reads: the teacher's ids and log-probs, and its rest log-prob
     where the shards have it (older ones do not)."""
-    return ["teacher_topk_ids", "teacher_topk_logprobs"] + (["teacher_rest_logprob"] if "teacher_rest_logprob" in available else [])
+    return [name for name in TOPK_COLUMNS if name != "teacher_rest_logprob" or name in available]
 
 
 def step_order(rollout_ids: list[str], seed: int, round_idx: int, optimizer_steps: int) -> list[list[str]]:
@@ -133,12 +133,11 @@ class RoundShare:
     @classmethod
     def of_rows(cls, steps: list[list[TrainRow]], step_sizes: list[int] | None = None) -> RoundShare:
         """A share of rows already in memory, ``steps[i]`` step i's (benchmarks and tests)."""
-        advantages = AdvantageSums()
-        for row in (row for rows in steps for row in rows):
-            advantages.add(row.adv[row.pg_mask > 0])
-        index = [StepIndex(np.array([r.tokens for r in rows], np.int64), np.array([len(r.response) for r in rows], np.int64),
-                           [r.prompt_id for r in rows], sum(float(r.mask.sum()) for r in rows), sum(r.weight for r in rows)) for rows in steps]
-        return cls(index, step_sizes or [len(rows) for rows in steps], advantages, steps.__getitem__)
+        builder = IndexBuilder([len(rows) for rows in steps])
+        for i, rows in enumerate(steps):
+            for pos, row in enumerate(rows):
+                builder.note(i, pos, row)
+        return cls(builder.index(), step_sizes or [len(rows) for rows in steps], builder.advantages, steps.__getitem__)
 
     def rows(self, step: int) -> list[TrainRow]:
         """Step ``step``'s rows on this rank, in the step's order; starts reading step ``step + 1``."""
@@ -296,13 +295,11 @@ def score_files_by_rollout(run: Run, score_files: list[dict], round_idx: int, re
     return out
 
 
-class ShareWriter:
-    """Collects this rank's rows as the round is read (in shard order) into the step files and the
-    light per-step index, each row at its place in its step."""
+class IndexBuilder:
+    """The light per-step index (:class:`StepIndex`) and the advantage sums, filled row by row in any
+    order, each row at its (step, position in the step)."""
 
-    def __init__(self, mine: list[list[str]]):
-        self.files = StepFiles(len(mine))
-        sizes = [len(ids) for ids in mine]
+    def __init__(self, sizes: list[int]):
         self.tokens = [np.zeros(n, np.int64) for n in sizes]
         self.response_tokens = [np.zeros(n, np.int64) for n in sizes]
         self.prompt_ids = [[""] * n for n in sizes]
@@ -310,14 +307,31 @@ class ShareWriter:
         self.weights = [[0.0] * n for n in sizes]
         self.advantages = AdvantageSums()
 
+    def note(self, step: int, pos: int, row: TrainRow) -> None:
+        self.tokens[step][pos], self.response_tokens[step][pos] = row.tokens, len(row.response)
+        self.prompt_ids[step][pos] = row.prompt_id
+        self.loss_tokens[step][pos], self.weights[step][pos] = float(row.mask.sum()), row.weight
+        self.advantages.add(row.adv[row.pg_mask > 0])
+
+    def index(self) -> list[StepIndex]:
+        """Each step's index; its sums add the rows in step order (as the loss normalisers always have)."""
+        return [StepIndex(self.tokens[i], self.response_tokens[i], self.prompt_ids[i], sum(self.loss_tokens[i]), sum(self.weights[i]))
+                for i in range(len(self.tokens))]
+
+
+class ShareWriter:
+    """Collects this rank's rows as the round is read (in shard order) into the step files and the
+    light per-step index, each row at its place in its step."""
+
+    def __init__(self, mine: list[list[str]]):
+        self.files = StepFiles()
+        self.builder = IndexBuilder([len(ids) for ids in mine])
+
     def add_rows(self, table: pa.Table, places: list[tuple[int, int]], rows: list[TrainRow]) -> None:
         """One shard's rows: their stored columns (``table``), each row's (step, position in the step)
         and the train rows made from them, which only the index keeps a summary of."""
         for (step, pos), row in zip(places, rows):
-            self.tokens[step][pos], self.response_tokens[step][pos] = row.tokens, len(row.response)
-            self.prompt_ids[step][pos] = row.prompt_id
-            self.loss_tokens[step][pos], self.weights[step][pos] = float(row.mask.sum()), row.weight
-            self.advantages.add(row.adv[row.pg_mask > 0])
+            self.builder.note(step, pos, row)
         # Ordered by step, then cut into each step's slice (no copy).
         steps = np.array([step for step, _ in places])
         order = np.argsort(steps, kind="stable")
@@ -328,12 +342,10 @@ class ShareWriter:
             self.files.append(int(steps[start]), table.slice(start, end - start))
 
     def share(self, step_sizes: list[int], join) -> RoundShare:
-        """The finished share (its step files sealed); the step sums add the rows in step order.
-        ``join(rollouts, scores)``: the train rows of a step's stored columns."""
+        """The finished share (its step files sealed). ``join(rollouts, scores)``: the train rows of a
+        step's stored columns."""
         self.files.seal()
-        index = [StepIndex(self.tokens[i], self.response_tokens[i], self.prompt_ids[i], sum(self.loss_tokens[i]), sum(self.weights[i]))
-                 for i in range(len(self.tokens))]
-        return RoundShare(index, step_sizes, self.advantages, partial(read_step_rows, self.files, join), self.files)
+        return RoundShare(self.builder.index(), step_sizes, self.builder.advantages, partial(read_step_rows, self.files, join), self.files)
 
 
 class ListColumns:

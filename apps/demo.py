@@ -10,6 +10,8 @@ from pathlib import Path
 import yaml
 
 from gndpo.apps.demos.arithmetic import ensure_cross_tokenizer_assets, ensure_toy_assets
+from gndpo.apps.demos.privileged import CONTEXT as ANSWER_CONTEXT
+from gndpo.apps.demos.privileged import ensure_privileged_assets
 from gndpo.apps.demos.self_distill import context_messages, ensure_self_distill_assets
 from gndpo.apps.demos.tool_task import ensure_tool_toy_assets
 from gndpo.apps.demos.vision import ensure_vision_toy_assets
@@ -40,6 +42,11 @@ def self_distill_models(assets: Path) -> dict:
             "teacher_context": {"messages": context_messages()}}
 
 
+def privileged_models(assets: Path) -> dict:
+    """SmolLM2 as student and, reading the reference answer, as its own frozen teacher."""
+    return {**self_distill_models(assets), "teacher_context": {"messages": ANSWER_CONTEXT}}
+
+
 # task -> (its experiment config, the function that builds or finds its assets, config overrides,
 # the models and settings the assets give the config)
 TASKS = {
@@ -49,6 +56,8 @@ TASKS = {
     "cross-tokenizer": (DEFAULT_CONFIG, ensure_cross_tokenizer_assets, ["score.cross_tokenizer=true"], toy_models),
     # SmolLM2-135M-Instruct distils demonstrations it reads as a teacher into its bare behaviour.
     "self-distill": (Path(__file__).with_name("demo_self_distill.yaml"), ensure_self_distill_assets, [], self_distill_models),
+    # SmolLM2-135M-Instruct answers factual questions; its teacher is itself, having read the answer.
+    "privileged": (Path(__file__).with_name("demo_privileged.yaml"), ensure_privileged_assets, [], privileged_models),
     # A tiny Idefics3 (SmolVLM family) reads two bars of a chart and adds them.
     "vision": (Path(__file__).with_name("demo_vision.yaml"), ensure_vision_toy_assets, [], toy_models),
 }

@@ -20,7 +20,7 @@ def compare(
     assets: Optional[str] = typer.Option(None, "--assets", help="Use this prebuilt toy assets folder instead of building."),
     seeds: int = typer.Option(1, "--seeds", min=1, help="Rollout seeds per method (rollout.seed 0..N-1); cells give mean and standard deviation."),
     task: str = typer.Option("addition", "--task", help="The demo task every method runs (see gndpo demo --task): addition (the default), "
-        "tools, cross-tokenizer or self-distill."),
+        "tools, cross-tokenizer, self-distill, privileged or vision."),
     keep_rounds: Optional[int] = typer.Option(None, "--keep-rounds", help="As each run finishes, remove its older rounds' policies and "
         "optimizer state, keeping the newest N (as gndpo gc --keep-rounds; a real model keeps about 2 GB a round)."),
 ):

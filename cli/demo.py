@@ -18,7 +18,8 @@ def demo(
     assets: Optional[str] = typer.Option(None, "--assets", help="Use this prebuilt toy assets folder instead of building."),
     task: str = typer.Option("addition", "--task", help="addition (the default), tools (multiplication with a calculator, multi-turn) cross-tokenizer "
         "(addition with a teacher whose tokenizer merges doubled digits) or self-distill (SmolLM2-135M-Instruct learns the answer format "
-        "it follows when it reads three demonstrations; needs the real-models packages) or vision (a tiny Idefics3 reads a bar chart and adds its bars)."),
+        "it follows when it reads three demonstrations; needs the real-models packages) or privileged (SmolLM2-135M-Instruct answers "
+        "factual questions, its teacher is itself reading the answer; real-models packages) or vision (a tiny Idefics3 reads a bar chart and adds its bars)."),
 ):
     """Build (or reuse) the toy teacher/student and run the pipeline end to end on them."""
     from gndpo.apps.demo import run_demo  # at call time: torch and transformers load only for this command

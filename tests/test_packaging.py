@@ -96,7 +96,7 @@ def test_wheel_installs_whole_package_and_runs(tmp_path):
         entry_points = zf.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
 
     # (c) What the wheel holds: data files and subpackages in, tests/, bench/ and setup.py out.
-    assert {"gndpo/apps/demo.yaml", "gndpo/apps/demo_tools.yaml", "gndpo/apps/demo_self_distill.yaml"} <= names
+    assert {"gndpo/apps/demo.yaml", "gndpo/apps/demo_tools.yaml", "gndpo/apps/demo_self_distill.yaml", "gndpo/apps/demo_privileged.yaml"} <= names
     for package in ("pipeline/config", "pipeline/exec", "pipeline/run", "pipeline/methods", "pipeline/tasks", "pipeline/observe",
                     "apps", "apps/demos", "stages/models", "stages/training", "stages/text"):
         assert f"gndpo/{package}/__init__.py" in names, package

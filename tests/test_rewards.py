@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from gndpo.cli.app import app, register
 from gndpo.errors import GndpoError
-from gndpo.pipeline.tasks.rewards import REWARDS, answer_match, final_answer, get_reward, math_answer, math_format, to_number
+from gndpo.pipeline.tasks.rewards import REWARDS, answer_match, answer_words, final_answer, get_reward, math_answer, math_format, to_number
 from tests.conftest import tiny_config_dict
 
 # (response, reference answer, expected reward). Written by hand: each case says what a person grading
@@ -102,6 +102,29 @@ ANSWER_MATCH_CASES = [
 @pytest.mark.parametrize("response, answer, expected", ANSWER_MATCH_CASES)
 def test_answer_match_reward_table(response, answer, expected):
     assert answer_match(response, {"answer": answer}) == expected
+
+
+# (response, reference answer, expected answer_words), graded by hand: the answer's words anywhere, in
+# any format; number words and digits are the same number, a word that only contains the answer is not it.
+ANSWER_WORDS_CASES = [
+    ("The capital of France is Paris.", "Paris", 1.0),
+    ("paris", "Paris", 1.0),
+    ("The capital of Turkey is Istanbul.", "Ankara", 0.0),
+    ("It is Mexico City, of course.", "Mexico City", 1.0),
+    ("Mexico, the city.", "Mexico City", 0.0),  # the words, but not next to each other
+    ("A spider has 8 legs.", "Eight", 1.0),
+    ("Six plus nine equals fifteen.", "15", 1.0),
+    ("The answer is 2.", "Two", 1.0),
+    ("A bee has fourteen legs.", "Four", 0.0),
+    ("The plural of goose is goosegoose.", "Geese", 0.0),
+    ("", "Paris", 0.0),
+    ("Paris", "", 0.0),  # an empty reference matches nothing
+]
+
+
+@pytest.mark.parametrize("response, answer, expected", ANSWER_WORDS_CASES)
+def test_answer_words_reward_table(response, answer, expected):
+    assert answer_words(response, {"answer": answer}) == expected
 
 
 def test_builtins_and_import_paths():

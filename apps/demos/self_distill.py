@@ -96,22 +96,22 @@ def build_task(out: Path, log=info) -> dict:
     details = {"train": len(split["train"]), "heldout": len(split["heldout"]), "student": str(student)}
     # The demo table's first rows: the student with and without the demonstrations, greedy, the way
     # the demo evaluates every policy (its answer_format reward over the held-out questions).
-    details["teacher_heldout_accuracy"] = format_rate(student, split["heldout"], with_context=True)
-    details["student_heldout_accuracy"] = format_rate(student, split["heldout"], with_context=False)
+    details["teacher_heldout_accuracy"] = greedy_rate(student, split["heldout"], context_messages(), answer_format)
+    details["student_heldout_accuracy"] = greedy_rate(student, split["heldout"], [{"role": "user", "content": "{prompt}"}], answer_format)
     (out / "info.json").write_text(json.dumps(details, indent=1))
     log(f"self-distillation task: {details['train']} training and {details['heldout']} held-out questions")
     return details
 
 
-def format_rate(model_dir: Path, rows: list[dict], with_context: bool, max_new_tokens: int = MAX_TOKENS) -> float:
-    """The share of ``rows`` whose greedy answer has the demonstrated format (transformers, fp32)."""
+def greedy_rate(model_dir: Path, rows: list[dict], turns: list[dict], reward, max_new_tokens: int = MAX_TOKENS) -> float:
+    """The mean ``reward`` of the greedy answers to ``rows`` (transformers, fp32), each question asked
+    through ``turns`` (their contents format strings over the row: ``{prompt}``, ``{answer}``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    turns = context_messages() if with_context else [{"role": "user", "content": "{prompt}"}]
-    prompts = [tok.apply_chat_template([{**t, "content": t["content"].format(prompt=r["prompt"])} for t in turns],
+    prompts = [tok.apply_chat_template([{**t, "content": t["content"].format(**r)} for t in turns],
                                        tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"] for r in rows]
     width = max(map(len, prompts))
     pad = tok.pad_token_id
@@ -120,7 +120,7 @@ def format_rate(model_dir: Path, rows: list[dict], with_context: bool, max_new_t
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
     texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
-    return sum(answer_format(t, r) for t, r in zip(texts, rows)) / len(rows)
+    return sum(reward(t, r) for t, r in zip(texts, rows)) / len(rows)
 
 
 def ensure_self_distill_assets(log=info) -> Path:

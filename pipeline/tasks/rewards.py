@@ -6,7 +6,8 @@ A prompt's row is the dict rollout reads from the run's prompt table (``prompt_i
 * ``exact_match``: the stripped response is the reference answer (the toy task);
 * ``integer_format``: the response is a bare integer; ``answer_length``: it has the answer's length;
 * ``answer_format``: the response is a short "Answer: ..." (the self-distillation task's format);
-  ``answer_match``: that format and the reference answer's words, in order, among the response's;
+  ``answer_words``: the reference answer's words, in order, among the response's, in any format (number
+  words equal to digits); ``answer_match``: both;
 * ``math``: the response's final answer equals the reference by value. The final answer is the last
   ``\\boxed{...}`` (nested braces allowed), else the last ``#### ...`` line (GSM8K), else the last number;
   the reference is read the same way when it holds a full solution. Numbers compare exactly as
@@ -72,19 +73,31 @@ def answer_format(response: str, row: dict) -> float:
     return float(text.startswith(ANSWER_PREFIX) and len(text.split()) <= SHORT_ANSWER_WORDS)
 
 
+# Number words read as their digits, so "Four" and "4" are the same answer.
+_NUMBER_WORDS = {w: str(i) for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split())}
+
+
 def _words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+", text.lower())
+    """Lower-case words and numbers, number words as digits ("Mexico City!" -> mexico, city)."""
+    return [_NUMBER_WORDS.get(w, w) for w in re.findall(r"[a-z0-9]+", text.lower())]
+
+
+def answer_words(response: str, row: dict) -> float:
+    """Content, whatever the format: 1 if the reference answer's words appear, in order and next to each
+    other, among the response's ("The capital of Mexico is Mexico City." for "Mexico City"; case and
+    punctuation ignored, number words equal to their digits: "4" for "Four"). The privileged-answer
+    task's correctness; a response naming several candidates is counted right if one is the answer."""
+    want, got = _words(str(row["answer"])), _words(response)
+    return float(bool(want) and any(got[i:i + len(want)] == want for i in range(len(got) - len(want) + 1)))
 
 
 def answer_match(response: str, row: dict) -> float:
-    """Format and content: 1 if ``answer_format`` holds and the reference answer's words appear, in
-    order and next to each other, among the response's ("Answer: Mexico City." for "Mexico City"; case
-    and punctuation ignored). The self-distillation task's correctness reward: sparse where the format
+    """Format and content: 1 if ``answer_format`` holds and ``answer_words`` does ("Answer: Mexico
+    City." for "Mexico City"). The self-distillation task's correctness reward: sparse where the format
     reward alone is not, since the answer must also be right."""
-    if not answer_format(response, row):
-        return 0.0
-    want, got = _words(str(row["answer"])), _words(response)
-    return float(bool(want) and any(got[i:i + len(want)] == want for i in range(len(got) - len(want) + 1)))
+    return answer_words(response, row) if answer_format(response, row) else 0.0
 
 
 # -- math ---------------------------------------------------------------------------------------------
@@ -298,6 +311,7 @@ REWARDS: dict[str, Reward] = {
     "answer_length": answer_length,
     "answer_format": answer_format,
     "answer_match": answer_match,
+    "answer_words": answer_words,
     "math": math_answer,
     "math_format": math_format,
     "tool_format": tool_format,

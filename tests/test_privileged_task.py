@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gndpo.apps.demos.privileged import CONTEXT, fact_of, questions
+from gndpo.apps.demos.privileged import CONTEXT, HELDOUT_SHARE, fact_of, questions
 from gndpo.apps.demos.self_distill import is_heldout
 from gndpo.pipeline.config.load import load_config
 from gndpo.pipeline.tasks.rewards import answer_words
@@ -25,10 +25,10 @@ def test_questions_are_distinct_and_their_answers_are_right_by_the_reward():
     assert next(r["answer"] for r in rows if r["prompt"] == "What day comes after Sunday?") == "Monday"
 
 
-def test_the_split_holds_out_about_a_fifth_and_facts_recur_across_wordings():
+def test_the_split_holds_out_about_an_eighth_and_facts_recur_across_wordings():
     rows = questions()
-    heldout = [r for r in rows if is_heldout(r["prompt"])]
-    assert 0.15 < len(heldout) / len(rows) < 0.25
+    heldout = [r for r in rows if is_heldout(r["prompt"], HELDOUT_SHARE)]
+    assert 0.08 < len(heldout) / len(rows) < 0.16
     # Two wordings of one fact are one fact; a different country is another.
     assert fact_of({"prompt": "What is the capital of Peru?", "answer": "Lima"}) == \
         fact_of({"prompt": "Which city is the capital of Peru?", "answer": "Lima"})

@@ -33,6 +33,9 @@ from gndpo.storage.cache import cached_build
 # question reaches 0.88 but changes the style ("The answer to this question is Ankara."), which a
 # sampled-token method then learns before the facts; the answer in a system turn reaches 0.68.
 CONTEXT = [{"role": "user", "content": "{prompt} (The answer is {answer}.)"}]
+# The held-out share: ~50 questions, which the round loop evaluates greedily every round, and the answer
+# budget (apps/demo_privileged.yaml's rollout.max_tokens) the task's own greedy figures use too.
+HELDOUT_SHARE, MAX_TOKENS = 0.12, 16
 MORE_CAPITALS = {
     "Italy": "Rome", "Argentina": "Buenos Aires", "South Korea": "Seoul", "Indonesia": "Jakarta", "Philippines": "Manila",
     "Saudi Arabia": "Riyadh", "Nigeria": "Abuja", "Ghana": "Accra", "Ethiopia": "Addis Ababa", "Morocco": "Rabat",
@@ -108,15 +111,17 @@ def build_task(out: Path, log=info) -> dict:
     greedy held-out correctness with and without the answer in its context."""
     rows = questions()
     random.Random(0).shuffle(rows)
-    split = {"train": [r for r in rows if not is_heldout(r["prompt"])], "heldout": [r for r in rows if is_heldout(r["prompt"])]}
+    heldout = {r["prompt"] for r in rows if is_heldout(r["prompt"], HELDOUT_SHARE)}
+    split = {"train": [r for r in rows if r["prompt"] not in heldout], "heldout": [r for r in rows if r["prompt"] in heldout]}
     for name, part in split.items():
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     student = ensure_real_model(STUDENT, log=log)
     trained_facts = {fact_of(r) for r in split["train"]}
     details = {"train": len(split["train"]), "heldout": len(split["heldout"]), "student": str(student),
                "heldout_fact_in_train": sum(fact_of(r) in trained_facts for r in split["heldout"]) / len(split["heldout"])}
-    details["teacher_heldout_accuracy"] = greedy_rate(student, split["heldout"], CONTEXT, answer_words)
-    details["student_heldout_accuracy"] = greedy_rate(student, split["heldout"], [{"role": "user", "content": "{prompt}"}], answer_words)
+    bare = [{"role": "user", "content": "{prompt}"}]
+    details["teacher_heldout_accuracy"] = greedy_rate(student, split["heldout"], CONTEXT, answer_words, MAX_TOKENS)
+    details["student_heldout_accuracy"] = greedy_rate(student, split["heldout"], bare, answer_words, MAX_TOKENS)
     (out / "info.json").write_text(json.dumps(details, indent=1))
     log(f"privileged-answer task: {details['train']} training and {details['heldout']} held-out questions")
     return details
@@ -124,4 +129,4 @@ def build_task(out: Path, log=info) -> dict:
 
 def ensure_privileged_assets(log=info) -> Path:
     """The task's folder (questions and ``info.json`` naming the converted SmolLM2 folder), built once."""
-    return cached_build("privileged-answer-task-v1", lambda folder: build_task(folder, log=log))
+    return cached_build("privileged-answer-task-v2", lambda folder: build_task(folder, log=log))

@@ -27,9 +27,10 @@ from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.tasks.rewards import answer_words
 from gndpo.storage.cache import cached_build
 
-# The teacher's turn: the question with its answer in brackets. Tried on the held-out questions (greedy,
-# 24 tokens, transformers): correct in 0.86 of them, in the bare student's own words ("The capital of
-# Turkey is Ankara."), against 0.57 for the bare question. A "Hint: the answer is ..." line after the
+# The teacher's turn: the question with its answer in brackets. Tried on a first split's 84 held-out
+# questions (greedy, 24 tokens, transformers): correct in 0.86 of them, in the bare student's own words
+# ("The capital of Turkey is Ankara."), against 0.57 for the bare question (on the 50 of this split, 16
+# tokens: 0.84 against 0.52, info.json). A "Hint: the answer is ..." line after the
 # question reaches 0.88 but changes the style ("The answer to this question is Ankara."), which a
 # sampled-token method then learns before the facts; the answer in a system turn reaches 0.68.
 CONTEXT = [{"role": "user", "content": "{prompt} (The answer is {answer}.)"}]

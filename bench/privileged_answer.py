@@ -18,8 +18,9 @@ cut, and the policy-gradient advantage range. Cells are the mean over the seeds 
 deviation where it says so). Then ``gndpo report`` draws each comparison folder (mean over seeds, band
 from the lowest to the highest), and its held-out and gradient-norm figures are copied beside the table.
 
-Writes results/privileged_answer.{json,md,png} and results/privileged_answer_lr-<LR>_<figure>.png. The
-runs stay in ``--work`` (default under ~/.cache/gndpo/bench): rerunning finishes what is missing.
+Writes results/privileged_answer.{json,md}, and the figures the benchmarks page shows to
+docs/benchmarks/figures/: privileged_answer.png and privileged_answer_lr-<LR>_<figure>.png. The runs stay
+in ``--work`` (default under ~/.cache/gndpo/bench): rerunning finishes what is missing.
 
     .venv/bin/python bench/privileged_answer.py
     .venv/bin/python bench/privileged_answer.py --table-only     # re-read the runs, rewrite results
@@ -45,6 +46,7 @@ SEEDS, ROUNDS = 3, 8
 SHAPE: list[str] = []  # the demo's config (apps/demo_privileged.yaml)
 WORK = Path.home() / ".cache" / "gndpo" / "bench" / "privileged_answer"
 OUT = RESULTS / "privileged_answer"
+FIGURES = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "figures"
 SCORE = "held-out correct"
 REPORT_FIGURES = ["accuracy", "grad_norm", "teacher_kl"]
 
@@ -73,11 +75,11 @@ def gains_markdown(rows: list[dict]) -> str:
 
 
 def report(lr: str, work: Path) -> None:
-    """``gndpo report`` of one learning rate's comparison folder; its figures copied to results/."""
+    """``gndpo report`` of one learning rate's comparison folder; some of its figures copied to the docs."""
     folder = work / f"lr-{lr}"
     run_timed(gndpo_cmd("-q", "report", str(folder), "--out", str(folder / "report")), work / f"report-{lr}.log")
     for name in REPORT_FIGURES:
-        shutil.copyfile(folder / "report" / f"{name}.png", RESULTS / f"privileged_answer_lr-{lr}_{name}.png")
+        shutil.copyfile(folder / "report" / f"{name}.png", FIGURES / f"privileged_answer_lr-{lr}_{name}.png")
 
 
 def main() -> None:
@@ -86,6 +88,7 @@ def main() -> None:
     parser.add_argument("--table-only", action="store_true", help="re-read finished runs; run nothing")
     parser.add_argument("--lr", action="append", choices=LEARNING_RATES, help="run only this learning rate (repeatable); the table has all")
     args = parser.parse_args()
+    FIGURES.mkdir(parents=True, exist_ok=True)
     seconds = json.loads(OUT.with_suffix(".json").read_text()).get("seconds", {}) if OUT.with_suffix(".json").exists() else {}
     summaries = {}
     for lr in LEARNING_RATES:
@@ -101,7 +104,7 @@ def main() -> None:
                                          "machine": machine(), "date": time.strftime("%Y-%m-%d"), "seconds": seconds,
                                          "gains": gain_rows, "rows": rows})
     OUT.with_suffix(".md").write_text(gains_markdown(gain_rows) + "\n" + markdown(rows, SCORE))
-    figure(summaries, METHODS, ROUNDS, OUT.with_suffix(".png"),
+    figure(summaries, METHODS, ROUNDS, FIGURES / "privileged_answer.png",
            f"SmolLM2-135M-Instruct, privileged-answer self-distillation, {SEEDS} seeds (mean, band: lowest to highest)",
            f"{SCORE} (greedy, 50 questions)")
     print(gains_markdown(gain_rows))

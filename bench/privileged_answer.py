@@ -9,7 +9,7 @@ anywhere in the greedy response, 16 tokens, 50 questions). For each learning rat
 
     gndpo compare opd gndpo forward_kl reverse_kl --task privileged --seeds 3 --rounds 8 train.lr=LR
 
-(the demo's shape: 12 questions x 1 sample x 16 tokens a round, one optimizer step; forward and
+(the demo's shape: 8 questions x 1 sample x 16 tokens a round, one optimizer step; forward and
 reverse KL on the teacher's top-16 with its exact tail; methods after the first fork its round 0, so all
 train on the same first responses) and tabulates per method, learning rate and round: held-out
 correctness of the policy the round ends with, the sampled KL(student || teacher) estimate, the pre-clip

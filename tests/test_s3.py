@@ -1,9 +1,12 @@
 """A full round with the run folder on s3://, against a real S3-protocol server on loopback (moto's
-server, started here), with `gndpo status`, `gndpo sql` and `gndpo eval` reading it back."""
+server, started here), with `gndpo status`, `gndpo sql` and `gndpo eval` reading it back, and its rows
+and trained weights equal to the same round run on local disk; racing writers on one exclusive create."""
 
 import importlib.util
 import json
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fsspec.config
@@ -56,6 +59,25 @@ def test_exclusive_create_on_s3(s3_endpoint):
     assert fs.read_json("x.json") == {}
 
 
+def test_racing_writers_on_one_exclusive_create_one_wins(s3_endpoint):
+    """Eight writers released together by a barrier create the same record (a claim, a commit): in every
+    trial exactly one create reports success, and the record holds that writer's body."""
+    from gndpo.storage.runfs import RunFS
+
+    fs, writers = RunFS(f"s3://{BUCKET}/race"), 8
+    for trial in range(5):
+        barrier = threading.Barrier(writers)
+
+        def write(i: int) -> bool:
+            barrier.wait()
+            return fs.create(f"claim-{trial}.json", json.dumps({"writer": i}).encode())
+
+        with ThreadPoolExecutor(writers) as pool:
+            won = list(pool.map(write, range(writers)))
+        assert won.count(True) == 1, won
+        assert fs.read_json(f"claim-{trial}.json") == {"writer": won.index(True)}
+
+
 def test_listing_a_missing_folder_does_not_list_its_parent(s3_endpoint):
     """A never-claimed unit's claims folder: s3fs would answer by listing ``claims/``, every unit's
     folder, so a worker's look at each unit grew with the stage (bench/executor_scale.py)."""
@@ -82,6 +104,27 @@ def test_listing_a_missing_folder_does_not_list_its_parent(s3_endpoint):
     assert len(calls) <= 5, calls
 
 
+def stage_rows(url: str, stage: str) -> list[dict]:
+    """A committed stage's rows of round 0, by rollout id (local or s3://)."""
+    from gndpo.pipeline.run.run import open_run
+    from gndpo.storage.records import manifest_files, rollout_shards
+    from gndpo.storage.shards import read_shards
+
+    run = open_run(url)
+    files = (rollout_shards if stage == "rollout" else manifest_files)(run.records(0, stage).require_manifest())
+    rows = read_shards(run.fs, files).to_pylist()
+    return sorted(rows, key=lambda r: r["rollout_id"])
+
+
+def trained_weights(url: str) -> bytes:
+    """The bytes of round 0's exported model.safetensors (local or s3://)."""
+    from gndpo.pipeline.run.run import open_run
+
+    model_dir = open_run(url).records(0, "train").manifest()["metrics"]["model_dir"]
+    with fsspec.open(f"{url}/{model_dir}/model.safetensors", "rb") as f:
+        return f.read()
+
+
 def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
@@ -94,6 +137,12 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     assert out.strip().splitlines() == ["n,ids", "32,32"]
     out = gndpo("sql", run, "SELECT count(*) FROM scores s JOIN rollouts r USING (rollout_id)", "--format", "csv", env=s3_endpoint).stdout
     assert out.strip().splitlines()[1] == "32"
+    # The same round on local disk: the same rows in every stage and the same trained weights, bit for bit.
+    gndpo("init", tmp_path / "local", "--config", config)
+    gndpo("run", tmp_path / "local", "--rounds", "1")
+    for stage in ("rollout", "score"):
+        assert stage_rows(run, stage) == stage_rows(str(tmp_path / "local"), stage), stage
+    assert trained_weights(run) == trained_weights(str(tmp_path / "local"))
     # The exported student lives on S3; eval downloads it, serves it with vLLM, and writes its
     # per-prompt results back to S3.
     result = gndpo("eval", run, "--out", f"{run}-eval", env=s3_endpoint).stdout

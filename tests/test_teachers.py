@@ -2,8 +2,12 @@
 parent run's round-0 rollouts (two forks, so nothing is sampled twice). The stored teacher log-probs are
 checked against the HF models recomputed here, and normalize's statistics against numpy over the shards."""
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import config_from_dict
@@ -30,24 +34,39 @@ def moments(c):
     return c.mean(), c.var(ddof=1)
 
 
-def test_routing_scores_each_prompt_with_its_teacher(parent, tiny_assets, tmp_path):
-    new = fork_and_score(parent, tmp_path, f"teachers={{a: {tiny_assets / 'teacher'}, b: {tiny_assets / 'student'}}}",
-                         "method.stats_scope=teacher")
+@pytest.fixture(scope="module")
+def other_teacher(tmp_path_factory, tiny_assets) -> Path:
+    """A second teacher distinct from the first and from the student: the toy teacher with seeded noise
+    on every weight (same tokenizer), so that a router that falls back to one model, or a train that
+    normalizes with the pooled statistics, gives numbers this module can tell apart."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("other-teacher") / "teacher-b"
+    shutil.copytree(tiny_assets / "teacher", folder)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.1)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def test_routing_scores_each_prompt_with_its_teacher(parent, tiny_assets, other_teacher, tmp_path):
+    paths = {"a": tiny_assets / "teacher", "b": other_teacher}
+    new = fork_and_score(parent, tmp_path, f"teachers={{a: {paths['a']}, b: {paths['b']}}}", "method.stats_scope=teacher")
     prompts = {p["prompt_id"]: p["teacher"] for p in open_run(str(new)).prompts("train")}
     rollouts = {r["rollout_id"]: r for r in committed_rows(parent)}
     scores = committed_rows(new, "score")
     assert {s["teacher"] for s in scores} == {"a", "b"}
-    paths = {"a": tiny_assets / "teacher", "b": tiny_assets / "student"}
     per_teacher = {"a": [], "b": []}
-    for s in scores:
+    for s in scores:  # every stored value is the routed model's, recomputed here
         r = rollouts[s["rollout_id"]]
         assert s["teacher"] == prompts[r["prompt_id"]]
-        c = np.clip(np.subtract(s["teacher_logprobs"], s["student_logprobs"]), -CLAMP, CLAMP)
-        per_teacher[s["teacher"]].append(c[np.asarray(r["loss_mask"]) == 1])
-    for s in scores[:4]:  # the stored values are the routed model's, recomputed here
-        r = rollouts[s["rollout_id"]]
         want = model_logprobs(paths[s["teacher"]], r["prompt_token_ids"], r["response_token_ids"])
         np.testing.assert_allclose(s["teacher_logprobs"], want, atol=1e-5)
+        c = np.clip(np.subtract(s["teacher_logprobs"], s["student_logprobs"]), -CLAMP, CLAMP)
+        per_teacher[s["teacher"]].append(c[np.asarray(r["loss_mask"]) == 1])
     from gndpo.pipeline.run.stats import round_stats
 
     got = round_stats(open_run(str(new)), 0)
@@ -58,8 +77,16 @@ def test_routing_scores_each_prompt_with_its_teacher(parent, tiny_assets, tmp_pa
         mean, var = moments(np.concatenate(parts))
         assert got.of_teacher(name)["c_mean"] == pytest.approx(mean, abs=1e-9)
         assert got.of_teacher(name)["c_var"] == pytest.approx(var, rel=1e-9)
-    # Train uses each response's teacher's statistics.
+
+    # Train normalizes each response with its own teacher's statistics: its advantage range is the
+    # per-teacher standardization's, re-derived here, and not the pooled one's.
     run_stages(new, "train")
+    trained = open_run(str(new)).records(0, "train").manifest()["metrics"]
+    own = np.concatenate([(np.concatenate(parts) - moments(np.concatenate(parts))[0]) / np.sqrt(moments(np.concatenate(parts))[1])
+                          for parts in per_teacher.values()])
+    pooled = (everything - everything.mean()) / everything.std(ddof=1)
+    assert (trained["adv_min"], trained["adv_max"]) == (pytest.approx(own.min(), abs=1e-3), pytest.approx(own.max(), abs=1e-3))
+    assert abs(pooled.min() - own.min()) + abs(pooled.max() - own.max()) > 0.05  # the check can tell them apart
 
 
 def test_mean_mix_scores_every_token_with_the_mixture(parent, tiny_assets, tmp_path):

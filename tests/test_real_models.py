@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gndpo.storage.cache import cache_root
-from tests.conftest import committed_rows, gndpo, missing_component, run_stages
+from tests.conftest import committed_rows, gndpo, missing_component, model_logprobs, run_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
@@ -302,10 +302,33 @@ def test_a_gndpo_self_distillation_round_on_smollm2(smollm2_round):
     assert {s["teacher"] for s in scores} == {"self/frozen"}
     # The teacher reads the demonstrations: it disagrees with the bare student.
     assert np.mean([np.mean(np.abs(np.subtract(s["teacher_logprobs"], s["student_logprobs"]))) for s in scores]) > 0.1
+    assert_stored_logprobs_are_smollm2s(smollm2_round, rows, scores)
     assert metrics[(0, "train")]["optimizer_steps"] == 1 and np.isfinite(metrics[(0, "train")]["loss_mean"])
     # Round 1 sampled from the exported student: the kept engine reloaded it and the probe agrees.
     r1 = metrics[(1, "rollout")]
     assert r1["engine_reloaded"] == 1 and r1["engine_restarted"] == 0 and r1["engine_probe_gap_mean"] < 1e-4, r1
+
+
+def assert_stored_logprobs_are_smollm2s(folder, rows: list[dict], scores: list[dict]) -> None:
+    """Score's stored values against a plain transformers forward of the round's student (fp32): the
+    student's over [prompt | response], the frozen self-teacher's over [its context's chat-templated
+    prompt | the same response], built here from the run's prompt rows and the demonstrations."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gndpo.apps.demos.self_distill import context_messages
+    from gndpo.pipeline.run.run import open_run
+
+    run = open_run(str(folder / "run"))
+    student = run.cfg.student
+    model, tok = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32), AutoTokenizer.from_pretrained(student)
+    questions = {p["prompt_id"]: p for p in run.prompts("train")}
+    by_id = {s["rollout_id"]: s for s in scores}
+    for r in rows[:4]:
+        s, question = by_id[r["rollout_id"]], questions[r["prompt_id"]]
+        np.testing.assert_allclose(s["student_logprobs"], model_logprobs(model, r["prompt_token_ids"], r["response_token_ids"]), atol=1e-4)
+        turns = [{**t, "content": t["content"].format(prompt=question["prompt"], answer=question.get("answer", ""))} for t in context_messages()]
+        teacher_prompt = tok.apply_chat_template(turns, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+        np.testing.assert_allclose(s["teacher_logprobs"], model_logprobs(model, teacher_prompt, r["response_token_ids"]), atol=1e-4)
 
 
 def test_an_ema_top_k_self_distillation_round_on_smollm2(smollm2_round, tmp_path):

@@ -35,9 +35,13 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, gndpo_cmd, machine, run_timed, save_json  # noqa: E402
 from seeded_compare import figure, markdown, mean_sd, run_compare, table_rows  # noqa: E402
+
+from gndpo.apps.demos.privileged import fact_of  # noqa: E402
 
 TASK = "privileged"
 METHODS = ["opd", "gndpo", "forward_kl", "reverse_kl"]
@@ -74,6 +78,53 @@ def gains_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def facts(run: Path, split: str) -> dict[str, tuple[str, str]]:
+    """{prompt_id: the fact it asks (fact_of)} of a run's prompt table."""
+    return {r["prompt_id"]: fact_of(r) for r in pq.read_table(run / "prompts" / f"{split}.parquet", columns=["prompt_id", "prompt", "answer"]).to_pylist()}
+
+
+def greedy_rewards(path: Path, reward: str) -> dict[str, float]:
+    """{prompt_id: greedy reward} of an evaluation file."""
+    return {r["prompt_id"]: r[reward] for r in pq.read_table(path, columns=["prompt_id", reward]).to_pylist()}
+
+
+def fact_exposure(work: Path, lr: str) -> list[dict]:
+    """Per method and seed: which held-out questions' facts the run trained on (a training question of
+    the same fact, in other words, among its rollouts), and its held-out correctness at the start and
+    after the last round on those questions and on the rest."""
+    out = []
+    for run in sorted((work / f"lr-{lr}").glob("*/seed-*/run")):
+        if not (run.parent / "eval" / "per_prompt.parquet").exists():
+            continue  # not finished
+        method, seed = run.parent.parent.name.split("-", 1)[1], int(run.parent.name.split("-")[1])
+        # Methods after the first fork its round 0 (`gndpo compare`): that round's rollouts are its files.
+        first = run if (run / "rounds" / "r0000" / "rollout").is_dir() else next((work / f"lr-{lr}").glob(f"00-*/{run.parent.name}/run"))
+        train = facts(run, "train")
+        shards = [*first.glob("rounds/r0000/rollout/data/u*/*/part-*.parquet"), *run.glob("rounds/r000[1-9]/rollout/data/u*/*/part-*.parquet")]
+        shown = {train[pid] for f in shards for pid in pq.read_table(f, columns=["prompt_id"])["prompt_id"].to_pylist()}
+        start = greedy_rewards(next(first.glob("rounds/r0000/rollout/data/eval-heldout/*/eval.parquet")), "reward")
+        end = greedy_rewards(run.parent / "eval" / "per_prompt.parquet", "greedy_reward")
+        seen = {pid for pid, fact in facts(run, "heldout").items() if fact in shown}
+        rest = set(start) - seen
+        rate = lambda scores, ids: sum(scores[i] for i in ids) / len(ids) if ids else None  # noqa: E731
+        out.append({"lr": lr, "method": method, "seed": seed, "seen": len(seen), "rest": len(rest),
+                    "seen_start": rate(start, seen), "seen_end": rate(end, seen), "rest_start": rate(start, rest), "rest_end": rate(end, rest)})
+    return out
+
+
+def exposure_markdown(rows: list[dict]) -> str:
+    """Seed means per learning rate and method."""
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = ["| lr | method | held-out questions whose fact it trained on | their correctness: start -> end | the other questions: start -> end |",
+             "|---|---|---:|---:|---:|"]
+    for lr, method in dict.fromkeys((r["lr"], r["method"]) for r in rows):
+        mine = [r for r in rows if (r["lr"], r["method"]) == (lr, method)]
+        m = {k: mean_sd([r[k] for r in mine])[0] for k in ("seen", "rest", "seen_start", "seen_end", "rest_start", "rest_end")}
+        lines.append(f"| {lr} | `{method}` | {m['seen']:.1f} of {m['seen'] + m['rest']:.0f} | {f(m['seen_start'])} -> {f(m['seen_end'])} | "
+                     f"{f(m['rest_start'])} -> {f(m['rest_end'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def report(lr: str, work: Path) -> None:
     """``gndpo report`` of one learning rate's comparison folder; some of its figures copied to the docs."""
     folder = work / f"lr-{lr}"
@@ -100,10 +151,11 @@ def main() -> None:
         report(lr, args.work)
     rows = [row for lr, summary in summaries.items() for row in table_rows(lr, summary, METHODS, ROUNDS)]
     gain_rows = gains(summaries)
+    exposure = [row for lr in LEARNING_RATES for row in fact_exposure(args.work, lr)]
     save_json(OUT.with_suffix(".json"), {"task": TASK, "methods": METHODS, "seeds": SEEDS, "rounds": ROUNDS, "shape": SHAPE,
                                          "machine": machine(), "date": time.strftime("%Y-%m-%d"), "seconds": seconds,
-                                         "gains": gain_rows, "rows": rows})
-    OUT.with_suffix(".md").write_text(gains_markdown(gain_rows) + "\n" + markdown(rows, SCORE))
+                                         "gains": gain_rows, "exposure": exposure, "rows": rows})
+    OUT.with_suffix(".md").write_text(gains_markdown(gain_rows) + "\n" + exposure_markdown(exposure) + "\n" + markdown(rows, SCORE))
     figure(summaries, METHODS, ROUNDS, FIGURES / "privileged_answer.png",
            f"SmolLM2-135M-Instruct, privileged-answer self-distillation, {SEEDS} seeds (mean, band: lowest to highest)",
            f"{SCORE} (greedy, 50 questions)")

@@ -83,9 +83,13 @@ def facts(run: Path, split: str) -> dict[str, tuple[str, str]]:
     return {r["prompt_id"]: fact_of(r) for r in pq.read_table(run / "prompts" / f"{split}.parquet", columns=["prompt_id", "prompt", "answer"]).to_pylist()}
 
 
-def greedy_rewards(path: Path, reward: str) -> dict[str, float]:
-    """{prompt_id: greedy reward} of an evaluation file."""
-    return {r["prompt_id"]: r[reward] for r in pq.read_table(path, columns=["prompt_id", reward]).to_pylist()}
+def greedy_answers(path: Path, reward: str, response: str) -> dict[str, tuple[float, str]]:
+    """{prompt_id: (greedy reward, greedy response)} of an evaluation file."""
+    return {r["prompt_id"]: (r[reward], r[response]) for r in pq.read_table(path, columns=["prompt_id", reward, response]).to_pylist()}
+
+
+# The teacher reads "(The answer is X.)": how often the student's greedy answers take up its opening.
+TEACHER_OPENING = "The answer is"
 
 
 def fact_exposure(work: Path, lr: str) -> list[dict]:
@@ -102,26 +106,29 @@ def fact_exposure(work: Path, lr: str) -> list[dict]:
         train = facts(run, "train")
         shards = [*first.glob("rounds/r0000/rollout/data/u*/*/part-*.parquet"), *run.glob("rounds/r000[1-9]/rollout/data/u*/*/part-*.parquet")]
         shown = {train[pid] for f in shards for pid in pq.read_table(f, columns=["prompt_id"])["prompt_id"].to_pylist()}
-        start = greedy_rewards(next(first.glob("rounds/r0000/rollout/data/eval-heldout/*/eval.parquet")), "reward")
-        end = greedy_rewards(run.parent / "eval" / "per_prompt.parquet", "greedy_reward")
+        start = greedy_answers(next(first.glob("rounds/r0000/rollout/data/eval-heldout/*/eval.parquet")), "reward", "response")
+        end = greedy_answers(run.parent / "eval" / "per_prompt.parquet", "greedy_reward", "greedy_response")
         seen = {pid for pid, fact in facts(run, "heldout").items() if fact in shown}
         rest = set(start) - seen
-        rate = lambda scores, ids: sum(scores[i] for i in ids) / len(ids) if ids else None  # noqa: E731
+        rate = lambda scores, ids: sum(scores[i][0] for i in ids) / len(ids) if ids else None  # noqa: E731
+        opening = lambda answers: sum(a[1].startswith(TEACHER_OPENING) for a in answers.values()) / len(answers)  # noqa: E731
         out.append({"lr": lr, "method": method, "seed": seed, "seen": len(seen), "rest": len(rest),
-                    "seen_start": rate(start, seen), "seen_end": rate(end, seen), "rest_start": rate(start, rest), "rest_end": rate(end, rest)})
+                    "seen_start": rate(start, seen), "seen_end": rate(end, seen), "rest_start": rate(start, rest), "rest_end": rate(end, rest),
+                    "opening_start": opening(start), "opening_end": opening(end)})
     return out
 
 
 def exposure_markdown(rows: list[dict]) -> str:
     """Seed means per learning rate and method."""
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = ["| lr | method | held-out questions whose fact it trained on | their correctness: start -> end | the other questions: start -> end |",
-             "|---|---|---:|---:|---:|"]
+    lines = ["| lr | method | held-out questions whose fact it trained on | their correctness: start -> end | the other questions: start -> end "
+             f"| greedy answers opening \"{TEACHER_OPENING}\": start -> end |",
+             "|---|---|---:|---:|---:|---:|"]
     for lr, method in dict.fromkeys((r["lr"], r["method"]) for r in rows):
         mine = [r for r in rows if (r["lr"], r["method"]) == (lr, method)]
-        m = {k: mean_sd([r[k] for r in mine])[0] for k in ("seen", "rest", "seen_start", "seen_end", "rest_start", "rest_end")}
+        m = {k: mean_sd([r[k] for r in mine])[0] for k in ("seen", "rest", "seen_start", "seen_end", "rest_start", "rest_end", "opening_start", "opening_end")}
         lines.append(f"| {lr} | `{method}` | {m['seen']:.1f} of {m['seen'] + m['rest']:.0f} | {f(m['seen_start'])} -> {f(m['seen_end'])} | "
-                     f"{f(m['rest_start'])} -> {f(m['rest_end'])} |")
+                     f"{f(m['rest_start'])} -> {f(m['rest_end'])} | {f(m['opening_start'])} -> {f(m['opening_end'])} |")
     return "\n".join(lines) + "\n"
 
 

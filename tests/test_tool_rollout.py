@@ -269,5 +269,5 @@ def test_demo_tools_task_on_prebuilt_assets(tmp_path, tool_assets):
 
 def test_unknown_demo_task_is_one_line(tmp_path):
     proc = gndpo("demo", tmp_path / "d", "--task", "chess", check=False)
-    assert proc.returncode != 0 and "unknown demo task 'chess' (tasks: addition, tools, cross-tokenizer, self-distill, vision)" in proc.stderr
+    assert proc.returncode != 0 and "unknown demo task 'chess' (tasks: addition, tools, cross-tokenizer, self-distill, privileged, vision)" in proc.stderr
     assert "Traceback" not in proc.stderr

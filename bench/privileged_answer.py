@@ -28,7 +28,6 @@ in ``--work`` (default under ~/.cache/gndpo/bench): rerunning finishes what is m
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -39,7 +38,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, gndpo_cmd, machine, run_timed, save_json  # noqa: E402
-from seeded_compare import figure, markdown, mean_sd, run_compare, table_rows  # noqa: E402
+from seeded_compare import arguments, figure, markdown, mean_sd, run_or_read, table_rows  # noqa: E402
 
 from gndpo.apps.demos.privileged import fact_of  # noqa: E402
 
@@ -141,20 +140,11 @@ def report(lr: str, work: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=WORK, help="where the runs go (resumable)")
-    parser.add_argument("--table-only", action="store_true", help="re-read finished runs; run nothing")
-    parser.add_argument("--lr", action="append", choices=LEARNING_RATES, help="run only this learning rate (repeatable); the table has all")
-    args = parser.parse_args()
+    args = arguments(__doc__.splitlines()[0], WORK, LEARNING_RATES)
     FIGURES.mkdir(parents=True, exist_ok=True)
     seconds = json.loads(OUT.with_suffix(".json").read_text()).get("seconds", {}) if OUT.with_suffix(".json").exists() else {}
-    summaries = {}
+    summaries = run_or_read(args, METHODS, TASK, LEARNING_RATES, SEEDS, ROUNDS, SHAPE, seconds)
     for lr in LEARNING_RATES:
-        if not args.table_only and (not args.lr or lr in args.lr):
-            t0 = time.time()
-            run_compare(METHODS, TASK, lr, SEEDS, ROUNDS, SHAPE, args.work)
-            seconds[lr] = seconds.get(lr, 0.0) + round(time.time() - t0, 1)
-        summaries[lr] = json.loads((args.work / f"lr-{lr}" / "compare.json").read_text())
         report(lr, args.work)
     rows = [row for lr, summary in summaries.items() for row in table_rows(lr, summary, METHODS, ROUNDS)]
     gain_rows = gains(summaries)

@@ -30,15 +30,13 @@ Writes results/real_model_stability.{json,md,png}. The runs stay in ``--work`` (
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, save_json  # noqa: E402
-from seeded_compare import figure, markdown, run_compare, table_rows  # noqa: E402
+from seeded_compare import arguments, figure, markdown, run_or_read, table_rows  # noqa: E402
 
 METHODS = ["opd", "gndpo", "forward_kl"]
 LEARNING_RATES = ["1e-4", "1e-3"]  # the self-distillation demo's, and ten times it
@@ -50,19 +48,9 @@ SCORE = "held-out format"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=WORK, help="where the runs go (resumable)")
-    parser.add_argument("--table-only", action="store_true", help="re-read finished runs; run nothing")
-    parser.add_argument("--lr", action="append", choices=LEARNING_RATES, help="run only this learning rate (repeatable); the table has all")
-    args = parser.parse_args()
+    args = arguments(__doc__.splitlines()[0], WORK, LEARNING_RATES)
     seconds = json.loads(OUT.with_suffix(".json").read_text()).get("seconds", {}) if OUT.with_suffix(".json").exists() else {}
-    summaries = {}
-    for lr in LEARNING_RATES:
-        if not args.table_only and (not args.lr or lr in args.lr):
-            t0 = time.time()
-            run_compare(METHODS, "self-distill", lr, SEEDS, ROUNDS, SHAPE, args.work)
-            seconds[lr] = seconds.get(lr, 0.0) + round(time.time() - t0, 1)
-        summaries[lr] = json.loads((args.work / f"lr-{lr}" / "compare.json").read_text())
+    summaries = run_or_read(args, METHODS, "self-distill", LEARNING_RATES, SEEDS, ROUNDS, SHAPE, seconds)
     rows = [row for lr, summary in summaries.items() for row in table_rows(lr, summary, METHODS, ROUNDS)]
     save_json(OUT.with_suffix(".json"), {"methods": METHODS, "seeds": SEEDS, "rounds": ROUNDS, "shape": SHAPE,
                                          "seconds": seconds, "rows": rows})

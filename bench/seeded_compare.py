@@ -8,7 +8,10 @@ advantage range are the round's own.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import time
 from pathlib import Path
 
 import matplotlib
@@ -25,6 +28,29 @@ def run_compare(methods: list[str], task: str, lr: str, seeds: int, rounds: int,
                      "--out", str(work / f"lr-{lr}"), "--keep-rounds", "1", f"train.lr={lr}", *shape)
     seconds, _ = run_timed(argv, work / f"lr-{lr}.log")
     return seconds
+
+
+def arguments(description: str, work: Path, learning_rates: list[str]) -> argparse.Namespace:
+    """The benches' command line: --work, --table-only, --lr (repeatable)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--work", type=Path, default=work, help="where the runs go (resumable)")
+    parser.add_argument("--table-only", action="store_true", help="re-read finished runs; run nothing")
+    parser.add_argument("--lr", action="append", choices=learning_rates, help="run only this learning rate (repeatable); the table has all")
+    return parser.parse_args()
+
+
+def run_or_read(args: argparse.Namespace, methods: list[str], task: str, learning_rates: list[str], seeds: int, rounds: int,
+                shape: list[str], seconds: dict[str, float]) -> dict[str, dict]:
+    """Each learning rate's compare.json, after running (or resuming) its comparison unless ``args``
+    says to only read it; each run's wall seconds are added to ``seconds[lr]``."""
+    summaries = {}
+    for lr in learning_rates:
+        if not args.table_only and (not args.lr or lr in args.lr):
+            t0 = time.time()
+            run_compare(methods, task, lr, seeds, rounds, shape, args.work)
+            seconds[lr] = seconds.get(lr, 0.0) + round(time.time() - t0, 1)
+        summaries[lr] = json.loads((args.work / f"lr-{lr}" / "compare.json").read_text())
+    return summaries
 
 
 def mean_sd(values: list[float | None]) -> tuple[float | None, float | None]:

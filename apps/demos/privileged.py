@@ -1,8 +1,8 @@
 """The privileged-answer task: SmolLM2 answers short factual questions, its teacher has read the answer.
 
 On-policy self-distillation with privileged information: the teacher is the frozen initial student,
-the same pretrained model, reading the reference answer before the question; the student reads the bare
-question. Unlike the self-distillation demo (a format the bare student never samples), the bare student
+the same pretrained model, reading the question with the reference answer in brackets after it; the
+student reads the bare question. Unlike the self-distillation demo (a format the bare student never samples), the bare student
 already answers many of these questions, right or wrong, in its own words: when it samples the right
 answer the teacher agrees, when it samples a wrong one the teacher, who knows better, does not. That is
 the signal a sampled-token method (OPD, GNDPO) learns from. Correctness is ``answer_words``: the
@@ -22,7 +22,7 @@ import random
 from pathlib import Path
 
 from gndpo.apps.demos.real_models import ensure_real_model
-from gndpo.apps.demos.self_distill import CAPITALS, COLORS, LEGS, OPPOSITES, STUDENT, greedy_rate, is_heldout
+from gndpo.apps.demos.self_distill import BARE_QUESTION, CAPITALS, COLORS, LEGS, OPPOSITES, STUDENT, greedy_rate, is_heldout
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.tasks.rewards import answer_words
 from gndpo.storage.cache import cached_build
@@ -120,9 +120,8 @@ def build_task(out: Path, log=info) -> dict:
     trained_facts = {fact_of(r) for r in split["train"]}
     details = {"train": len(split["train"]), "heldout": len(split["heldout"]), "student": str(student),
                "heldout_fact_in_train": sum(fact_of(r) in trained_facts for r in split["heldout"]) / len(split["heldout"])}
-    bare = [{"role": "user", "content": "{prompt}"}]
     details["teacher_heldout_accuracy"] = greedy_rate(student, split["heldout"], CONTEXT, answer_words, MAX_TOKENS)
-    details["student_heldout_accuracy"] = greedy_rate(student, split["heldout"], bare, answer_words, MAX_TOKENS)
+    details["student_heldout_accuracy"] = greedy_rate(student, split["heldout"], BARE_QUESTION, answer_words, MAX_TOKENS)
     (out / "info.json").write_text(json.dumps(details, indent=1))
     log(f"privileged-answer task: {details['train']} training and {details['heldout']} held-out questions")
     return details

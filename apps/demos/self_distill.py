@@ -83,6 +83,10 @@ def context_messages() -> list[dict]:
     return [*turns, {"role": "user", "content": "{prompt}"}]
 
 
+# The student's turn in the tasks' greedy figures: the bare question.
+BARE_QUESTION = [{"role": "user", "content": "{prompt}"}]
+
+
 def build_task(out: Path, log=info) -> dict:
     """``train.jsonl`` and ``heldout.jsonl`` in ``out`` and the path of the converted student."""
     rows = questions()
@@ -97,7 +101,7 @@ def build_task(out: Path, log=info) -> dict:
     # The demo table's first rows: the student with and without the demonstrations, greedy, the way
     # the demo evaluates every policy (its answer_format reward over the held-out questions).
     details["teacher_heldout_accuracy"] = greedy_rate(student, split["heldout"], context_messages(), answer_format)
-    details["student_heldout_accuracy"] = greedy_rate(student, split["heldout"], [{"role": "user", "content": "{prompt}"}], answer_format)
+    details["student_heldout_accuracy"] = greedy_rate(student, split["heldout"], BARE_QUESTION, answer_format)
     (out / "info.json").write_text(json.dumps(details, indent=1))
     log(f"self-distillation task: {details['train']} training and {details['heldout']} held-out questions")
     return details

@@ -75,6 +75,15 @@ def test_refusals_are_one_line_and_write_nothing(parent, tmp_path, args, fragmen
     assert not new.exists()
 
 
+def test_forking_into_a_file_names_the_file(parent, tmp_path):
+    """Every other check passes (round 0 is committed, the settings may change): the file in the way is
+    the one reason, and it is left as it was."""
+    file = tmp_path / "file"
+    file.write_text("not a run\n")
+    assert_one_line_error(invoke("fork", parent, file, "--from-round", "0", "method.name=opd"), "not a folder", str(file))
+    assert file.read_text() == "not a run\n" and list(tmp_path.iterdir()) == [file]
+
+
 def test_inherited_stages_are_never_rerun(forked):
     proc = gndpo("rollout", forked, "--round", "0", check=False)
     assert proc.returncode == 0 or "inherited" in proc.stderr

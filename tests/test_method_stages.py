@@ -206,8 +206,10 @@ def test_bfloat16_score_storage(method_run):
     assert stats["c_mean"] == pytest.approx(c.mean(), rel=1e-6)
     student = valid(pairs, lambda r, s, t: s["student_logprobs"][t])
     sampler = valid(pairs, lambda r, s, t: r["sampler_logprobs"][t])
-    # bf16 keeps 8 significant bits: a relative error of at most 2^-9, plus the sampler's own ~1e-4.
-    assert np.all(np.abs(student - sampler) <= np.abs(sampler) * 2**-8 + 1e-3)
+    # bf16 keeps 8 significant bits, so rounding to nearest moves a value by at most 2^-8 of itself (its
+    # unit roundoff), plus the sampler's own float32 difference (1e-4 allowed). Measured: at most 0.0030
+    # relative on the toy, every value inside 2^-8 alone.
+    assert np.all(np.abs(student - sampler) <= np.abs(sampler) * 2**-8 + 1e-4)
     assert_trained(run)
 
 

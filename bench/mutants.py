@@ -1,0 +1,286 @@
+"""Mutation check: would the suite notice if the code were wrong?
+
+Each mutation is one line of the package changed the way a plausible bug would change it (a sign, a
+bound, an off-by-one, a skipped call). For each, the package is copied to a scratch folder
+(``<scratch>/gndpo``, the tracked files of this checkout as they are on disk), the one line is changed
+there, and the tests named for it run from that copy with ``PYTHONPATH=<scratch>``, so the test process
+and every process it starts (the CLI, vLLM's engine, DeepSpeed's ranks) import the mutant, not this
+checkout. A mutation is *killed* when at least one of its tests fails, and *survives* when all pass. Before
+the mutants, the same tests run once on the unchanged copy (the baseline): a test that fails there
+proves nothing about a mutant, so the check stops.
+
+Not in the suite (it runs the tests it names once per mutation: about half an hour on 2 CPU cores)::
+
+    .venv/bin/python bench/mutants.py              # every mutation, then results/mutants.{json,md}
+    .venv/bin/python bench/mutants.py --only gndpo-mean,advantage-sign   # rerun these, merged into the results
+    .venv/bin/python bench/mutants.py --list       # the mutations and whether each applies
+
+A surviving mutation means no test checks what that line does: it gets a test, and the check is rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, machine, save_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """``before`` (found exactly once in ``path``, a file of the package) becomes ``after``; ``tests``
+    (pytest node ids or files) should fail."""
+
+    name: str
+    what: str
+    path: str
+    before: str
+    after: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation(
+        "advantage-sign", "the clamped score c = lpT - lpS (every policy-gradient method's advantage) negated",
+        "pipeline/methods/distill.py",
+        "np.clip(teacher_logprobs.astype(np.float64) - student_logprobs.astype(np.float64), -clamp, clamp)",
+        "np.clip(student_logprobs.astype(np.float64) - teacher_logprobs.astype(np.float64), -clamp, clamp)",
+        ("tests/test_learning.py", "tests/test_methods.py"),
+    ),
+    Mutation(
+        "gndpo-clamp-bound", "the clamp's upper bound doubled (c up to +10)",
+        "pipeline/methods/distill.py",
+        "student_logprobs.astype(np.float64), -clamp, clamp)",
+        "student_logprobs.astype(np.float64), -clamp, 2 * clamp)",
+        ("tests/test_methods.py", "tests/test_method_family.py"),
+    ),
+    Mutation(
+        "gndpo-mean", "GNDPO's global mean divided by N - 1 instead of N",
+        "pipeline/methods/distill.py",
+        "    mean = c_sum / n\n",
+        "    mean = c_sum / (n - 1)\n",
+        ("tests/test_methods.py", "tests/test_method_family.py"),
+    ),
+    Mutation(
+        "gndpo-std", "GNDPO divides by the variance instead of the standard deviation",
+        "pipeline/methods/distill.py",
+        'return (c - stats["c_mean"]) / np.sqrt(stats["c_var"] + eps)',
+        'return (c - stats["c_mean"]) / (stats["c_var"] + eps)',
+        ("tests/test_methods.py", "tests/test_method_family.py"),
+    ),
+    Mutation(
+        "gspo-clip-bounds", "the clipped ratio's lower and upper bounds swapped (clip_low and clip_high)",
+        "pipeline/methods/losses.py",
+        "torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)",
+        "torch.clamp(ratio, 1.0 - clip_high, 1.0 + clip_low)",
+        ("tests/test_methods.py", "tests/test_method_family.py", "tests/test_topk_forms.py"),
+    ),
+    Mutation(
+        "topk-rest-term", "the top-k divergences lose their rest bucket (the mass outside the k ids)",
+        "pipeline/methods/losses.py",
+        "    return torch.cat([topk_logp, rest], dim=-1)\n",
+        "    return topk_logp\n",
+        ("tests/test_topk_forms.py", "tests/test_exact_tails.py", "tests/test_methods.py"),
+    ),
+    Mutation(
+        "forward-kl-direction", "forward KL weighted by the student's probabilities instead of the teacher's",
+        "pipeline/methods/losses.py",
+        "terms = pt * (log_pt - log_ps)",
+        "terms = ps * (log_pt - log_ps)",
+        ("tests/test_learning.py", "tests/test_methods.py", "tests/test_topk_forms.py"),
+    ),
+    Mutation(
+        "score-swaps-teacher-and-student", "score runs the student where the teacher goes and the teacher where the student goes",
+        "stages/scoring/forward.py",
+        "pair_token_stats(teacher, self.student, batch,",
+        "pair_token_stats(self.student, teacher, batch,",
+        ("tests/test_method_stages.py::test_bfloat16_score_storage", "tests/test_teachers.py"),
+    ),
+    Mutation(
+        "response-slice-off-by-one", "each response token read from the hidden state at its own position, not the one before",
+        "stages/models/logprobs.py",
+        "return out.last_hidden_state[batch.rows, batch.cols]",
+        "return out.last_hidden_state[batch.rows, batch.cols + 1]",
+        ("tests/test_logprobs.py",),
+    ),
+    Mutation(
+        "shared-prompt-positions", "the shared-prompt forward numbers response positions from one past the prompt's end",
+        "stages/models/logprobs.py",
+        "positions = prompt_lengths.unsqueeze(-1) + torch.arange(width, device=batch.ids.device)",
+        "positions = prompt_lengths.unsqueeze(-1) + 1 + torch.arange(width, device=batch.ids.device)",
+        ("tests/test_shared_prompts.py",),
+    ),
+    Mutation(
+        "cross-tokenizer-span-sum", "a span's teacher value is its first teacher token's log-prob, not the span's sum",
+        "stages/text/align.py",
+        "teacher = sum(teacher_logprobs[i] for i in span.teacher)",
+        "teacher = teacher_logprobs[span.teacher[0]]",
+        ("tests/test_align.py", "tests/test_cross_tokenizer.py"),
+    ),
+    Mutation(
+        "normalize-token-mask", "normalize's per-token view keeps tokens whose loss mask is 0",
+        "stages/normalize.py",
+        'else "unnest(r.loss_mask)")',
+        'else "unnest(list_transform(r.loss_mask, lambda x: 1))")',
+        ("tests/test_method_stages.py",),
+    ),
+    Mutation(
+        "train-resume-skips-a-step", "a resumed train starts one step after the last checkpointed one",
+        "stages/train.py",
+        "for i in range(len(history), len(update.steps)):",
+        "for i in range(len(history) + bool(history), len(update.steps)):",
+        ("tests/test_resilience.py::test_crashed_train_resumes_without_repeating_steps",),
+    ),
+    Mutation(
+        "kept-engine-no-reload", "the kept vLLM engine is not given the new policy's weights",
+        "stages/models/live.py",
+        'live.llm.collective_rpc("reload_policy", kwargs={"weights_path": policy} if weights is None else {"weights": weights})',
+        "pass",
+        ("tests/test_e2e.py::test_kept_engines_give_the_rows_and_weights_of_fresh_processes",),
+    ),
+]
+
+
+def copy_package(scratch: Path) -> Path:
+    """The tracked files of this checkout, as they are on disk, under ``scratch/gndpo``."""
+    package = scratch / "gndpo"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in filter(None, files.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (package / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, package / name)
+    return package
+
+
+def applied(text: str, mutation: Mutation) -> str:
+    """``text`` with the mutation's line changed; raises unless ``before`` occurs exactly once."""
+    count = text.count(mutation.before)
+    if count != 1:
+        raise SystemExit(f"mutation {mutation.name}: {mutation.path} holds its line {count} times, not once")
+    return text.replace(mutation.before, mutation.after)
+
+
+def run_tests(package: Path, tests: tuple[str, ...], timeout_s: int) -> dict:
+    """Run ``tests`` with the copy at ``package`` first on the import path: its outcome, pytest's
+    summary line and the names of the tests that failed."""
+    env = {**os.environ, "PYTHONPATH": str(package.parent)}
+    env.pop("CI", None)  # a missing component skips here, as it would in a local run
+    files = {t.split("::")[0] for t in tests}
+    workers = ["-n", "2", "--dist", "loadfile"] if len(files) > 1 else []  # a test file per worker, as `make test`
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *workers, *tests]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(argv, cwd=package, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"outcome": "timed out", "summary": f"over {timeout_s} s", "failed": [], "seconds": round(time.time() - t0)}
+    lines = proc.stdout.strip().splitlines()
+    summary = re.sub(r", \d+ warnings?", "", lines[-1].strip("= ")) if lines else proc.stderr.strip()[-300:]
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)))
+    outcome = "passed" if proc.returncode == 0 else "failed" if proc.returncode == 1 else f"pytest exit {proc.returncode}"
+    return {"outcome": outcome, "summary": summary, "failed": failed, "seconds": round(time.time() - t0)}
+
+
+def imports_the_copy(package: Path) -> None:
+    """Check that a process started like the tests imports the scratch copy, not this checkout."""
+    env = {**os.environ, "PYTHONPATH": str(package.parent)}
+    where = subprocess.run([sys.executable, "-c", "import gndpo; print(gndpo.__file__)"], cwd=package, env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if Path(where).resolve() != (package / "__init__.py").resolve():
+        raise SystemExit(f"the scratch copy is not what imports: gndpo came from {where}")
+
+
+def check(mutations: list[Mutation], timeout_s: int) -> dict:
+    """The baseline on the unchanged copy, then each mutation on a fresh copy of its own."""
+    with tempfile.TemporaryDirectory(prefix="gndpo-mutants-") as scratch:
+        package = copy_package(Path(scratch))
+        imports_the_copy(package)
+        tests = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
+        print(f"baseline: {len(tests)} test selections on the unchanged copy", flush=True)
+        baseline = run_tests(package, tests, timeout_s * 2)
+        print(f"  {baseline['outcome']}: {baseline['summary']} ({baseline['seconds']} s)", flush=True)
+        if baseline["outcome"] != "passed":
+            raise SystemExit(f"the baseline does not pass ({baseline['failed']}): fix the suite first")
+        results = []
+        for mutation in mutations:
+            target = package / mutation.path
+            original = target.read_text()
+            target.write_text(applied(original, mutation))
+            try:
+                result = run_tests(package, mutation.tests, timeout_s)
+            finally:
+                target.write_text(original)
+            verdict = "killed" if result["outcome"] != "passed" else "survived"
+            print(f"{mutation.name}: {verdict} ({result['summary']}, {result['seconds']} s)", flush=True)
+            results.append({**asdict(mutation), **result, "verdict": verdict})
+    baseline["tests"] = list(tests)
+    return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "baselines": [baseline], "mutations": results}
+
+
+def merged(old: dict | None, new: dict) -> dict:
+    """``new``'s mutations in place of ``old``'s of the same name (a rerun of some with ``--only``), in
+    the order of MUTATIONS; the baselines of both runs."""
+    if old is None or old.get("machine") != new["machine"]:
+        return new
+    by_name = {m["name"]: m for m in old["mutations"]} | {m["name"]: m for m in new["mutations"]}
+    order = [m.name for m in MUTATIONS if m.name in by_name]
+    return {**new, "baselines": [*old["baselines"], *new["baselines"]], "mutations": [by_name[n] for n in order]}
+
+
+def markdown(data: dict) -> str:
+    rows = [
+        "| mutation | what changes | file | tests run | result | failing tests |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in data["mutations"]:
+        tests = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m["tests"])
+        failing = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m["failed"][:3]) or "none"
+        rows.append(f"| `{m['name']}` | {m['what']} | `{m['path']}` | {tests} | **{m['verdict']}** ({m['summary']}, {m['seconds']} s) | {failing} |")
+    killed = sum(m["verdict"] == "killed" for m in data["mutations"])
+    baselines = "; ".join(f"{b['summary']} in {b['seconds']} s" for b in data["baselines"])
+    return "\n".join([
+        f"{killed} of {len(data['mutations'])} mutations killed ({data['date']}, {data['machine']}). The tests run first on "
+        f"the unchanged copy: {baselines}. Each mutant's run stops at its first failure (`-x`).",
+        "",
+        *rows,
+        "",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="comma-separated mutation names (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and check each applies")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per mutation's tests")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only.split(",")]
+    for m in chosen:
+        applied((ROOT / m.path).read_text(), m)
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:34} {m.path:30} {' '.join(m.tests)}")
+        return
+    data = check(chosen, args.timeout)
+    saved = RESULTS / "mutants.json"
+    data = merged(json.loads(saved.read_text()) if saved.exists() and args.only else None, data)
+    save_json(saved, data)
+    (RESULTS / "mutants.md").write_text(markdown(data))
+    print(markdown(data))
+    if any(m["verdict"] != "killed" for m in data["mutations"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,7 @@ must share one toy share its cache folder (``$GNDPO_CACHE``) or pass ``--assets`
 from __future__ import annotations
 
 import multiprocessing
+import os
 import traceback
 from pathlib import Path
 
@@ -70,6 +71,9 @@ def pinned_build(build, *args, log=info, environment: dict | None = None):
 
 def _build_child(send, build, folder: Path, args: tuple) -> None:
     """The build process: run ``build``, sending its log lines, then its result or the traceback."""
+    # The toys train on the CPU. transformers imports DeepSpeed when it loads a model, and DeepSpeed
+    # with no accelerator named prints its guess ("Setting accelerator to CPU") past `gndpo -q`.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         result = build(*args, folder, log=lambda message: send.send(("log", message)))
         send.send(("done", result))

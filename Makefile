@@ -28,7 +28,7 @@ demo: setup
 test: setup browser real-models slurm lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
-# The tier to run after every change (about 40 s on 2 cores; docs/development/testing.md): the lint, then unit tests and in-process
+# The tier to run after every change (one to two minutes on 2 cores; docs/development/testing.md): the lint, then unit tests and in-process
 # checks, no vLLM engine and no DeepSpeed launch (tests marked slow or real are left out). It installs no
 # Chromium and no real-model packages, so their few fast tests skip here even where CI=true is set (a CI
 # service sets it in every job); `make test`, what CI runs, installs them and fails without them.

@@ -175,17 +175,22 @@ def applied(text: str, mutation: Mutation) -> str:
     return text.replace(mutation.before, mutation.after)
 
 
+def importing(package: Path) -> dict:
+    """The environment of a process that imports the copy at ``package`` before this checkout."""
+    env = {**os.environ, "PYTHONPATH": str(package.parent)}
+    env.pop("CI", None)  # a missing component skips here, as it would in a local run
+    return env
+
+
 def run_tests(package: Path, tests: tuple[str, ...], timeout_s: int) -> dict:
     """Run ``tests`` with the copy at ``package`` first on the import path: its outcome, pytest's
     summary line and the names of the tests that failed."""
-    env = {**os.environ, "PYTHONPATH": str(package.parent)}
-    env.pop("CI", None)  # a missing component skips here, as it would in a local run
     files = {t.split("::")[0] for t in tests}
     workers = ["-n", "2", "--dist", "loadfile"] if len(files) > 1 else []  # a test file per worker, as `make test`
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *workers, *tests]
     t0 = time.time()
     try:
-        proc = subprocess.run(argv, cwd=package, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(argv, cwd=package, env=importing(package), capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {"outcome": "timed out", "summary": f"over {timeout_s} s", "failed": [], "seconds": round(time.time() - t0)}
     lines = proc.stdout.strip().splitlines()
@@ -197,8 +202,7 @@ def run_tests(package: Path, tests: tuple[str, ...], timeout_s: int) -> dict:
 
 def imports_the_copy(package: Path) -> None:
     """Check that a process started like the tests imports the scratch copy, not this checkout."""
-    env = {**os.environ, "PYTHONPATH": str(package.parent)}
-    where = subprocess.run([sys.executable, "-c", "import gndpo; print(gndpo.__file__)"], cwd=package, env=env,
+    where = subprocess.run([sys.executable, "-c", "import gndpo; print(gndpo.__file__)"], cwd=package, env=importing(package),
                            capture_output=True, text=True, check=True).stdout.strip()
     if Path(where).resolve() != (package / "__init__.py").resolve():
         raise SystemExit(f"the scratch copy is not what imports: gndpo came from {where}")

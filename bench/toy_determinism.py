@@ -21,7 +21,6 @@ weights, their held-out exact match and checkpoint steps, and the build's wall t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -32,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, capabilities, cpu_model, machine, save_json  # noqa: E402
+
+from gndpo.storage.runfs import file_sha256  # noqa: E402
 
 BUILD = """
 import json, sys
@@ -64,10 +65,6 @@ def variants() -> list[dict]:
     return out
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def build(variant: dict) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, **variant["caller_env"], "GNDPO_CACHE": cache}
@@ -84,8 +81,8 @@ def build(variant: dict) -> dict:
         info = json.loads((folder / "info.json").read_text())
         return {
             "variant": variant["name"],
-            "student_sha256": sha256(folder / "student" / "model.safetensors"),
-            "teacher_sha256": sha256(folder / "teacher" / "model.safetensors"),
+            "student_sha256": file_sha256(folder / "student" / "model.safetensors"),
+            "teacher_sha256": file_sha256(folder / "teacher" / "model.safetensors"),
             "student_heldout": info["student_heldout_accuracy"], "student_steps": info["student_steps"],
             "teacher_heldout": info["teacher_heldout_accuracy"], "teacher_steps": info["teacher_steps"],
             "seconds": round(seconds, 1),

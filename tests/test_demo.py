@@ -3,12 +3,14 @@ its bar on every CPU type, README's table as a regression pin on README's toy bu
 looks at afterwards (W&B offline records, `gndpo report` in Chromium). Its own file: at about 6 minutes
 on one core it is the suite's longest test, and pytest-xdist hands out whole files."""
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from gndpo.pipeline.run.run import open_run
+from gndpo.storage.runfs import file_sha256
 from tests.conftest import ARTIFACTS, gndpo, open_in_chromium
 
 pytestmark = pytest.mark.slow
@@ -44,19 +46,11 @@ def readme_table() -> dict[str, list]:
 
 def round_table(html: str) -> list[dict]:
     """The rows of `gndpo report`'s round table, column -> cell text."""
-    import re
-
     table = html[html.index("<h2>Round table</h2>"):]
     table = table[:table.index("</table>")]
     header = re.findall(r"<th>([^<]*)</th>", table)
     rows = [re.findall(r"<td>([^<]*)</td>", row) for row in table.split("<tr>")[2:]]
     return [dict(zip(header, cells)) for cells in rows]
-
-
-def sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_the_demo(tmp_path, cache_dir):
@@ -92,12 +86,11 @@ def test_the_demo(tmp_path, cache_dir):
     console = open_in_chromium(report / "report.html", ARTIFACTS / "report.png")
     assert console == [], console
     assets = Path(yaml.safe_load((tmp_path / "demo" / "config.yaml").read_text())["student"]).parent
-    built = {role: sha256(assets / role / "model.safetensors") for role in README_TOY}
+    built = {role: file_sha256(assets / role / "model.safetensors") for role in README_TOY}
     if built != README_TOY:
         pytest.skip(f"regression pin of README's demo table: this CPU built another toy (student {built['student'][:12]}, "
                     f"README's is {README_TOY['student'][:12]}, an AMD EPYC's); the demo's bar held: {' -> '.join(f'{a:.3f}' for a in heldout)}")
-    for model, (heldout, reward, kl) in readme_table().items():
-        got = table[model]
-        for column, want in (("heldout_acc", heldout), ("reward_mean", reward), ("kl_est", kl)):
+    for model, readme_row in readme_table().items():
+        for column, want in zip(("heldout_acc", "reward_mean", "kl_est"), readme_row):
             if want is not None:  # README rounds to 3 decimals, the demo prints 4
-                assert got[column] == pytest.approx(want, abs=6e-4), (model, column, out)
+                assert table[model][column] == pytest.approx(want, abs=6e-4), (model, column, out)

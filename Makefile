@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),test,s3,metrics]"
 	if [ "$(VLLM_EXTRA)" = cpu ]; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	$(PY) -c "import vllm, deepspeed, duckdb, transformers, gndpo.cli"
+	$(PY) -c "from gndpo.stages.training.deepspeed_engine import build_cpu_ops; build_cpu_ops()"
 	touch $@
 
 demo: setup

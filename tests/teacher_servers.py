@@ -44,8 +44,10 @@ class VllmServer:
 
     @classmethod
     def start(cls, model: Path, name: str, log: Path, max_model_len: int = 64, kv_cache_mib: int = 64, threads: int = 1,
-              in_process: bool = True) -> VllmServer:
+              in_process: bool = True, eager: bool = True) -> VllmServer:
         """Started (not yet ready: :meth:`wait_ready`); ``threads``: its OpenMP threads (0: vLLM's choice);
+        ``eager``: no compiled model, as gndpo's own CPU engines run (vLLM's default compiles it at start:
+        24 of a toy server's 50 s on one core);
         ``in_process``: its engine core inside the server's process (2.9 GiB of memory a toy server
         becomes 1.4 GiB with the 64 MiB KV cache; the suite runs four beside a real-model test)."""
         port = free_port()
@@ -53,6 +55,7 @@ class VllmServer:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", name,
                    "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len), "--max-logprobs", "32",
                    "--kv-cache-memory-bytes", str(kv_cache_mib * 2**20),
+                   *(["--enforce-eager"] if eager else []),
                    "--disable-log-stats", "--uvicorn-log-level", "warning"]
         # The legacy VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes.
         env = {**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}, "CUDA_VISIBLE_DEVICES": "",
@@ -84,7 +87,7 @@ class VllmServer:
 
 
 def start_servers(specs: list[tuple[Path, str]], folder: Path, **settings) -> list[VllmServer]:
-    """One server per (model, served name), started together (each takes about 40 s on 2 cores);
+    """One server per (model, served name), started together (a toy server takes about 26 s of one core);
     ``settings``: :meth:`VllmServer.start`'s."""
     servers = [VllmServer.start(model, name, folder / f"server-{i}.log", **settings) for i, (model, name) in enumerate(specs)]
     try:

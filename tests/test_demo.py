@@ -1,7 +1,8 @@
-"""The demo as `make demo` runs it (`gndpo -q demo`, the toy built from scratch, 3 rounds of GNDPO):
-its bar on every CPU type, README's table as a regression pin on README's toy build, and what a user
-looks at afterwards (W&B offline records, `gndpo report` in Chromium). Its own file: at about 6 minutes
-on one core it is the suite's longest test, and pytest-xdist hands out whole files."""
+"""The demo as `make demo` runs it (`gndpo -q demo`: the toy from the user's cache, built there first
+where it is missing, then 3 rounds of GNDPO): its bar on every CPU type, README's table as a regression
+pin on README's toy build, and what a user looks at afterwards (W&B offline records, `gndpo report` in
+Chromium). Its own file: about 3 minutes on one core with the toy cached, 6 without; the suite's
+longest test, and pytest-xdist hands out whole files."""
 
 import re
 from pathlib import Path
@@ -10,10 +11,15 @@ import pytest
 import yaml
 
 from gndpo.pipeline.run.run import open_run
+from gndpo.storage.cache import cache_root
 from gndpo.storage.runfs import file_sha256
 from tests.conftest import ARTIFACTS, gndpo, open_in_chromium
 
 pytestmark = pytest.mark.slow
+# The user's cache, read before conftest's fixtures point GNDPO_CACHE at a temporary folder: the demo's
+# toy is what `make demo` builds there (deterministic for a CPU type, 3.5 minutes of one core on an Intel
+# Xeon), so the suite reuses it, and builds it there where it is missing.
+USER_CACHE = cache_root()
 
 # README's demo table is the AMD EPYC's (AVX2) pinned toy build: these are its weights' sha256
 # (bench/results/toy_determinism.json, "pinned"). On that build the table is a regression pin.
@@ -53,13 +59,14 @@ def round_table(html: str) -> list[dict]:
     return [dict(zip(header, cells)) for cells in rows]
 
 
-def test_the_demo(tmp_path, cache_dir):
-    """`gndpo demo` as `make demo` runs it: the toy built from scratch (in the suite's cache), 3 rounds
-    of GNDPO. Every CPU type must clear the demo's bar; on README's toy build the printed table must be
+def test_the_demo(tmp_path):
+    """`gndpo demo` as `make demo` runs it: the toy from the user's cache (built there if missing), 3
+    rounds of GNDPO. Every CPU type must clear the demo's bar; on README's toy build the printed table must be
     README's, number for number (a regression pin: other CPU types build other toys)."""
     # The console script, as a user types it (`python -m gndpo.cli`'s vLLM processes skip gndpo's CLI
     # module: multiprocessing does not re-import a main module named __main__ in a spawned child).
-    proc = gndpo("-q", "demo", tmp_path / "demo", "--set", "logging.backends=[wandb]", "--set", "logging.wandb_mode=offline", script=True)
+    proc = gndpo("-q", "demo", tmp_path / "demo", "--set", "logging.backends=[wandb]", "--set", "logging.wandb_mode=offline", script=True,
+                 env={"GNDPO_CACHE": str(USER_CACHE)})
     out = proc.stdout
     table = printed_table(out)
     assert list(table) == ["teacher", "student (start)", *(f"student after round {r}" for r in (1, 2, 3))], out

@@ -17,6 +17,7 @@ import hashlib
 import io
 import logging
 import os
+import shutil
 import socket
 import sys
 
@@ -35,10 +36,31 @@ def isolate_extension_builds() -> None:
 
     torch's default folder is shared by every environment of the user; DeepSpeed rebuilds an op when
     its sources' path differs, so two venvs running at once rebuild over each other and one of them
-    loads a half-written module. An explicit TORCH_EXTENSIONS_DIR is left alone."""
+    loads a half-written module. An explicit TORCH_EXTENSIONS_DIR is left alone.
+
+    The builds also run the environment's own ninja (installed with DeepSpeed) wherever one is found
+    on PATH first: torch runs whichever ``ninja`` PATH names, and two ninja versions (a system 1.11 and
+    the environment's 1.13) read each other's build log as stale, so processes with and without the
+    environment on PATH rebuilt the op over each other, a minute of compiling each time."""
     if "TORCH_EXTENSIONS_DIR" not in os.environ:
         tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
         os.environ["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.expanduser("~/.cache/torch_extensions"), f"gndpo-{tag}")
+    own_ninja = os.path.join(os.path.dirname(sys.executable), "ninja")
+    if os.path.isfile(own_ninja) and shutil.which("ninja") != own_ninja:
+        os.environ["PATH"] = os.pathsep.join([os.path.dirname(own_ninja), os.environ.get("PATH", "")])
+
+
+def build_cpu_ops() -> None:
+    """Build, on a machine without a GPU, the DeepSpeed op every train process loads there (its
+    shared-memory all-reduce for CPU ranks) into this environment's folder: `make setup` calls it, so
+    the first train (the demo's, a test's) does not spend a minute compiling it. Elsewhere, nothing."""
+    if torch.cuda.is_available():
+        return
+    quiet_deepspeed_import()
+    isolate_extension_builds()
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
 
 
 def init_distributed(dist: Dist) -> None:

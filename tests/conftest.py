@@ -155,7 +155,7 @@ def roll_out_round_0(folder: Path, tiny_assets: Path) -> None:
     cfg = tiny_config_dict(tiny_assets, rollout={"eval_heldout": False})
     cfg["data"]["train"] = str(train)
     invoke_ok("init", folder / "run", "--config", write_config(folder, cfg))
-    gndpo("rollout", folder / "run", "--round", 0)
+    run_stages(folder / "run", "rollout")
 
 
 def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) -> list[dict]:

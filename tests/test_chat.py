@@ -24,7 +24,7 @@ from gndpo.pipeline.run.run import open_run
 from gndpo.stages.text.chat import render_prompt
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import read_shards
-from tests.conftest import assert_one_line_error, gndpo, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
+from tests.conftest import assert_one_line_error, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 10
@@ -83,7 +83,7 @@ def chat_config(folder, assets, **sections):
 def chat_rollout(tmp_path_factory, chat_assets):
     folder = tmp_path_factory.mktemp("chat-rollout")
     invoke_ok("init", folder / "run", "--config", chat_config(folder, chat_assets))
-    gndpo("rollout", folder / "run", "--round", 0)
+    run_stages(folder / "run", "rollout")
     return folder / "run"
 
 

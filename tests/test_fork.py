@@ -25,7 +25,7 @@ def forked(parent, tmp_path_factory):
     new = tmp_path_factory.mktemp("fork-child") / "run"
     out = gndpo("fork", parent, new, "--from-round", "0", "method.name=opd", "train.lr=5e-4").stdout
     assert "forked from" in out
-    gndpo("run", new, "--rounds", "1")
+    invoke_ok("run", new, "--rounds", "1")
     return new
 
 

@@ -208,7 +208,7 @@ def test_lora_under_zero_2_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_
     with the merged weights, passes the probe."""
     kept, _ = lora_runs
     run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "zero_stage": 2}, serve="merged")
-    gndpo("run", run, "--rounds", 2)
+    invoke_ok("run", run, "--rounds", 2)
     got, want = (load_file(str(export_dir(r, 0) / "model.safetensors")) for r in (run, kept))
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
@@ -228,10 +228,10 @@ def test_lora_under_zero_3_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_
     kept, _ = lora_runs
     lora = {"train_output_layer": True} if output_layer else {}
     run = new_run(tmp_path / "zero3", tiny_assets, train={"lr": 1e-2, "zero_stage": 3}, lora=lora)
-    gndpo("run", run, "--rounds", 2)
+    invoke_ok("run", run, "--rounds", 2)
     if output_layer:
         kept = new_run(tmp_path / "zero0", tiny_assets, lora=lora)
-        gndpo("run", kept, "--rounds", 2)
+        invoke_ok("run", kept, "--rounds", 2)
     for round_idx in range(2):
         for file in ("model.safetensors", "adapter/adapter_model.safetensors"):
             got, want = (load_file(str(export_dir(r, round_idx) / file)) for r in (run, kept))

@@ -13,7 +13,7 @@ from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.run.stats import round_stats
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import read_shards
-from tests.conftest import gndpo, invoke_ok, run_stages, tiny_config_dict
+from tests.conftest import invoke_ok, run_stages, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def rollout_dir(tmp_path_factory, tiny_assets):
     folder = tmp_path_factory.mktemp("methods-rollout")
     run = folder / "run"
     invoke_ok("init", run, "--config", write_config(folder, tiny_assets, {"name": "gndpo"}))
-    gndpo("rollout", run, "--round", 0)
+    run_stages(run, "rollout")
     return run / "rounds" / "r0000" / "rollout"
 
 

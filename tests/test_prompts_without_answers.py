@@ -20,7 +20,7 @@ from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.live import LiveModels
 from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import read_shard
-from tests.conftest import assert_one_line_error, gndpo, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
+from tests.conftest import assert_one_line_error, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
 
 
 def without_answers(source: Path, dest: Path, as_messages: bool = False) -> Path:
@@ -86,7 +86,7 @@ def test_two_rounds_of_gndpo_on_prompts_only(tmp_path, tiny_assets):
     report show them."""
     run_dir = tmp_path / "run"
     invoke_ok("init", run_dir, "--config", prompt_only_config(tmp_path, tiny_assets))
-    gndpo("run", run_dir, "--rounds", 2)
+    invoke_ok("run", run_dir, "--rounds", 2)
     run = open_run(str(run_dir))
     assert run.heldout_measure() == "label_free"
     by = {(m["round"], m["stage"]): m for m in collect_metrics(run)}

@@ -67,14 +67,15 @@ def crashed_run(tmp_path_factory, tiny_assets):
     folder = tmp_path_factory.mktemp("crashed")
     run = folder / "run"
     invoke_ok("init", run, "--config", make_config(folder, tiny_assets, in_process=True))
+    # The crashes are real processes killed mid-stage; each rerun goes through the same stage code in
+    # this process (no interpreter start and import of vLLM or DeepSpeed per rerun).
     crashed(run, "rollout", "rollout.generate", after=1)  # u00000 committed, dies generating u00001
-    gndpo("rollout", run, *ROUND)
+    run_stages(run, "rollout")
     crashed(run, "score", "storage.write")  # dies with half of u00000's score shard on disk
     crashed(run, "score", "units.before_commit")  # u00000's files complete, no commit record
-    gndpo("score", run, *ROUND)
-    gndpo("normalize", run, *ROUND)
+    run_stages(run, "score", "normalize")
     crashed(run, "train", "train.step", after=1)  # two optimizer steps taken, one checkpointed
-    gndpo("train", run, *ROUND)
+    run_stages(run, "train")
     return run
 
 

@@ -13,7 +13,7 @@ import fsspec.config
 import pytest
 import yaml
 
-from tests.conftest import free_ports, gndpo, missing_component, tiny_config_dict
+from tests.conftest import free_ports, gndpo, invoke_ok, missing_component, tiny_config_dict
 from tests.s3_server import MOTO_SERVER, start_moto_server
 
 pytestmark = pytest.mark.slow
@@ -137,9 +137,10 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     assert out.strip().splitlines() == ["n,ids", "32,32"]
     out = gndpo("sql", run, "SELECT count(*) FROM scores s JOIN rollouts r USING (rollout_id)", "--format", "csv", env=s3_endpoint).stdout
     assert out.strip().splitlines()[1] == "32"
-    # The same round on local disk: the same rows in every stage and the same trained weights, bit for bit.
-    gndpo("init", tmp_path / "local", "--config", config)
-    gndpo("run", tmp_path / "local", "--rounds", "1")
+    # The same round on local disk (in this process): the same rows in every stage and the same trained
+    # weights, bit for bit.
+    invoke_ok("init", tmp_path / "local", "--config", config)
+    invoke_ok("run", tmp_path / "local", "--rounds", "1")
     for stage in ("rollout", "score"):
         assert stage_rows(run, stage) == stage_rows(str(tmp_path / "local"), stage), stage
     assert trained_weights(run) == trained_weights(str(tmp_path / "local"))

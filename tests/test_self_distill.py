@@ -19,7 +19,7 @@ from gndpo.pipeline.config.schema import SelfTeacherConfig, config_from_dict
 from gndpo.pipeline.methods import METHODS
 from gndpo.stages.text.teacher_context import TeacherPrompts, other_problem_partners
 from gndpo.stages.training.ema import EmaWeights
-from tests.conftest import assert_one_line_error, committed_rows, gndpo, invoke, invoke_ok, run_stages
+from tests.conftest import assert_one_line_error, committed_rows, invoke, invoke_ok, run_stages
 
 # The toy tokenizer knows digits, "+" and "=": the teacher reads the answer, then the question.
 CONTEXT = [{"role": "user", "content": "{answer}={prompt}"}]
@@ -263,7 +263,7 @@ def test_the_vllm_backend_scores_the_same_context(ema_run, rolled_out, tmp_path)
     """score.backend vllm: the teacher engine reads [teacher prompt | response] too; its log-probs equal
     the HF backend's (round 0: every self-teacher is the initial student)."""
     run = fork(rolled_out, tmp_path, CONTEXT_SET, "score.backend=vllm", "score.engine.max_model_len=64")
-    gndpo("score", run, "--round", "0")
+    run_stages(run, "score")
     by_hf = {s["rollout_id"]: s for s in committed_rows(ema_run, "score")}
     for s in committed_rows(run, "score"):
         np.testing.assert_allclose(s["teacher_logprobs"], by_hf[s["rollout_id"]]["teacher_logprobs"], rtol=0, atol=1e-4)

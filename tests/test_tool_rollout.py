@@ -16,7 +16,7 @@ import torch
 from gndpo.apps.demos.arithmetic import ModelSpec
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.tasks.rewards import math_answer, tool_correctness, tool_format
-from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, write_config
+from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, run_stages, write_config
 
 pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
@@ -54,8 +54,7 @@ def reference(tmp_path_factory, tool_assets):
     folder = tmp_path_factory.mktemp("tools-reference")
     run = folder / "run"
     invoke_ok("init", run, "--config", tool_config(folder, tool_assets))
-    for stage in ("rollout", "score", "normalize"):
-        gndpo(stage, run, *ROUND)
+    run_stages(run, "rollout", "score", "normalize")
     return run
 
 
@@ -149,7 +148,6 @@ def test_a_teacher_of_another_tokenizer_reads_each_tool_answer_through_its_own_t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gndpo.apps.demos.arithmetic import new_model
-    from tests.conftest import run_stages
 
     path = tmp_path / "cross-teacher"
     teacher_tok = AutoTokenizer.from_pretrained(str(tool_assets / "teacher"))

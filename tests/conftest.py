@@ -257,10 +257,10 @@ def gndpo_killed(*args, env: dict, log: Path, timeout=600) -> int:
 # other worker idles, so they start first (longest-processing-time-first scheduling). Other files keep
 # their order.
 LONGEST_FILES = (
-    "test_demo.py", "test_real_models.py", "test_e2e.py", "test_teacher_servers.py", "test_slurm.py", "test_resilience.py", "test_data_parallel.py",
-    "test_tool_rollout.py", "test_state_every.py", "test_engine_death.py", "test_s3.py", "test_logprobs.py", "test_self_distill.py", "test_method_stages.py",
-    "test_vision.py", "test_operations.py", "test_chat.py", "test_logits_budget.py", "test_engine_settings.py", "test_exact_tails.py",
-    "test_score_backend.py", "test_cross_tokenizer.py", "test_fork.py",
+    "test_real_models.py", "test_e2e.py", "test_teacher_servers.py", "test_demo.py", "test_slurm.py", "test_lora.py", "test_resilience.py",
+    "test_operations.py", "test_data_parallel.py", "test_s3.py", "test_tool_rollout.py", "test_engine_death.py", "test_state_every.py",
+    "test_logprobs.py", "test_vision.py", "test_recipe.py", "test_docs_site.py", "test_logits_budget.py", "test_engine_settings.py",
+    "test_hub_models.py", "test_self_distill.py", "test_method_stages.py", "test_chat.py", "test_cross_tokenizer.py", "test_fork.py",
 )
 
 

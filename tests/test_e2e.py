@@ -310,12 +310,12 @@ def test_docs_first_run_works_as_written(tmp_path, tiny_assets):
 
 
 def test_rerun_is_a_no_op(run_dir):
-    """Nothing is computed or written again (but the new process's log file)."""
+    """Nothing is computed or written again (but the run's log file)."""
     def files():
         return sorted(p.relative_to(run_dir) for p in run_dir.rglob("*") if p.is_file() and p.relative_to(run_dir).parts[0] != "logs")
 
     before = files()
-    gndpo("run", run_dir, "--rounds", 2)
+    invoke_ok("run", run_dir, "--rounds", 2)
     assert files() == before
 
 

@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 from gndpo.pipeline.exec.status import stage_rows
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import rollout_shards
-from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, run_stages, tiny_config_dict, write_config
+from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
@@ -169,7 +169,7 @@ def test_stale_lease_is_taken_over_and_the_late_commit_is_rejected(reference, tm
     time.sleep(3)  # longer than its 2 s ttl: no heartbeat comes from a stopped process
     score = next(r for r in stage_rows(open_run(str(run))) if r["stage"] == "score")
     assert score["stale"] == 1 and score["done"] == 0
-    gndpo("score", run, *ROUND)  # takes u00000 over as attempt 2 and finishes the stage
+    run_stages(run, "score")  # a worker in this process takes u00000 over as attempt 2 and finishes the stage
     assert rec.done("u00000")["attempt"] == 2
     os.kill(slow.pid, signal.SIGCONT)
     _, err = slow.communicate(timeout=120)
@@ -187,7 +187,7 @@ def test_corrupt_shard_is_refused_by_name(reference, tmp_path):
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))
-    proc = gndpo("score", run, *ROUND, check=False)
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == f"error: corrupt shard (checksum mismatch with its commit record): {path}"
+    result = invoke("score", run, *ROUND)  # in this process: its progress lines, then the error as the last line
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1] == f"error: corrupt shard (checksum mismatch with its commit record): {path}"
     assert open_run(str(run)).records(0, "score").manifest() is None

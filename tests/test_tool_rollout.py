@@ -208,7 +208,7 @@ def test_sigkill_mid_conversation_then_rerun_gives_identical_rows(reference, too
     code = gndpo_killed("rollout", run, *ROUND, env={"GNDPO_CRASH_AT": "agent.turn", "GNDPO_CRASH_AFTER": "1"}, log=tmp_path / "crash.log")
     assert code == -signal.SIGKILL, (tmp_path / "crash.log").read_text()[-2000:]
     assert open_run(str(run)).records(0, "rollout").manifest() is None
-    gndpo("rollout", run, *ROUND)
+    run_stages(run, "rollout")  # the rerun, in this process
     assert committed_rows(run) == committed_rows(reference)
 
 

@@ -15,7 +15,7 @@ import yaml
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import EVAL_UNIT, STAGES, manifest_files, rollout_shards
-from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, tiny_config_dict
+from tests.conftest import assert_one_line_error, committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 PROMPTS, N = 16, 2
@@ -332,7 +332,7 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
     small = ["--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.micro_batch_size=8",
              "--set", "train.optimizer_steps=2", "--set", "engine.max_model_len=32", "--set", "engine.in_process=true"]
     cmp = tmp_path / "cmp"
-    out = gndpo("compare", "opd", "forward_kl", "--seeds", "2", "--rounds", "1", "--out", cmp, "--assets", tiny_assets, *small).stdout
+    out = invoke_ok("compare", "opd", "forward_kl", "--seeds", "2", "--rounds", "1", "--out", cmp, "--assets", tiny_assets, *small).stdout
     assert "acc_r1_sd" in out
     summary = json.loads((cmp / "compare.json").read_text())
     runs, rows = summary["runs"], summary["rows"]
@@ -367,13 +367,12 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
         assert mine[0]["grad_norm_max"] == r["grad_norm_max"] and mine[0]["grad_norm_p99"] <= r["grad_norm_max"]
         assert mine[0]["clipped_steps"] in (0.0, 0.5, 1.0) and mine[0]["kl_estimate"] > 0  # 2 steps, clip 1.0
     assert (cmp / "compare.md").read_text().startswith("| method | seeds |") and " ± " in (cmp / "compare.md").read_text()
-    bad = gndpo("compare", "opd", "nope", "--out", tmp_path / "bad", check=False)
-    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "unknown method 'nope'" in bad.stderr
+    assert_one_line_error(invoke("compare", "opd", "nope", "--out", tmp_path / "bad"), "unknown method 'nope'")
     assert not (tmp_path / "bad").exists()
-    bad = gndpo("compare", "opd", "--seeds", "2", "--set", "rollout.seed=3", "--out", tmp_path / "bad2", check=False)
-    assert bad.returncode == 1 and "rollout.seed" in bad.stderr and not (tmp_path / "bad2").exists()
-    bad = gndpo("compare", "opd", "--task", "nope", "--out", tmp_path / "bad3", check=False)
-    assert bad.returncode == 1 and "unknown demo task 'nope'" in bad.stderr and not (tmp_path / "bad3").exists()
+    bad = invoke("compare", "opd", "--seeds", "2", "--set", "rollout.seed=3", "--out", tmp_path / "bad2")
+    assert bad.exit_code == 1 and "rollout.seed" in bad.stderr and not (tmp_path / "bad2").exists()
+    bad = invoke("compare", "opd", "--task", "nope", "--out", tmp_path / "bad3")
+    assert bad.exit_code == 1 and "unknown demo task 'nope'" in bad.stderr and not (tmp_path / "bad3").exists()
     # The report: one series per method, the mean of its seeds with their band.
     series = find_runs(str(cmp))
     assert [s.label for s in series] == ["opd", "forward_kl"] and all(len(s.members) == 2 for s in series)

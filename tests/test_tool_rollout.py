@@ -16,7 +16,7 @@ import torch
 from gndpo.apps.demos.arithmetic import ModelSpec
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.tasks.rewards import math_answer, tool_correctness, tool_format
-from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, run_stages, write_config
+from tests.conftest import assert_one_line_error, committed_rows, gndpo_killed, invoke, invoke_ok, run_stages, write_config
 
 pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
@@ -255,7 +255,7 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
 
 
 def test_demo_tools_task_on_prebuilt_assets(tmp_path, tool_assets):
-    out = gndpo(
+    out = invoke_ok(  # in this process: the demo command's computation, not its process, is under test here
         "demo", tmp_path / "demo", "--task", "tools", "--rounds", "1", "--assets", tool_assets,
         "--set", "rollout.prompts_per_round=8", "--set", "rollout.n=2", "--set", "train.optimizer_steps=2",
         "--set", "engine.in_process=true",
@@ -266,6 +266,5 @@ def test_demo_tools_task_on_prebuilt_assets(tmp_path, tool_assets):
 
 
 def test_unknown_demo_task_is_one_line(tmp_path):
-    proc = gndpo("demo", tmp_path / "d", "--task", "chess", check=False)
-    assert proc.returncode != 0 and "unknown demo task 'chess' (tasks: addition, tools, cross-tokenizer, self-distill, privileged, vision)" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert_one_line_error(invoke("demo", tmp_path / "d", "--task", "chess"),
+                          "unknown demo task 'chess' (tasks: addition, tools, cross-tokenizer, self-distill, privileged, vision)")

@@ -13,7 +13,7 @@ import yaml
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.cache import cache_root
 from gndpo.storage.runfs import file_sha256
-from tests.conftest import ARTIFACTS, gndpo, open_in_chromium
+from tests.conftest import ARTIFACTS, gndpo, invoke_ok, open_in_chromium
 
 pytestmark = pytest.mark.slow
 # The user's cache, read before conftest's fixtures point GNDPO_CACHE at a temporary folder: the demo's
@@ -81,7 +81,7 @@ def test_the_demo(tmp_path):
     assert len(records) == 1 and b"train/grad_norm_mean" in records[0].read_bytes()
     # gndpo report on the demo folder: the final student's accuracy comes from DIR/eval.
     report = tmp_path / "report"
-    gndpo("report", tmp_path / "demo", "--out", report)
+    invoke_ok("report", tmp_path / "demo", "--out", report)
     html = (report / "report.html").read_text()
     for figure in ("accuracy", "reward", "teacher_kl", "grad_norm", "clip_fraction", "response_length", "stage_seconds"):
         assert (report / f"{figure}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f'alt="{figure}"' in html

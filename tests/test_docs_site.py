@@ -399,14 +399,14 @@ def test_the_documented_phases_are_the_phases_in_the_code():
 
 @pytest.mark.slow
 def test_a_toy_round_writes_only_documented_metrics(tmp_path, tiny_assets):
-    """A whole toy round (`gndpo run`, one process): every key of every manifest is on the metrics page."""
+    """A whole toy round (`gndpo run`, in this process): every key of every manifest is on the metrics page."""
     from gndpo.pipeline.run.run import open_run
     from gndpo.storage.records import STAGES
-    from tests.conftest import gndpo, invoke_ok
+    from tests.conftest import invoke_ok
 
     run = tmp_path / "run"
     invoke_ok("init", run, "--config", write_config(tmp_path, tiny_config_dict(tiny_assets)))
-    gndpo("--quiet", "run", run, "--rounds", 1)
+    invoke_ok("--quiet", "run", run, "--rounds", 1)
     page = (DOCS / "reference" / "metrics.md").read_text()
     opened = open_run(str(run))
     for stage in STAGES:

@@ -271,7 +271,7 @@ def test_gc_keep_rounds_frees_old_policies_and_keeps_what_readers_need(run_dir, 
     assert (run / "rounds" / "r0001" / "train" / "data" / "update" / "a001" / "model" / "model.safetensors").is_file()
     assert gndpo("sql", run, "SELECT count(*) FROM rollouts", "--format", "csv").stdout == rows_before
     assert gndpo("status", run).stdout.count("committed") == 8
-    gndpo("report", run, "--out", tmp_path / "report")  # the report reads metrics and rollouts, not policies
+    invoke_ok("report", run, "--out", tmp_path / "report")  # the report reads metrics and rollouts, not policies
     assert (tmp_path / "report" / "report.html").is_file()
     refused = gndpo("fork", run, tmp_path / "fork", "--from-round", "1", check=False)
     assert refused.returncode == 1 and "removed by `gndpo gc --keep-rounds`" in refused.stderr and not (tmp_path / "fork").exists()
@@ -381,7 +381,7 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
         _, lo, hi = s.spread("train", "grad_norm_max")
         assert x == [0] and lo[0] <= mean[0] <= hi[0] and lo[0] < hi[0]
         assert s.values("rollout", "heldout_accuracy")[0] == [0, 1]  # start and the final evaluation
-    gndpo("report", cmp)
+    invoke_ok("report", cmp)
     html = (cmp / "report" / "report.html").read_text()
     assert html.count("<h3>opd</h3>") == 1 and html.count("<h3>forward_kl</h3>") == 1
     assert "<td>opd</td>" in html and "<td>forward_kl</td>" in html and (cmp / "report" / "accuracy.png").exists()

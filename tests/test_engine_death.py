@@ -18,7 +18,7 @@ import pytest
 
 from gndpo.pipeline.exec.signals import process_running
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import tiny_config_dict, write_config
+from tests.conftest import invoke_ok, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def wait_for(path, text: str, proc, timeout: float = 300.0) -> None:
 def test_a_kept_engine_killed_by_a_process_group_sigint_is_replaced(tmp_path, tiny_assets):
     config = write_config(tmp_path, tiny_config_dict(tiny_assets, engine={"in_process": False}))
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "gndpo.cli", "init", str(run), "--config", str(config)], check=True, capture_output=True)
+    invoke_ok("init", run, "--config", config)
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gndpo.cli", "run", str(run), "--rounds", "2"], stdout=out,

@@ -149,11 +149,12 @@ def new_run(folder, assets, train: dict | None = None, serve: str = "adapters", 
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, tiny_assets):
-    """(2 rounds in this process with the kept engine, the same 2 rounds in two processes)."""
+    """(2 rounds in this process with the kept engine, the same 2 rounds split: round 0 in this process,
+    round 1 in a new process that continues from round 0's files)."""
     kept = new_run(tmp_path_factory.mktemp("kept"), tiny_assets)
     invoke_ok("run", kept, "--rounds", 2)
     split = new_run(tmp_path_factory.mktemp("split"), tiny_assets)
-    gndpo("run", split, "--rounds", 1)
+    invoke_ok("run", split, "--rounds", 1)
     gndpo("run", split, "--rounds", 2)
     return kept, split
 
@@ -293,7 +294,7 @@ def test_a_lora_state_not_written_is_replayed_to_the_same_adapters(lora_runs, tm
     round 0's merged export byte for byte, and exports the kept run's round-1 weights exactly."""
     kept, _ = lora_runs
     run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "state_every": 2})
-    gndpo("run", run, "--rounds", 1)
+    invoke_ok("run", run, "--rounds", 1)  # round 0 here; its state leaves with this call's kept engine
     log = gndpo("run", run, "--rounds", 2).stderr
     assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
     got, want = (load_file(str(export_dir(r, 1) / "model.safetensors")) for r in (run, kept))

@@ -35,7 +35,13 @@ import pytest  # noqa: E402  (after the worker's core is set: see above)
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from gndpo.storage.cache import cache_root  # noqa: E402
+
 TINY = dict(digits=2, n_train_prompts=96, n_heldout=24)
+# The user's cache, read before the fixtures point GNDPO_CACHE at a temporary folder: what is
+# deterministic and slow to build (the converted real models, the demo's toy as `make demo` builds it)
+# is shared with the user and between test runs.
+USER_CACHE = cache_root()
 
 
 def shared_folder(tmp_path_factory, name: str) -> Path:

@@ -21,7 +21,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import gndpo, invoke_ok, run_stages
+from tests.conftest import gndpo, invoke_ok, model_logprobs, run_stages
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +118,6 @@ def test_zero3_crash_resume_matches_zero0(normalized_run, one_rank, tmp_path):
 def exported_model_loads_in_transformers_and_vllm(model_dir, reference_weights):
     """The gathered export holds the reference weights, and transformers and a vLLM engine (in this
     process, as rollout's) give the same log-probs on it."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from gndpo.pipeline.config.schema import EngineConfig
@@ -128,9 +127,7 @@ def exported_model_loads_in_transformers_and_vllm(model_dir, reference_weights):
     for name, value in model.state_dict().items():
         np.testing.assert_allclose(value.numpy(), reference_weights[name], rtol=1e-4, atol=1e-5)
     ids = [1, 3, 4, 12, 5, 6, 13, 7, 8, 2]
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
-    want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    want = model_logprobs(model, ids[:1], ids[1:])
     llm = make_llm(str(model_dir), EngineConfig(max_model_len=32, in_process=True))
     try:
         got = response_logprobs(llm, [ids[:1]], [ids[1:]], 0)["logprobs"]

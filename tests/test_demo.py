@@ -11,15 +11,10 @@ import pytest
 import yaml
 
 from gndpo.pipeline.run.run import open_run
-from gndpo.storage.cache import cache_root
 from gndpo.storage.runfs import file_sha256
-from tests.conftest import ARTIFACTS, gndpo, invoke_ok, open_in_chromium
+from tests.conftest import ARTIFACTS, USER_CACHE, gndpo, invoke_ok, open_in_chromium
 
 pytestmark = pytest.mark.slow
-# The user's cache, read before conftest's fixtures point GNDPO_CACHE at a temporary folder: the demo's
-# toy is what `make demo` builds there (deterministic for a CPU type, 3.5 minutes of one core on an Intel
-# Xeon), so the suite reuses it, and builds it there where it is missing.
-USER_CACHE = cache_root()
 
 # README's demo table is the AMD EPYC's (AVX2) pinned toy build: these are its weights' sha256
 # (bench/results/toy_determinism.json, "pinned"). On that build the table is a regression pin.

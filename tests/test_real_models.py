@@ -16,14 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.storage.cache import cache_root
-from tests.conftest import committed_rows, gndpo, missing_component, model_logprobs, run_stages
+from tests.conftest import USER_CACHE, committed_rows, gndpo, missing_component, model_logprobs, run_stages
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
-# The user's cache, read before conftest's fixtures point GNDPO_CACHE at a temporary folder: the
-# converted models are deterministic and large, so they are shared between test runs.
-ROOT = cache_root()
 QUESTIONS = [
     "What is the capital of France?", "How many legs does a spider have?", "What color is the sky on a clear day?",
     "Name a fruit that is yellow.", "What is 12 plus 30?", "Who wrote Romeo and Juliet?",
@@ -52,7 +48,7 @@ def real_model(name: str):
 
     if importlib.util.find_spec("gguf") is None or importlib.util.find_spec(PACKAGED[name]) is None:
         missing_component(f"{name}: the real-models packages are not installed (make real-models)")
-    return ensure_real_model(name, log=lambda *_: None, root=ROOT)
+    return ensure_real_model(name, log=lambda *_: None, root=USER_CACHE)
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +90,7 @@ def test_convert_prints_only_the_folder_on_stdout(smollm2, tmp_path):
     while converting (DeepSpeed's accelerator warning when transformers imports it) goes to stderr."""
     from gndpo.apps.demos.real_models import packaged_gguf
 
-    proc = gndpo("convert", packaged_gguf("smollm2-135m-instruct", ROOT), tmp_path / "out")
+    proc = gndpo("convert", packaged_gguf("smollm2-135m-instruct", USER_CACHE), tmp_path / "out")
     assert proc.stdout == f"{tmp_path / 'out'}\n", proc.stdout
     assert (tmp_path / "out" / "model.safetensors").is_file() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
@@ -115,7 +111,7 @@ def test_converted_folder_loads_without_gguf_and_generates_what_the_gguf_does(na
         m.setitem(sys.modules, "gguf", None)  # any import of gguf now fails
         tok = AutoTokenizer.from_pretrained(folder)
         converted = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    path = packaged_gguf(name, ROOT)
+    path = packaged_gguf(name, USER_CACHE)
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     if name.startswith("gemma"):
         # The file asks for a BOS token, a setting transformers' GGUF tokenizer reader drops.

@@ -59,8 +59,12 @@ def eval_target(target: str, options: EvalOptions) -> EvalTarget:
     if RunFS(target).exists("run.yaml"):
         run = open_run(target)
         version, model = run.latest_policy()
+        heldout = None if options.prompts else run.prompts("heldout")
+        if heldout == []:
+            raise GndpoError(f"run {target} has no held-out prompts (no data.heldout file, and rollout.eval_heldout was off at init): "
+                             "pass --prompts FILE")
         return EvalTarget(model, run.cfg.engine, run.cfg.data, run.cfg.rollout, run.cfg.reward, run.cfg.rollout.max_tokens,
-                          None if options.prompts else run.prompts("heldout"), RunImages(run.fs), {"policy_version": version})
+                          heldout, RunImages(run.fs), {"policy_version": version})
     extra = {}
     if is_hub_id(target):
         resolved = resolve_hub_model(target, "model")

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import polars as pl
 import yaml
 from transformers.utils import logging as hf_logging
 
@@ -27,7 +28,7 @@ from gndpo.pipeline.config.schema import SELF_TEACHER, Config
 from gndpo.pipeline.methods import answer_readers
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.run.images import decode, image_ids, store_images, with_image_ids
-from gndpo.pipeline.run.prompts import load_prompts
+from gndpo.pipeline.run.prompts import load_prompts, split_heldout
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, model_cache_dir, open_run
 from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, resolve_reference, teacher_folder
 from gndpo.pipeline.tasks.rewards import check_rewards
@@ -159,12 +160,15 @@ def check_teacher_servers(cfg: Config, local: Config, with_images: bool) -> None
         checked_pool(settings, folder, cfg.score.server_tolerance).close()
 
 
-def check_prompt_count(cfg: Config, prompts: int) -> None:
+def check_prompt_count(cfg: Config, prompts: int, held_out: int = 0) -> None:
     """Each round samples ``rollout.prompts_per_round`` distinct prompts, so data.train needs at least as
-    many (with fewer, every round would quietly use fewer than the config says)."""
+    many (with fewer, every round would quietly use fewer than the config says); ``held_out``: how many
+    were held out of data.train for lack of a data.heldout file."""
     if prompts < cfg.rollout.prompts_per_round:
+        after = (f" once {held_out} are held out (name a data.heldout file, or set rollout.eval_heldout=false, to train on all)"
+                 if held_out else "")
         raise GndpoError(
-            f"data.train has {prompts} prompts, fewer than rollout.prompts_per_round {cfg.rollout.prompts_per_round}: "
+            f"data.train has {prompts} prompts{after}, fewer than rollout.prompts_per_round {cfg.rollout.prompts_per_round}: "
             f"set rollout.prompts_per_round to at most {prompts}, or add prompts"
         )
 
@@ -192,7 +196,7 @@ def check_context(cfg: Config, splits: dict, images: dict[str, bytes]) -> int:
             f"engine.max_model_len {max_len} exceeds the student's context length {own} (max_position_embeddings); "
             f"set engine.max_model_len <= {own}, or 0 for the model's own"
         )
-    names = [s for s in PROMPT_SPLITS if s == "train" or cfg.rollout.eval_heldout]
+    names = [s for s in PROMPT_SPLITS if (s == "train" or cfg.rollout.eval_heldout) and splits[s].height]
     (longest, row), where = max((longest_prompt(cfg.student, splits[s].to_dicts(), cfg.data, images), s) for s in names)
     total = longest + cfg.rollout.response_tokens
     if total > max_len:
@@ -338,6 +342,7 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
         splits, images = checked_prompts(url, models.local)
         check_gpu_memory(models.local, gpu_bytes or gpu_memory())
         check_teacher_servers(cfg, models.local, bool(images))
+    say_held_out(cfg, splits)
     store_images(fs, images)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
@@ -345,6 +350,33 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
         # A concurrent init won; accept it only if it is the same experiment.
         return init_run(url, cfg)
     return open_run(url)
+
+
+def prompt_tables(cfg: Config) -> dict[str, pl.DataFrame]:
+    """{"train": ..., "heldout": ...}: data.train's prompts and the held-out ones, from data.heldout or,
+    without it, held out of data.train (:func:`split_heldout`; one line says how many); an empty
+    held-out table where rollout.eval_heldout is off and no file is named."""
+    if not cfg.data.train:
+        raise GndpoError("config has no data.train prompts file")
+    # What needs the training prompts' answers (a reward the method trains on, a teacher context
+    # showing it); without answers the held-out figure is label-free (Run.heldout_measure).
+    train = load_prompts(cfg.data.train, cfg.data, keep=cfg.teacher_context.columns(), answers_for=answer_readers(cfg))
+    if cfg.data.heldout:
+        return {"train": train, "heldout": load_prompts(cfg.data.heldout, cfg.data)}
+    if not cfg.rollout.eval_heldout:
+        return {"train": train, "heldout": train.head(0)}
+    kept, heldout = split_heldout(train, cfg.data)
+    return {"train": kept, "heldout": heldout}
+
+
+def say_held_out(cfg: Config, splits: dict[str, pl.DataFrame]) -> None:
+    """One line, once every check has passed, where init held prompts out of data.train."""
+    held = splits["heldout"].height
+    if held and not cfg.data.heldout:
+        logging.getLogger("gndpo").info(
+            f"data.heldout is not set: {held} of data.train's {held + splits['train'].height} prompts are held out (by a hash of each "
+            "prompt, never trained on) for each round's held-out figure; name a file with data.heldout=FILE, or train on all with "
+            "rollout.eval_heldout=false")
 
 
 def checked_prompts(url: str, cfg: Config) -> tuple[dict, dict]:
@@ -355,17 +387,9 @@ def checked_prompts(url: str, cfg: Config) -> tuple[dict, dict]:
     check_backend(cfg)
     check_precision(cfg)
     check_models(cfg)
-    splits, images = {}, {}  # images: id -> bytes, stored after every check has passed
-    for split in PROMPT_SPLITS:
-        source = getattr(cfg.data, split)
-        if not source:
-            raise GndpoError(f"config has no data.{split} prompts file")
-        # What needs the training prompts' answers (a reward the method trains on, a teacher context
-        # showing it); without answers the held-out figure is label-free (Run.heldout_measure).
-        needs = answer_readers(cfg) if split == "train" else ""
-        table = load_prompts(source, cfg.data, keep=cfg.teacher_context.columns() if split == "train" else (), answers_for=needs)
-        splits[split] = with_image_ids(table, images, f"data.{split}")
-    check_prompt_count(cfg, len(splits["train"]))
+    images = {}  # id -> bytes, stored after every check has passed
+    splits = {split: with_image_ids(table, images, f"data.{split}") for split, table in prompt_tables(cfg).items()}
+    check_prompt_count(cfg, len(splits["train"]), 0 if cfg.data.heldout else len(splits["heldout"]))
     check_images(cfg, bool(images))
     check_round_fits(url, cfg, check_context(cfg, splits, images))
     train = splits["train"].to_dicts()

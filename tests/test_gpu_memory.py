@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -109,3 +110,18 @@ def test_auto_checkpoints_only_where_the_gpu_needs_it(example_shapes):
 
 def test_a_bad_gpu_memory_is_one_line(tmp_path, example_shapes):
     assert_one_line_error(init_example(tmp_path, example_shapes, "--gpu-memory", "lots"), "--gpu-memory 'lots'")
+
+
+def test_the_one_gpu_node_page_prints_what_init_prints(tmp_path, example_shapes, caplog):
+    """docs/getting-started/one-gpu-node.md shows the estimate init prints for its config: init on the
+    page's node.yaml with Qwen3-1.7B's and Qwen3-8B's shapes prints that line, number for number."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "getting-started" / "one-gpu-node.md").read_text()
+    config = re.search(r"<!-- file: node.yaml -->\n```yaml\n(.*?)```", page, re.S).group(1)
+    shown = re.search(r"^INFO (GPU memory per stage, .*)$", page, re.M).group(1)
+    (tmp_path / "node.yaml").write_text(config)
+    with caplog.at_level(logging.INFO, logger="gndpo"):
+        result = invoke("init", tmp_path / "run", "--config", tmp_path / "node.yaml", "--gpu-memory", "80GiB",
+                        f"student={example_shapes['student']}", f"teacher={example_shapes['teacher']}",
+                        f"data.train={tmp_path / 'gsm8k.jsonl'}", "data.prompt_key=question", "rollout.prompts_per_round=16")
+    assert result.exit_code == 0, result.output
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("GPU memory per stage")] == [shown]

@@ -31,10 +31,10 @@ def without_answers(source: Path, dest: Path, as_messages: bool = False) -> Path
     return dest
 
 
-def prompt_only_config(tmp_path: Path, tiny_assets: Path, as_messages: bool = False, **sections) -> Path:
+def prompt_only_config(tmp_path: Path, tiny_assets: Path, as_messages: bool = False, splits=("train", "heldout"), **sections) -> Path:
     cfg = tiny_config_dict(tiny_assets, **sections)
     cfg["data"] = {split: str(without_answers(tiny_assets / f"{split}.jsonl", tmp_path / f"{split}.jsonl", as_messages))
-                   for split in ("train", "heldout")}
+                   for split in splits}
     return write_config(tmp_path, cfg)
 
 
@@ -80,12 +80,13 @@ def teacher_logprob_of(model_dir: Path, prompt: list[int], response: list[int]) 
 
 @pytest.mark.slow
 def test_two_rounds_of_gndpo_on_prompts_only(tmp_path, tiny_assets):
-    """`gndpo run` trains 2 rounds on a prompt-only file; each round's score stage reports the held-out
-    reverse-KL estimate and the teacher's log-prob of the greedy responses, which equal a re-derivation
-    from the stored held-out rows and an independent teacher forward; status, the metrics and the
-    report show them."""
+    """`gndpo run` trains 2 rounds on one prompt-only file (data.train alone: init holds a few of its
+    prompts out); each round's score stage reports the held-out reverse-KL estimate and the teacher's
+    log-prob of the greedy responses, which equal a re-derivation from the stored held-out rows and an
+    independent teacher forward; status, the metrics and the report show them."""
     run_dir = tmp_path / "run"
-    invoke_ok("init", run_dir, "--config", prompt_only_config(tmp_path, tiny_assets))
+    invoke_ok("init", run_dir, "--config", prompt_only_config(tmp_path, tiny_assets, splits=("train",)), "data.heldout_share=0.1")
+    assert 0 < len(open_run(str(run_dir)).prompts("heldout")) < 24
     invoke_ok("run", run_dir, "--rounds", 2)
     run = open_run(str(run_dir))
     assert run.heldout_measure() == "label_free"

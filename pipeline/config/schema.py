@@ -81,7 +81,12 @@ class DataConfig:
     # written by datasets' save_to_disk, or a dataset id in the datasets cache (hf:ORG/NAME, hf:ORG/NAME/CONFIG);
     # a folder or an id ends in @SPLIT to pick a split (data/gsm8k@test, hf:openai/gsm8k/main@train).
     train: str = ""
-    heldout: str = ""  # evaluation prompts, in the same forms as train
+    # Evaluation prompts, in the same forms as train. Empty: with rollout.eval_heldout, heldout_share of
+    # data.train's prompts (at most heldout_max, at least one) is held out, chosen by a hash of each prompt
+    # (the same prompts in a fork, a resume or a re-init), and never trained on; without it, no held-out figure.
+    heldout: str = ""
+    heldout_share: Fraction = 0.02  # 0: hold nothing out of data.train (rounds log no held-out figure)
+    heldout_max: Count = 256  # the most prompts held out of data.train
     prompt_key: str = "prompt"  # a plain prompt, wrapped as one user turn
     messages_key: str = "messages"  # or a list of {role, content} turns (system turn included)
     conversations_key: str = "conversations"  # or ShareGPT rows: {from, value} turns (from: human, gpt, system, tool)

@@ -266,3 +266,22 @@ def check_placeholders(images: list[list[bytes]], prompts: list[str], conversati
         if placed != len(row_images_):
             raise GndpoError(f"prompts file {url}, row {i + 1}: {len(row_images_)} image(s) but {placed} placeholder(s) "
                              "(an <image> in the text or a {type: image} content part for each image, in order)")
+
+
+def heldout_rank(prompt_id: str) -> float:
+    """Where a prompt falls in [0, 1) for holding out: a hash of its id alone, so the choice does not
+    depend on the file's order, its other prompts or the run."""
+    return int(hashlib.sha256(f"heldout:{prompt_id}".encode()).hexdigest()[:15], 16) / 16**15
+
+
+def split_heldout(table: pl.DataFrame, data: DataConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``table`` (a loaded data.train) as (train, held-out) by ``data.heldout_share``: the prompts whose
+    :func:`heldout_rank` is below the share, at least the lowest one and at most ``data.heldout_max``
+    (the lowest ranks), go to held-out with every row that repeats them; the rest keep their order.
+    A prompt added to the file later never moves another prompt across, until the cap is reached."""
+    if data.heldout_share == 0:
+        return table, table.head(0)
+    ranked = sorted((heldout_rank(i), i) for i in set(table["prompt_id"].to_list()))
+    held = {i for rank, i in ranked[: data.heldout_max] if rank < data.heldout_share} or {ranked[0][1]}
+    mask = table["prompt_id"].is_in(list(held))
+    return table.filter(~mask), table.filter(mask)

@@ -64,8 +64,11 @@ class Run:
         """What each round measures on the held-out prompts: ``accuracy`` (the greedy response's reward)
         where they have answers; else ``label_free`` (the reverse-KL estimate on a sampled response and
         the teacher's log-prob of the greedy one, which score computes) where the teacher reads a
-        held-out prompt as the student does; else ``none`` (a teacher context, a teacher of another
-        tokenizer, routed teachers or pictures: those prompts are built from the training rows)."""
+        held-out prompt as the student does; else ``none`` (no held-out prompts, or a teacher context,
+        a teacher of another tokenizer, routed teachers or pictures: those prompts are built from the
+        training rows)."""
+        if not self.prompts("heldout"):
+            return "none"
         if self.has_answers("heldout"):
             return "accuracy"
         cfg = self.cfg

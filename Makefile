@@ -40,9 +40,19 @@ test-fast: setup lint
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# The docs site (mkdocs.yml, docs/) into site/; --strict: a broken link, anchor or nav entry fails it.
-# The generated reference pages: python docs/generate.py (tests/test_docs_site.py fails when one is stale).
-docs: setup
+# The docs site (mkdocs.yml, docs/) into site/; --strict: a broken link, anchor or nav entry fails it. Open
+# site/index.html in a browser from disk: pages are NAME.html and search works without a server (mkdocs.yml).
+# The build reads Markdown only: the generated reference pages are committed (python docs/generate.py, which
+# imports gndpo, rewrites them; tests/test_docs_site.py fails when one is stale), and no plugin imports gndpo.
+# So `make docs` installs only the docs extra's requirements (pyproject.toml's `docs = [...]` line) into
+# $(VENV), creating it where it is missing: not gndpo, whose dependencies are torch and DeepSpeed, nor vLLM
+# (`pip install ".[docs]"` would install all three). Where `make setup` has run they are already there.
+DOCS_REQUIREMENTS = $(shell python3 -c "import ast, re; text = open('pyproject.toml').read(); \
+	print(' '.join(repr(r) for r in ast.literal_eval(re.search(r'^docs = (\[.*\])', text, re.M).group(1))))")
+
+docs:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(DOCS_REQUIREMENTS)
 	$(VENV)/bin/mkdocs build --strict -d site
 
 # The real-model tier alone (tests/test_real_models.py): SmolLM2-135M-Instruct and Gemma 3 270M.

@@ -133,7 +133,9 @@ def cli_page() -> str:
     out = [header("the Typer app, gndpo/cli/"), "# Commands\n\n",
            "Every `gndpo` command and its options, from the Typer app itself (`gndpo COMMAND --help` prints the same). "
            "Every command also takes `--help`. Options of `gndpo` itself go before the command: "
-           "`gndpo --quiet run RUN`.\n\n",
+           "`gndpo --quiet run RUN`. In a usage line, as `--help` prints it, `{run}` is a required argument, "
+           "`[out]` an optional one and `...` one that repeats; the tables and the rest of these pages write "
+           "arguments in capitals (`RUN`).\n\n",
            "<!-- runnable -->\n```bash\ngndpo --version\ngndpo --help\n```\n\n"]
 
     def walk(command, ctx, path: str) -> None:
@@ -154,20 +156,9 @@ def cli_page() -> str:
 
 
 def usage(command, ctx, path: str) -> str:
-    """``gndpo init [OPTIONS] RUN [KEY=VALUE]...``"""
-    pieces = [path]
-    params = [p for p in command.get_params(ctx) if not p.hidden]
-    if any(p.param_type_name == "option" for p in params):
-        pieces.append("[OPTIONS]")
-    for p in params:
-        if p.param_type_name != "argument":
-            continue
-        name = p.metavar or p.name.upper()
-        name = f"{name}..." if p.nargs == -1 else name
-        pieces.append(name if p.required else f"[{name}]")
-    if getattr(command, "commands", None):
-        pieces.append("COMMAND [ARGS]...")
-    return " ".join(pieces)
+    """The usage line ``gndpo COMMAND --help`` prints, from the same call (``gndpo init [OPTIONS] {run}
+    [KEY=VALUE]...``): Typer's own, so the page cannot say otherwise than the command."""
+    return " ".join([path, *command.collect_usage_pieces(ctx)])
 
 
 def parameter_row(p, ctx) -> list[str]:

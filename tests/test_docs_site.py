@@ -4,13 +4,18 @@
   what the code gives now; ``python docs/generate.py`` rewrites them.
 * ``mkdocs build --strict`` succeeds (a broken link, anchor or nav entry fails it), and the built pages
   hold no raw Markdown; headless Chromium draws the built index and a reference page (not blank).
+* The built site works opened from disk (file://, as README says: ``make docs``, then site/index.html):
+  in headless Chromium a click on a nav link opens the page it names, and the config-keys table keeps
+  every key on one line.
 * Every ```yaml block of README.md and docs/ loads through the config loader (a whole config or a
   fragment of one: the sections it names over the defaults), unless the line before its fence is
   ``<!-- not-a-config -->`` (run.yaml records, manifests, other files' YAML): then it need only parse.
 * Every ```bash (or sh, shell) block whose fence follows a ``<!-- runnable -->`` line runs, under
   ``bash -euo pipefail``, in a scratch folder holding the toy models and prompts: ``config.yaml`` (the
-  tests' tiny config), ``student/``, ``teacher/``, ``train.jsonl``, ``heldout.jsonl``; one folder per page,
-  the page's blocks in order, each within two minutes. Mark only fast commands runnable.
+  tests' tiny config), ``student/``, ``teacher/``, ``train.jsonl``, ``heldout.jsonl``, and the page's
+  blocks marked ``<!-- file: NAME -->`` as files; one folder per page, the page's blocks in order, each
+  within three minutes. ``<!-- runnable: ITEMS -->`` runs a block written for real models and sizes
+  with the toy's swapped in (:func:`on_the_toy`). Mark only fast commands runnable.
 * The metrics page's table (gndpo.pipeline.observe.metrics.METRICS) is the metrics the stages write: a toy
   round's manifests, every stage's summary with every optional branch taken, and every method's
   normalize statistics write only documented keys, and every documented key is written by one of them.
@@ -36,7 +41,7 @@ from tests.conftest import ARTIFACTS, open_in_chromium, tiny_config_dict, write_
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-RUNNABLE, NOT_A_CONFIG = "<!-- runnable -->", "<!-- not-a-config -->"
+RUNNABLE, RUNNABLE_WITH, NOT_A_CONFIG = "<!-- runnable -->", "<!-- runnable:", "<!-- not-a-config -->"
 SHELLS = ("bash", "sh", "shell")
 
 
@@ -180,15 +185,24 @@ class PageText(html.parser.HTMLParser):
         return "".join(self.parts)
 
 
+def built_pages(site: Path) -> list[Path]:
+    """Every page built from docs/ (one NAME.html per NAME.md: use_directory_urls is off), the theme's
+    404 page and its assets left out."""
+    return sorted(p for p in site.rglob("*.html") if p.name != "404.html" and p.relative_to(site).parts[0] != "assets")
+
+
 def test_mkdocs_build_strict(site):
-    for page in ("index.html", "reference/config-keys/index.html", "reference/cli/index.html", "reference/shards/index.html",
-                 "reference/metrics/index.html"):
+    for page in ("index.html", "reference/config-keys.html", "reference/cli.html", "reference/shards.html", "reference/metrics.html"):
         assert (site / page).is_file(), page
+    assert not (site / "reference" / "config-keys").exists()  # NAME.html, not NAME/index.html
+    # Search from disk: the offline plugin writes the index as a script too, which a page opened from
+    # file:// reads (its worker through the theme's iframe-worker shim, loaded from unpkg.com).
+    assert (site / "search" / "search_index.js").read_text().startswith("var __index = ")
     assert not (site / "generate.py").exists()  # exclude_docs
 
 
 def test_built_pages_hold_no_raw_markdown(site):
-    pages = sorted(site.rglob("index.html"))
+    pages = built_pages(site)
     assert len(pages) > 10
     for page in pages:
         text = PageText.of(page).text()
@@ -203,11 +217,11 @@ def test_built_reference_pages_show_every_key_and_command(site):
     from gndpo.cli.app import app, register
     from gndpo.pipeline.config.schema import config_keys
 
-    keys_page = (site / "reference" / "config-keys" / "index.html").read_text()
+    keys_page = (site / "reference" / "config-keys.html").read_text()
     missing = [d.key for d in config_keys() if f"<td><code>{d.key}</code></td>" not in keys_page]
     assert not missing, f"config keys not in a table cell of the built page: {missing[:5]}"
     register()
-    headings = set(PageText.of(site / "reference" / "cli" / "index.html").headings)
+    headings = set(PageText.of(site / "reference" / "cli.html").headings)
     root = typer.main.get_command(app)
     for name, command in root.commands.items():
         assert command.hidden or f"gndpo-{name}" in headings, name
@@ -225,10 +239,110 @@ def not_blank(png: Path) -> None:
 
 
 def test_chromium_draws_the_built_index_and_a_reference_page(site, tmp_path):
-    for page, png in (("index.html", "docs-index.png"), ("reference/config-keys/index.html", "docs-config-keys.png")):
+    for page, png in (("index.html", "docs-index.png"), ("reference/config-keys.html", "docs-config-keys.png")):
         shot = ARTIFACTS / png
         open_in_chromium(site / page, shot)
         not_blank(shot)
+
+
+def chromium_dom(url: str, scratch: Path, *flags: str) -> str:
+    """The DOM of ``url`` in headless Chromium (``--dump-dom``) once its scripts have run for up to 10 s of
+    virtual time. Skips where Chromium is absent, or fails under CI, as :func:`open_in_chromium` does."""
+    from tests.conftest import missing_component
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        missing_component("chromium is not installed (make test installs Debian's package)")
+    profile = scratch / f".chromium-{os.getpid()}"
+    proc = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", f"--user-data-dir={profile}", "--virtual-time-budget=10000", *flags, "--dump-dom", url],
+        capture_output=True, text=True, timeout=120,
+    )
+    shutil.rmtree(profile, ignore_errors=True)
+    assert proc.returncode == 0 and "<body" in proc.stdout, proc.stderr[-2000:]
+    return proc.stdout
+
+
+HARNESS = """<!doctype html><html><body><pre id="out">no answer</pre>
+<iframe id="page" src="{src}" style="width:1280px;height:2000px;border:0"></iframe>
+<script>
+const frame = document.getElementById("page"), out = document.getElementById("out");
+let loads = 0, state = {{}};
+frame.addEventListener("load", () => {{ const d = frame.contentDocument, w = frame.contentWindow; loads += 1; {body} }});
+</script></body></html>
+"""
+
+
+def in_a_frame(page: Path, body: str, scratch: Path) -> dict:
+    """Open ``page`` from disk in a 1280-pixel-wide iframe of a harness page in headless Chromium and run
+    ``body`` (JavaScript) on each load of the frame, with the frame's document as ``d``, its window as
+    ``w``, the load's number as ``loads`` and ``state``, an object kept across loads; the answer is the
+    JSON ``body`` writes into ``out.textContent``. The harness, a file itself, reads the framed file:// page by Chromium's
+    ``--allow-file-access-from-files``."""
+    import json
+
+    harness = scratch / "harness.html"
+    harness.write_text(HARNESS.format(src=page.resolve().as_uri(), body=body))
+    dom = chromium_dom(harness.as_uri(), scratch, "--allow-file-access-from-files")
+    answer = html.unescape(re.search(r'<pre id="out"[^>]*>(.*?)</pre>', dom, re.S).group(1))
+    assert answer != "no answer", f"the harness got no answer from {page.name}"
+    return json.loads(answer)
+
+
+class Links(html.parser.HTMLParser):
+    """The href of every ``<a>`` whose class holds ``css_class``."""
+
+    def __init__(self, css_class: str):
+        super().__init__()
+        self.css_class, self.hrefs = css_class, []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "a" and self.css_class in (attrs.get("class") or "").split() and attrs.get("href"):
+            self.hrefs.append(attrs["href"])
+
+
+def test_the_site_opened_from_disk_follows_a_nav_link_to_its_page(site, tmp_path):
+    """The built site works from disk, where README sends a reader (site/index.html, file://). From
+    Chromium's DOM of index.html: every nav link is a relative link to a NAME.html file that exists (a
+    link to a folder, as mkdocs' directory URLs write, opens a directory listing from disk). Then a real
+    click: index.html in a frame, a click on its "Config keys" nav link, and the page that loads must be
+    reference/config-keys.html rendered (its H1, its table of keys), not a listing."""
+    from urllib.parse import urlsplit
+
+    index = site / "index.html"
+    links = Links("md-nav__link")
+    links.feed(chromium_dom(index.resolve().as_uri(), tmp_path))
+    pages = {href.split("#")[0] for href in links.hrefs} - {""}  # a page's own headings link as #anchor
+    for href in pages:
+        assert not urlsplit(href).scheme and not href.startswith("/"), f"nav link {href} is not relative"
+        assert href.endswith(".html") and (site / href).is_file(), f"nav link {href} names no page file"
+    assert pages == {p.relative_to(site).as_posix() for p in built_pages(site)}  # every page is in the nav
+    opened = in_a_frame(index, """
+        if (loads === 1) {
+          const link = [...d.querySelectorAll("a.md-nav__link")].find(a => a.textContent.trim() === "Config keys");
+          if (!link) { out.textContent = JSON.stringify({error: "no Config keys nav link"}); return; }
+          state.href = link.getAttribute("href");
+          link.click();
+          return;
+        }
+        out.textContent = JSON.stringify({href: state.href, url: w.location.href, h1: (d.querySelector("h1") || {}).textContent || "",
+                                          keys: d.querySelectorAll("td:first-child code").length});""", tmp_path)
+    assert opened.get("href") == "reference/config-keys.html", opened
+    assert opened["url"] == (site / "reference" / "config-keys.html").resolve().as_uri(), opened
+    assert opened["h1"].startswith("Config keys") and opened["keys"] > 100, opened
+
+
+def test_config_key_names_stay_whole_in_the_table(site, tmp_path):
+    """docs/stylesheets/extra.css: the theme breaks code anywhere, and a narrow first column cut keys
+    mid-word ("self_teache" / "r.weights"); at a 1280-pixel window no key of the config-keys table
+    takes more than one line."""
+    keys = in_a_frame(site / "reference" / "config-keys.html", """
+        const names = [...d.querySelectorAll(".md-typeset td:first-child code")];
+        out.textContent = JSON.stringify({names: names.length, broken: names.filter(c => c.getClientRects().length > 1).map(c => c.textContent)});""",
+        tmp_path)
+    assert keys["names"] > 100 and not keys["broken"], keys
 
 
 # -- YAML blocks ---------------------------------------------------------------------------------------------------
@@ -263,10 +377,48 @@ def test_the_docs_have_yaml_configs():
 def runnable_pages() -> dict[Path, list[Block]]:
     pages: dict[Path, list[Block]] = {}
     for b in all_blocks():
-        if b.marker == RUNNABLE:
+        if b.marker == RUNNABLE or b.marker.startswith(RUNNABLE_WITH):
             assert b.lang in SHELLS, f"{b.where()}: only {', '.join(SHELLS)} blocks can be runnable, not {b.lang or 'a bare fence'}"
             pages.setdefault(b.path, []).append(b)
     return pages
+
+
+def page_files(page: Path) -> dict[str, str]:
+    """{name: text} of the page's blocks marked ``<!-- file: NAME -->``: written where its runnable blocks run."""
+    marked = [(re.fullmatch(r"<!-- file: (\S+) -->", b.marker), b.body) for b in fenced_blocks(page)]
+    return {m.group(1): body for m, body in marked if m}
+
+
+def on_the_toy(block: Block) -> str:
+    """``block``'s commands as the test runs them: a ``<!-- runnable: ITEMS -->`` marker swaps models and
+    sizes for the toy's. An item ``key=value`` is a setting added to every ``gndpo init`` line (a later
+    setting of a key wins); ``--opt=value`` sets the value of a ``gndpo`` line's ``--opt``, and a bare
+    ``--opt`` removes that option and its value."""
+    if not block.marker.startswith(RUNNABLE_WITH):
+        return block.body
+    items = block.marker[len(RUNNABLE_WITH):].removesuffix("-->").split()
+    settings = [i for i in items if not i.startswith("--")]
+    lines = []
+    for line in block.body.splitlines():
+        if line.lstrip().startswith("gndpo "):
+            line = re.sub(r"\s+#.*$", "", line)
+            for item in (i for i in items if i.startswith("--")):
+                option, _, value = item.partition("=")
+                line = re.sub(rf"\s{re.escape(option)}\s+\S+", f" {option} {value}" if value else "", line)
+            if line.lstrip().startswith("gndpo init "):
+                line = " ".join([line, *settings])
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def test_a_runnable_marker_swaps_models_and_sizes(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("<!-- file: a.yaml -->\n```yaml\nstudent: x\n```\n\n"
+                    "<!-- runnable: student=s rollout.n=2 --rounds=1 --gpus -->\n```bash\n"
+                    "gndpo init runs/a --config a.yaml   # checks\ngndpo run runs/a --rounds 10 --gpus 8\necho --rounds 3\n```\n")
+    assert page_files(page) == {"a.yaml": "student: x\n"}
+    assert on_the_toy(fenced_blocks(page)[1]) == ("gndpo init runs/a --config a.yaml student=s rollout.n=2\n"
+                                                  "gndpo run runs/a --rounds 1\necho --rounds 3\n")
 
 
 def test_runnable_shell_blocks_run_on_the_toy(tmp_path, tiny_assets):
@@ -283,9 +435,11 @@ def test_runnable_shell_blocks_run_on_the_toy(tmp_path, tiny_assets):
         cfg = tiny_config_dict(tiny_assets)
         cfg.update(student="student", teacher="teacher", data={"train": "train.jsonl", "heldout": "heldout.jsonl"})
         write_config(scratch, cfg)
+        for name, text in page_files(page).items():
+            (scratch / name).write_text(text)
         for block in blocks:
-            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block.body], cwd=scratch, env=env, capture_output=True, text=True,
-                                  timeout=120)
+            proc = subprocess.run(["bash", "-euo", "pipefail", "-c", on_the_toy(block)], cwd=scratch, env=env, capture_output=True, text=True,
+                                  timeout=180)
             assert proc.returncode == 0, f"{block.where()} failed ({proc.returncode}):\n{block.body}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 
+import yaml
+
 from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, check_teacher_servers, resolve_models, run_yaml
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.checks import check_backend
@@ -25,6 +27,7 @@ from gndpo.pipeline.run.images import RunImages, copy_images
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.pipeline.tasks.rewards import run_rewards
 from gndpo.stages.models.loading import read_once
+from gndpo.stages.models.teacher_server import served_models, teacher_server_settings
 from gndpo.storage.runfs import RunFS
 
 # What a round's rollouts depend on besides the seeds: a fork keeps them as they were.
@@ -76,9 +79,9 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
         check_routes(local, parent.prompts("train"))
         check_images(local, parent.images_per_prompt() > 0)
         check_teacher_prompts(local, parent.prompts("train"), RunImages(parent.fs).get)
-        check_teacher_servers(cfg, local, parent.images_per_prompt() > 0)
+        probes = check_teacher_servers(cfg, local, parent.images_per_prompt() > 0, kept_probes(parent, cfg))
     lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}
-    body = run_yaml(cfg, models, lineage=lineage)
+    body = run_yaml(cfg, models, lineage=lineage, **({"served_probes": probes} if probes else {}))
     fs = RunFS(url)
     if fs.exists("run.yaml"):
         return _reopen(url, body)
@@ -91,8 +94,27 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     return open_run(url)
 
 
+def without_probes(run_yaml_bytes: bytes) -> dict:
+    data = yaml.safe_load(run_yaml_bytes)
+    data.pop("served_probes", None)
+    return data
+
+
+def kept_probes(parent: Run, cfg: Config) -> dict:
+    """The parent's record of its served teachers' answers, for each teacher the fork keeps (the same
+    model, served under the same name): the fork's workers hold its servers to the teacher the parent
+    began with."""
+    if not parent.served_probes or parent.cfg.score.backend != "server" or cfg.score.backend != "server":
+        return {}
+    same = {name for name, model in served_models(cfg).items() if served_models(parent.cfg).get(name) == model}
+    parent_names, names = teacher_server_settings(parent.cfg), teacher_server_settings(cfg)
+    return {name: probe for name, probe in parent.served_probes.items()
+            if name in same and name in names and names[name].model == parent_names[name].model}
+
+
 def _reopen(url: str, body: bytes) -> Run:
     fs = RunFS(url)
-    if fs.read_bytes("run.yaml") != body:
+    # The served teachers' answers are measured again by each call: a run is the same without them.
+    if without_probes(fs.read_bytes("run.yaml")) != without_probes(body):
         raise GndpoError(f"run folder {url} already exists with other settings; use a new folder")
     return open_run(url)

@@ -35,7 +35,7 @@ from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import flash_attention_blocker, gpu_memory
 from gndpo.stages.models.gpu_memory import check_gpu_memory
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
-from gndpo.stages.models.teacher_server import checked_pool, served_models, teacher_server_settings
+from gndpo.stages.models.teacher_server import check_against_weights, checked_pool, served_models, teacher_server_settings
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
 from gndpo.stages.text.agent import ToolUse
@@ -147,17 +147,31 @@ def check_images(cfg: Config, with_images: bool) -> None:
         raise GndpoError(f"the teachers {', '.join(paths)} process images differently; several teachers of one run must share one image processor")
 
 
-def check_teacher_servers(cfg: Config, local: Config, with_images: bool) -> None:
+def check_teacher_servers(cfg: Config, local: Config, with_images: bool, recorded: dict | None = None) -> dict[str, list[float]]:
     """``score.backend: server``: each teacher's servers serve the teacher the run expects, as
     :func:`checked_pool` checks it against the teacher's files (``local`` names their folders; ``cfg``
-    as written names what the servers serve), and no teacher is shown pictures through them."""
+    as written names what the servers serve) and, where the folder holds the weights, against a forward
+    of them (one line says how far); no teacher is shown pictures through them. Returns {teacher name:
+    the servers' answers to the probe}: the record every score worker holds the servers to (``recorded``:
+    a fork's parent's, kept for the teachers the fork keeps)."""
     if cfg.score.backend != "server":
-        return
+        return {}
+    record = {}
     for (name, settings), folder in zip(teacher_server_settings(cfg).items(), served_models(local).values()):
         if with_images and is_vision_model(folder):
             raise GndpoError(f"score.backend server cannot show the vision-language teacher {name} the prompts' pictures (/v1/completions "
                              "takes token ids without images): use score.backend hf or vllm, or a text teacher with teacher_context.messages")
-        checked_pool(settings, folder, cfg.score.server_tolerance).close()
+        kept = (recorded or {}).get(name)
+        pool = checked_pool(settings, folder, cfg.score.server_tolerance, kept)
+        try:
+            gap = check_against_weights(pool, folder, local.model, cfg.score.server_tolerance)
+        finally:
+            pool.close()
+        if gap is not None:
+            logging.getLogger("gndpo").info(f"teacher {name}: its servers score the probe sequence {gap:.2g} from its weights in {folder} "
+                                            f"(score.server_tolerance {cfg.score.server_tolerance:g})")
+        record[name] = kept or pool.probe
+    return record
 
 
 def check_prompt_count(cfg: Config, prompts: int, held_out: int = 0) -> None:
@@ -341,12 +355,12 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
     with read_once():  # the checks read the same models' tokenizers and configs many times
         splits, images = checked_prompts(url, models.local)
         check_gpu_memory(models.local, gpu_bytes or gpu_memory())
-        check_teacher_servers(cfg, models.local, bool(images))
+        probes = check_teacher_servers(cfg, models.local, bool(images))
     say_held_out(cfg, splits)
     store_images(fs, images)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
-    if not fs.create("run.yaml", run_yaml(cfg, models)):
+    if not fs.create("run.yaml", run_yaml(cfg, models, **({"served_probes": probes} if probes else {}))):
         # A concurrent init won; accept it only if it is the same experiment.
         return init_run(url, cfg)
     return open_run(url)

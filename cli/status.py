@@ -1,7 +1,7 @@
 import typer
 
 from gndpo.cli.common import echo_table, user_errors
-from gndpo.pipeline.exec.status import phase_rows, stage_rows
+from gndpo.pipeline.exec.status import phase_rows, stage_rows, worker_lines
 from gndpo.pipeline.run.run import open_run
 
 
@@ -11,5 +11,9 @@ def status(
     phases: bool = typer.Option(False, "--phases", help="Where each stage's time went instead: seconds per phase "
                                 "(setup, compute, write, checkpoint, export, state) and MB written."),
 ):
-    """Per round and stage: units planned / claimed / stale / done, rows, tokens, time."""
-    echo_table((phase_rows if phases else stage_rows)(open_run(run)))
+    """Per round and stage: units planned / claimed / stale / done, rows, tokens, time; then each live
+    score worker's teacher servers (score.backend server)."""
+    opened = open_run(run)
+    echo_table((phase_rows if phases else stage_rows)(opened))
+    for line in [] if phases else worker_lines(opened):  # what the live workers say of themselves (teacher servers)
+        typer.echo(line)

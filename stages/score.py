@@ -80,6 +80,7 @@ class ScoreJob:
         device = local_device()
         # A run whose prompts show pictures: the student's image tensors, and the pictures by prompt.
         self.images = BatchImages.of_run(self.run, self.run.policy_path(0))
+        self.pools = []  # the teachers' server pools (score.backend server): their counts and states
         self.live.release_engine()
         # The rollout engine's log-probs may stand in for the student's forward (score.student_logprobs).
         self.from_engine = self.student_from_engine()
@@ -156,7 +157,10 @@ class ScoreJob:
         if self.cfg.score.backend == "vllm":
             return partial(response_logprobs, self._teacher_engine(teacher_path))
         settings = teacher_server_settings(self.cfg)[name]
-        return self.live.teacher_pool(settings, teacher_path, self.cfg.score.server_tolerance).response_logprobs
+        recorded = (self.run.served_probes or {}).get(name)
+        pool = self.live.teacher_pool(settings, teacher_path, self.cfg.score.server_tolerance, recorded)
+        self.pools.append(pool)
+        return pool.response_logprobs
 
     def _teacher_engine(self, teacher_path: str):
         """The teacher's vLLM engine (score.engine), sized for the run's pictures if it reads them."""
@@ -208,11 +212,23 @@ class ScoreJob:
         if unit["unit"] == EVAL_UNIT:
             return [], self.heldout_measure(unit["rollout_files"])
         rows = UnitRows.read(self.run.fs, unit["rollout_files"])
+        before = self.server_counts()
         scored = self.teacher.score(rows, self.topk)
         refuse_non_finite(scored.per_token, rows, self.round)
         table, counts = score_shard(rows, scored, self.cfg, self.from_engine)
+        counts.update({key: value - before[key] for key, value in self.server_counts().items()})
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
         return [record], counts
+
+    def server_counts(self) -> dict:
+        """The teacher servers' retried requests and cooldowns so far in this worker (none without servers)."""
+        if not self.pools:
+            return {}
+        return {"server_retries": sum(p.retries for p in self.pools), "server_cooldowns": sum(p.cooldowns for p in self.pools)}
+
+    def live_state(self) -> dict:
+        """What `gndpo status` shows of this worker while it holds a unit: each teacher server's state."""
+        return {"servers": {url: state for pool in self.pools for url, state in pool.states().items()}} if self.pools else {}
 
     def heldout_measure(self, files: list[dict]) -> dict:
         """The label-free held-out measure of the round's policy (prompts without answers): the
@@ -258,6 +274,9 @@ class ScoreJob:
             metrics["cross_tokenizer/unaligned_fraction"] = unaligned / max(unaligned + metrics["tokens"], 1)
             # Tokens whose teacher value is a share of a span of several student tokens (stages/text/align.py).
             metrics["cross_tokenizer/split_span_fraction"] = sum(c.get("split_span_tokens", 0) for c in commits) / max(metrics["tokens"], 1)
+        if any("server_retries" in c for c in commits):  # score.backend server: what the servers' failures cost
+            metrics["server_retries"] = int(total("server_retries"))
+            metrics["server_cooldowns"] = int(total("server_cooldowns"))
         for figures in heldout:  # the label-free held-out measure of the round's policy (rollout's prompts)
             metrics.update({"heldout_reverse_kl": figures["reverse_kl"], "heldout_teacher_logprob": figures["teacher_logprob"]})
         return metrics

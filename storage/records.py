@@ -69,18 +69,21 @@ class StageRecords:
     def _beat_path(self, unit: str, attempt: int) -> str:
         return f"{self.prefix}/claims/{unit}/a{attempt:03d}.hb"
 
-    def heartbeat(self, unit: str, attempt: int) -> None:
-        self.run.fs.pipe_file(self.run.path(self._beat_path(unit, attempt)), json.dumps({"t": time.time()}).encode())
+    def heartbeat(self, unit: str, attempt: int, state: dict | None = None) -> None:
+        """The attempt is alive now; ``state``: what its worker says of itself meanwhile (`gndpo status`)."""
+        beat = {"t": time.time(), **({"state": state} if state else {})}
+        self.run.fs.pipe_file(self.run.path(self._beat_path(unit, attempt)), json.dumps(beat).encode())
 
     def release(self, unit: str, attempt: int) -> None:
         """Give the lease up: its last heartbeat says so, and other workers may take the unit at once."""
         self.run.fs.pipe_file(self.run.path(self._beat_path(unit, attempt)), json.dumps({"t": time.time(), "released": True}).encode())
 
     def last_beat(self, unit: str, attempt: int) -> dict | None:
-        """The attempt's newest heartbeat, ``{"t": seconds since the epoch, "released": bool}``, or None."""
+        """The attempt's newest heartbeat, ``{"t": seconds since the epoch, "released": bool, "state":
+        what its worker said of itself, or {}}``, or None."""
         try:
             beat = json.loads(self.run.read_bytes(self._beat_path(unit, attempt)))
-            return {"t": float(beat["t"]), "released": bool(beat.get("released", False))}
+            return {"t": float(beat["t"]), "released": bool(beat.get("released", False)), "state": beat.get("state") or {}}
         except (GndpoError, ValueError, KeyError, TypeError):
             return None
 

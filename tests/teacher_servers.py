@@ -1,10 +1,12 @@
 """Teacher servers for the tests of ``score.backend: server``: vLLM's OpenAI-compatible server started on
-loopback with a toy model, and a forwarding stub in front of one that can be switched to answer
-errors, hang, or want a key (the shapes a real server is hard to put in on demand)."""
+loopback with a toy model, a forwarding stub in front of one that can be switched to answer errors,
+hang, want a key or forward elsewhere (the shapes a real server is hard to put in on demand), and a
+fake teacher that answers as vLLM does without a model, for the pool's behaviour alone."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -100,17 +102,15 @@ def start_servers(specs: list[tuple[Path, str]], folder: Path, **settings) -> li
     return servers
 
 
-class StubServer:
-    """A loopback server that forwards every request to ``upstream`` while ``mode`` is "pass"; otherwise
-    it answers HTTP 500 ("error"; "error-scoring": only to completions asking for a top-k, which the
-    checks a worker starts with never do), never answers ("hang"), or forwards only requests that carry
-    the bearer token ``key`` and answers 401 to the rest ("key"). ``requests`` counts what it received."""
+class LoopbackServer:
+    """An HTTP server on loopback whose answers are :meth:`respond`'s, in threads; it records every
+    request it received (``received``: (monotonic time, path, JSON payload or None for a GET))."""
 
-    def __init__(self, upstream: str, certificate: tuple[Path, Path] | None = None):
+    def __init__(self, certificate: tuple[Path, Path] | None = None):
         """``certificate``: (certificate, key) files to serve https with."""
-        self.upstream, self.mode, self.key, self.requests = upstream, "pass", "", 0
+        self.received: list[tuple[float, str, dict | None]] = []
         self.release = threading.Event()  # set at close: hung handlers return
-        stub = self
+        owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):  # quiet
@@ -123,20 +123,12 @@ class StubServer:
                 self.answer(self.rfile.read(int(self.headers.get("Content-Length", 0))))
 
             def answer(self, body: bytes | None):
-                stub.requests += 1
-                if stub.mode == "hang":
-                    stub.release.wait()
+                owner.received.append((time.monotonic(), self.path, None if body is None else json.loads(body)))
+                reply = owner.respond(self.path, body, self.headers)
+                if reply is None:  # hang until the server closes
+                    owner.release.wait()
                     return
-                if stub.mode == "error" or (stub.mode == "error-scoring" and body and json.loads(body).get("prompt_logprobs")):
-                    return self.reply(500, b'{"error": "the stub is failing on purpose"}')
-                if stub.mode == "key" and self.headers.get("Authorization") != f"Bearer {stub.key}":
-                    return self.reply(401, b'{"error": "invalid api key"}')
-                method = "GET" if body is None else "POST"
-                forwarded = httpx.request(method, stub.upstream + self.path, content=body, headers={"Content-Type": "application/json"},
-                                          timeout=60)
-                self.reply(forwarded.status_code, forwarded.content)
-
-            def reply(self, status: int, content: bytes):
+                status, content = reply
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(content)))
@@ -154,6 +146,13 @@ class StubServer:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
+    def respond(self, path: str, body: bytes | None, headers) -> tuple[int, bytes] | None:
+        raise NotImplementedError
+
+    @property
+    def requests(self) -> int:
+        return len(self.received)
+
     @property
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.server.server_address[1]}"
@@ -162,6 +161,60 @@ class StubServer:
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+class StubServer(LoopbackServer):
+    """A loopback server that forwards every request to ``upstream`` while ``mode`` is "pass"; otherwise
+    it answers HTTP 500 ("error"; "error-scoring": only to completions asking for a top-k, which the
+    checks a worker starts with never do), never answers ("hang"), or forwards only requests that carry
+    the bearer token ``key`` and answers 401 to the rest ("key"). ``upstream`` may be switched: a
+    replica redeployed behind the same URL."""
+
+    def __init__(self, upstream: str, certificate: tuple[Path, Path] | None = None):
+        self.upstream, self.mode, self.key = upstream, "pass", ""
+        super().__init__(certificate)
+
+    def respond(self, path, body, headers):
+        if self.mode == "hang":
+            return None
+        if self.mode == "error" or (self.mode == "error-scoring" and body and json.loads(body).get("prompt_logprobs")):
+            return 500, b'{"error": "the stub is failing on purpose"}'
+        if self.mode == "key" and headers.get("Authorization") != f"Bearer {self.key}":
+            return 401, b'{"error": "invalid api key"}'
+        forwarded = httpx.request("GET" if body is None else "POST", self.upstream + path, content=body,
+                                  headers={"Content-Type": "application/json"}, timeout=60)
+        return forwarded.status_code, forwarded.content
+
+
+class FakeTeacher(LoopbackServer):
+    """A loopback server that answers score's completions requests as vLLM's OpenAI-compatible server
+    does, without a model: at position i the teacher's log-probs are the log-softmax of fixed logits
+    ((31 v + 17 i) mod 13) / 4 over a ``vocabulary`` of tokens v, the same in every FakeTeacher. While
+    ``failing`` it answers HTTP 503 to everything. For the pool's behaviour, not a teacher's numbers."""
+
+    def __init__(self, model: str = "fake-teacher", vocabulary: int = 16):
+        self.model, self.vocabulary, self.failing = model, vocabulary, False
+        super().__init__()
+
+    def logprobs(self, position: int) -> list[float]:
+        logits = [((31 * v + 17 * position) % 13) / 4 for v in range(self.vocabulary)]
+        top = max(logits)
+        norm = top + math.log(sum(math.exp(x - top) for x in logits))
+        return [x - norm for x in logits]
+
+    def respond(self, path, body, headers):
+        if self.failing:
+            return 503, b'{"error": "the fake teacher is failing on purpose"}'
+        if path == "/v1/models":
+            return 200, json.dumps({"data": [{"id": self.model}]}).encode()
+        request = json.loads(body)
+        k, positions = request.get("prompt_logprobs") or 0, [None]
+        for i, token in enumerate(request["prompt"][1:], start=1):
+            values = self.logprobs(i)
+            ranks = {v: 1 + sum(x > values[v] for x in values) for v in range(self.vocabulary)}
+            shown = {token, *sorted(range(self.vocabulary), key=lambda v: ranks[v])[:k]}
+            positions.append({str(v): {"logprob": values[v], "rank": ranks[v]} for v in shown})
+        return 200, json.dumps({"choices": [{"text": "", "prompt_logprobs": positions}]}).encode()
 
 
 def self_signed_certificate(folder: Path) -> tuple[Path, Path]:

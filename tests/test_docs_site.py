@@ -515,7 +515,8 @@ def every_branch_metrics() -> dict[str, set[str]]:
          **conversation, **probe},
         {"unit": EVAL_UNIT, "seconds": 1.0, "eval": {"accuracy": 0.5, "n": 2}}])
     score_commit = {"unit": "u00000", "tokens": 12, "seconds": 1.0, "student_tokens": 10, "student_from_engine": 0, "student_entropy_sum": 3.0,
-                    "teacher_entropy_sum": 2.0, "logprob_diff_sum": 0.1, "logprob_diff_max": 0.05, "unaligned_tokens": 1, "split_span_tokens": 1}
+                    "teacher_entropy_sum": 2.0, "logprob_diff_sum": 0.1, "logprob_diff_max": 0.05, "unaligned_tokens": 1, "split_span_tokens": 1,
+                    "server_retries": 2, "server_cooldowns": 1}
     score = ScoreJob.summarize(types.SimpleNamespace(cfg=types.SimpleNamespace(score=types.SimpleNamespace(cross_tokenizer=True))), [
         score_commit, {"unit": EVAL_UNIT, "seconds": 1.0, "eval": {"reverse_kl": 0.1, "teacher_logprob": -1.0, "prompts": 2}}])
     step = {"loss": 0.1, "grad_norm": 1.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "lr": 1e-3}

@@ -43,11 +43,11 @@ def failing_after_first_call(records, monkeypatch, error="ExpiredToken: the secu
     """Make ``records.heartbeat`` write once (the claim's own heartbeat) and raise from then on."""
     real, calls = records.heartbeat, []
 
-    def heartbeat(unit, attempt):
+    def heartbeat(unit, attempt, state=None):
         calls.append(attempt)
         if len(calls) > 1:
             raise PermissionError(error)
-        real(unit, attempt)
+        real(unit, attempt, state)
 
     monkeypatch.setattr(records, "heartbeat", heartbeat)
     return calls
@@ -86,11 +86,11 @@ def test_a_failed_beat_within_the_ttl_costs_nothing(tmp_path, monkeypatch, caplo
     records = StageRecords(fs, 0, "score")
     real, calls = records.heartbeat, []
 
-    def heartbeat(unit, attempt):
+    def heartbeat(unit, attempt, state=None):
         calls.append(attempt)
         if len(calls) == 2:
             raise OSError("connection reset")
-        real(unit, attempt)
+        real(unit, attempt, state)
 
     monkeypatch.setattr(records, "heartbeat", heartbeat)
     with caplog.at_level(logging.WARNING, logger="gndpo"):

@@ -10,6 +10,7 @@ for the error, hang and key shapes only."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -187,14 +188,21 @@ def test_an_https_server_is_verified_against_the_named_ca_bundle(rolled_out, ser
 
 
 def test_when_every_server_fails_score_commits_nothing_and_the_rerun_resumes(rolled_out, rounds, stub, tmp_path):
-    """The servers pass the worker's checks, then fail every response: score exits with one line naming
-    each server's last error (after its progress lines), no unit committed; the rerun scores the round."""
-    run = fork(rolled_out, tmp_path / "run", "method.name=reverse_kl", "score.teacher_topk=16", *server_settings(stub.url, server_retries=1))
+    """The servers pass the worker's checks, then fail every response: within score.server_outage_s of
+    the last answer (plus at most a request's timeout) score exits with one line naming each server's
+    last error, after the lines saying the server went out of the pool and the time left; no unit
+    committed; the rerun scores the round as an undisturbed run did."""
+    run = fork(rolled_out, tmp_path / "run", "method.name=reverse_kl", "score.teacher_topk=16",
+               *server_settings(stub.url, server_outage_s=3, server_timeout_s=5))
     stub.mode = "error-scoring"
+    started = time.monotonic()
     result = invoke("score", run, "--round", 0)
+    took = time.monotonic() - started
     last = result.stderr.strip().splitlines()[-1]
     assert result.exit_code != 0 and "Traceback" not in result.output, result.output
-    assert last.startswith("error: every teacher server failed") and f"{stub.url}: HTTP 500" in last, last
+    assert last.startswith("error: every teacher server failed for") and f"{stub.url}: HTTP 500" in last, last
+    assert f"teacher server {stub.url} failed (HTTP 500" in result.stderr and "the unit fails in" in result.stderr, result.stderr
+    assert took < 3 + 5 + 15, took  # the deadline, a request's timeout, and the worker's start (engine-free: the student's forward)
     records = open_run(run).records(0, "score")
     assert records.manifest() is None and not records.done_units()
     stub.mode = "pass"
@@ -236,6 +244,33 @@ def test_what_servers_cannot_give_is_refused_in_one_line(data, fragment):
 def test_server_settings_outside_the_server_backend_are_refused():
     with pytest.raises(GndpoError, match="are for score.backend server, not hf"):
         config_from_dict({"score": {"servers": ["http://127.0.0.1:9"]}})
+
+
+def test_a_server_redeployed_with_other_weights_is_refused_at_the_next_worker_start(rolled_out, servers, tmp_path):
+    """The run records the served teacher's answers to the probe when it is created (and checks them
+    against the teacher's weights here, which it has). A lone server behind the same URL that now
+    serves other weights (the stub forwarding to the student's server) is refused by the next score
+    worker in one line naming it and the gap; one serving the same weights (another replica) is accepted."""
+    stub = StubServer(servers["a"].url)
+    try:
+        created = invoke_ok("fork", rolled_out, tmp_path / "run", "--from-round", "0", "method.name=reverse_kl", "score.teacher_topk=16",
+                            *server_settings(stub.url))
+        assert "its servers score the probe sequence" in created.output and "from its weights in" in created.output, created.output
+        run = str(tmp_path / "run")
+        assert [len(probe) for probe in open_run(run).served_probes.values()] == [4 * 23]  # 4 probe sequences of 24 tokens
+        stub.upstream = servers["student"].url
+        refused = invoke("score", run, "--round", 0)
+        assert_one_line_error(refused, f"teacher server {stub.url} scores the probe sequence", "apart from the teacher its servers served when "
+                              "the run was created", "score.server_tolerance 0.03")
+        assert not open_run(run).records(0, "score").done_units()
+        stub.upstream = servers["b"].url
+        invoke_ok("score", run, "--round", 0)
+        # A fork that keeps the teacher keeps the record: its servers are held to the parent's teacher.
+        stub.upstream = servers["student"].url
+        assert_one_line_error(invoke("fork", run, tmp_path / "fork", "--from-round", "0", "train.lr=1e-4"),
+                              "apart from the teacher its servers served when the run was created")
+    finally:
+        stub.close()
 
 
 # Last: it kills a replica the tests above use.

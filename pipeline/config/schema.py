@@ -28,6 +28,8 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any, Literal, TypedDict
 
+import httpx
+
 from gndpo.errors import GndpoError
 
 
@@ -379,6 +381,10 @@ class ScoreConfig:
     server_timeout_s: Positive = 300.0  # one request's longest wait for its answer
     server_retries: NonNegativeInt = 5  # attempts after a request's first failure, each on the least loaded server
     server_in_flight: Count = 8  # requests in flight per server
+    # While every server is failing: how long after the last answer of any server the unit fails (a
+    # server restarting, or a pool redeployed, comes back within a minute; a dead pool should not hold
+    # the run for longer than that in silence).
+    server_outage_s: Positive = 60.0
     # Replicas of one teacher must score a fixed probe sequence alike: the largest mean |log-prob
     # difference| accepted between a server and the first (bf16 replicas on different GPU types differ).
     server_tolerance: Positive = 3e-2
@@ -685,6 +691,24 @@ def _check_combinations(cfg: Config) -> None:
         )
 
 
+def server_url_problem(url) -> str:
+    """What is wrong with a teacher server's URL as the HTTP client (httpx) parses it: its scheme, host
+    and port; "" for a usable one."""
+    if not isinstance(url, str):
+        return f"a {type(url).__name__}, not text"
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        return str(exc)
+    if parsed.scheme not in ("http", "https"):
+        return f"scheme {parsed.scheme or 'missing'}, not http or https"
+    if not parsed.host:
+        return "no host"
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        return f"port {parsed.port} is not 1-65535"
+    return ""
+
+
 def _check_servers(cfg: Config) -> None:
     """``score.backend: server``'s settings: URLs for every teacher (a list for one, a mapping by name for
     several), a served self-teacher that does not change, no server settings for another backend."""
@@ -700,10 +724,11 @@ def _check_servers(cfg: Config) -> None:
         raise GndpoError(f"score.backend server needs the teacher's servers as a list of URLs in score.servers, got {score_cfg.servers!r}")
     if isinstance(score_cfg.server_model, dict) and not set(score_cfg.server_model) <= set(names):
         raise GndpoError(f"score.server_model names teachers the run does not have: {', '.join(sorted(set(score_cfg.server_model) - set(names)))}")
-    bad = [u for urls in (score_cfg.servers.values() if isinstance(score_cfg.servers, dict) else [score_cfg.servers]) for u in urls
-           if not u.startswith(("http://", "https://"))]
-    if bad:
-        raise GndpoError(f"score.servers: {bad[0]!r} is not a URL (write http://host:port or https://host:port)")
+    for urls in score_cfg.servers.values() if isinstance(score_cfg.servers, dict) else [score_cfg.servers]:
+        for url in urls:
+            problem = server_url_problem(url)
+            if problem:
+                raise GndpoError(f"score.servers: {url!r} is not a URL ({problem}): write http://host:port or https://host:port")
     if cfg.teacher == SELF_TEACHER and cfg.self_teacher.weights != "frozen":
         raise GndpoError(f"score.backend server serves fixed weights; self_teacher.weights {cfg.self_teacher.weights} changes them every "
                          "round: use self_teacher.weights frozen (the servers serve the initial student)")

@@ -60,6 +60,29 @@ def stage_rows(run) -> list[dict]:
     return rows
 
 
+def worker_lines(run) -> list[str]:
+    """A line per unit a live worker holds whose heartbeat says something of the worker (a score worker:
+    each teacher server's state, ``score.backend: server``), in the stages not yet committed."""
+    lines, now = [], time.time()
+    for r in range(committed_rounds(run) + 1):
+        for stage in STAGES:
+            rec = run.records(r, stage)
+            plan = rec.plan()
+            if plan is None or rec.manifest() is not None:
+                continue
+            done = rec.done_units()
+            for unit in (u["unit"] for u in plan["units"] if u["unit"] not in done):
+                attempts = rec.attempts(unit)
+                if not attempts or lease_state(rec, unit, now) != "claimed":
+                    continue
+                beat = rec.last_beat(unit, attempts[-1]) or {}
+                servers = beat.get("state", {}).get("servers")
+                if servers:
+                    said = "; ".join(f"{url} {state}" for url, state in servers.items())
+                    lines.append(f"round {r} {stage} {unit}: teacher servers {said} ({now - beat['t']:.0f}s ago)")
+    return lines
+
+
 # The phases in the order a unit goes through them (gndpo.storage.meter); others follow by name.
 PHASE_ORDER = ("setup", "compute", "write", "checkpoint", "export", "state")
 

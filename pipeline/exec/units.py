@@ -59,6 +59,9 @@ class StageJob(Protocol):
     def summarize(self, commits: list[dict]) -> dict:
         """Metrics for the manifest, from all commit records of the stage."""
 
+    def live_state(self) -> dict:
+        """Optional: what the worker's heartbeats carry while it holds a unit, for `gndpo status` (JSON)."""
+
 
 def lease_state(records: StageRecords, unit: str, now: float | None = None) -> str | None:
     """State of the newest lease on ``unit``: None (never claimed), "claimed" (its holder is alive),
@@ -147,7 +150,7 @@ class Worker:
         while not stop.wait(self.ttl / 4):
             sent = time.time()
             try:
-                self.records.heartbeat(lease.unit, lease.attempt)
+                self.records.heartbeat(lease.unit, lease.attempt, getattr(self.job, "live_state", dict)())
             except Exception as exc:  # noqa: BLE001 - any storage failure: the lease decides what it costs
                 _units_log.warning("%s: heartbeat of attempt %d failed: %s", where, lease.attempt, first_line(exc))
             else:

@@ -84,6 +84,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("score", "cross_tokenizer/unaligned_fraction", "Their share of the response tokens.", "score.cross_tokenizer"),
     Metric("score", "cross_tokenizer/split_span_fraction", "Share of tokens whose teacher value is a share of a span of several student tokens.",
            "score.cross_tokenizer"),
+    Metric("score", "server_retries", "Requests to the teacher's servers sent again after a failure (a connection, a timeout, a 5xx "
+           "or 429), summed over the round's units.", "score.backend server"),
+    Metric("score", "server_cooldowns", "Times a teacher server was taken out of the pool for a cooldown after a failure.", "score.backend server"),
     Metric("score", "heldout_reverse_kl", "Label-free held-out figure: the reverse-KL estimate mean(lpS - lpT) on one sampled response "
            "per held-out prompt.", "rollout.eval_heldout, held-out prompts without answers, and a teacher that reads them as the student does (no teacher "
            "context, routing or pictures; the same tokenizer)"),

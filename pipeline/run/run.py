@@ -37,6 +37,9 @@ class Run:
     # Models named by hub id ({"org/name[@rev]": {id, revision, commit}}, gndpo.storage.hub), resolved
     # once by `gndpo init`: every process loads that commit, whatever the revision names since.
     hub_models: dict | None = None
+    # Served teachers' answers to the probe when the run was created ({teacher name: log-probs},
+    # score.backend server): every score worker holds the servers to them.
+    served_probes: dict | None = None
 
     def records(self, round_idx: int, stage: str) -> StageRecords:
         """The records (plan, claims, done markers, manifest) of ``stage`` in round ``round_idx``: the
@@ -200,6 +203,8 @@ def open_run(url: str) -> Run:
     lineage = data.pop("lineage", None) if isinstance(data, dict) else None
     teacher_runs = data.pop("teacher_runs", None) if isinstance(data, dict) else None
     hub_models = data.pop("hub_models", None) if isinstance(data, dict) else None
+    served_probes = data.pop("served_probes", None) if isinstance(data, dict) else None
     if isinstance(data, dict):  # the run's own plugins import in every process that opens it
         use_plugin_dirs(data.get("plugin_dirs") or [])
-    return Run(fs=fs, cfg=config_from_dict(data), lineage=lineage, teacher_runs=teacher_runs, hub_models=hub_models)
+    return Run(fs=fs, cfg=config_from_dict(data), lineage=lineage, teacher_runs=teacher_runs, hub_models=hub_models,
+               served_probes=served_probes)

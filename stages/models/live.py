@@ -308,15 +308,15 @@ class LiveModels:
             live.asleep = False
         return live.llm
 
-    def teacher_pool(self, settings: ServerSettings, teacher_folder: str, tolerance: float) -> ServerPool:
+    def teacher_pool(self, settings: ServerSettings, teacher_folder: str, tolerance: float, recorded: list[float] | None = None) -> ServerPool:
         """A pool of the teacher's servers (``score.backend: server``), each checked against the teacher
-        at ``teacher_folder`` whenever a worker asks (:func:`checked_pool`); kept, its connections last
-        the run."""
+        at ``teacher_folder`` and the answers ``recorded`` when the run was created whenever a worker
+        asks (:func:`checked_pool`); kept, its connections last the run."""
         pool = self._pools.get(settings) if self.keep else None
         if pool is not None:
-            check_against_teacher(pool, teacher_folder, tolerance)
+            check_against_teacher(pool, teacher_folder, tolerance, recorded)
             return pool
-        pool = checked_pool(settings, teacher_folder, tolerance)
+        pool = checked_pool(settings, teacher_folder, tolerance, recorded)
         if self.keep:
             self._pools[settings] = pool
         return pool

@@ -68,6 +68,12 @@ def _check_model_folder(path: str) -> None:
         raise GndpoError(f"not a model folder (no {' or '.join(MODEL_FOLDER_FILES)}): {path}")
 
 
+def has_weights(path: str) -> bool:
+    """Whether the local folder ``path`` holds model weights (a hub snapshot of a served teacher has none)."""
+    folder = Path(path)
+    return folder.is_dir() and any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS)
+
+
 def check_model_files(path: str) -> None:
     """Refuse, in one line, a local model folder that a causal LM cannot be loaded from: missing, no
     config.json, or no weights (a tokenizer-only folder, an interrupted download)."""
@@ -76,7 +82,7 @@ def check_model_files(path: str) -> None:
     if folder.is_dir():
         if not (folder / "config.json").is_file():
             raise GndpoError(f"not a model folder (no config.json): {path}")
-        if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        if not has_weights(path):
             raise GndpoError(f"no model weights in {path} (no {', '.join(WEIGHT_PATTERNS)} file)")
         check_safetensors_files(folder)
 

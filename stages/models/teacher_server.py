@@ -11,9 +11,14 @@ penalties, so the teacher's raw distribution is what comes back whatever the ser
 The pool spreads requests over its servers by outstanding work (tokens in flight), at most
 ``score.server_in_flight`` a server; a request that fails (connection, timeout, 5xx, 429) is retried on
 the least loaded server after a backoff with jitter, and the server that failed is taken out for a
-cooldown, then probed back in with one request. A 401/403 is one line naming the server; when every
-attempt has failed, one line names each server's last error. Score commits a unit only when every row
-is scored, so a server's failure costs retries and at worst the unit's rerun, never rows.
+cooldown, then probed back in with one request. Retries are bounded by the pool's state: while another
+server answers, a request has ``score.server_retries`` retries (a request no server can answer fails
+for good); while every server is failing, the pool waits for one to come back until
+``score.server_outage_s`` has passed since the last answer of any server, then fails with one line
+naming each server's last error. Each server's going out and coming back, and the outage's time left,
+are log lines. A 401/403 is one line naming the server, and so is any other error the HTTP client
+raises. Score commits a unit only when every row is scored, so a server's failure costs retries and at
+worst the unit's rerun, never rows.
 
 Before a worker scores (and at ``gndpo init``), :func:`check_servers` holds each server to the teacher
 the run expects: the model it reports, its tokenization of a probe text, and its log-probs on a fixed
@@ -23,6 +28,7 @@ probe sequence, which every server of the pool must give alike (within ``score.s
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 import ssl
@@ -36,8 +42,8 @@ import numpy as np
 
 from gndpo.errors import GndpoError, first_line, whole_message
 from gndpo.pipeline.config.schema import SELF_TEACHER
-from gndpo.stages.models.loading import load_tokenizer, vocabulary_size
-from gndpo.stages.models.probe import probe_token_ids
+from gndpo.stages.models.loading import has_weights, load_causal_lm, load_tokenizer, vocabulary_size
+from gndpo.stages.models.probe import probe_logprobs, probe_token_ids
 from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
 from gndpo.storage.hub import is_hub_id, split_hub_id
 
@@ -47,6 +53,8 @@ PROBE_TEXT = "Teacher check: 12 + 30 = 42, 6 x 7 = 42; naïve café.\nThe end!"
 RETRIABLE_STATUS = {408, 429, 500, 502, 503, 504}
 COOLDOWN_S = (1.0, 30.0)  # a failed server's first and longest time out of the pool
 BACKOFF_S = (0.5, 8.0)  # a retry's first and longest wait (doubling, with jitter)
+OUTAGE_NOTICE_S = 10.0  # while every server is failing, a line this often with the time left
+log = logging.getLogger("gndpo")
 
 
 class RetriableError(Exception):
@@ -64,6 +72,7 @@ class ServerSettings:
     timeout_s: float = 300.0
     retries: int = 5
     in_flight: int = 8
+    outage_s: float = 60.0  # every server failing this long since the last answer: the request fails
 
     @classmethod
     def of(cls, score_cfg, urls: list[str], model: str) -> ServerSettings:
@@ -78,7 +87,7 @@ class ServerSettings:
             if not key:
                 raise GndpoError(f"score.server_api_key_env names {score_cfg.server_api_key_env}, which is not set in this environment")
         return cls(tuple(base_url(u) for u in urls), model, key, bundle or True,
-                   score_cfg.server_timeout_s, score_cfg.server_retries, score_cfg.server_in_flight)
+                   score_cfg.server_timeout_s, score_cfg.server_retries, score_cfg.server_in_flight, score_cfg.server_outage_s)
 
 
 def base_url(url: str) -> str:
@@ -103,6 +112,13 @@ class Server:
             return 0
         return 1 if self.failures else in_flight
 
+    def state(self, now: float) -> str:
+        """``up``, ``out for 8s`` (its cooldown) or ``on probation`` (one request), with its failures."""
+        if not self.failures:
+            return "up"
+        where = f"out for {self.down_until - now:.0f}s" if now < self.down_until else "on probation"
+        return f"{where} ({self.failures} failures; last: {self.last_error})"
+
 
 @dataclass
 class ServerPool:
@@ -123,6 +139,16 @@ class ServerPool:
         self.client = httpx.Client(headers=headers, timeout=timeout, verify=verify, trust_env=False)
         self._threads = ThreadPoolExecutor(max_workers=len(self.servers) * self.settings.in_flight, thread_name_prefix="teacher-server")
         self._batches, self._cancelled = itertools.count(1), set()
+        # The outage clock: the last answer of any server (the pool's start before the first).
+        self.last_answer, self._next_notice = time.monotonic(), 0.0
+        self.retries = self.cooldowns = 0  # for the round's metrics
+        self.probe: list[float] | None = None  # the servers' answers to the probe, once checked
+
+    def states(self) -> dict[str, str]:
+        """{url: :meth:`Server.state`} for `gndpo status` and the logs."""
+        with self._lock:
+            now = time.monotonic()
+            return {s.url: s.state(now) for s in self.servers}
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
@@ -172,28 +198,44 @@ class ServerPool:
 
     # -- the pool --------------------------------------------------------------------------------------
     def request(self, path: str, payload: dict | None, cost: int = 1, server: Server | None = None, batch: int = 0) -> dict:
-        """POST ``payload`` (GET where None) to ``path`` of the least loaded server, or of ``server``,
-        retrying elsewhere after a retriable failure; a GndpoError (one line) once retries are spent,
-        or at once for a refusal no retry mends (401/403, another 4xx)."""
-        attempts = 1 if server is not None else self.settings.retries + 1
-        for attempt in range(attempts):
-            chosen = server or self._acquire(cost, batch)
-            if server is not None:
-                self._take(server, cost)
+        """POST ``payload`` (GET where None) to ``path`` of the least loaded server, retrying elsewhere
+        after a retriable failure, or once to ``server`` (the checks). A GndpoError (one line) once the
+        request has failed ``score.server_retries`` times while another server answered, once every
+        server has failed for ``score.server_outage_s``, or at once for a refusal no retry mends."""
+        if server is not None:
+            return self._request_from(server, path, payload, cost)
+        failures = 0  # of this request while some server answered: the request itself may be what fails
+        for attempt in itertools.count():
+            chosen = self._acquire(cost, batch)
             try:
                 answer = self._send(chosen, path, payload)
                 self._succeeded(chosen)
                 return answer
             except RetriableError as exc:
-                self._failed(chosen, whole_message(exc))
-                if server is not None:
-                    raise GndpoError(f"teacher server {chosen.url}: {whole_message(exc)}") from None
+                if not self._failed(chosen, whole_message(exc)):
+                    failures += 1
             finally:
                 self._release(chosen, cost)
-            if attempt + 1 < attempts:
-                time.sleep(min(BACKOFF_S[1], BACKOFF_S[0] * 2**attempt) * random.uniform(0.5, 1.0))
-        errors = "; ".join(f"{s.url}: {s.last_error or 'no error'}" for s in self.servers)
-        raise GndpoError(f"every teacher server failed ({attempts} attempts for one request): {errors}")
+            if failures > self.settings.retries:
+                raise GndpoError(f"every teacher server failed ({failures} attempts for one request while a server answered): {self._errors()}")
+            with self._lock:
+                self.retries += 1
+            time.sleep(min(BACKOFF_S[1], BACKOFF_S[0] * 2**min(attempt, 8)) * random.uniform(0.5, 1.0))
+
+    def _request_from(self, server: Server, path: str, payload: dict | None, cost: int) -> dict:
+        self._take(server, cost)
+        try:
+            answer = self._send(server, path, payload)
+            self._succeeded(server)
+            return answer
+        except RetriableError as exc:
+            self._failed(server, whole_message(exc))
+            raise GndpoError(f"teacher server {server.url}: {whole_message(exc)}") from None
+        finally:
+            self._release(server, cost)
+
+    def _errors(self) -> str:
+        return "; ".join(f"{s.url}: {s.last_error or 'no error'}" for s in self.servers)
 
     def _send(self, server: Server, path: str, payload: dict | None) -> dict:
         try:
@@ -205,7 +247,11 @@ class ServerPool:
             if isinstance(exc, httpx.ConnectError) and "CERTIFICATE_VERIFY_FAILED" in str(exc):
                 raise GndpoError(f"teacher server {server.url}: its certificate does not verify ({whole_message(exc)}); "
                                  "name its CA bundle in score.server_ca_bundle") from None
+            if isinstance(exc, httpx.UnsupportedProtocol):
+                raise GndpoError(f"teacher server {server.url}: {first_line(exc, with_type=True)}") from None
             raise RetriableError(first_line(exc, with_type=True)) from None
+        except (httpx.HTTPError, httpx.InvalidURL, httpx.CookieConflict, httpx.StreamError) as exc:  # nothing a retry mends
+            raise GndpoError(f"teacher server {server.url}: {first_line(exc, with_type=True)}") from None
         if response.status_code in (401, 403):
             raise GndpoError(f"teacher server {server.url} refused the request ({response.status_code}): "
                              "set the key it expects in the environment variable score.server_api_key_env names")
@@ -221,12 +267,13 @@ class ServerPool:
     def _acquire(self, cost: int, batch: int) -> Server:
         """The server with the least outstanding work and a free slot, waiting for one; servers out of
         the pool come back on probation once their cooldown has passed. A GndpoError once another
-        request of ``batch`` has failed for good."""
+        request of ``batch`` has failed for good, or once every server has failed for the outage time."""
         with self._lock:
             while True:
                 if batch in self._cancelled:
                     raise GndpoError("another request of the batch failed")
                 now = time.monotonic()
+                left = self._outage_left(now)
                 free = [s for s in self.servers if s.requests < s.capacity(self.settings.in_flight, now)]
                 if free:
                     chosen = min(free, key=lambda s: (s.outstanding, s.requests))
@@ -234,7 +281,24 @@ class ServerPool:
                     chosen.requests += 1
                     return chosen
                 waits = [s.down_until - now for s in self.servers if s.down_until > now]
+                if left is not None:
+                    waits.append(min(left, max(self._next_notice - now, 0.0)))
                 self._lock.wait(timeout=max(0.05, min(waits)) if waits else None)
+
+    def _outage_left(self, now: float) -> float | None:
+        """While every server's last request failed: the seconds left before the outage fails the
+        request (a GndpoError past them), and a line every OUTAGE_NOTICE_S; None while one answers.
+        Called with the lock held."""
+        if any(not s.failures for s in self.servers):
+            return None
+        down, left = now - self.last_answer, self.settings.outage_s - (now - self.last_answer)
+        if left <= 0:
+            raise GndpoError(f"every teacher server failed for {down:.0f}s (score.server_outage_s {self.settings.outage_s:g}): {self._errors()}")
+        if now >= self._next_notice:
+            log.warning(f"every teacher server is failing ({down:.0f}s since the last answer): the unit fails in {left:.0f}s "
+                        f"(score.server_outage_s {self.settings.outage_s:g}) unless one answers; {self._errors()}")
+            self._next_notice = now + OUTAGE_NOTICE_S
+        return left
 
     def _take(self, server: Server, cost: int) -> None:
         with self._lock:
@@ -249,28 +313,38 @@ class ServerPool:
 
     def _succeeded(self, server: Server) -> None:
         with self._lock:
+            self.last_answer = time.monotonic()
+            if server.failures:
+                log.info(f"teacher server {server.url} answers again after {server.failures} failures: back in the pool")
             server.failures = 0
 
-    def _failed(self, server: Server, error: str) -> None:
+    def _failed(self, server: Server, error: str) -> bool:
         """Out of the pool for a cooldown that doubles with each failure, counting once the requests
-        that were in flight together when it failed."""
+        that were in flight together when it failed. Returns whether every server is now failing."""
         with self._lock:
             server.last_error = error
-            if time.monotonic() < server.down_until:
-                return
-            server.failures += 1
-            server.down_until = time.monotonic() + min(COOLDOWN_S[1], COOLDOWN_S[0] * 2 ** (server.failures - 1))
+            now = time.monotonic()
+            if now >= server.down_until:
+                server.failures += 1
+                cooldown = min(COOLDOWN_S[1], COOLDOWN_S[0] * 2 ** (server.failures - 1))
+                server.down_until = now + cooldown
+                self.cooldowns += 1
+                log.warning(f"teacher server {server.url} failed ({error}): out of the pool for {cooldown:g}s, then one request on probation")
+            return all(s.failures for s in self.servers)
 
 
 # -- is it the teacher the run expects? -------------------------------------------------------------------
-def check_servers(pool: ServerPool, tokenizer, vocabulary: int, tolerance: float) -> None:
+def check_servers(pool: ServerPool, tokenizer, vocabulary: int, tolerance: float, recorded: list[float] | None = None) -> list[float]:
     """Each server serves ``pool.settings.model``, tokenizes :data:`PROBE_TEXT` as ``tokenizer`` (the
     teacher's) does, and scores the probe sequences (:func:`~gndpo.stages.models.probe.probe_token_ids`
-    below ``vocabulary``) within ``tolerance`` (mean |difference| of the log-probs) of the first server:
-    a one-line GndpoError naming the server otherwise."""
+    below ``vocabulary``) within ``tolerance`` (mean |difference| of the log-probs) of ``recorded``, the
+    served teacher's answers when the run was created, or, without a record, of the first server: a
+    one-line GndpoError naming the server and the gap otherwise. Returns the pool's answers (the first
+    server's), the record a new run keeps."""
     model, expected = pool.settings.model, tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
     probe = probe_token_ids(vocabulary)
-    reference = None
+    reference = None if recorded is None else np.asarray(recorded, np.float32)
+    answers = None
     for server in pool.servers:
         served = [m.get("id") for m in pool.request("/v1/models", None, server=server).get("data", [])]
         if model not in served:
@@ -280,15 +354,30 @@ def check_servers(pool: ServerPool, tokenizer, vocabulary: int, tolerance: float
         if tokens != expected:
             raise GndpoError(f"teacher server {server.url} tokenizes a probe text differently from the teacher's tokenizer "
                              f"({len(tokens or [])} tokens against {len(expected)}): it serves another tokenizer")
-        answers = [pool.prompt_logprobs(ids, 0, server=server) for ids in probe]
-        scores = flat_response_logprobs(answers, [ids[1:] for ids in probe], 0)["logprobs"]
+        scores = server_probe(pool, server, probe)
+        answers = scores if answers is None else answers
         if reference is None:
             reference = scores
             continue
-        gap = float(np.abs(scores - reference).mean())
+        gap = probe_gap(scores, reference)
         if not gap <= tolerance:
-            raise GndpoError(f"teacher server {server.url} scores the probe sequence {gap:.3g} apart from {pool.servers[0].url} "
-                             f"(score.server_tolerance {tolerance:g}): the replicas serve different weights or precisions")
+            against = (f"the teacher its servers served when the run was created (score.server_tolerance {tolerance:g}): it now serves "
+                       "other weights or another precision") if recorded is not None else (
+                       f"{pool.servers[0].url} (score.server_tolerance {tolerance:g}): the replicas serve different weights or precisions")
+            raise GndpoError(f"teacher server {server.url} scores the probe sequence {gap:.3g} apart from {against}")
+    return [float(x) for x in answers]
+
+
+def server_probe(pool: ServerPool, server: Server, probe: list[list[int]]) -> np.ndarray:
+    """``server``'s log-prob of each probe token after the first, sequence after sequence."""
+    answers = [pool.prompt_logprobs(ids, 0, server=server) for ids in probe]
+    return flat_response_logprobs(answers, [ids[1:] for ids in probe], 0)["logprobs"]
+
+
+def probe_gap(scores, reference) -> float:
+    """Mean |difference| of two probes' log-probs; inf where their lengths differ (another vocabulary's probe)."""
+    scores, reference = np.asarray(scores, np.float64), np.asarray(reference, np.float64)
+    return float(np.abs(scores - reference).mean()) if scores.shape == reference.shape else float("inf")
 
 
 # -- the run's teachers and their servers -------------------------------------------------------------
@@ -315,16 +404,35 @@ def teacher_server_settings(cfg) -> dict[str, ServerSettings]:
     return settings
 
 
-def check_against_teacher(pool: ServerPool, teacher_folder: str, tolerance: float) -> None:
+def check_against_teacher(pool: ServerPool, teacher_folder: str, tolerance: float, recorded: list[float] | None = None) -> list[float]:
     """:func:`check_servers` with the tokenizer and vocabulary of the teacher at ``teacher_folder``."""
-    check_servers(pool, load_tokenizer(teacher_folder), vocabulary_size(teacher_folder), tolerance)
+    return check_servers(pool, load_tokenizer(teacher_folder), vocabulary_size(teacher_folder), tolerance, recorded)
 
 
-def checked_pool(settings: ServerSettings, teacher_folder: str, tolerance: float) -> ServerPool:
-    """A pool of ``settings``' servers, each held to the teacher at ``teacher_folder``."""
+def check_against_weights(pool: ServerPool, teacher_folder: str, model_cfg, tolerance: float) -> float | None:
+    """The pool's probe answers (:func:`check_servers` first) against the teacher's own forward on its
+    weights in ``teacher_folder`` (transformers, in ``model.dtype``): a one-line GndpoError beyond
+    ``tolerance``; the gap, or None where the folder has no weights (a hub id served, not downloaded)."""
+    if not has_weights(teacher_folder):
+        return None
+    model = load_causal_lm(teacher_folder, model_cfg).eval()
+    local = probe_logprobs(model, vocabulary_size(teacher_folder), load_tokenizer(teacher_folder).pad_token_id or 0)
+    del model
+    if local["token_ids"] != probe_token_ids(vocabulary_size(teacher_folder)):
+        return None  # a vision-language teacher's probe avoids its image tokens: not the servers' probe
+    gap = probe_gap(pool.probe, [x for row in local["logprobs"] for x in row])
+    if not gap <= tolerance:
+        raise GndpoError(f"the teacher's servers score the probe sequence {gap:.3g} apart from its weights in {teacher_folder} "
+                         f"(score.server_tolerance {tolerance:g}): they serve other weights or another precision")
+    return gap
+
+
+def checked_pool(settings: ServerSettings, teacher_folder: str, tolerance: float, recorded: list[float] | None = None) -> ServerPool:
+    """A pool of ``settings``' servers, each held to the teacher at ``teacher_folder`` and to ``recorded``
+    (:func:`check_servers`); the pool's probe answers are its ``probe``."""
     pool = ServerPool(settings)
     try:
-        check_against_teacher(pool, teacher_folder, tolerance)
+        pool.probe = check_against_teacher(pool, teacher_folder, tolerance, recorded)
     except BaseException:
         pool.close()
         raise

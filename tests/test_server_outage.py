@@ -1,0 +1,152 @@
+"""The teacher-server pool under outage, against dead ports and fake teachers (no vLLM, no model): a
+pool-wide outage fails in bounded time (``score.server_outage_s`` after the last answer, plus at most
+one request's timeout), with one line and progress lines while it waits; a dead replica of two costs
+retries, not the batch; a failed server gets no request during its cooldown and one on probation; the
+client's own errors are one line naming the server; every URL is parsed when the config is read."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.exec.units import Worker
+from gndpo.pipeline.run.run import open_run
+from gndpo.stages.models import teacher_server
+from gndpo.stages.models.teacher_server import ServerPool, ServerSettings
+from tests.conftest import assert_one_line_error, invoke, tiny_config_dict, write_config
+from tests.teacher_servers import FakeTeacher, free_port
+
+PROMPTS, RESPONSES = [[1, 2, 3]] * 48, [[4, 5, 6, 7]] * 48
+
+
+@pytest.fixture
+def fakes():
+    servers = [FakeTeacher(), FakeTeacher()]
+    yield servers
+    for server in servers:
+        server.close()
+
+
+def pool_of(*urls: str, **settings) -> ServerPool:
+    return ServerPool(ServerSettings(tuple(urls), "fake-teacher", **{"timeout_s": 2.0, "retries": 5, "in_flight": 4, **settings}))
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+
+
+def test_a_total_outage_fails_within_the_deadline_plus_one_timeout(caplog):
+    pool = pool_of(dead_url(), dead_url(), outage_s=3.0)
+    start = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="gndpo"), pytest.raises(GndpoError) as failure:
+        pool.response_logprobs(PROMPTS, RESPONSES, 4)
+    took = time.monotonic() - start
+    pool.close()
+    # Before the deadline the pool waits for a server to come back; after it, at most one request's timeout.
+    assert 3.0 <= took <= 3.0 + 2.0 + 1.0, took
+    message = str(failure.value)
+    assert "\n" not in message and message.startswith("every teacher server failed for") and "score.server_outage_s 3" in message
+    assert all(f"{s.url}: ConnectError" in message for s in pool.servers), message
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("out of the pool for 1s" in line for line in lines) == 2, lines  # each server's first cooldown, once
+    waiting = [line for line in lines if line.startswith("every teacher server is failing")]
+    assert waiting and "the unit fails in" in waiting[0] and len(waiting) <= 2, waiting  # one line every 10 s at most
+
+
+def test_a_dead_replica_of_two_costs_retries_not_the_batch(fakes):
+    alone = pool_of(fakes[0].url)
+    expected = alone.response_logprobs(PROMPTS, RESPONSES, 4)
+    alone.close()
+    pool = pool_of(dead_url(), fakes[1].url, outage_s=1.0)
+    got = pool.response_logprobs(PROMPTS, RESPONSES, 4)
+    pool.close()
+    for key in ("logprobs", "topk_ids", "topk_logprobs"):
+        assert (got[key] == expected[key]).all(), key
+    assert pool.cooldowns >= 1 and pool.retries >= 1
+    assert pool.states()[pool.servers[1].url] == "up" and pool.states()[pool.servers[0].url].startswith(("out for", "on probation"))
+
+
+def test_a_failed_server_gets_nothing_in_its_cooldown_and_one_request_on_probation(fakes, monkeypatch):
+    """Fake A fails every request; B answers. After A's first failure (a 1 s cooldown), A receives no
+    request for that second, then exactly one (probation) before it fails again; the batch completes on B."""
+    monkeypatch.setattr(teacher_server, "COOLDOWN_S", (1.0, 1.0))  # every cooldown 1 s: the test sees several
+    failing, healthy = fakes
+    failing.failing = True
+    pool = pool_of(failing.url, healthy.url, in_flight=2)
+    many = 400
+    pool.response_logprobs([[1, 2, 3]] * many, [[4, 5, 6, 7]] * many, 0)
+    pool.close()
+    times = [t for t, path, _ in failing.received if path == "/v1/completions"]
+    assert len(healthy.received) + len(times) >= many and len(times) >= 2
+    # The first failure's requests were in flight together (at most in_flight); after them, one a cooldown.
+    first_wave = [t for t in times if t - times[0] < 0.5]
+    assert len(first_wave) <= 2, times
+    later = times[len(first_wave):]
+    assert all(b - a >= 0.95 for a, b in zip([first_wave[-1], *later], later)), times
+
+
+def test_the_clients_own_errors_are_one_line_naming_the_server():
+    pool = pool_of("http:///nothing")
+    with pytest.raises(GndpoError, match=r"teacher server http:///nothing: UnsupportedProtocol"):
+        pool.request("/v1/models", None)
+    pool.close()
+
+
+@pytest.mark.parametrize("url, problem", [("http://127.0.0.1:notaport", "Invalid port: 'notaport'"), ("http://", "no host"),
+                                          ("http://127.0.0.1:70000", "port 70000 is not 1-65535"), ("ftp://h:1", "scheme ftp")])
+def test_a_malformed_server_url_is_one_line_at_init_and_nothing_is_written(url, problem, tmp_path, tiny_assets):
+    config = write_config(tmp_path, tiny_config_dict(tiny_assets, score={"backend": "server", "servers": [url]}))
+    result = invoke("init", tmp_path / "run", "--config", config)
+    assert_one_line_error(result, f"score.servers: {url!r} is not a URL ({problem}")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(GndpoError, match="is not a URL"):
+        config_from_dict({"score": {"backend": "server", "servers": {"a": ["http://a:1"], "b": [url]}}, "teachers": {"a": "x", "b": "y"}})
+
+
+class ScoringJob:
+    """A score unit that takes ``seconds`` while its pool's states are what the worker's heartbeats carry,
+    as ScoreJob's do (``live_state``)."""
+
+    stage = "score"
+
+    def __init__(self, pool: ServerPool, seconds: float):
+        self.pool, self.seconds = pool, seconds
+
+    def plan(self):
+        return [{"unit": "u00000"}], {}
+
+    def setup(self):
+        pass
+
+    def run_unit(self, unit, out_dir):
+        time.sleep(self.seconds)
+        return [], {}
+
+    def summarize(self, commits):
+        return {}
+
+    def live_state(self):
+        return {"servers": self.pool.states()}
+
+
+def test_status_shows_each_live_score_workers_servers(tmp_path, tiny_assets, fakes):
+    """A score worker's heartbeats carry its pool's states; `gndpo status` shows them under the table
+    while the worker holds the unit: the dead server out of the pool with its last error, the live one up."""
+    invoke("init", tmp_path / "run", "--config", write_config(tmp_path, tiny_config_dict(tiny_assets)))
+    pool = pool_of(dead := dead_url(), fakes[0].url)
+    pool.response_logprobs(PROMPTS[:8], RESPONSES[:8], 0)  # the dead one fails and goes out of the pool
+    worker = Worker(open_run(str(tmp_path / "run")).records(0, "score"), ScoringJob(pool, seconds=1.5), ttl=0.4, log=lambda *_: None)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    time.sleep(0.8)  # a heartbeat or two (every ttl/4)
+    shown = invoke("status", tmp_path / "run").output
+    thread.join()
+    pool.close()
+    line = next(line for line in shown.splitlines() if line.startswith("round 0 score u00000: teacher servers"))
+    assert f"{dead} out for" in line or f"{dead} on probation" in line, line
+    assert "ConnectError" in line and f"{fakes[0].url} up" in line, line

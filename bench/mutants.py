@@ -152,6 +152,92 @@ MUTATIONS = [
         "pass",
         ("tests/test_e2e.py::test_kept_engines_give_the_rows_and_weights_of_fresh_processes",),
     ),
+    # The code added after the first table: teacher servers, hub ids, answers, the held-out measures, streamed
+    # rounds, the exact quantile, automatic checkpointing, one training file.
+    Mutation(
+        "engine-rest-drops-last", "the vllm and server backends' rest mass computed from all but the last top-k entry",
+        "stages/scoring/teachers.py",
+        'teacher_rest_logprob=rest_logprob_from_topk(answers[0]["topk_logprobs"]))',
+        'teacher_rest_logprob=rest_logprob_from_topk(answers[0]["topk_logprobs"][:, :-1]))',
+        ("tests/test_score_backend.py", "tests/test_teacher_servers.py::test_several_teachers_other_tokenizers_and_self_distillation_through_servers"),
+    ),
+    Mutation(
+        "server-request-temperature", "server requests no longer force temperature 1 (the server's default applies)",
+        "stages/models/teacher_server.py",
+        '"temperature": 1.0, "top_p": 1.0, "top_k": -1',
+        '"top_p": 1.0, "top_k": -1',
+        ("tests/test_server_outage.py",),
+    ),
+    Mutation(
+        "server-no-cooldown", "a failed server stays in the pool (no cooldown before its next request)",
+        "stages/models/teacher_server.py",
+        "server.down_until = now + cooldown",
+        "server.down_until = now",
+        ("tests/test_server_outage.py",),
+    ),
+    Mutation(
+        "checkpointing-threshold", "train.gradient_checkpointing auto turns on above 85% of the GPU instead of 70%",
+        "stages/models/gpu_memory.py",
+        "train_peak(cfg, Shape.of(student), gpu, checkpointing=False).bytes > WARN * gpu",
+        "train_peak(cfg, Shape.of(student), gpu, checkpointing=False).bytes > 0.85 * gpu",
+        ("tests/test_gpu_memory.py",),
+    ),
+    Mutation(
+        "hub-resume-by-revision", "a run's later processes load a hub model's revision (which may have moved) instead of its recorded commit",
+        "storage/hub.py",
+        'revision=record["commit"], local_files_only=True',
+        'revision=record["revision"], local_files_only=True',
+        ("tests/test_hub_models.py",),
+    ),
+    Mutation(
+        "answers-for-teacher-context", "a teacher context that shows {answer} is not counted as needing answers",
+        "pipeline/methods/__init__.py",
+        'if "answer" in cfg.teacher_context.columns():',
+        'if "answers" in cfg.teacher_context.columns():',
+        ("tests/test_prompts_without_answers.py::test_what_needs_answers",),
+    ),
+    Mutation(
+        "heldout-greedy-sampled-swapped", "the label-free held-out measure reads the greedy responses as the sampled ones and back",
+        "stages/score.py",
+        "greedy, drawn = sampled & (sample == 0), sampled & (sample == 1)",
+        "greedy, drawn = sampled & (sample == 1), sampled & (sample == 0)",
+        ("tests/test_prompts_without_answers.py::test_two_rounds_of_gndpo_on_prompts_only",),
+    ),
+    Mutation(
+        "streamed-step-order", "a streamed step's rows come back in shard order, not the step's shuffled order",
+        "stages/training/batch.py",
+        "join(*split_rows(table.sort_by(POSITION)))",
+        "join(*split_rows(table))",
+        ("tests/test_streamed_rounds.py",),
+    ),
+    Mutation(
+        "quantile-interpolation", "the exact quantile interpolates from the upper order statistic instead of the lower",
+        "pipeline/methods/base.py",
+        '{"d": rank - below,',
+        '{"d": 1 - (rank - below),',
+        ("tests/test_quantiles.py",),
+    ),
+    Mutation(
+        "served-teacher-record-ignored", "worker starts compare the servers with the pool's first server, not the teacher recorded at init",
+        "stages/models/teacher_server.py",
+        "gap = probe_gap(scores, reference)",
+        "gap = probe_gap(scores, answers)",
+        ("tests/test_teacher_servers.py::test_a_server_redeployed_with_other_weights_is_refused_at_the_next_worker_start",),
+    ),
+    Mutation(
+        "outage-deadline-doubled", "a pool-wide outage fails at twice score.server_outage_s",
+        "stages/models/teacher_server.py",
+        "        if left <= 0:",
+        "        if left <= -self.settings.outage_s:",
+        ("tests/test_server_outage.py",),
+    ),
+    Mutation(
+        "heldout-split-cap", "one prompt more than data.heldout_max is held out of data.train",
+        "pipeline/run/prompts.py",
+        "ranked[: data.heldout_max]",
+        "ranked[: data.heldout_max + 1]",
+        ("tests/test_one_train_file.py",),
+    ),
 ]
 
 

@@ -179,7 +179,10 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
 def assert_teacher_columns_agree(reference: list[dict], other: list[dict], atol: float, topk: bool) -> None:
     """Two scorings of the same rollouts (score rows sorted by rollout id): the teacher's sampled-token
     log-probs within ``atol``, the student's identical and, with ``topk``, the teacher's top-k
-    log-probs within ``atol`` and its ids identical wherever the values are not tied."""
+    log-probs within ``atol``, its ids identical wherever the values are not tied, and its rest mass
+    beside the top-k, exp(teacher_rest_logprob), within ``atol``: top-k log-probs ``atol`` apart move
+    the rest by at most sum_k p_k * atol <= atol (engine backends compute it as 1 - sum of the top-k p,
+    the HF backend from its whole softmax)."""
     assert [r["rollout_id"] for r in reference] == [r["rollout_id"] for r in other] and reference
     compared = 0
     for ref, got in zip(reference, other):
@@ -187,6 +190,8 @@ def assert_teacher_columns_agree(reference: list[dict], other: list[dict], atol:
         assert got["student_logprobs"] == ref["student_logprobs"]
         if not topk:
             continue
+        np.testing.assert_allclose(np.exp(np.asarray(got["teacher_rest_logprob"], np.float64)),
+                                   np.exp(np.asarray(ref["teacher_rest_logprob"], np.float64)), rtol=0, atol=atol + 1e-6)
         for ids_r, lp_r, ids_o, lp_o in zip(ref["teacher_topk_ids"], ref["teacher_topk_logprobs"], got["teacher_topk_ids"], got["teacher_topk_logprobs"]):
             np.testing.assert_allclose(lp_o, lp_r, rtol=0, atol=atol)
             gaps = np.diff(lp_r)  # descending: a position's id is fixed when it differs from both neighbours

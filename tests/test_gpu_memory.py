@@ -108,6 +108,20 @@ def test_auto_checkpoints_only_where_the_gpu_needs_it(example_shapes):
         assert uses_checkpointing(cfg, student, 80 * GIB) is setting and uses_checkpointing(cfg, student, 1024 * GIB) is setting
 
 
+def test_auto_checkpointing_switches_at_seventy_percent(example_shapes):
+    """train.gradient_checkpointing: auto on both sides of its threshold and at it: on a GPU where the
+    step without checkpointing is 1% above 70% of it, on; at exactly 70%, off (above, not at); 1% below,
+    off. The threshold is re-derived here from the step's estimate, not read from the module."""
+    student = str(example_shapes["student"])
+    auto = config_from_dict({"train": {"max_tokens_per_batch": 16384}})
+    peak = train_peak(auto, Shape.of(student), 80 * GIB, checkpointing=False).bytes  # the estimate does not depend on the GPU's size
+    assert train_peak(auto, Shape.of(student), 200 * GIB, checkpointing=False).bytes == peak
+    at = peak / 0.70
+    assert uses_checkpointing(auto, student, int(at / 1.01))  # the step is 1% above 70% of this GPU
+    assert not uses_checkpointing(auto, student, int(at * 1.01))
+    assert not uses_checkpointing(auto, student, int(at) + 1)
+
+
 def test_a_bad_gpu_memory_is_one_line(tmp_path, example_shapes):
     assert_one_line_error(init_example(tmp_path, example_shapes, "--gpu-memory", "lots"), "--gpu-memory 'lots'")
 

@@ -90,6 +90,21 @@ def test_a_failed_server_gets_nothing_in_its_cooldown_and_one_request_on_probati
     assert all(b - a >= 0.95 for a, b in zip([first_wave[-1], *later], later)), times
 
 
+def test_every_request_forces_the_teachers_raw_distribution(fakes):
+    """What the docs promise of each scoring request, read from the requests a server received: the
+    response's token ids as the prompt, one token to generate, its prompt log-probs with the top-k, and
+    temperature 1, top-p 1, no top-k, no min-p, no penalties (a server's defaults may differ)."""
+    pool = pool_of(fakes[0].url)
+    pool.response_logprobs(PROMPTS[:4], RESPONSES[:4], 4)
+    pool.close()
+    scoring = [payload for _, path, payload in fakes[0].received if path == "/v1/completions"]
+    assert len(scoring) == 4
+    for payload in scoring:
+        assert payload == {"model": "fake-teacher", "prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 1, "prompt_logprobs": 4, "temperature": 1.0,
+                           "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                           "repetition_penalty": 1.0, "seed": 0}
+
+
 def test_the_clients_own_errors_are_one_line_naming_the_server():
     pool = pool_of("http:///nothing")
     with pytest.raises(GndpoError, match=r"teacher server http:///nothing: UnsupportedProtocol"):

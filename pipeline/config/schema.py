@@ -381,9 +381,8 @@ class ScoreConfig:
     server_timeout_s: Positive = 300.0  # one request's longest wait for its answer
     server_retries: NonNegativeInt = 5  # attempts after a request's first failure, each on the least loaded server
     server_in_flight: Count = 8  # requests in flight per server
-    # While every server is failing: how long after the last answer of any server the unit fails (a
-    # server restarting, or a pool redeployed, comes back within a minute; a dead pool should not hold
-    # the run for longer than that in silence).
+    # While every server is failing: how long after the last answer of any server the unit fails (long
+    # enough for a dropped connection or a failover; raise it to wait for a teacher's restart).
     server_outage_s: Positive = 60.0
     # Replicas of one teacher must score a fixed probe sequence alike: the largest mean |log-prob
     # difference| accepted between a server and the first (bf16 replicas on different GPU types differ).

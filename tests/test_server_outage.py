@@ -165,3 +165,17 @@ def test_status_shows_each_live_score_workers_servers(tmp_path, tiny_assets, fak
     line = next(line for line in shown.splitlines() if line.startswith("round 0 score u00000: teacher servers"))
     assert f"{dead} out for" in line or f"{dead} on probation" in line, line
     assert "ConnectError" in line and f"{fakes[0].url} up" in line, line
+
+
+def test_an_idle_pool_starts_the_outage_clock_with_its_work(fakes):
+    """A kept pool (gndpo run, between rounds) whose last answer was long ago still waits the whole
+    deadline for a server to come back when its next work finds every server failing."""
+    pool = pool_of(fakes[0].url, outage_s=2.0)
+    pool.response_logprobs(PROMPTS[:2], RESPONSES[:2], 0)
+    pool.last_answer -= 3600  # an hour idle
+    fakes[0].failing = True
+    start = time.monotonic()
+    with pytest.raises(GndpoError, match="every teacher server failed for"):
+        pool.response_logprobs(PROMPTS[:2], RESPONSES[:2], 0)
+    pool.close()
+    assert 2.0 <= time.monotonic() - start <= 2.0 + 2.0 + 1.0

@@ -139,7 +139,7 @@ class ServerPool:
         self.client = httpx.Client(headers=headers, timeout=timeout, verify=verify, trust_env=False)
         self._threads = ThreadPoolExecutor(max_workers=len(self.servers) * self.settings.in_flight, thread_name_prefix="teacher-server")
         self._batches, self._cancelled = itertools.count(1), set()
-        # The outage clock: the last answer of any server (the pool's start before the first).
+        # The outage clock: the last answer of any server, or the start of work after the pool was idle.
         self.last_answer, self._next_notice = time.monotonic(), 0.0
         self.retries = self.cooldowns = 0  # for the round's metrics
         self.probe: list[float] | None = None  # the servers' answers to the probe, once checked
@@ -163,6 +163,9 @@ class ServerPool:
             raise GndpoError("score.backend server cannot show a teacher pictures: /v1/completions takes token ids without images")
         sequences = [[int(t) for t in p] + [int(t) for t in r] for p, r in zip(prompts, responses)]
         batch = next(self._batches)
+        with self._lock:  # an idle pool (a kept one, between rounds) starts the outage clock with the work
+            if not any(s.requests for s in self.servers):
+                self.last_answer = max(self.last_answer, time.monotonic())
         futures = [self._threads.submit(self.prompt_logprobs, ids, topk, batch=batch) for ids in sequences]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f.exception() for f in done if f.exception() is not None), None)

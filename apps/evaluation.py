@@ -61,8 +61,8 @@ def eval_target(target: str, options: EvalOptions) -> EvalTarget:
         version, model = run.latest_policy()
         heldout = None if options.prompts else run.prompts("heldout")
         if heldout == []:
-            raise GndpoError(f"run {target} has no held-out prompts (no data.heldout file, and rollout.eval_heldout was off at init): "
-                             "pass --prompts FILE")
+            raise GndpoError(f"run {target} has no held-out prompts (no data.heldout file, and rollout.eval_heldout off or "
+                             "data.heldout_share 0 at init): pass --prompts FILE")
         return EvalTarget(model, run.cfg.engine, run.cfg.data, run.cfg.rollout, run.cfg.reward, run.cfg.rollout.max_tokens,
                           heldout, RunImages(run.fs), {"policy_version": version})
     extra = {}

@@ -179,8 +179,8 @@ def check_prompt_count(cfg: Config, prompts: int, held_out: int = 0) -> None:
     many (with fewer, every round would quietly use fewer than the config says); ``held_out``: how many
     were held out of data.train for lack of a data.heldout file."""
     if prompts < cfg.rollout.prompts_per_round:
-        after = (f" once {held_out} are held out (name a data.heldout file, or set rollout.eval_heldout=false, to train on all)"
-                 if held_out else "")
+        after = (f" after {held_out} held out (name a data.heldout file, or set rollout.eval_heldout=false or data.heldout_share=0, "
+                 "to train on all)" if held_out else "")
         raise GndpoError(
             f"data.train has {prompts} prompts{after}, fewer than rollout.prompts_per_round {cfg.rollout.prompts_per_round}: "
             f"set rollout.prompts_per_round to at most {prompts}, or add prompts"

@@ -37,7 +37,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
-from gndpo.stages.models.device import resolve_dtype
+from gndpo.stages.models.device import available_memory, resolve_dtype
 from gndpo.stages.models.loading import parameter_count
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.shards import ROLLOUTS, scores_schema, token_bytes
@@ -144,16 +144,6 @@ def temp_space(url: str) -> tuple[int, bool]:
     fs = RunFS(url)
     same = fs.is_local and os.stat(existing_parent(Path(fs.path("")))).st_dev == os.stat(temp).st_dev
     return shutil.disk_usage(temp).free, same
-
-
-def available_memory() -> int | None:
-    """Memory this machine can give a new process without swapping (Linux's MemAvailable); None elsewhere."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 def check_round_size(size: RoundSize, free: int | None, memory: int | None, temp: tuple[int, bool] | None = None) -> None:

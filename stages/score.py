@@ -53,6 +53,7 @@ class ScoreJob:
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
         self.live = live or LiveModels()
+        self.pools = []  # the teachers' server pools (score.backend server), once setup made them: counts and states
 
     def plan(self):
         """One unit per committed rollout shard (the evaluation unit's excepted), plus one for the held-out
@@ -80,7 +81,6 @@ class ScoreJob:
         device = local_device()
         # A run whose prompts show pictures: the student's image tensors, and the pictures by prompt.
         self.images = BatchImages.of_run(self.run, self.run.policy_path(0))
-        self.pools = []  # the teachers' server pools (score.backend server): their counts and states
         self.live.release_engine()
         # The rollout engine's log-probs may stand in for the student's forward (score.student_logprobs).
         self.from_engine = self.student_from_engine()
@@ -159,7 +159,8 @@ class ScoreJob:
         settings = teacher_server_settings(self.cfg)[name]
         recorded = (self.run.served_probes or {}).get(name)
         pool = self.live.teacher_pool(settings, teacher_path, self.cfg.score.server_tolerance, recorded)
-        self.pools.append(pool)
+        if all(pool is not known for known in self.pools):  # teachers served by one pool count once
+            self.pools.append(pool)
         return pool.response_logprobs
 
     def _teacher_engine(self, teacher_path: str):

@@ -190,10 +190,11 @@ class FakeTeacher(LoopbackServer):
     """A loopback server that answers score's completions requests as vLLM's OpenAI-compatible server
     does, without a model: at position i the teacher's log-probs are the log-softmax of fixed logits
     ((31 v + 17 i) mod 13) / 4 over a ``vocabulary`` of tokens v, the same in every FakeTeacher. While
-    ``failing`` it answers HTTP 503 to everything. For the pool's behaviour, not a teacher's numbers."""
+    ``failing`` it answers HTTP 503 to everything, and to the sequences that start with a token in
+    ``poison``. For the pool's behaviour, not a teacher's numbers."""
 
     def __init__(self, model: str = "fake-teacher", vocabulary: int = 16):
-        self.model, self.vocabulary, self.failing = model, vocabulary, False
+        self.model, self.vocabulary, self.failing, self.poison = model, vocabulary, False, set()
         super().__init__()
 
     def logprobs(self, position: int) -> list[float]:
@@ -208,6 +209,8 @@ class FakeTeacher(LoopbackServer):
         if path == "/v1/models":
             return 200, json.dumps({"data": [{"id": self.model}]}).encode()
         request = json.loads(body)
+        if request["prompt"][0] in self.poison:
+            return 503, b'{"error": "the fake teacher cannot answer this one"}'
         k, positions = request.get("prompt_logprobs") or 0, [None]
         for i, token in enumerate(request["prompt"][1:], start=1):
             values = self.logprobs(i)

@@ -703,6 +703,8 @@ def server_url_problem(url) -> str:
         return f"scheme {parsed.scheme or 'missing'}, not http or https"
     if not parsed.host:
         return "no host"
+    if "%" in parsed.host or any(c.isspace() for c in url):
+        return "a space or an escaped character in it"
     if parsed.port is not None and not 0 < parsed.port < 65536:
         return f"port {parsed.port} is not 1-65535"
     return ""

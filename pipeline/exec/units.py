@@ -143,6 +143,15 @@ class Worker:
         self.records.heartbeat(unit, attempt)
         return attempt
 
+    def _live_state(self, where: str) -> dict:
+        """What the job says of itself for the heartbeat (``live_state``, optional); {} where it cannot say:
+        a heartbeat is never lost to it."""
+        try:
+            return getattr(self.job, "live_state", dict)()
+        except Exception as exc:  # noqa: BLE001 - the lease matters more than what status shows
+            _units_log.debug("%s: no live state for the heartbeat: %s", where, first_line(exc))
+            return {}
+
     def _heartbeat_loop(self, lease: Lease, stop: threading.Event) -> None:
         """Renew ``lease`` every ttl/4 until ``stop``; each failed renewal is a warning, and once the lease
         went unrenewed past its ttl the loop ends: the unit is no longer this worker's to commit."""
@@ -150,7 +159,7 @@ class Worker:
         while not stop.wait(self.ttl / 4):
             sent = time.time()
             try:
-                self.records.heartbeat(lease.unit, lease.attempt, getattr(self.job, "live_state", dict)())
+                self.records.heartbeat(lease.unit, lease.attempt, self._live_state(where))
             except Exception as exc:  # noqa: BLE001 - any storage failure: the lease decides what it costs
                 _units_log.warning("%s: heartbeat of attempt %d failed: %s", where, lease.attempt, first_line(exc))
             else:

@@ -65,7 +65,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("rollout", "engine_restarted", "1 where a kept engine failed the probe and a fresh one replaced it.", "as engine_probe_gap_max"),
     Metric("rollout", "engine_adapters", "1 where the engine served the round's LoRA adapters (model.lora.serve adapters).",
            "a LoRA student served as adapters, with a probe"),
-    Metric("rollout", "heldout_accuracy", "Greedy accuracy on data.heldout of the policy that sampled (the run's reward).",
+    Metric("rollout", "heldout_accuracy", "Greedy accuracy on the held-out prompts (data.heldout, or those held out of data.train) of the policy "
+           "that sampled (the run's reward).",
            "rollout.eval_heldout and held-out prompts with answers"),
     # score
     Metric("score", "tokens", "Response tokens scored."),

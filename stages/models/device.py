@@ -21,6 +21,23 @@ from gndpo.pipeline.exec.dist import Dist, usable_cpus
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def available_memory() -> int | None:
+    """Memory this machine can give a new process without swapping (Linux's MemAvailable); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a model loaded on ``device`` can take now: the GPU's free memory, or the host's available."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory()
+
+
 @lru_cache(maxsize=None)
 def local_device() -> torch.device:
     """This process's device, chosen once: cuda:<its local rank> (:class:`Dist`, modulo the visible GPUs)

@@ -42,7 +42,8 @@ import numpy as np
 
 from gndpo.errors import GndpoError, first_line, whole_message
 from gndpo.pipeline.config.schema import SELF_TEACHER
-from gndpo.stages.models.loading import has_weights, load_causal_lm, load_tokenizer, vocabulary_size
+from gndpo.stages.models.device import free_memory, local_device, resolve_dtype
+from gndpo.stages.models.loading import has_weights, load_causal_lm, load_tokenizer, parameter_count, vocabulary_size
 from gndpo.stages.models.probe import probe_logprobs, probe_token_ids
 from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
 from gndpo.storage.hub import is_hub_id, split_hub_id
@@ -139,8 +140,9 @@ class ServerPool:
         self.client = httpx.Client(headers=headers, timeout=timeout, verify=verify, trust_env=False)
         self._threads = ThreadPoolExecutor(max_workers=len(self.servers) * self.settings.in_flight, thread_name_prefix="teacher-server")
         self._batches, self._cancelled = itertools.count(1), set()
-        # The outage clock: the last answer of any server, or the start of work after the pool was idle.
-        self.last_answer, self._next_notice = time.monotonic(), 0.0
+        # The outage clock: the last answer of any server (or the start of work after the pool was idle),
+        # and since when every server has been failing (None while one is not).
+        self.last_answer, self.failing_since, self._next_notice = time.monotonic(), None, 0.0
         self.retries = self.cooldowns = 0  # for the round's metrics
         self.probe: list[float] | None = None  # the servers' answers to the probe, once checked
 
@@ -165,7 +167,7 @@ class ServerPool:
         batch = next(self._batches)
         with self._lock:  # an idle pool (a kept one, between rounds) starts the outage clock with the work
             if not any(s.requests for s in self.servers):
-                self.last_answer = max(self.last_answer, time.monotonic())
+                self.last_answer = time.monotonic()
         futures = [self._threads.submit(self.prompt_logprobs, ids, topk, batch=batch) for ids in sequences]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f.exception() for f in done if f.exception() is not None), None)
@@ -207,32 +209,32 @@ class ServerPool:
         server has failed for ``score.server_outage_s``, or at once for a refusal no retry mends."""
         if server is not None:
             return self._request_from(server, path, payload, cost)
-        failures = 0  # of this request while some server answered: the request itself may be what fails
+        failures = 0  # of this request while the pool answered others: the request itself may be what fails
         for attempt in itertools.count():
             chosen = self._acquire(cost, batch)
+            sent = time.monotonic()
             try:
                 answer = self._send(chosen, path, payload)
                 self._succeeded(chosen)
                 return answer
             except RetriableError as exc:
-                if not self._failed(chosen, whole_message(exc)):
+                self._failed(chosen, whole_message(exc))
+                if self.last_answer > sent:
                     failures += 1
             finally:
                 self._release(chosen, cost)
             if failures > self.settings.retries:
-                raise GndpoError(f"every teacher server failed ({failures} attempts for one request while a server answered): {self._errors()}")
+                raise GndpoError(f"a request to the teacher's servers failed {failures} times while they answered others: {self._errors()}")
             with self._lock:
                 self.retries += 1
             time.sleep(min(BACKOFF_S[1], BACKOFF_S[0] * 2**min(attempt, 8)) * random.uniform(0.5, 1.0))
 
     def _request_from(self, server: Server, path: str, payload: dict | None, cost: int) -> dict:
+        """One attempt on ``server`` (the checks): its failure is the one line, the pool's state unchanged."""
         self._take(server, cost)
         try:
-            answer = self._send(server, path, payload)
-            self._succeeded(server)
-            return answer
+            return self._send(server, path, payload)
         except RetriableError as exc:
-            self._failed(server, whole_message(exc))
             raise GndpoError(f"teacher server {server.url}: {whole_message(exc)}") from None
         finally:
             self._release(server, cost)
@@ -292,9 +294,12 @@ class ServerPool:
         """While every server's last request failed: the seconds left before the outage fails the
         request (a GndpoError past them), and a line every OUTAGE_NOTICE_S; None while one answers.
         Called with the lock held."""
-        if any(not s.failures for s in self.servers):
+        if self.failing_since is None:
             return None
-        down, left = now - self.last_answer, self.settings.outage_s - (now - self.last_answer)
+        # From the last answer, or from when the last server began failing where an answer came after
+        # it was sent: a healthy server's long request is no outage.
+        start = max(self.last_answer, self.failing_since)
+        down, left = now - start, self.settings.outage_s - (now - start)
         if left <= 0:
             raise GndpoError(f"every teacher server failed for {down:.0f}s (score.server_outage_s {self.settings.outage_s:g}): {self._errors()}")
         if now >= self._next_notice:
@@ -319,11 +324,11 @@ class ServerPool:
             self.last_answer = time.monotonic()
             if server.failures:
                 log.info(f"teacher server {server.url} answers again after {server.failures} failures: back in the pool")
-            server.failures = 0
+            server.failures, self.failing_since = 0, None
 
-    def _failed(self, server: Server, error: str) -> bool:
+    def _failed(self, server: Server, error: str) -> None:
         """Out of the pool for a cooldown that doubles with each failure, counting once the requests
-        that were in flight together when it failed. Returns whether every server is now failing."""
+        that were in flight together when it failed; the outage clock starts when the last server fails."""
         with self._lock:
             server.last_error = error
             now = time.monotonic()
@@ -333,7 +338,8 @@ class ServerPool:
                 server.down_until = now + cooldown
                 self.cooldowns += 1
                 log.warning(f"teacher server {server.url} failed ({error}): out of the pool for {cooldown:g}s, then one request on probation")
-            return all(s.failures for s in self.servers)
+            if self.failing_since is None and all(s.failures for s in self.servers):
+                self.failing_since = now
 
 
 # -- is it the teacher the run expects? -------------------------------------------------------------------
@@ -418,7 +424,14 @@ def check_against_weights(pool: ServerPool, teacher_folder: str, model_cfg, tole
     ``tolerance``; the gap, or None where the folder has no weights (a hub id served, not downloaded)."""
     if not has_weights(teacher_folder):
         return None
-    model = load_causal_lm(teacher_folder, model_cfg).eval()
+    device, weights = local_device(), parameter_count(teacher_folder)
+    free = free_memory(device)
+    if weights is None or free is None or weights * resolve_dtype(model_cfg.dtype, device).itemsize > free / 2:
+        # A served teacher is often the one too large for this machine: no forward, one line says so.
+        log.info(f"the teacher in {teacher_folder} is not compared with its servers here: its weights need more than half of "
+                 f"this {device.type}'s free memory")
+        return None
+    model = load_causal_lm(teacher_folder, model_cfg, device).eval()
     local = probe_logprobs(model, vocabulary_size(teacher_folder), load_tokenizer(teacher_folder).pad_token_id or 0)
     del model
     if local["token_ids"] != probe_token_ids(vocabulary_size(teacher_folder)):

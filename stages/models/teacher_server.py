@@ -303,7 +303,7 @@ class ServerPool:
         if left <= 0:
             raise GndpoError(f"every teacher server failed for {down:.0f}s (score.server_outage_s {self.settings.outage_s:g}): {self._errors()}")
         if now >= self._next_notice:
-            log.warning(f"every teacher server is failing ({down:.0f}s since the last answer): the unit fails in {left:.0f}s "
+            log.warning(f"every teacher server is failing ({down:.0f}s without an answer): the unit fails in {left:.0f}s "
                         f"(score.server_outage_s {self.settings.outage_s:g}) unless one answers; {self._errors()}")
             self._next_notice = now + OUTAGE_NOTICE_S
         return left

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.load import config_to_yaml
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.exec.units import Worker
 from gndpo.pipeline.run.run import open_run
@@ -149,10 +150,12 @@ class ScoringJob:
         return {"servers": self.pool.states()}
 
 
-def test_status_shows_each_live_score_workers_servers(tmp_path, tiny_assets, fakes):
+def test_status_shows_each_live_score_workers_servers(tmp_path, fakes):
     """A score worker's heartbeats carry its pool's states; `gndpo status` shows them under the table
-    while the worker holds the unit: the dead server out of the pool with its last error, the live one up."""
-    invoke("init", tmp_path / "run", "--config", write_config(tmp_path, tiny_config_dict(tiny_assets)))
+    while the worker holds the unit: the dead server out of the pool with its last error, the live one up.
+    (The run folder is a run.yaml of the defaults: status reads records, not models.)"""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.yaml").write_text(config_to_yaml(config_from_dict({})))
     pool = pool_of(dead := dead_url(), fakes[0].url)
     pool.response_logprobs(PROMPTS[:8], RESPONSES[:8], 0)  # the dead one fails and goes out of the pool
     worker = Worker(open_run(str(tmp_path / "run")).records(0, "score"), ScoringJob(pool, seconds=1.5), ttl=0.4, log=lambda *_: None)

@@ -209,7 +209,7 @@ class ServerPool:
         server has failed for ``score.server_outage_s``, or at once for a refusal no retry mends."""
         if server is not None:
             return self._request_from(server, path, payload, cost)
-        failures = 0  # of this request while the pool answered others: the request itself may be what fails
+        failures = 0  # of this request while another server was up or answered: the request itself may be what fails
         for attempt in itertools.count():
             chosen = self._acquire(cost, batch)
             sent = time.monotonic()
@@ -218,8 +218,7 @@ class ServerPool:
                 self._succeeded(chosen)
                 return answer
             except RetriableError as exc:
-                self._failed(chosen, whole_message(exc))
-                if self.last_answer > sent:
+                if self._failed(chosen, whole_message(exc)) or self.last_answer > sent:
                     failures += 1
             finally:
                 self._release(chosen, cost)
@@ -326,9 +325,10 @@ class ServerPool:
                 log.info(f"teacher server {server.url} answers again after {server.failures} failures: back in the pool")
             server.failures, self.failing_since = 0, None
 
-    def _failed(self, server: Server, error: str) -> None:
+    def _failed(self, server: Server, error: str) -> bool:
         """Out of the pool for a cooldown that doubles with each failure, counting once the requests
-        that were in flight together when it failed; the outage clock starts when the last server fails."""
+        that were in flight together when it failed; the outage clock starts when the last server fails.
+        Returns whether another server is up (its last request answered): then the failure is the request's."""
         with self._lock:
             server.last_error = error
             now = time.monotonic()
@@ -340,6 +340,7 @@ class ServerPool:
                 log.warning(f"teacher server {server.url} failed ({error}): out of the pool for {cooldown:g}s, then one request on probation")
             if self.failing_since is None and all(s.failures for s in self.servers):
                 self.failing_since = now
+            return any(not s.failures for s in self.servers if s is not server)
 
 
 # -- is it the teacher the run expects? -------------------------------------------------------------------

@@ -10,8 +10,8 @@ this checkout, and the line is put back. A mutation is *killed* when at least on
 once on the unchanged copy (the baseline): a test that fails there proves nothing about a mutant, so
 the check stops.
 
-Not in the suite (it runs the tests it names once per mutation: 14 minutes on 2 CPU cores, 5 of them
-the baseline)::
+Not in the suite (it runs the tests it names once per mutation: about 25 minutes on 2 CPU cores for
+the 26, 10 of them the baselines of the two runs that made the table)::
 
     .venv/bin/python bench/mutants.py              # every mutation, then results/mutants.{json,md}
     .venv/bin/python bench/mutants.py --only gndpo-mean,advantage-sign   # rerun these, merged into the results

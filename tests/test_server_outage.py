@@ -21,6 +21,7 @@ from gndpo.stages.models import teacher_server
 from gndpo.stages.models.teacher_server import ServerPool, ServerSettings
 from tests.conftest import assert_one_line_error, invoke, tiny_config_dict, write_config
 from tests.teacher_servers import FakeTeacher, free_port
+from tests.test_leases import SlowJob
 
 PROMPTS, RESPONSES = [[1, 2, 3]] * 48, [[4, 5, 6, 7]] * 48
 
@@ -124,27 +125,13 @@ def test_a_malformed_server_url_is_one_line_at_init_and_nothing_is_written(url, 
         config_from_dict({"score": {"backend": "server", "servers": {"a": ["http://a:1"], "b": [url]}}, "teachers": {"a": "x", "b": "y"}})
 
 
-class ScoringJob:
+class ScoringJob(SlowJob):
     """A score unit that takes ``seconds`` while its pool's states are what the worker's heartbeats carry,
     as ScoreJob's do (``live_state``)."""
 
-    stage = "score"
-
-    def __init__(self, pool: ServerPool, seconds: float):
-        self.pool, self.seconds = pool, seconds
-
-    def plan(self):
-        return [{"unit": "u00000"}], {}
-
-    def setup(self):
-        pass
-
-    def run_unit(self, unit, out_dir):
-        time.sleep(self.seconds)
-        return [], {}
-
-    def summarize(self, commits):
-        return {}
+    def __init__(self, fs, pool: ServerPool, seconds: float):
+        super().__init__(fs, seconds)
+        self.pool = pool
 
     def live_state(self):
         return {"servers": self.pool.states()}
@@ -158,14 +145,15 @@ def test_status_shows_each_live_score_workers_servers(tmp_path, fakes):
     (tmp_path / "run" / "run.yaml").write_text(config_to_yaml(config_from_dict({})))
     pool = pool_of(dead := dead_url(), fakes[0].url)
     pool.response_logprobs(PROMPTS[:8], RESPONSES[:8], 0)  # the dead one fails and goes out of the pool
-    worker = Worker(open_run(str(tmp_path / "run")).records(0, "score"), ScoringJob(pool, seconds=1.5), ttl=0.4, log=lambda *_: None)
+    run = open_run(str(tmp_path / "run"))
+    worker = Worker(run.records(0, "score"), ScoringJob(run.fs, pool, seconds=1.5), ttl=0.4, log=lambda *_: None)
     thread = threading.Thread(target=worker.run)
     thread.start()
     time.sleep(0.8)  # a heartbeat or two (every ttl/4)
     shown = invoke("status", tmp_path / "run").output
     thread.join()
     pool.close()
-    line = next(line for line in shown.splitlines() if line.startswith("round 0 score u00000: teacher servers"))
+    line = next(line for line in shown.splitlines() if line.startswith("round 0 score u0: teacher servers"))
     assert f"{dead} out for" in line or f"{dead} on probation" in line, line
     assert "ConnectError" in line and f"{fakes[0].url} up" in line, line
 

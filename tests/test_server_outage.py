@@ -178,11 +178,11 @@ def test_a_request_no_server_can_answer_fails_the_batch_in_bounded_time(fakes):
     looks as dead as in an outage, so the request fails at the latest score.server_outage_s later, in
     one line with the server's error."""
     fakes[0].poison = {9}
-    pool = pool_of(fakes[0].url, retries=2, outage_s=3.0)
+    pool = pool_of(fakes[0].url, retries=2, outage_s=1.5)
     start = time.monotonic()
     with pytest.raises(GndpoError, match="cannot answer this one") as failure:
         pool.response_logprobs([[1, 2]] * 40 + [[9, 2]], [[3, 4]] * 41, 0)
     pool.close()
-    assert time.monotonic() - start < 3.0 + 2.0 + 8.0  # the outage time, a timeout, a backoff
+    assert time.monotonic() - start < 1.5 + 2.0 + 8.0  # the outage time, a timeout, a backoff
     assert "\n" not in str(failure.value)
     assert sum(1 for _, path, body in fakes[0].received if path == "/v1/completions" and body["prompt"][0] == 9) >= 2  # retried

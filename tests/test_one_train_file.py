@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 from pathlib import Path
 
@@ -74,35 +75,40 @@ def single_file_config(folder: Path, tiny_assets: Path, answers: bool = True, **
     return write_config(folder, cfg)
 
 
-def test_init_holds_out_of_the_one_file_and_says_so(tmp_path, tiny_assets):
+def test_init_holds_out_of_the_one_file_and_says_so(tmp_path, tiny_assets, caplog):
     config = single_file_config(tmp_path, tiny_assets, rollout={"prompts_per_round": 8})
-    result = invoke_ok("init", tmp_path / "run", "--config", config, "data.heldout_share=0.1")
+    with caplog.at_level(logging.INFO, logger="gndpo"):  # the terminal's level is another test's to set
+        invoke_ok("init", tmp_path / "run", "--config", config, "data.heldout_share=0.1")
+    said = " ".join(r.getMessage() for r in caplog.records)
     run = open_run(str(tmp_path / "run"))
     train, held = run.prompts("train"), run.prompts("heldout")
     everything = load_prompts(str(tmp_path / "train.jsonl")).to_dicts()
     assert {r["prompt"] for r in held} == held_by_hand([r["prompt"] for r in everything], 0.1, 256)
     assert len(train) + len(held) == len(everything) and not {r["prompt_id"] for r in held} & {r["prompt_id"] for r in train}
-    assert f"{len(held)} of data.train's {len(everything)} prompts are held out" in result.output
-    assert "data.heldout=FILE" in result.output and run.heldout_measure() == "accuracy"
+    assert f"{len(held)} of data.train's {len(everything)} prompts are held out" in said
+    assert "data.heldout=FILE" in said and run.heldout_measure() == "accuracy"
 
     # Another run of the same file (a re-init, a fork's parent file) holds out the same prompts.
     invoke_ok("init", tmp_path / "again", "--config", config, "data.heldout_share=0.1", "rollout.seed=3")
     assert open_run(str(tmp_path / "again")).prompts("heldout") == held
 
 
-def test_a_heldout_file_still_wins(tmp_path, tiny_assets):
+def test_a_heldout_file_still_wins(tmp_path, tiny_assets, caplog):
     config = single_file_config(tmp_path, tiny_assets)
-    result = invoke_ok("init", tmp_path / "run", "--config", config, f"data.heldout={tiny_assets / 'heldout.jsonl'}")
+    with caplog.at_level(logging.INFO, logger="gndpo"):
+        invoke_ok("init", tmp_path / "run", "--config", config, f"data.heldout={tiny_assets / 'heldout.jsonl'}")
     run = open_run(str(tmp_path / "run"))
-    assert len(run.prompts("train")) == 96 and len(run.prompts("heldout")) == 24 and "held out" not in result.output
+    assert len(run.prompts("train")) == 96 and len(run.prompts("heldout")) == 24
+    assert not [r for r in caplog.records if "held out" in r.getMessage()]
 
 
-def test_without_the_heldout_evaluation_nothing_is_held_out(tmp_path, tiny_assets):
+def test_without_the_heldout_evaluation_nothing_is_held_out(tmp_path, tiny_assets, caplog):
     config = single_file_config(tmp_path, tiny_assets, answers=False)
-    result = invoke_ok("init", tmp_path / "run", "--config", config, "rollout.eval_heldout=false")
+    with caplog.at_level(logging.INFO, logger="gndpo"):
+        invoke_ok("init", tmp_path / "run", "--config", config, "rollout.eval_heldout=false")
     run = open_run(str(tmp_path / "run"))
     assert len(run.prompts("train")) == 96 and run.prompts("heldout") == [] and run.heldout_measure() == "none"
-    assert "held out" not in result.output
+    assert not [r for r in caplog.records if "held out" in r.getMessage()]
     refused = invoke("eval", tmp_path / "run", "--out", tmp_path / "eval")
     assert_one_line_error(refused, "has no held-out prompts", "--prompts FILE")
     assert not (tmp_path / "eval").exists()

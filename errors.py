@@ -3,6 +3,8 @@
 The CLI prints these as a single line and exits non-zero; anything else is a bug and keeps its traceback.
 """
 
+import difflib
+
 
 class GndpoError(Exception):
     """A user-facing error: bad input, a missing path, a corrupt shard, a mismatched run folder."""
@@ -26,3 +28,9 @@ def whole_message(exc: BaseException | str, limit: int = 300) -> str:
     exception's type's name when it has none."""
     text = " ".join(str(exc).split()) or (type(exc).__name__ if isinstance(exc, BaseException) else "")
     return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def did_you_mean(word: str, choices, where: str = "") -> str:
+    """", did you mean X?" for the choice closest to a misspelled ``word`` (difflib), or ""."""
+    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"; did you mean {where}{close[0]}?" if close else ""

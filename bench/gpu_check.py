@@ -239,6 +239,7 @@ def set_up_train() -> None:
 def check_handover(rec: Recorder, tiny: bool) -> None:
     from gndpo.stages.models.live import LiveModels
     from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
+    from gndpo.stages.training.deepspeed_engine import build_engine
 
     device = rec.device
     rec.step("setup", set_up_train)
@@ -263,7 +264,7 @@ def check_handover(rec: Recorder, tiny: bool) -> None:
     def train(round_idx: int, policy_dir) -> dict:
         live.release_engine()
         live.release_modules()
-        engine, reused = live.train_engine(cfg, path, policy_dir, 1)
+        engine, reused = live.train_engine(cfg, path, policy_dir, 1, build=build_engine)
         out = {"round": round_idx, "engine_reused": reused, **train_step(engine, cfg, rows, device, round_idx)}
         live.trained(engine, cfg, 1, f"run/models/r{round_idx + 1}")
         del engine
@@ -365,6 +366,7 @@ def check_train_1p7b(rec: Recorder, tiny: bool, checkpointing: bool = False, liv
     """One optimizer step at the defaults (and ``checkpointing``; ``live``: the engine put in training
     mode by this script; ``max_tokens``: train.max_tokens_per_batch), its memory by phase."""
     from gndpo.stages.models.live import LiveModels
+    from gndpo.stages.training.deepspeed_engine import build_engine
 
     device = rec.device
     rec.step("setup", set_up_train)
@@ -383,7 +385,7 @@ def check_train_1p7b(rec: Recorder, tiny: bool, checkpointing: bool = False, liv
     holder = {}
 
     def build() -> dict:
-        engine, _ = LiveModels().train_engine(cfg, path, None, 1)
+        engine, _ = LiveModels().train_engine(cfg, path, None, 1, build=build_engine)
         module = engine.module
         out = {"parameters": sum(p.numel() for p in module.parameters()), "module_training_as_built": module.training,
                "checkpointing_layers": sum(1 for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True),

@@ -67,7 +67,7 @@ from gndpo.stages.training.checkpoint import (
     save_checkpoint,
     start_update,
 )
-from gndpo.stages.training.deepspeed_engine import init_distributed, isolate_extension_builds, quiet_deepspeed_import
+from gndpo.stages.training.deepspeed_engine import build_engine, init_distributed, isolate_extension_builds, quiet_deepspeed_import
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.stages.training.export import export_ema, export_student, save_hf_folder
 from gndpo.storage.meter import phase
@@ -397,7 +397,7 @@ class TrainJob:
         self.live.release_modules()
         # By URL, not run-relative: an engine kept across runs (`gndpo compare`) must not pass for this run's.
         exported = self.run.policy_dir(self.round)
-        engine, continued = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world, self.base)
+        engine, continued = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world, self.base, build=build_engine)
         if not continued and self.state_was_not_written():
             del engine  # freed before the replay builds its own
             engine, continued = self.replayed_engine(policy)
@@ -457,7 +457,7 @@ class TrainJob:
         cfg, dist = self.cfg, self.dist
         base, state = last_carried_state(self.run, self.round)
         start = self.run.policy_path(base + 1)
-        engine, _ = self.live.train_engine(cfg, start, None, dist.world, self.base)
+        engine, _ = self.live.train_engine(cfg, start, None, dist.world, self.base, build=build_engine)
         if state is None or load_state(engine, self.run.fs, state, dist.world):
             with phase("replay"):
                 for round_idx in range(base + 1, self.round):
@@ -475,7 +475,7 @@ class TrainJob:
         else:
             self.log(f"train r{self.round}: round {base}'s optimizer state was written by {state['world']} ranks; starting a fresh optimizer")
         del engine
-        return self.live.train_engine(cfg, policy, None, dist.world, self.base)[0], False
+        return self.live.train_engine(cfg, policy, None, dist.world, self.base, build=build_engine)[0], False
 
     def exports_equal(self, engine, policy: str) -> bool:
         """Whether ``engine``'s weights, exported as train exports them, are byte for byte the weight

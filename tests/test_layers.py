@@ -8,6 +8,9 @@ scanned like the others) and for modules named by string (``importlib.import_mod
 ``python -m gndpo...`` command line, an f-string that starts a module name): a string that names a gndpo
 module is checked like an import. A gndpo import inside a function is allowed only with a comment
 saying why (start-up time, a cycle it avoids), on its line or the line above.
+Inside the foundation and the stages the sub-folders are floors too (:data:`SUB_FLOORS`, bottom first):
+``pipeline/config`` checks methods and tasks, so neither imports config; a stage module (``stages/score.py``)
+sits above every sub-folder of ``stages/``.
 Runs alone: ``python -m pytest tests/test_layers.py``.
 """
 
@@ -27,11 +30,38 @@ LAYER_NAMES = ("storage", "pipeline", "stages", "apps", "cli")
 FORBIDDEN = {0: ("torch", "transformers", "vllm", "deepspeed")}
 # A string that is (or starts, in an f-string) a gndpo module name: "gndpo.stages.score",
 # f"gndpo.stages.{stage}", "package.module:function" plugin paths.
+# The sub-folders of a floor, bottom first. A module directly in the floor's folder (a stage:
+# stages/score.py) sits above them all.
+SUB_FLOORS = {
+    "gndpo.pipeline": ("tasks", "methods", "config", "run", "observe", "exec"),
+    "gndpo.stages": ("models", "text", "scoring", "training", "teachers"),
+}
 MODULE_STRING = re.compile(r"gndpo(\.[A-Za-z_]\w*)+\.?(:\w+)?")
 
 
 def layer_of(module: str) -> int | None:
     return LAYERS.get(".".join(module.split(".")[:2]))
+
+
+def sub_floor(module: str) -> tuple[str, int] | None:
+    """(floor, height inside it) of a module of a floor with sub-floors; None for the other floors."""
+    parts = module.split(".")
+    floor = ".".join(parts[:2])
+    if floor not in SUB_FLOORS:
+        return None
+    order = SUB_FLOORS[floor]
+    return floor, order.index(parts[2]) if len(parts) > 2 and parts[2] in order else len(order)
+
+
+def goes_up(module: str, target: str) -> bool:
+    """Whether importing ``target`` from ``module`` runs up a floor, or up a sub-floor of the same floor."""
+    own, other = layer_of(module), layer_of(target)
+    if own is None or other is None:
+        return False
+    if other != own:
+        return other > own
+    here, there = sub_floor(module), sub_floor(target)
+    return here is not None and there is not None and there[1] > here[1]
 
 
 def docstrings(tree: ast.Module) -> set[int]:
@@ -87,6 +117,19 @@ def imports(tree: ast.Module, module: str):
                 yield f"{base}.{alias.name}", node.lineno, id(node) in top
 
 
+def floor_names(module: str, target: str) -> tuple[str, str]:
+    """The floors of ``module`` and ``target`` ("pipeline"), or their sub-floors when they share a
+    floor ("pipeline/config"; "stages" for a stage module)."""
+    if layer_of(module) != layer_of(target):
+        return LAYER_NAMES[layer_of(module)], LAYER_NAMES[layer_of(target)]
+
+    def name(m: str) -> str:
+        parts, floor = m.split("."), LAYER_NAMES[layer_of(m)]
+        return f"{floor}/{parts[2]}" if sub_floor(m)[1] < len(SUB_FLOORS[".".join(parts[:2])]) else floor
+
+    return name(module), name(target)
+
+
 def violations(root: Path) -> list[str]:
     """Every import that goes up a layer, reaches a forbidden library, or is a gndpo import in a function
     without a comment, in the code folders under ``root``."""
@@ -99,14 +142,14 @@ def violations(root: Path) -> list[str]:
             lines = source.splitlines()
             tree = ast.parse(source)
             for target, line in string_references(tree):
-                other = layer_of(target)
-                if own is not None and other is not None and other > own:
-                    found.append(f"{path.relative_to(root)}:{line}: {module} ({LAYER_NAMES[own]}) names {target} ({LAYER_NAMES[other]}) by string")
+                if goes_up(module, target):
+                    here, there = floor_names(module, target)
+                    found.append(f"{path.relative_to(root)}:{line}: {module} ({here}) names {target} ({there}) by string")
             for target, line, at_top in imports(tree, module):
                 where = f"{path.relative_to(root)}:{line}"
-                other = layer_of(target) if target.startswith("gndpo.") else None
-                if own is not None and other is not None and other > own:
-                    found.append(f"{where}: {module} ({LAYER_NAMES[own]}) imports {target} ({LAYER_NAMES[other]})")
+                if target.startswith("gndpo.") and goes_up(module, target):
+                    here, there = floor_names(module, target)
+                    found.append(f"{where}: {module} ({here}) imports {target} ({there})")
                 if own in FORBIDDEN and target.split(".")[0] in FORBIDDEN[own]:
                     found.append(f"{where}: {module} ({LAYER_NAMES[own]}) imports {target.split('.')[0]}")
                 lazy = not at_top and target.startswith("gndpo.")
@@ -171,6 +214,12 @@ def test_imports_go_down_the_layers():
     assert violations(ROOT) == []
 
 
+def test_every_sub_folder_has_a_sub_floor():
+    for floor, order in SUB_FLOORS.items():
+        folder = ROOT / floor.split(".")[1]
+        assert sorted(p.parent.name for p in folder.glob("*/__init__.py")) == sorted(order), floor
+
+
 def test_no_import_cycles():
     assert cycles(module_graph(ROOT)) == []
 
@@ -190,6 +239,10 @@ def test_the_checks_catch_a_reverse_import_and_a_cycle(tmp_path):
                                      'SCORE = "gndpo.stages.score"\nCOMMAND = ["python", "-m", "gndpo.cli", "score"]\n'),
         "pipeline/run/__init__.py": "",
         "pipeline/run/run.py": "def f():\n    from gndpo.storage import bytes\n",
+        "pipeline/methods/__init__.py": "",
+        "pipeline/methods/loss.py": "from gndpo.pipeline.config.schema import Config\n",
+        "pipeline/config/__init__.py": "",
+        "pipeline/config/schema.py": "import gndpo.pipeline.methods\n",
         "stages/__init__.py": "",
         "stages/a.py": "from gndpo.stages import b\n",
         "stages/b.py": "import gndpo.stages.a\n",
@@ -205,6 +258,8 @@ def test_the_checks_catch_a_reverse_import_and_a_cycle(tmp_path):
                          "gndpo.pipeline.exec.by_name (pipeline) names gndpo.stages (stages) by string",
                          "gndpo.pipeline.exec.by_name (pipeline) names gndpo.stages.score (stages) by string"], found
     assert any("run.py:2" in v and "inside a function" in v for v in found), found
+    assert any("loss.py:1" in v and "(pipeline/methods) imports gndpo.pipeline.config.schema.Config (pipeline/config)" in v for v in found), found
+    assert not any("schema.py" in v for v in found), found  # config may import methods
     assert any("bytes.py:1" in v and "imports torch" in v for v in found), found
     assert cycles(module_graph(tmp_path)) == [["gndpo.stages.a", "gndpo.stages.b"]]
 

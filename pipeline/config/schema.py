@@ -14,7 +14,6 @@ comments (``gndpo config keys``, and the docs' reference), so the comments here 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import inspect
 import io
@@ -30,7 +29,7 @@ from typing import Annotated, Any, Literal, TypedDict
 
 import httpx
 
-from gndpo.errors import GndpoError
+from gndpo.errors import GndpoError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -606,12 +605,6 @@ def _holds(value: Any, typ) -> bool:
     if typ is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, typ) and not (typ is int and isinstance(value, bool))
-
-
-def did_you_mean(word: str, choices, where: str = "") -> str:
-    """", did you mean X?" for the choice closest to a misspelled ``word`` (difflib), or ""."""
-    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
-    return f"; did you mean {where}{close[0]}?" if close else ""
 
 
 def _choices(typ) -> str:

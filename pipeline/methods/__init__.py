@@ -15,8 +15,7 @@ functions below are what the stages call: :func:`score_needs` (score), :func:`me
 
 from __future__ import annotations
 
-from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import did_you_mean
+from gndpo.errors import GndpoError, did_you_mean
 from gndpo.pipeline.methods import distill, divergence, outcome, tip, trust
 from gndpo.pipeline.methods.base import (
     SCORE_EXTRAS,

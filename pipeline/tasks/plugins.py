@@ -6,8 +6,7 @@ import importlib
 import sys
 from typing import Callable, Iterable
 
-from gndpo.errors import GndpoError, first_line
-from gndpo.pipeline.config.schema import did_you_mean
+from gndpo.errors import GndpoError, did_you_mean, first_line
 
 
 def named_callable(name: str, builtins: dict[str, Callable], kind: str) -> Callable:

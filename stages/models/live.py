@@ -33,6 +33,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from gndpo.stages.models.device import resolve_dtype
 from gndpo.stages.models.loading import load_causal_lm, model_config
@@ -50,7 +51,6 @@ from gndpo.stages.models.vllm_engine import (
     make_llm,
     shutdown_llm,
 )
-from gndpo.stages.training.deepspeed_engine import build_engine
 
 
 @dataclass
@@ -351,8 +351,10 @@ class LiveModels:
         torch.cuda.empty_cache()
 
     # -- train: the DeepSpeed engine -----------------------------------------------------------------
-    def train_engine(self, cfg, policy: str, policy_dir: str | None, world: int, base: str | None = None):
-        """(DeepSpeed engine on ``policy``, whether it continues from the previous round as it is).
+    def train_engine(self, cfg, policy: str, policy_dir: str | None, world: int, base: str | None = None, *, build: Callable):
+        """(DeepSpeed engine on ``policy``, whether it continues from the previous round as it is);
+        ``build(cfg, policy, world, base)`` makes a new one (train's
+        :func:`~gndpo.stages.training.deepspeed_engine.build_engine`: training sits above the models here).
 
         ``policy_dir`` is the URL of the committed model folder ``policy`` was downloaded from (None in
         round 0). The kept engine is reused only if it is the one that exported exactly that folder, i.e.
@@ -371,7 +373,7 @@ class LiveModels:
             import torch
 
             torch.cuda.empty_cache()
-        engine, _ = build_engine(cfg, policy, world, base)
+        engine, _ = build(cfg, policy, world, base)
         return engine, False
 
     def _trained_weights(self, exported: str | None) -> dict | None:

@@ -1,0 +1,112 @@
+"""The house's figures that issue 64 asked to bring down, counted the same way before and after.
+
+* ``lines``: lines of pipeline/config/schema.py and stages/train.py;
+* ``string_key_lookups``: ``x["key"]`` and ``x.get("key")`` where ``x`` is a unit, record, manifest,
+  commit or file record (by its name: unit, u, record, rec, manifest, rollouts, commit, c, f, file,
+  meta, state, and names ending in _record or _manifest), in the package's code;
+* ``dict_parameters``: function parameters annotated ``dict``, ``dict[...]``, ``list[dict]`` or
+  ``list[dict[...]]``;
+* ``backend_comparisons``: comparisons of ``score.backend`` (or a name ``backend`` holding it) with a
+  string or a tuple of strings, outside pipeline/config/schema.py and the teacher registry;
+* ``stage_records_by_name``: calls ``records(<round>, "<stage>")`` that fetch another stage's records
+  by the stage's name.
+
+    .venv/bin/python bench/house_figures.py            # prints JSON
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = ("storage", "pipeline", "stages", "apps", "cli")
+RECORD_NAMES = re.compile(r"^(unit|u|record|rec|manifest|rollouts|commit|c|f|file|meta|state|.*_record|.*_manifest)$")
+ALLOWED_BACKEND_COMPARISONS = ("pipeline/config/schema.py", "stages/teachers/registry.py")
+
+
+def code_files():
+    for folder in CODE:
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def is_record_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and bool(RECORD_NAMES.match(node.id))
+
+
+def string_key_lookups(tree: ast.AST) -> int:
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and is_record_name(node.value):
+            if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                count += 1
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            if is_record_name(node.func.value) and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                count += 1
+    return count
+
+
+def dict_parameters(tree: ast.AST) -> int:
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+                text = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if re.match(r"^(dict|list\[dict)", text.replace(" ", "")):
+                    count += 1
+    return count
+
+
+def is_backend(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "backend" and "score" in ast.unparse(node)) or (
+        isinstance(node, ast.Name) and node.id == "backend")
+
+
+TEACHER_BACKENDS = {"hf", "vllm", "server"}
+
+
+def is_string_or_strings(node: ast.AST) -> bool:
+    """A teacher backend's name, or a tuple of them (logging.backends' names are not counted)."""
+    if isinstance(node, ast.Constant):
+        return node.value in TEACHER_BACKENDS
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and all(is_string_or_strings(e) for e in node.elts)
+
+
+def backend_comparisons(tree: ast.AST) -> list[int]:
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(is_backend(s) for s in sides) and any(is_string_or_strings(s) for s in sides):
+                lines.append(node.lineno)
+    return lines
+
+
+def records_by_stage_name(tree: ast.AST) -> int:
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "records":
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                count += 1
+    return count
+
+
+def figures() -> dict:
+    out = {"lines": {p: len((ROOT / p).read_text().splitlines()) for p in ("pipeline/config/schema.py", "stages/train.py")},
+           "string_key_lookups": 0, "dict_parameters": 0, "backend_comparisons": [], "stage_records_by_name": 0}
+    for path in code_files():
+        rel = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text())
+        out["string_key_lookups"] += string_key_lookups(tree)
+        out["dict_parameters"] += dict_parameters(tree)
+        out["stage_records_by_name"] += records_by_stage_name(tree)
+        if rel not in ALLOWED_BACKEND_COMPARISONS:
+            out["backend_comparisons"] += [f"{rel}:{line}" for line in backend_comparisons(tree)]
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(figures(), indent=1))

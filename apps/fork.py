@@ -17,9 +17,8 @@ import os
 
 import yaml
 
-from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, check_teacher_servers, resolve_models, run_yaml
+from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, resolve_models, run_yaml
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.load import apply_overrides
 from gndpo.pipeline.config.schema import Config, config_from_dict
 from gndpo.pipeline.methods import validate as validate_method
@@ -27,7 +26,8 @@ from gndpo.pipeline.run.images import RunImages, copy_images
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.pipeline.tasks.rewards import run_rewards
 from gndpo.stages.models.loading import read_once
-from gndpo.stages.models.teacher_server import served_models, teacher_server_settings
+from gndpo.stages.teachers.registry import backend_of, check_teacher_backend
+from gndpo.stages.teachers.served import served_models, teacher_server_settings
 from gndpo.storage.runfs import RunFS
 
 # What a round's rollouts depend on besides the seeds: a fork keeps them as they were.
@@ -72,14 +72,14 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     models = resolve_models(cfg, parent.teacher_runs, parent.hub_models)
     local = models.local  # the checks read the models' local folders
     validate_method(local.method)
-    check_backend(local)
+    check_teacher_backend(local)
     check_precision(local)
     with read_once():  # the checks read the same models' tokenizers and configs several times
         check_models(local)
         check_routes(local, parent.prompts("train"))
         check_images(local, parent.images_per_prompt() > 0)
         check_teacher_prompts(local, parent.prompts("train"), RunImages(parent.fs).get)
-        probes = check_teacher_servers(cfg, local, parent.images_per_prompt() > 0, kept_probes(parent, cfg))
+        probes = backend_of(cfg).check_teachers(cfg, local, parent.images_per_prompt() > 0, kept_probes(parent, cfg))
     lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}
     body = run_yaml(cfg, models, lineage=lineage, **({"served_probes": probes} if probes else {}))
     fs = RunFS(url)
@@ -104,7 +104,7 @@ def kept_probes(parent: Run, cfg: Config) -> dict:
     """The parent's record of its served teachers' answers, for each teacher the fork keeps (the same
     model, served under the same name): the fork's workers hold its servers to the teacher the parent
     began with."""
-    if not parent.served_probes or parent.cfg.score.backend != "server" or cfg.score.backend != "server":
+    if not (parent.served_probes and backend_of(parent.cfg).capabilities.served and backend_of(cfg).capabilities.served):
         return {}
     same = {name for name, model in served_models(cfg).items() if served_models(parent.cfg).get(name) == model}
     parent_names, names = teacher_server_settings(parent.cfg), teacher_server_settings(cfg)

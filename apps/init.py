@@ -22,7 +22,6 @@ from transformers.utils import logging as hf_logging
 
 from gndpo.apps.round_size import check_round_fits
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.load import config_to_yaml
 from gndpo.pipeline.config.schema import SELF_TEACHER, Config
 from gndpo.pipeline.methods import answer_readers
@@ -35,9 +34,9 @@ from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import flash_attention_blocker, gpu_memory
 from gndpo.stages.models.gpu_memory import check_gpu_memory
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
-from gndpo.stages.models.teacher_server import check_against_weights, checked_pool, served_models, teacher_server_settings
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
+from gndpo.stages.teachers.registry import backend_of, check_teacher_backend
 from gndpo.stages.text.agent import ToolUse
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids, uses_template
 from gndpo.stages.text.teacher_context import TeacherPrompts
@@ -56,7 +55,7 @@ def configured_models(cfg: Config) -> dict[str, str]:
 def served_teachers(cfg: Config) -> set[str]:
     """The teachers (as the config names them) that ``score.backend: server`` scores through servers:
     their weights stay on the servers; a self-teacher's are the student's."""
-    if cfg.score.backend != "server" or cfg.teacher == SELF_TEACHER:
+    if not backend_of(cfg).capabilities.served or cfg.teacher == SELF_TEACHER:
         return set()
     return set(cfg.teacher_models().values())
 
@@ -147,33 +146,6 @@ def check_images(cfg: Config, with_images: bool) -> None:
         raise GndpoError(f"the teachers {', '.join(paths)} process images differently; several teachers of one run must share one image processor")
 
 
-def check_teacher_servers(cfg: Config, local: Config, with_images: bool, recorded: dict | None = None) -> dict[str, list[float]]:
-    """``score.backend: server``: each teacher's servers serve the teacher the run expects, as
-    :func:`checked_pool` checks it against the teacher's files (``local`` names their folders; ``cfg``
-    as written names what the servers serve) and, where the folder holds the weights, against a forward
-    of them (one line says how far); no teacher is shown pictures through them. Returns {teacher name:
-    the servers' answers to the probe}: the record every score worker holds the servers to (``recorded``:
-    a fork's parent's, kept for the teachers the fork keeps)."""
-    if cfg.score.backend != "server":
-        return {}
-    record = {}
-    for (name, settings), folder in zip(teacher_server_settings(cfg).items(), served_models(local).values()):
-        if with_images and is_vision_model(folder):
-            raise GndpoError(f"score.backend server cannot show the vision-language teacher {name} the prompts' pictures (/v1/completions "
-                             "takes token ids without images): use score.backend hf or vllm, or a text teacher with teacher_context.messages")
-        kept = (recorded or {}).get(name)
-        pool = checked_pool(settings, folder, cfg.score.server_tolerance, kept)
-        try:
-            gap = check_against_weights(pool, folder, local.model, cfg.score.server_tolerance)
-        finally:
-            pool.close()
-        if gap is not None:
-            logging.getLogger("gndpo").info(f"teacher {name}: its servers score the probe sequence {gap:.2g} from its weights in {folder} "
-                                            f"(score.server_tolerance {cfg.score.server_tolerance:g})")
-        record[name] = kept or pool.probe
-    return record
-
-
 def check_prompt_count(cfg: Config, prompts: int, held_out: int = 0) -> None:
     """Each round samples ``rollout.prompts_per_round`` distinct prompts, so data.train needs at least as
     many (with fewer, every round would quietly use fewer than the config says); ``held_out``: how many
@@ -250,7 +222,7 @@ def check_teacher_prompts(cfg: Config, train: list[dict], pictures: Callable[[st
             longest = max(len(prompts.token_ids(row)) for row in train)
         except GndpoError as exc:
             raise GndpoError(f"{name}: {exc}") from None
-        limit = resolve_max_model_len(path, cfg.score.engine) if cfg.score.backend == "vllm" else model_context_length(path)
+        limit = resolve_max_model_len(path, cfg.score.engine) if backend_of(cfg).capabilities.engine else model_context_length(path)
         if longest + cfg.rollout.response_tokens > limit:
             raise GndpoError(
                 f"{name}: its longest prompt ({longest} tokens with the teacher context) plus {cfg.rollout.response_tokens} "
@@ -354,8 +326,8 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
     models = resolve_models(cfg)
     with read_once():  # the checks read the same models' tokenizers and configs many times
         splits, images = checked_prompts(url, models.local)
-        check_gpu_memory(models.local, gpu_bytes or gpu_memory())
-        probes = check_teacher_servers(cfg, models.local, bool(images))
+        check_gpu_memory(models.local, gpu_bytes or gpu_memory(), backend_of(cfg).capabilities)
+        probes = backend_of(cfg).check_teachers(cfg, models.local, bool(images))
     say_held_out(cfg, splits)
     store_images(fs, images)
     for split, table in splits.items():
@@ -398,7 +370,7 @@ def checked_prompts(url: str, cfg: Config) -> tuple[dict, dict]:
     checked: ({split: prompt table}, {image id: bytes}), nothing written yet."""
     validate_method(cfg.method)
     check_metrics_backends(cfg)
-    check_backend(cfg)
+    check_teacher_backend(cfg)
     check_precision(cfg)
     check_models(cfg)
     images = {}  # id -> bytes, stored after every check has passed

@@ -156,7 +156,7 @@ MUTATIONS = [
     # rounds, the exact quantile, automatic checkpointing, one training file.
     Mutation(
         "engine-rest-drops-last", "the vllm and server backends' rest mass computed from all but the last top-k entry",
-        "stages/scoring/teachers.py",
+        "stages/teachers/engine.py",
         'teacher_rest_logprob=rest_logprob_from_topk(answers[0]["topk_logprobs"]))',
         'teacher_rest_logprob=rest_logprob_from_topk(answers[0]["topk_logprobs"][:, :-1]))',
         ("tests/test_score_backend.py", "tests/test_teacher_servers.py::test_several_teachers_other_tokenizers_and_self_distillation_through_servers"),
@@ -219,7 +219,7 @@ MUTATIONS = [
     ),
     Mutation(
         "served-teacher-record-ignored", "worker starts compare the servers with the pool's first server, not the teacher recorded at init",
-        "stages/models/teacher_server.py",
+        "stages/teachers/served.py",
         "gap = probe_gap(scores, reference)",
         "gap = probe_gap(scores, answers)",
         ("tests/test_teacher_servers.py::test_a_server_redeployed_with_other_weights_is_refused_at_the_next_worker_start",),

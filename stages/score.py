@@ -3,9 +3,9 @@
 One score unit per rollout unit, read top to bottom in :meth:`ScoreJob.run_unit`:
 
 1. the unit's rollouts, their token ids flat (:class:`gndpo.stages.scoring.forward.UnitRows`);
-2. the student's and the teacher's per-token columns, from the teacher backend the config names
-   (:mod:`gndpo.stages.scoring.teachers`: HF teacher modules beside the student's forward, a vLLM
-   engine, or a teacher with its own tokenizer). The student's log-probs use the sampling temperature,
+2. the student's and the teacher's per-token columns, from the teacher backend ``score.backend`` names
+   (:mod:`gndpo.stages.teachers`: HF teacher modules beside the student's forward, a vLLM engine,
+   servers, or a teacher with its own tokenizer over any of them). The student's log-probs use the sampling temperature,
    the teacher's temperature 1; the student's forward is the same function train differentiates, so
    the importance ratio at a round's first step is 1 up to float error. Besides the sampled tokens'
    log-probs, the run's method may need the teacher's top-k with the log of its mass outside it,
@@ -15,8 +15,6 @@ One score unit per rollout unit, read top to bottom in :meth:`ScoreJob.run_unit`
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -29,17 +27,13 @@ from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
-from gndpo.stages.models.loading import check_same_tokenizer, is_vision_model, load_tokenizer, vocabulary_size
-from gndpo.stages.models.logprobs import logits_chunk
-from gndpo.stages.models.lora import without_adapters
-from gndpo.stages.models.teacher_server import teacher_server_settings
-from gndpo.stages.models.vision import BatchImages, load_processor, same_image_processing
-from gndpo.stages.models.vllm_engine import response_logprobs
-from gndpo.stages.scoring.forward import StudentForward, UnitRows
+from gndpo.stages.models.loading import check_same_tokenizer, vocabulary_size
+from gndpo.stages.models.vision import BatchImages
+from gndpo.stages.scoring.forward import UnitRows
 from gndpo.stages.scoring.shard import refuse_non_finite, score_shard
-from gndpo.stages.scoring.teachers import EngineTeacher, ModuleTeachers, OtherTokenizerTeacher, TeacherEngineColumns
-from gndpo.stages.text.cross_tokenizer import CrossTokenizerTeacher, TeacherModule
-from gndpo.stages.text.teacher_context import TeacherPrompts
+from gndpo.stages.teachers.base import TeacherBackend
+from gndpo.stages.teachers.registry import build_teacher
+from gndpo.stages.teachers.setup import ScoreSetup
 from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS
 from gndpo.storage.shards import read_shard, write_shard
 
@@ -53,7 +47,7 @@ class ScoreJob:
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
         self.live = live or LiveModels()
-        self.pools = []  # the teachers' server pools (score.backend server), once setup made them: counts and states
+        self.backend: TeacherBackend | None = None  # the teacher backend, once setup made it
 
     def plan(self):
         """One unit per committed rollout shard (the evaluation unit's excepted), plus one for the held-out
@@ -80,16 +74,17 @@ class ScoreJob:
                 check_same_tokenizer(policy, path)
         device = local_device()
         # A run whose prompts show pictures: the student's image tensors, and the pictures by prompt.
-        self.images = BatchImages.of_run(self.run, self.run.policy_path(0))
+        images = BatchImages.of_run(self.run, self.run.policy_path(0))
         self.live.release_engine()
         # The rollout engine's log-probs may stand in for the student's forward (score.student_logprobs).
         self.from_engine = self.student_from_engine()
-        student = None if self.from_engine else self.live.causal_lm(policy, self.cfg.model, device, fixed=False, base=self.lora_base)
+        student = None if self.from_engine else self.live.causal_lm(policy, self.cfg.model, device, fixed=False, base=self.run.lora_base())
         # At most the smallest teacher vocabulary (teachers of other tokenizers differ): the HF backend's
         # torch.topk and vLLM both stop there, and a shard's top-k has one width.
         smallest = min(vocabulary_size(p) for p in teachers.values())
         self.topk = min(self.cfg.score.teacher_topk, smallest) if TOPK in score_needs(self.cfg.method) else 0
-        self.teacher = self._teacher_backend(policy, teachers, student, device)
+        setup = ScoreSetup(self.run, self.round, self.live, device, policy, student, images)
+        self.teacher, self.backend = build_teacher(setup, teachers)
 
     def student_from_engine(self) -> bool:
         """Whether the student's column is the rollout engine's sampler log-probs: score.student_logprobs
@@ -102,110 +97,6 @@ class ScoreJob:
         bits = self.run.records(self.round, "rollout").require_manifest()["metrics"].get("engine_dtype_bits")
         return bits == 32 and not engine_logprob_blockers(self.cfg) and not self.cfg.logging.entropy_metrics
 
-    def _teacher_backend(self, policy: str, teachers: dict[str, str], student, device):
-        """The backend the config names (score.cross_tokenizer, score.backend), on the student's forward."""
-        cfg, score_cfg = self.cfg, self.cfg.score
-        name, path = next(iter(teachers.items()))
-        pad_id = load_tokenizer(policy).pad_token_id or 0
-        routes = {}
-        if cfg.teachers and score_cfg.teacher_mix == "route":
-            routes = {p["prompt_id"]: p["teacher"] for p in self.run.prompts("train")}
-        if score_cfg.cross_tokenizer:  # each teacher with its own tokenizer
-            cross, student_tok = {}, load_tokenizer(policy)
-            for n, p in teachers.items():
-                prompts = self._teacher_prompts(p)
-                cross[n] = CrossTokenizerTeacher(self._teacher_columns(n, p, prompts, device), prompts, student_tok, score_cfg.teacher_end_text)
-            return OtherTokenizerTeacher(self._student_forward(student, [], pad_id, device), cross, routes)
-        if score_cfg.backend in ("vllm", "server"):
-            scorers = {n: self._teacher_scorer(n, p) for n, p in teachers.items()}
-            # vLLM expands a picture's placeholder itself: with pictures it reads the teacher's own rendering.
-            context = self._teacher_prompts(path) if self.images is not None else self._teacher_context(path)
-            return EngineTeacher(self._student_forward(student, [], pad_id, device), scorers, routes, context)
-        modules = {n: self._teacher_module(p, policy, student, device) for n, p in teachers.items()}
-        forward = self._student_forward(student, list(modules.values()), pad_id, device, path)
-        return ModuleTeachers(forward, modules, routes, self._teacher_context(path))
-
-    @property
-    def lora_base(self) -> str | None:
-        """With model.lora, the initial student the round's adapters apply to; else None."""
-        return self.run.policy_path(0) if self.cfg.model.lora.enabled else None
-
-    def _teacher_module(self, path: str, policy: str, student, device):
-        """The module of the HF backend's teacher at ``path``: the student module itself where the teacher
-        is the round's policy (a live self-teacher, or any teacher in round 0 of a LoRA student); the base
-        under the student's adapters where it is the initial student with model.lora (a frozen
-        self-teacher: no second copy of the weights); else a module of its own."""
-        if student is not None and path == policy:
-            return student
-        lc = self.cfg.model.lora
-        if student is not None and path == self.lora_base and not (lc.train_output_layer or lc.train_embeddings):
-            return without_adapters(student)
-        return self.live.causal_lm(path, self.cfg.model, device, fixed=not self.run.teacher_changes() and path != policy)
-
-    def _teacher_columns(self, name: str, teacher_path: str, prompts: TeacherPrompts, device):
-        """Where a cross-tokenizer teacher's numbers come from: its vLLM engine or servers (score.backend
-        vllm, server) or its module; ``prompts``: how it renders each prompt."""
-        score_cfg = self.cfg.score
-        if score_cfg.backend in ("vllm", "server"):
-            return TeacherEngineColumns(self._teacher_scorer(name, teacher_path), prompts)
-        module = self.live.causal_lm(teacher_path, self.cfg.model, device, fixed=True)
-        return TeacherModule(module, prompts, device, logits_chunk(module, self.cfg.model), score_cfg.max_tokens_per_batch, score_cfg.rows_per_chunk)
-
-    def _teacher_scorer(self, name: str, teacher_path: str):
-        """The teacher ``name``'s prompt log-probs (response_logprobs' signature): from its vLLM engine,
-        or from its servers, checked against the teacher's files when this worker starts."""
-        if self.cfg.score.backend == "vllm":
-            return partial(response_logprobs, self._teacher_engine(teacher_path))
-        settings = teacher_server_settings(self.cfg)[name]
-        recorded = (self.run.served_probes or {}).get(name)
-        pool = self.live.teacher_pool(settings, teacher_path, self.cfg.score.server_tolerance, recorded)
-        if all(pool is not known for known in self.pools):  # teachers served by one pool count once
-            self.pools.append(pool)
-        return pool.response_logprobs
-
-    def _teacher_engine(self, teacher_path: str):
-        """The teacher's vLLM engine (score.engine), sized for the run's pictures if it reads them."""
-        score_cfg = self.cfg.score
-        shows = self.run.images_per_prompt() if is_vision_model(teacher_path) else 0
-        return self.live.teacher_engine(teacher_path, score_cfg.engine, score_cfg.teacher_topk, images=shows)
-
-    def _student_forward(self, student, teacher_modules: list, pad_id: int, device, teacher_path: str | None = None) -> StudentForward:
-        """The student's forward, with the teacher modules of ``teacher_path`` beside it (init checked
-        that several teachers process pictures alike: one set of teacher image tensors serves them all)."""
-        cfg = self.cfg
-        modules = [m for m in (student, *teacher_modules) if m is not None]
-        return StudentForward(
-            student, logits_chunk(modules, cfg.model) if modules else 1, pad_id, device,
-            cfg.score.max_tokens_per_batch, cfg.score.rows_per_chunk, frozenset(score_needs(cfg.method)), cfg.logging.entropy_metrics,
-            self.images, self._teacher_images(teacher_path) if teacher_modules else None, cfg.model.shared_prompts,
-        )
-
-    def _own_image_processing(self, teacher_path: str) -> bool:
-        """Whether the teacher reads the run's pictures otherwise than the student does: as other
-        tensors or tokens (its own processor), or not at all (a text-only teacher)."""
-        if self.images is None:
-            return False
-        return not is_vision_model(teacher_path) or not same_image_processing(self.images.processor, load_processor(teacher_path))
-
-    def _teacher_images(self, teacher_path: str) -> BatchImages | None:
-        """The teacher modules' image tensors: the student's, its own processor's, or none (text)."""
-        if self.images is None or not self._own_image_processing(teacher_path):
-            return self.images
-        return self.images.read_by(load_processor(teacher_path)) if is_vision_model(teacher_path) else None
-
-    def _teacher_context(self, teacher_path: str) -> TeacherPrompts | None:
-        """The teacher reads its own prompt before the same response ids with a teacher context, or where
-        it expands the pictures into its own image tokens; None: the student's prompt ids."""
-        if self.cfg.teacher_context.messages or self._own_image_processing(teacher_path):
-            return self._teacher_prompts(teacher_path)
-        return None
-
-    def _teacher_prompts(self, teacher_path: str) -> TeacherPrompts:
-        images = {}
-        if self.images is not None and is_vision_model(teacher_path):  # the teacher's processor over the run's pictures
-            images = {"processor": load_processor(teacher_path), "pictures": self.images.images.get}
-        return TeacherPrompts(load_tokenizer(teacher_path), self.cfg.data, self.cfg.teacher_context, self.run.prompts("train"), **images)
-
     @torch.no_grad()
     def run_unit(self, unit, out_dir):
         """Every teacher's (and, where the method needs it, the student's) per-token values for the
@@ -213,23 +104,18 @@ class ScoreJob:
         if unit["unit"] == EVAL_UNIT:
             return [], self.heldout_measure(unit["rollout_files"])
         rows = UnitRows.read(self.run.fs, unit["rollout_files"])
-        before = self.server_counts()
+        before = self.backend.counts()
         scored = self.teacher.score(rows, self.topk)
         refuse_non_finite(scored.per_token, rows, self.round)
         table, counts = score_shard(rows, scored, self.cfg, self.from_engine)
-        counts.update({key: value - before[key] for key, value in self.server_counts().items()})
+        counts.update({key: value - before[key] for key, value in self.backend.counts().items()})
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
         return [record], counts
 
-    def server_counts(self) -> dict:
-        """The teacher servers' retried requests and cooldowns so far in this worker (none without servers)."""
-        if not self.pools:
-            return {}
-        return {"server_retries": sum(p.retries for p in self.pools), "server_cooldowns": sum(p.cooldowns for p in self.pools)}
-
     def live_state(self) -> dict:
-        """What `gndpo status` shows of this worker while it holds a unit: each teacher server's state."""
-        return {"servers": {url: state for pool in self.pools for url, state in pool.states().items()}} if self.pools else {}
+        """What `gndpo status` shows of this worker while it holds a unit: its teacher's state (each
+        teacher server's), once setup has made it."""
+        return self.backend.live_state() if self.backend is not None else {}
 
     def heldout_measure(self, files: list[dict]) -> dict:
         """The label-free held-out measure of the round's policy (prompts without answers): the

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
+from gndpo.stages.teachers.registry import check_teacher_backend
 from tests.conftest import committed_rows, invoke_ok, run_stages
 
 pytestmark = pytest.mark.slow
@@ -325,14 +325,14 @@ def test_a_privileged_context_reaches_a_teacher_of_another_tokenizer(rolled_out,
 def test_methods_that_need_one_vocabulary_are_refused():
     for method in ({"name": "eopd"}, {"name": "gndpo", "tip": {"enabled": True}}):
         with pytest.raises(GndpoError, match="defined at every position over one vocabulary"):
-            check_backend(config_from_dict({"method": method, "score": {"cross_tokenizer": True}}))
+            check_teacher_backend(config_from_dict({"method": method, "score": {"cross_tokenizer": True}}))
     for method in ({"name": "reopold"}, {"name": "forward_kl"}, {"name": "tropd"}):
-        check_backend(config_from_dict({"method": method, "score": {"cross_tokenizer": True}}))
+        check_teacher_backend(config_from_dict({"method": method, "score": {"cross_tokenizer": True}}))
     with pytest.raises(GndpoError, match="score.teacher_mix mean with score.cross_tokenizer mixes sampled-token log-probs only"):
-        check_backend(config_from_dict({"method": {"name": "jsd"}, "score": {"cross_tokenizer": True, "teacher_mix": "mean"},
+        check_teacher_backend(config_from_dict({"method": {"name": "jsd"}, "score": {"cross_tokenizer": True, "teacher_mix": "mean"},
                                         "teachers": {"a": "x", "b": "y"}}))
     with pytest.raises(GndpoError, match="method.topk_form bucket only"):
-        check_backend(config_from_dict({"method": {"name": "jsd", "topk_form": "renormalized"}, "score": {"cross_tokenizer": True}}))
+        check_teacher_backend(config_from_dict({"method": {"name": "jsd", "topk_form": "renormalized"}, "score": {"cross_tokenizer": True}}))
     for combination in ({"rollout": {"tools": ["calculator"]}}, {"rollout": {"guided_fraction": 0.5}},
                         {"teachers": {"a": "x", "b": "y"}}, {"score": {"cross_tokenizer": True, "backend": "vllm"}}):
         config_from_dict({"score": {"cross_tokenizer": True}, **combination})  # each formerly refused

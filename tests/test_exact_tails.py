@@ -13,7 +13,7 @@ import torch
 
 from gndpo.pipeline.methods.losses import LOGP_FLOOR, DivergenceTerm, combined_token_losses, rest_logprob, topk_divergence
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats
-from gndpo.stages.scoring.teachers import rest_logprob_from_topk
+from gndpo.stages.teachers.engine import rest_logprob_from_topk
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 BETA = 0.3

@@ -9,11 +9,11 @@ import pyarrow as pa
 import pytest
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.vllm_engine import shutdown_llm
 from gndpo.stages.score import ScoreJob
+from gndpo.stages.teachers.registry import check_teacher_backend
 from gndpo.storage.shards import read_shard
 from tests.conftest import assert_teacher_columns_agree, committed_rows, invoke_ok, run_stages
 
@@ -125,7 +125,7 @@ def test_student_columns_and_row_sums_match(scored):
 def test_methods_that_need_the_whole_teacher_distribution_are_refused(method, need):
     cfg = config_from_dict({"method": method, "score": {"backend": "vllm"}})
     if need is None:
-        check_backend(cfg)
+        check_teacher_backend(cfg)
         return
     with pytest.raises(GndpoError, match=f"score.backend vllm .*needs {need}"):
-        check_backend(cfg)
+        check_teacher_backend(cfg)

@@ -16,10 +16,10 @@ import time
 import pytest
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.checks import check_backend
 from gndpo.pipeline.config.schema import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models import teacher_server
+from gndpo.stages.teachers.registry import check_teacher_backend
 from tests.conftest import assert_one_line_error, assert_teacher_columns_agree, committed_rows, invoke, invoke_ok, run_stages
 from tests.teacher_servers import StubServer, self_signed_certificate, start_servers
 
@@ -241,7 +241,7 @@ def test_a_server_key_comes_from_the_environment_and_is_written_nowhere(rolled_o
 def test_what_servers_cannot_give_is_refused_in_one_line(data, fragment):
     data = {**data, "score": {"backend": "server", "servers": ["http://127.0.0.1:9"], **data.get("score", {})}}
     with pytest.raises(GndpoError, match=fragment):
-        check_backend(config_from_dict(data))
+        check_teacher_backend(config_from_dict(data))
 
 
 def test_server_settings_outside_the_server_backend_are_refused():

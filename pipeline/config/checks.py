@@ -8,31 +8,6 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
 
-ENGINE_CANNOT = {TEACHER_ENTROPY: "the teacher's entropy", TOKEN_KL: "the full-vocabulary KL"}
-
-
-def check_backend(cfg) -> None:
-    """A GndpoError (one line) when the scoring set-up cannot give what the run's method needs:
-    ``score.backend: vllm`` and ``server`` return the teacher's sampled-token and top-k log-probs, not
-    its whole distribution; ``score.cross_tokenizer`` maps log-probs and top-k by token text, so nothing defined over one
-    vocabulary at every position (the teacher's entropy, the full KL)."""
-    if cfg.score.cross_tokenizer:
-        check_other_vocabulary(cfg)
-    check_student_logprobs(cfg)
-    backend = cfg.score.backend
-    if backend == "hf":
-        return
-    missing = [what for need, what in ENGINE_CANNOT.items() if need in score_needs(cfg.method)]
-    if missing:
-        raise GndpoError(
-            f"score.backend {backend} gives the teacher's sampled-token and top-k log-probs only; method {cfg.method.name} "
-            f"also needs {' and '.join(missing)}: use score.backend hf"
-        )
-    if TOPK in score_needs(cfg.method) and cfg.teachers and cfg.score.teacher_mix == "mean":
-        raise GndpoError(f"score.teacher_mix mean with score.backend {backend} mixes sampled-token log-probs only (each teacher's "
-                         "top-k is its own, and the rest of its distribution unknown): route each prompt to one teacher "
-                         "(score.teacher_mix route) for a top-k method, or use score.backend hf")
-
 
 def check_other_vocabulary(cfg) -> None:
     """A GndpoError (one line) for what ``score.cross_tokenizer`` cannot give the run's method: values

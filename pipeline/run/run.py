@@ -93,6 +93,10 @@ class Run:
         require_exported(records)
         return records.run.local_dir(self.policy_dir(round_idx), model_cache_dir())
 
+    def lora_base(self) -> str | None:
+        """With model.lora, the initial student the rounds' adapters apply to; else None."""
+        return self.policy_path(0) if self.cfg.model.lora.enabled else None
+
     def policy_dir(self, round_idx: int) -> str | None:
         """The run-relative folder of the model exported by round ``round_idx - 1`` (None for round 0)."""
         if round_idx == 0:

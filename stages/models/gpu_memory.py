@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import SELF_TEACHER, Config
@@ -60,6 +61,13 @@ class Shape:
         config = model_config(path)
         text = config.get("text_config") or config
         return cls(architecture_parameter_count(path), int(text["hidden_size"]), int(text["num_hidden_layers"]))
+
+
+class TeacherPlace(Protocol):
+    """Where score's teacher sits (a teacher backend's capabilities say it)."""
+
+    weights_beside_student: bool  # its weights in score's process beside the student's
+    engine: bool  # a vLLM engine of it in score's process, with score.engine's share of the GPU
 
 
 @dataclass(frozen=True)
@@ -115,15 +123,15 @@ def uses_checkpointing(cfg: Config, student: str, gpu: int | None) -> bool:
     return gpu is not None and train_peak(cfg, Shape.of(student), gpu, checkpointing=False).bytes > WARN * gpu
 
 
-def score_peak(cfg: Config, student: Shape, teachers: list[Shape], gpu: int) -> StagePeak:
-    """Score's peak: the student and (HF backend) teacher weights, their logits buffers, a batch's
-    activations; with ``score.backend: vllm`` the teacher's engine takes its share of the GPU."""
+def score_peak(cfg: Config, student: Shape, teachers: list[Shape], gpu: int, where: TeacherPlace) -> StagePeak:
+    """Score's peak: the student's and (teachers beside it) the teachers' weights, their logits
+    buffers, a batch's activations; a teacher's engine in the process takes its share of the GPU."""
     score_cfg, budget = cfg.score, cfg.model.logits_budget_mib * 2**20
-    on_modules = teachers if score_cfg.backend == "hf" else []
+    on_modules = teachers if where.weights_beside_student else []
     weights = 2 * (student.parameters + sum(t.parameters for t in on_modules))
     buffers = 2 * budget * (1 + len(on_modules))
     widest = max([student.hidden, *(t.hidden for t in on_modules)])
-    engine = score_cfg.engine.gpu_memory_utilization * gpu if score_cfg.backend == "vllm" else 0
+    engine = score_cfg.engine.gpu_memory_utilization * gpu if where.engine else 0
     total = weights + buffers + score_cfg.max_tokens_per_batch * widest * ACTIVATION_BYTES + SLACK + engine
     return StagePeak("score", total, "lower score.max_tokens_per_batch or model.logits_budget_mib" +
                      (", or score.engine.gpu_memory_utilization" if engine else ""))
@@ -139,21 +147,23 @@ def rollout_peak(cfg: Config, student: Shape, gpu: int) -> StagePeak:
     return StagePeak("rollout", share, "lower engine.gpu_memory_utilization")
 
 
-def estimate_stages(cfg: Config, gpu: int) -> list[StagePeak]:
-    """Rollout's, score's and train's peaks for ``cfg`` (models as local folders) on a GPU of ``gpu`` bytes."""
+def estimate_stages(cfg: Config, gpu: int, where: TeacherPlace) -> list[StagePeak]:
+    """Rollout's, score's and train's peaks for ``cfg`` (models as local folders) on a GPU of ``gpu``
+    bytes, the teacher in score's process as ``where`` says."""
     student = Shape.of(cfg.student)
     teachers = [student] if cfg.teacher == SELF_TEACHER else [Shape.of(p) for p in cfg.teacher_models().values()]
     checkpointing = uses_checkpointing(cfg, cfg.student, gpu)
-    return [rollout_peak(cfg, student, gpu), score_peak(cfg, student, teachers, gpu), train_peak(cfg, student, gpu, checkpointing)]
+    return [rollout_peak(cfg, student, gpu), score_peak(cfg, student, teachers, gpu, where), train_peak(cfg, student, gpu, checkpointing)]
 
 
-def check_gpu_memory(cfg: Config, gpu: int | None) -> list[StagePeak]:
-    """Estimate every stage on a GPU of ``gpu`` bytes (None: no GPU known here, nothing checked): one
+def check_gpu_memory(cfg: Config, gpu: int | None, where: TeacherPlace) -> list[StagePeak]:
+    """Estimate every stage on a GPU of ``gpu`` bytes (None: no GPU known here, nothing checked), the
+    teacher in score's process as ``where`` says (its backend's capabilities): one
     line of the estimates, a one-line refusal naming the stage that does not fit and what to change, a
     warning for one above ``WARN`` of the GPU."""
     if gpu is None:
         return []
-    peaks = estimate_stages(cfg, gpu)
+    peaks = estimate_stages(cfg, gpu, where)
     line = ", ".join(f"{p.stage}{p.how} {p.bytes / GIB:.1f}" for p in peaks)
     for peak in peaks:
         if peak.stage != "rollout" and peak.bytes > LIMIT * gpu:

@@ -39,7 +39,7 @@ from gndpo.stages.models.device import resolve_dtype
 from gndpo.stages.models.loading import load_causal_lm, model_config
 from gndpo.stages.models.lora import ADAPTER_DIR, adapted_student, policy_state_dict
 from gndpo.stages.models.probe import CALIBRATED, TOLERANCE, probe_gap
-from gndpo.stages.models.teacher_server import ServerPool, ServerSettings, check_against_teacher, checked_pool
+from gndpo.stages.models.teacher_server import ServerPool, ServerSettings, checked
 from gndpo.stages.models.vllm_engine import (
     AdapterEngine,
     adapter_request,
@@ -308,15 +308,15 @@ class LiveModels:
             live.asleep = False
         return live.llm
 
-    def teacher_pool(self, settings: ServerSettings, teacher_folder: str, tolerance: float, recorded: list[float] | None = None) -> ServerPool:
-        """A pool of the teacher's servers (``score.backend: server``), each checked against the teacher
-        at ``teacher_folder`` and the answers ``recorded`` when the run was created whenever a worker
-        asks (:func:`checked_pool`); kept, its connections last the run."""
+    def teacher_pool(self, settings: ServerSettings, check: Callable[[ServerPool], None]) -> ServerPool:
+        """A pool of the teacher's servers (``score.backend: server``), passed through ``check`` whenever
+        a worker asks (it holds them to the teacher the run expects:
+        :func:`gndpo.stages.teachers.served.hold_to_teacher`); kept, its connections last the run."""
         pool = self._pools.get(settings) if self.keep else None
         if pool is not None:
-            check_against_teacher(pool, teacher_folder, tolerance, recorded)
+            check(pool)
             return pool
-        pool = checked_pool(settings, teacher_folder, tolerance, recorded)
+        pool = checked(ServerPool(settings), check)
         if self.keep:
             self._pools[settings] = pool
         return pool

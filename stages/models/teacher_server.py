@@ -20,8 +20,8 @@ are log lines. A 401/403 is one line naming the server, and so is any other erro
 raises. Score commits a unit only when every row is scored, so a server's failure costs retries and at
 worst the unit's rerun, never rows.
 
-Before a worker scores (and at ``gndpo init``), :func:`check_servers` holds each server to the teacher
-the run expects: the model it reports, its tokenization of a probe text, and its log-probs on a fixed
+Before a worker scores (and at ``gndpo init``), :func:`gndpo.stages.teachers.served.check_servers`
+holds each server to the teacher the run expects: the model it reports, its tokenization of a probe text, and its log-probs on a fixed
 probe sequence, which every server of the pool must give alike (within ``score.server_tolerance``).
 """
 
@@ -36,21 +36,13 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
-import numpy as np
 
 from gndpo.errors import GndpoError, first_line, whole_message
-from gndpo.pipeline.config.schema import SELF_TEACHER
-from gndpo.stages.models.device import free_memory, local_device, resolve_dtype
-from gndpo.stages.models.loading import has_weights, load_causal_lm, load_tokenizer, parameter_count, vocabulary_size
-from gndpo.stages.models.probe import probe_logprobs, probe_token_ids
 from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
-from gndpo.storage.hub import is_hub_id, split_hub_id
 
-# A text with digits, spaces, punctuation, an accent and a newline: tokenizers that differ anywhere
-# common usually differ here.
-PROBE_TEXT = "Teacher check: 12 + 30 = 42, 6 x 7 = 42; naïve café.\nThe end!"
 RETRIABLE_STATUS = {408, 429, 500, 502, 503, 504}
 COOLDOWN_S = (1.0, 30.0)  # a failed server's first and longest time out of the pool
 BACKOFF_S = (0.5, 8.0)  # a retry's first and longest wait (doubling, with jitter)
@@ -343,113 +335,11 @@ class ServerPool:
             return any(not s.failures for s in self.servers if s is not server)
 
 
-# -- is it the teacher the run expects? -------------------------------------------------------------------
-def check_servers(pool: ServerPool, tokenizer, vocabulary: int, tolerance: float, recorded: list[float] | None = None) -> list[float]:
-    """Each server serves ``pool.settings.model``, tokenizes :data:`PROBE_TEXT` as ``tokenizer`` (the
-    teacher's) does, and scores the probe sequences (:func:`~gndpo.stages.models.probe.probe_token_ids`
-    below ``vocabulary``) within ``tolerance`` (mean |difference| of the log-probs) of ``recorded``, the
-    served teacher's answers when the run was created, or, without a record, of the first server: a
-    one-line GndpoError naming the server and the gap otherwise. Returns the pool's answers (the first
-    server's), the record a new run keeps."""
-    model, expected = pool.settings.model, tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-    probe = probe_token_ids(vocabulary)
-    reference = None if recorded is None else np.asarray(recorded, np.float32)
-    answers = None
-    for server in pool.servers:
-        served = [m.get("id") for m in pool.request("/v1/models", None, server=server).get("data", [])]
-        if model not in served:
-            raise GndpoError(f"teacher server {server.url} serves {', '.join(map(str, served)) or 'no model'}, not {model} "
-                             "(score.server_model names the teacher as its servers call it)")
-        tokens = pool.request("/tokenize", {"model": model, "prompt": PROBE_TEXT, "add_special_tokens": False}, server=server).get("tokens")
-        if tokens != expected:
-            raise GndpoError(f"teacher server {server.url} tokenizes a probe text differently from the teacher's tokenizer "
-                             f"({len(tokens or [])} tokens against {len(expected)}): it serves another tokenizer")
-        scores = server_probe(pool, server, probe)
-        answers = scores if answers is None else answers
-        if reference is None:
-            reference = scores
-            continue
-        gap = probe_gap(scores, reference)
-        if not gap <= tolerance:
-            against = (f"the teacher its servers served when the run was created (score.server_tolerance {tolerance:g}): it now serves "
-                       "other weights or another precision") if recorded is not None else (
-                       f"{pool.servers[0].url} (score.server_tolerance {tolerance:g}): the replicas serve different weights or precisions")
-            raise GndpoError(f"teacher server {server.url} scores the probe sequence {gap:.3g} apart from {against}")
-    return [float(x) for x in answers]
-
-
-def server_probe(pool: ServerPool, server: Server, probe: list[list[int]]) -> np.ndarray:
-    """``server``'s log-prob of each probe token after the first, sequence after sequence."""
-    answers = [pool.prompt_logprobs(ids, 0, server=server) for ids in probe]
-    return flat_response_logprobs(answers, [ids[1:] for ids in probe], 0)["logprobs"]
-
-
-def probe_gap(scores, reference) -> float:
-    """Mean |difference| of two probes' log-probs; inf where their lengths differ (another vocabulary's probe)."""
-    scores, reference = np.asarray(scores, np.float64), np.asarray(reference, np.float64)
-    return float(np.abs(scores - reference).mean()) if scores.shape == reference.shape else float("inf")
-
-
-# -- the run's teachers and their servers -------------------------------------------------------------
-def served_models(cfg) -> dict[str, str]:
-    """{teacher name recorded per row: the model as the config names it} of the run's teachers: a
-    self-teacher's servers serve the initial student (init refuses one that follows the student)."""
-    return {f"self/{cfg.self_teacher.weights}": cfg.student} if cfg.teacher == SELF_TEACHER else cfg.teacher_models()
-
-
-def teacher_server_settings(cfg) -> dict[str, ServerSettings]:
-    """{teacher name: its servers' settings} for ``cfg`` (``score.servers``, a list for one teacher or a
-    mapping by teacher name): the name each serves its teacher under is ``score.server_model``'s, else
-    the teacher's hub id (a one-line error for a local folder without one)."""
-    score_cfg, settings = cfg.score, {}
-    for name, model in served_models(cfg).items():
-        urls = score_cfg.servers.get(name, []) if isinstance(score_cfg.servers, dict) else score_cfg.servers
-        served = score_cfg.server_model.get(name, "") if isinstance(score_cfg.server_model, dict) else score_cfg.server_model
-        if not urls:
-            raise GndpoError(f"score.backend server: score.servers gives no URL for the teacher {name}")
-        if not served and not is_hub_id(model):
-            raise GndpoError(f"score.backend server: name the model the servers of the teacher {name} serve in score.server_model "
-                             "(a local folder has no name a server reports)")
-        settings[name] = ServerSettings.of(score_cfg, urls, served or split_hub_id(model)[0])
-    return settings
-
-
-def check_against_teacher(pool: ServerPool, teacher_folder: str, tolerance: float, recorded: list[float] | None = None) -> list[float]:
-    """:func:`check_servers` with the tokenizer and vocabulary of the teacher at ``teacher_folder``."""
-    return check_servers(pool, load_tokenizer(teacher_folder), vocabulary_size(teacher_folder), tolerance, recorded)
-
-
-def check_against_weights(pool: ServerPool, teacher_folder: str, model_cfg, tolerance: float) -> float | None:
-    """The pool's probe answers (:func:`check_servers` first) against the teacher's own forward on its
-    weights in ``teacher_folder`` (transformers, in ``model.dtype``): a one-line GndpoError beyond
-    ``tolerance``; the gap, or None where the folder has no weights (a hub id served, not downloaded)."""
-    if not has_weights(teacher_folder):
-        return None
-    device, weights = local_device(), parameter_count(teacher_folder)
-    free = free_memory(device)
-    if weights is None or free is None or weights * resolve_dtype(model_cfg.dtype, device).itemsize > free / 2:
-        # A served teacher is often the one too large for this machine: no forward, one line says so.
-        log.info(f"the teacher in {teacher_folder} is not compared with its servers here: its weights need more than half of "
-                 f"this {device.type}'s free memory")
-        return None
-    model = load_causal_lm(teacher_folder, model_cfg, device).eval()
-    local = probe_logprobs(model, vocabulary_size(teacher_folder), load_tokenizer(teacher_folder).pad_token_id or 0)
-    del model
-    if local["token_ids"] != probe_token_ids(vocabulary_size(teacher_folder)):
-        return None  # a vision-language teacher's probe avoids its image tokens: not the servers' probe
-    gap = probe_gap(pool.probe, [x for row in local["logprobs"] for x in row])
-    if not gap <= tolerance:
-        raise GndpoError(f"the teacher's servers score the probe sequence {gap:.3g} apart from its weights in {teacher_folder} "
-                         f"(score.server_tolerance {tolerance:g}): they serve other weights or another precision")
-    return gap
-
-
-def checked_pool(settings: ServerSettings, teacher_folder: str, tolerance: float, recorded: list[float] | None = None) -> ServerPool:
-    """A pool of ``settings``' servers, each held to the teacher at ``teacher_folder`` and to ``recorded``
-    (:func:`check_servers`); the pool's probe answers are its ``probe``."""
-    pool = ServerPool(settings)
+def checked(pool: ServerPool, check: Callable[[ServerPool], None]) -> ServerPool:
+    """``pool`` once ``check(pool)`` has passed (it holds the servers to the teacher the run expects:
+    :func:`gndpo.stages.teachers.served.hold_to_teacher`); closed when it has not."""
     try:
-        pool.probe = check_against_teacher(pool, teacher_folder, tolerance, recorded)
+        check(pool)
     except BaseException:
         pool.close()
         raise

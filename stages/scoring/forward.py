@@ -24,6 +24,19 @@ from gndpo.storage.shards import flat_values, read_shard
 
 
 @dataclass
+class Scored:
+    """A unit's per-token columns, the student's and the teacher's, flat over its response tokens; the
+    teacher recorded per row; and, for a cross-tokenizer teacher, 1 where a student token has a teacher
+    value (``aligned``; None: every token counts) and 1 where that value is a share of a span of several
+    student tokens (``split``; :mod:`gndpo.stages.text.align`)."""
+
+    per_token: dict[str, np.ndarray]
+    labels: list[str]
+    aligned: np.ndarray | None = None
+    split: np.ndarray | None = None
+
+
+@dataclass
 class UnitRows:
     """A score unit's rollouts, their token ids flat: row i's prompt is
     ``prompts[prompt_offsets[i]:prompt_offsets[i + 1]]``, its response ``responses[offsets[i]:offsets[i + 1]]``."""

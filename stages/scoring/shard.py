@@ -14,8 +14,7 @@ import pyarrow as pa
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods import clamped_score, score_needs, score_partial_sums
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY
-from gndpo.stages.scoring.forward import UnitRows
-from gndpo.stages.scoring.teachers import Scored
+from gndpo.stages.scoring.forward import Scored, UnitRows
 from gndpo.storage.shards import flat_values, list_column, round_to_bfloat16, scores_schema
 
 

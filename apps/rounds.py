@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gndpo.dist import Dist, usable_cpus
 from gndpo.errors import GndpoError
-from gndpo.pipeline.exec.dist import Dist, usable_cpus
 from gndpo.pipeline.exec.signals import STAGE_OF_RUN_ENV, die_with_parent
 from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.pipeline.observe import progress

@@ -37,7 +37,7 @@ from common import RESULTS, capabilities, gndpo_cmd, machine, run_timed, save_js
 
 from gndpo.apps.compare import method_row  # noqa: E402
 from gndpo.apps.demo import TASKS  # noqa: E402
-from gndpo.pipeline.exec.dist import scoped_environ  # noqa: E402
+from gndpo.dist import scoped_environ  # noqa: E402
 
 OUT = RESULTS / "demo_sweep.json"
 GAIN, DROP = 0.20, 0.03  # the bar: final - start >= GAIN; no round below the previous by more than DROP

@@ -229,7 +229,7 @@ def train_step(engine, cfg, rows, device, round_idx: int = 0) -> dict:
 
 def set_up_train() -> None:
     """Train's process set-up as ``TrainJob.setup`` does it (DeepSpeed import, threads, process group)."""
-    from gndpo.pipeline.exec.dist import Dist
+    from gndpo.dist import Dist
     from gndpo.stages.train import TrainJob
 
     TrainJob.setup(SimpleNamespace(dist=Dist.from_env()))

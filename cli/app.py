@@ -17,7 +17,6 @@ import typer.core
 # Typer (0.26.0 and later) ships its own copy of click, whose exception classes only this module names.
 from typer._click import exceptions as click_errors
 
-from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.exec.signals import follow_owner, stop_on_signals
 from gndpo.pipeline.observe import logs
 
@@ -97,8 +96,7 @@ def options(
         log_level, progress = log_level or "warning", progress or "none"
     stop_on_signals()  # SIGTERM and SIGUSR1 unwind like Ctrl-C: leases released, one line (cli.common)
     try:
-        # One train rank draws progress for all of them.
-        logs.configure(log_level, progress if Dist.from_env().main else "none")
+        logs.configure(log_level, progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None

@@ -183,7 +183,7 @@ def parameter_row(p, ctx) -> list[str]:
 # -- shard schemas -------------------------------------------------------------------------------------------------
 # (title, module, schema variable, where the run writes it, what a row is)
 SCHEMAS = (
-    ("Rollouts", "gndpo.storage.shards", "ROLLOUTS", "`rounds/rNNNN/rollout/data/uNNNNN/aNNN/part-00000.parquet` (and, for held-out prompts "
+    ("Rollouts", "gndpo.storage.rows", "RolloutRow", "`rounds/rNNNN/rollout/data/uNNNNN/aNNN/part-00000.parquet` (and, for held-out prompts "
      "without answers, `rounds/rNNNN/rollout/data/eval-heldout/aNNN/part-00000.parquet`)", "one sampled response"),
     ("Scores", "gndpo.storage.shards", "SCORES", "`rounds/rNNNN/score/data/uNNNNN/aNNN/part-00000.parquet`",
      "the teacher's and the student's numbers for one response; `k` is the shard's top-k, min(score.teacher_topk, vocabulary)"),
@@ -216,7 +216,8 @@ def schema_comments(module, name: str, columns: list[str]) -> dict[str, str]:
     line (or of the lines it continues on)."""
     source = inspect.getsource(module)
     lines = source.splitlines()
-    node = next(n for n in ast.parse(source).body if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == name for t in n.targets))
+    node = next(n for n in ast.parse(source).body if (isinstance(n, ast.Assign) and any(getattr(t, "id", None) == name for t in n.targets))
+                or (isinstance(n, ast.ClassDef) and n.name == name))
     comments, whole_line = {}, set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
@@ -226,9 +227,10 @@ def schema_comments(module, name: str, columns: list[str]) -> dict[str, str]:
                 whole_line.add(row)
     rows: dict[str, int] = {}
     for i in range(node.lineno - 1, node.end_lineno):
-        for match in re.finditer(r"\(\s*\"(\w+)\"\s*,", lines[i]):
-            if match.group(1) in columns:
-                rows.setdefault(match.group(1), i)
+        for match in re.finditer(r"\(\s*\"(\w+)\"\s*,|^\s*(\w+): Annotated\[", lines[i]):
+            column = match.group(1) or match.group(2)
+            if column in columns:
+                rows.setdefault(column, i)
     starts = sorted(set(rows.values())) + [node.end_lineno]
     found = {}
     for column, i in rows.items():
@@ -244,7 +246,10 @@ def schema_comments(module, name: str, columns: list[str]) -> dict[str, str]:
 
 
 def shards_page() -> str:
-    out = [header("the Arrow schemas in gndpo/storage/shards.py and gndpo/stages/text/heldout_eval.py"), "# Shard schemas\n\n",
+    from gndpo.storage.rows import arrow_schema
+
+    sources = "the row classes and Arrow schemas in gndpo/storage/rows.py, gndpo/storage/shards.py and gndpo/stages/text/heldout_eval.py"
+    out = [header(sources), "# Shard schemas\n\n",
            "Every Parquet file a stage writes into the run folder has one of these schemas (zstd; the shards are plain Parquet, "
            "so DuckDB, polars and pyarrow read them, and `gndpo sql` shows them as views). A file is trusted only through the "
            "commit record that names it (bytes, sha256, rows: see [the run folder](../concepts/run-folder.md)). A comment here "
@@ -255,6 +260,8 @@ def shards_page() -> str:
     for title, module_name, variable, where, row in SCHEMAS:
         module = importlib.import_module(module_name)
         schema = getattr(module, variable)
+        if isinstance(schema, type):  # a row class (gndpo.storage.rows): its fields are the columns
+            schema = arrow_schema(schema)
         notes = schema_comments(module, variable, schema.names)
         missing = [f.name for f in schema if f.name not in notes]
         if missing:

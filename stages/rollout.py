@@ -13,10 +13,9 @@ greedy held-out accuracy on the same engine, which is what the demo's per-round 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from functools import partial
-
-import pyarrow as pa
 
 from gndpo.faults import crash_point
 from gndpo.pipeline.observe import progress
@@ -35,6 +34,7 @@ from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.text.guide import TeacherGuide
 from gndpo.stages.text.heldout_eval import HeldoutTask, greedy_eval
 from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS
+from gndpo.storage.rows import RolloutRow, rows_table
 from gndpo.storage.shards import ROLLOUTS, write_shard
 
 
@@ -160,11 +160,10 @@ class RolloutJob:
         self.generate(conversations, f"rollout r{self.round} {unit['unit']}", self.sampling)
         crash_point("rollout.generate")
         rows = [self.row(c, text, s) for c, (text, s) in zip(conversations, meta)]
-        table = pa.Table.from_pylist(rows, schema=ROLLOUTS)
-        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
-        rewarded = [r["reward"] for r in rows if r["reward"] is not None]
+        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", rows_table(rows, ROLLOUTS))
+        rewarded = [r.reward for r in rows if r.reward is not None]
         return [record], {
-            "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r["response_token_ids"]) for r in rows),
+            "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r.response_token_ids) for r in rows),
             **({"reward_sum": sum(rewarded)} if rewarded else {}),
             **conversation_counts(rows), **(self.live.probe or {}), "engine_dtype_bits": self.engine_bits,
         }
@@ -183,37 +182,37 @@ class RolloutJob:
             run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, self.cfg.rollout.max_tokens, sampling,
                               on_turn=turn_done, on_finished=None if self.tool_use is not None else bar.advance)
 
-    def row(self, c: Conversation, prompt_text: str, sample_idx: int, rewards: dict | None = None) -> dict:
+    def row(self, c: Conversation, prompt_text: str, sample_idx: int, rewards: dict | None = None) -> RolloutRow:
         """The stored row of one finished conversation, rewarded by ``rewards`` (default: the run's)."""
         rollout_cfg = self.cfg.rollout
         pid = c.row["prompt_id"]
         prefix_len = len(c.response_ids) - sum(c.loss_mask) if self.guide is not None else 0
-        return {
-            "rollout_id": f"r{self.round:04d}-{pid}-{sample_idx:03d}",
-            "prompt_id": pid,
-            "sample_idx": sample_idx,
-            "round": self.round,
-            "policy_version": self.round,
-            "prompt_token_ids": c.prompt_ids,
-            "response_token_ids": c.response_ids,
-            "loss_mask": c.loss_mask,
-            "teacher_prefix_len": prefix_len,
+        return RolloutRow(
+            rollout_id=f"r{self.round:04d}-{pid}-{sample_idx:03d}",
+            prompt_id=pid,
+            sample_idx=sample_idx,
+            round=self.round,
+            policy_version=self.round,
+            prompt_token_ids=c.prompt_ids,
+            response_token_ids=c.response_ids,
+            loss_mask=c.loss_mask,
+            teacher_prefix_len=prefix_len,
             # Tokens the student did not sample (a teacher prefix, tool turns) carry 0 here.
-            "sampler_logprobs": c.sampler_logprobs,
-            "finish_reason": c.finish_reason,
-            "num_turns": c.num_turns,
-            "tool_calls": c.tool_calls,
+            sampler_logprobs=c.sampler_logprobs,
+            finish_reason=c.finish_reason,
+            num_turns=c.num_turns,
+            tool_calls=c.tool_calls,
             **self.rewarded(c, self.rewards if rewards is None else rewards),
-            "temperature": rollout_cfg.temperature,
-            "top_p": rollout_cfg.top_p,
-            "top_k": rollout_cfg.top_k,
-            "max_tokens": rollout_cfg.max_tokens,
-            "seed": c.seed,
-            "logprobs_mode": "raw",
-            "prompt": prompt_text,
+            temperature=rollout_cfg.temperature,
+            top_p=rollout_cfg.top_p,
+            top_k=rollout_cfg.top_k,
+            max_tokens=rollout_cfg.max_tokens,
+            seed=c.seed,
+            logprobs_mode="raw",
+            prompt=prompt_text,
             # With tools the special tokens stay, so the stored text shows where each turn begins.
-            "response": self.tok.decode(c.response_ids, skip_special_tokens=self.tool_use is None),
-        }
+            response=self.tok.decode(c.response_ids, skip_special_tokens=self.tool_use is None),
+        )
 
     def rewarded(self, c: Conversation, rewards: dict) -> dict:
         values = score_response(rewards, c.student_text(self.tok), c.row)
@@ -239,8 +238,8 @@ class RolloutJob:
             conversations = [Conversation(prompt, r.token_ids, sample_seed(self.cfg.rollout.seed, self.round, f"heldout:{prompt['prompt_id']}", sample_idx))
                              for prompt, r in zip(heldout, rendered)]
             self.generate(conversations, f"rollout r{self.round} held-out", partial(self.sampling, temperature=temperature))
-            rows += [{**self.row(c, r.text, sample_idx, answer_free), "temperature": temperature} for c, r in zip(conversations, rendered)]
-        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", pa.Table.from_pylist(rows, schema=ROLLOUTS))
+            rows += [dataclasses.replace(self.row(c, r.text, sample_idx, answer_free), temperature=temperature) for c, r in zip(conversations, rendered)]
+        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", rows_table(rows, ROLLOUTS))
         record["kind"] = HELDOUT_ROLLOUTS
         return [record], {"eval": {"label_free": True, "n": len(heldout)}}
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gndpo.dist import Dist
 from gndpo.faults import crash_point
 from gndpo.pipeline.config.schema import SELF_TEACHER
-from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.methods.losses import (

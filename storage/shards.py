@@ -15,43 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gndpo.errors import GndpoError
+from gndpo.storage.rows import RolloutRow, arrow_schema
 from gndpo.storage.runfs import RunFS
 
-ROLLOUTS = pa.schema(
-    [
-        ("rollout_id", pa.string()),
-        ("prompt_id", pa.string()),
-        ("sample_idx", pa.int32()),
-        ("round", pa.int32()),
-        ("policy_version", pa.int32()),
-        ("prompt_token_ids", pa.list_(pa.int32())),
-        ("response_token_ids", pa.list_(pa.int32())),
-        # 1 = a token the student generated and is trained on; 0 = tool turns, the template's tokens
-        # around them, or a teacher prefix.
-        ("loss_mask", pa.list_(pa.int8())),
-        # Off-policy guidance: the first teacher_prefix_len response tokens were written by the teacher.
-        ("teacher_prefix_len", pa.int32()),
-        ("sampler_logprobs", pa.list_(pa.float32())),
-        ("finish_reason", pa.string()),  # stop | length | max_turns (a tool call in the last allowed turn)
-        # Multi-turn tool use: student turns, and each tool call as the student wrote it (arguments as
-        # JSON, empty when the call could not be read), whether it succeeded and what the tool answered.
-        ("num_turns", pa.int32()),
-        ("tool_calls", pa.list_(pa.struct([("turn", pa.int32()), ("name", pa.string()), ("arguments", pa.string()),
-                                           ("ok", pa.bool_()), ("result", pa.string())]))),
-        ("reward", pa.float64()),
-        ("rewards", pa.map_(pa.string(), pa.float64())),
-        ("temperature", pa.float32()),
-        ("top_p", pa.float32()),
-        ("top_k", pa.int32()),
-        ("max_tokens", pa.int32()),
-        ("seed", pa.int64()),
-        # vLLM returns log-probs of the raw distribution unless told otherwise; recorded per row so
-        # importance ratios are never silently computed against a truncated distribution.
-        ("logprobs_mode", pa.string()),
-        ("prompt", pa.string()),
-        ("response", pa.string()),
-    ]
-)
+ROLLOUTS = arrow_schema(RolloutRow)  # declared in storage/rows.py
 
 SCORES = pa.schema(
     [

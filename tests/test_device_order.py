@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import types
 
-from gndpo.pipeline.exec.dist import Dist
+from gndpo.dist import Dist
 from gndpo.stages.training import deepspeed_engine
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("storage", "pipeline", "stages", "apps", "cli")
 
-# Module prefix -> layer: the top-level folder decides (errors.py and faults.py sit with storage).
-LAYERS = {"gndpo.errors": 0, "gndpo.faults": 0, "gndpo.storage": 0, "gndpo.pipeline": 1, "gndpo.stages": 2, "gndpo.apps": 3, "gndpo.cli": 4}
+# Module prefix -> layer: the top-level folder decides (errors.py, faults.py and dist.py sit with storage).
+LAYERS = {"gndpo.errors": 0, "gndpo.faults": 0, "gndpo.dist": 0, "gndpo.storage": 0, "gndpo.pipeline": 1, "gndpo.stages": 2, "gndpo.apps": 3, "gndpo.cli": 4}
 LAYER_NAMES = ("storage", "pipeline", "stages", "apps", "cli")
 # Libraries that must stay out of a layer: storage is bytes and tables, no model code.
 FORBIDDEN = {0: ("torch", "transformers", "vllm", "deepspeed")}

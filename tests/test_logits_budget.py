@@ -149,7 +149,7 @@ PROBE = r"""
 import json, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from gndpo.pipeline.config.schema import ModelConfig
-from gndpo.pipeline.exec.dist import usable_cpus
+from gndpo.dist import usable_cpus
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
 from tests.memory import peak_above_start
 torch.set_num_threads(min(2, usable_cpus()))  # 2 threads on 1 core wait for each other

@@ -116,7 +116,7 @@ def test_token_budget_batches_bound_padded_tokens():
 # -- real shapes: vocabulary 151,936, hidden 512, a 4,096-token response --------------------------------
 PROBE = r"""
 import json, resource, sys, torch
-from gndpo.pipeline.exec.dist import usable_cpus
+from gndpo.dist import usable_cpus
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
 from gndpo.stages.models.loading import load_causal_lm
 from gndpo.pipeline.methods.losses import DivergenceTerm, PolicyGradientTerm, aggregate, combined_token_losses

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gndpo.pipeline.exec.dist import Dist
+from gndpo.dist import Dist
 from gndpo.stages.training import checkpoint
 from gndpo.storage.runfs import RunFS
 from tests.conftest import free_ports

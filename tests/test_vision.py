@@ -372,7 +372,7 @@ def test_a_fork_of_a_vision_run_reads_its_pictures(vision_round, tmp_path):
 SMOLVLM_PROBE = r"""
 import json
 import torch
-from gndpo.pipeline.exec.dist import usable_cpus
+from gndpo.dist import usable_cpus
 from gndpo.pipeline.config.schema import ModelConfig
 from gndpo.stages.models.logprobs import logits_chunk, pair_token_stats, policy_token_logprobs
 from gndpo.stages.models.vision import freeze_all_but_language_model

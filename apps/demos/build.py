@@ -19,7 +19,7 @@ import os
 import traceback
 from pathlib import Path
 
-from gndpo.pipeline.exec.dist import scoped_environ, usable_cpus
+from gndpo.dist import scoped_environ, usable_cpus
 from gndpo.pipeline.observe.logs import info
 
 # Read by torch and MKL when they load, hence set for a fresh process. OMP/MKL thread counts follow

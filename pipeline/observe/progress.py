@@ -26,6 +26,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column
 
+from gndpo.dist import Dist
+
 MODES = ("auto", "bar", "lines", "none")
 _log = logging.getLogger("gndpo.progress")
 
@@ -63,6 +65,8 @@ def resolve_mode(mode: str | None = None) -> str:
     mode = mode or os.environ.get("GNDPO_PROGRESS", "auto")
     if mode not in MODES:
         raise ValueError(f"progress mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if not Dist.from_env().main:  # one train rank draws for all of them
+        return "none"
     if mode == "auto":
         mode = "bar" if sys.stderr.isatty() else "lines"
     return mode

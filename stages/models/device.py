@@ -1,6 +1,6 @@
 """Where models run and in what precision: decided here, once, for score, train and vLLM.
 
-A process uses the CUDA device of its local rank (:class:`gndpo.pipeline.exec.dist.Dist`: LOCAL_RANK, set by
+A process uses the CUDA device of its local rank (:class:`gndpo.dist.Dist`: LOCAL_RANK, set by
 torchrun and by ``gndpo run``'s per-GPU workers, which pin one GPU each with CUDA_VISIBLE_DEVICES) when
 CUDA is present, else the CPU.
 ``model.dtype: auto`` means bf16 on a GPU that supports it and fp32 everywhere else: CPU matmuls in bf16
@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from gndpo.pipeline.exec.dist import Dist, usable_cpus
+from gndpo.dist import Dist, usable_cpus
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -35,9 +35,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from gndpo.dist import scoped_environ
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.schema import EngineConfig
-from gndpo.pipeline.exec.dist import scoped_environ
 from gndpo.pipeline.exec.signals import ENGINE_OWNER_ENV, descendants, process_running
 from gndpo.stages.models.device import dtype_name, resolve_dtype
 from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import

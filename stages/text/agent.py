@@ -30,6 +30,7 @@ from gndpo.pipeline.run.seeds import derived_seed
 from gndpo.pipeline.tasks.tools import Tool, ToolResult, get_tool, parse_tool_call, run_tool_calls
 from gndpo.stages.models.vllm_engine import generate
 from gndpo.stages.text.chat import tool_turn_ids
+from gndpo.storage.rows import RolloutRow
 
 CALL_END = "</tool_call>"
 
@@ -188,13 +189,13 @@ def call_record(turn_text: str, turn: int, result: str | None, ok: bool) -> dict
     return {"turn": turn, "name": name, "arguments": arguments, "ok": ok, "result": result}
 
 
-def conversation_counts(rows: list[dict]) -> dict:
+def conversation_counts(rows: list[RolloutRow]) -> dict:
     """A unit's sums behind the round's multi-turn metrics (see :func:`conversation_metrics`)."""
-    turns = [r["num_turns"] for r in rows] or [0]
-    calls = [call for r in rows for call in r["tool_calls"]]
+    turns = [r.num_turns for r in rows] or [0]
+    calls = [call for r in rows for call in r.tool_calls]
     return {
-        "llm_tokens": sum(sum(r["loss_mask"]) for r in rows),
-        "tool_tokens": sum(len(r["loss_mask"]) - sum(r["loss_mask"]) - r["teacher_prefix_len"] for r in rows),
+        "llm_tokens": sum(sum(r.loss_mask) for r in rows),
+        "tool_tokens": sum(len(r.loss_mask) - sum(r.loss_mask) - r.teacher_prefix_len for r in rows),
         "turns_sum": sum(turns), "turns_min": min(turns), "turns_max": max(turns),
         "tool_calls": len(calls), "tool_errors": sum(not call["ok"] for call in calls),
     }

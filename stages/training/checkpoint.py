@@ -29,8 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from gndpo.dist import Dist
 from gndpo.faults import crash_point
-from gndpo.pipeline.exec.dist import Dist
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.lora import has_adapters
 from gndpo.stages.training.ema import EmaWeights

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from gndpo.pipeline.exec.dist import Dist
+from gndpo.dist import Dist
 from gndpo.stages.models.device import gpu_memory, local_device, resolve_dtype
 from gndpo.stages.models.gpu_memory import uses_checkpointing
 from gndpo.stages.models.loading import is_vision_model, load_causal_lm

@@ -8,7 +8,7 @@ takes part in what is collective (the ZeRO-3 gather, the probe's forward).
 
 from __future__ import annotations
 
-from gndpo.pipeline.exec.dist import Dist
+from gndpo.dist import Dist
 from gndpo.stages.models.loading import is_vision_model, load_tokenizer
 from gndpo.stages.models.logprobs import output_width
 from gndpo.stages.models.lora import ADAPTER_DIR, has_adapters, policy_state_dict, save_adapter

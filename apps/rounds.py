@@ -28,6 +28,7 @@ from pathlib import Path
 
 from gndpo.dist import Dist, usable_cpus
 from gndpo.errors import GndpoError
+from gndpo.pipeline.exec.inputs import StageInputs
 from gndpo.pipeline.exec.signals import STAGE_OF_RUN_ENV, die_with_parent
 from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.pipeline.observe import progress
@@ -41,13 +42,10 @@ from gndpo.storage.runfs import RunFS
 
 
 def check_round(run, round_idx: int, stage: str) -> None:
-    """A stage of round k needs the previous stage of round k (or round k-1's train) committed."""
+    """A stage runs once what it reads (its class's ``reads``) is committed."""
     if round_idx < 0:
         raise GndpoError(f"round must be >= 0, got {round_idx}")
-    i = STAGES.index(stage)
-    prev_round, prev_stage = (round_idx, STAGES[i - 1]) if i > 0 else (round_idx - 1, "train")
-    if prev_round >= 0 and run.records(prev_round, prev_stage).manifest() is None:
-        raise GndpoError(f"cannot run {stage} of round {round_idx}: {prev_stage} of round {prev_round} is not committed")
+    StageInputs(run, round_idx, job_class(stage).reads).require(stage)
 
 
 def run_stage(

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from gndpo.pipeline.exec.inputs import Read, StageInputs
 from gndpo.pipeline.methods import StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
 from gndpo.pipeline.methods.base import TEACHER_SCOPE
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run
 from gndpo.storage.duck import connect, parquet_source
-from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import STATS, verify_shards, write_shard
 
 
@@ -28,15 +28,16 @@ class NormalizeJob:
     committed score shards (what the run's method asks for) and writes them as one shard."""
 
     stage = "normalize"
+    reads = (Read("rollout"), Read("score"))
 
     def __init__(self, run: Run, round_idx: int, log=info, live=None):
         # ``live`` (kept engines and models) is accepted like every stage's; normalize needs none.
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
+        self.inputs = StageInputs(run, round_idx, self.reads)
 
     def plan(self):
         """One unit, "stats", reading the committed score and rollout manifests."""
-        scores = self.run.records(self.round, "score").require_manifest()
-        rollouts = self.run.records(self.round, "rollout").require_manifest()
+        scores, rollouts = self.inputs.manifest("score"), self.inputs.manifest("rollout")
         inputs = {"score_manifest_finished_at": scores["finished_at"], "rollout_manifest_finished_at": rollouts["finished_at"]}
         return [{"unit": "stats"}], inputs
 
@@ -48,8 +49,7 @@ class NormalizeJob:
         """The round's statistics: the score moments every method gets, the logged figures, then what
         the run's method asks for (global and per scope), written as one long-format shard."""
         fs = self.run.fs
-        score_files = manifest_files(self.run.records(self.round, "score").require_manifest())
-        rollout_files = rollout_shards(self.run.records(self.round, "rollout").require_manifest())
+        score_files, rollout_files = self.inputs.files("score"), self.inputs.files("rollout")
         # DuckDB reads the files directly; check them against their commit records first.
         verify_shards(fs, score_files + rollout_files)
         con = connect(fs, threads=1)  # statistics with the same bits on every rerun

@@ -18,6 +18,7 @@ import random
 from functools import partial
 
 from gndpo.faults import crash_point
+from gndpo.pipeline.exec.inputs import Read, StageInputs
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.images import RunImages
@@ -69,9 +70,11 @@ class RolloutJob:
     policy in vLLM (tool turns included), rewards them, and writes one rollout shard."""
 
     stage = "rollout"
+    reads = (Read("train", previous_round=True),)  # the policy round k-1 exported (round 0: the config's student)
 
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
+        self.inputs = StageInputs(run, round_idx, self.reads)
         self.live = live or LiveModels()
         self.llm = self.tok = None
 

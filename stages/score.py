@@ -21,6 +21,7 @@ import pyarrow as pa
 import torch
 
 from gndpo.pipeline.config.checks import engine_logprob_blockers
+from gndpo.pipeline.exec.inputs import Read, StageInputs
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.observe.logs import info
@@ -43,16 +44,18 @@ class ScoreJob:
     the student's recomputed log-probs where the method needs them) and writes one score shard."""
 
     stage = "score"
+    reads = (Read("rollout"),)
 
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
+        self.inputs = StageInputs(run, round_idx, self.reads)
         self.live = live or LiveModels()
         self.backend: TeacherBackend | None = None  # the teacher backend, once setup made it
 
     def plan(self):
         """One unit per committed rollout shard (the evaluation unit's excepted), plus one for the held-out
         responses rollout sampled for the label-free held-out measure (prompts without answers)."""
-        rollouts = self.run.records(self.round, "rollout").require_manifest()
+        rollouts = self.inputs.manifest("rollout")
         units = [
             {"unit": u["unit"], "rollout_files": u["files"]} for u in rollouts["units"] if u["unit"] != EVAL_UNIT
         ]
@@ -94,7 +97,7 @@ class ScoreJob:
         mode = self.cfg.score.student_logprobs
         if mode != "auto":
             return mode == "engine"
-        bits = self.run.records(self.round, "rollout").require_manifest()["metrics"].get("engine_dtype_bits")
+        bits = self.inputs.manifest("rollout")["metrics"].get("engine_dtype_bits")
         return bits == 32 and not engine_logprob_blockers(self.cfg) and not self.cfg.logging.entropy_metrics
 
     @torch.no_grad()

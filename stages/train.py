@@ -35,6 +35,7 @@ import torch
 from gndpo.dist import Dist
 from gndpo.faults import crash_point
 from gndpo.pipeline.config.schema import SELF_TEACHER
+from gndpo.pipeline.exec.inputs import Read, StageInputs
 from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.methods.losses import (
@@ -352,9 +353,11 @@ class TrainJob:
     round for resume) and exports the next round's policy."""
 
     stage = "train"
+    reads = (Read("rollout"), Read("score"), Read("normalize"))
 
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None, dist: Dist | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
+        self.inputs = StageInputs(run, round_idx, self.reads)
         self.live = live or LiveModels()
         self.dist = dist or Dist.from_env()
 
@@ -365,7 +368,7 @@ class TrainJob:
 
     def plan(self):
         """One unit, "update", after the round's committed normalize."""
-        normalize = self.run.records(self.round, "normalize").require_manifest()
+        normalize = self.inputs.manifest("normalize")
         return [{"unit": "update"}], {"normalize_manifest_finished_at": normalize["finished_at"], "method": self.cfg.method.name}
 
     def setup(self):

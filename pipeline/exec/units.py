@@ -28,6 +28,7 @@ from typing import Protocol
 
 from gndpo.errors import GndpoError, first_line
 from gndpo.faults import crash_point
+from gndpo.pipeline.exec.inputs import Read, StageInputs
 from gndpo.pipeline.exec.signals import pid_alive
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import FILE_ONLY, info, unit_context
@@ -46,6 +47,8 @@ class StageJob(Protocol):
     result the executor commits, and a summary of the committed units for the stage's manifest."""
 
     stage: str
+    reads: tuple[Read, ...]  # the committed stages it reads (:mod:`gndpo.pipeline.exec.inputs`)
+    inputs: StageInputs  # their manifests, which the stage reads instead of looking them up by name
 
     def plan(self) -> tuple[list[dict], dict]:
         """(units, inputs): each unit is a dict with a stable "unit" id; inputs name what was read."""

@@ -25,11 +25,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.exec.inputs import Read, StageInputs
 from gndpo.pipeline.methods import Response, get_method, response_targets, score_needs
 from gndpo.pipeline.methods.base import TOPK, Stats
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.run.stats import round_stats
-from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import flat_values, read_shard
 from gndpo.storage.step_files import StepFiles
 
@@ -175,6 +175,9 @@ def read_step_rows(files: StepFiles, join, step: int) -> list[TrainRow]:
     return [] if table is None else join(*split_rows(table.sort_by(POSITION)))
 
 
+ROUND_ROWS = (Read("rollout"), Read("score"))  # what a round's rows are joined from (train reads them)
+
+
 def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     """Rank ``rank``'s share of round ``round_idx``: the round's responses (less those
     ``rollout.truncated`` keeps out) in ``train.optimizer_steps`` steps, shuffled by the train seed,
@@ -182,8 +185,8 @@ def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     is read one rollout shard at a time and its rows are written to the step files, so memory holds one
     shard's rows, never the round's."""
     cfg = run.cfg
-    rollout_files = rollout_shards(run.records(round_idx, "rollout").require_manifest())
-    score_files = manifest_files(run.records(round_idx, "score").require_manifest())
+    inputs = StageInputs(run, round_idx, ROUND_ROWS)
+    rollout_files, score_files = inputs.files("rollout"), inputs.files("score")
     kept = kept_rollout_ids(run, rollout_files, round_idx)
     score_file_of = score_files_by_rollout(run, score_files, round_idx, kept.total)
     steps = step_order(kept.ids, cfg.train.seed, round_idx, cfg.train.optimizer_steps)

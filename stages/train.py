@@ -59,14 +59,13 @@ from gndpo.stages.text.vocabulary import match_vocabularies
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
 from gndpo.stages.training.checkpoint import (
     DeferredState,
+    ResumePoint,
     Start,
-    carried_state,
     carry_state,
-    last_carried_state,
     load_state,
-    newest_checkpoint,
+    resume_point,
     save_checkpoint,
-    start_update,
+    start_at,
 )
 from gndpo.stages.training.deepspeed_engine import build_engine, init_distributed, isolate_extension_builds, quiet_deepspeed_import
 from gndpo.stages.training.ema import EmaWeights
@@ -391,26 +390,27 @@ class TrainJob:
             update.share.close()  # its step files
 
     def prepare_update(self) -> Update:
-        """Everything the round's update runs on, built in the order it needs: the output-layer chunk
-        every rank plans its steps with depends on the model, so the engine comes before the schedule,
-        and the schedule (collective) before what the update continues from."""
+        """Everything the round's update runs on, built in the order it needs: the engine, resumed
+        where :func:`resume_point` says (the one place that decides), then the round's schedule, whose
+        output-layer chunk depends on the model."""
         cfg, dist = self.cfg, self.dist
         policy = self.run.policy_path(self.round)
         self.live.release_engine()
         self.live.release_modules()
         # By URL, not run-relative: an engine kept across runs (`gndpo compare`) must not pass for this run's.
         exported = self.run.policy_dir(self.round)
-        engine, continued = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world, self.base, build=build_engine)
-        if not continued and self.state_was_not_written():
+        engine, kept = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world, self.base, build=build_engine)
+        point = resume_point(self.run, self.round, dist, kept)
+        if point.source == "replay":
             del engine  # freed before the replay builds its own
-            engine, continued = self.replayed_engine(policy)
-        share, steps, objective = self.round_work(self.round, engine, policy)
+            engine, point = self.replayed_engine(point, policy)
         # With an EMA self-teacher, the average the previous round exported (the initial student in
-        # round 0), continued from a checkpoint below when the update resumes.
+        # round 0), continued from a checkpoint when the update resumes from one.
         ema = self._start_ema(engine.module)
         # A retried attempt continues from the newest checkpoint of an earlier attempt, so optimizer
         # steps already taken are not repeated (the mini-batch order is seeded by round, not attempt).
-        start = start_update(engine, self.run, self.round, dist, ema, continued, self.log)
+        start = start_at(point, engine, self.run, self.round, dist.world, ema, self.log)
+        share, steps, objective = self.round_work(self.round, engine, policy)
         return Update(policy, share, engine, steps, objective, ema, start)
 
     def round_work(self, round_idx: int, engine, policy: str) -> tuple[RoundShare, list[Step], Objective]:
@@ -442,23 +442,15 @@ class TrainJob:
             out[name] = ~np.pad(matched[:vocabulary], (0, max(0, vocabulary - len(matched))))
         return out
 
-    def state_was_not_written(self) -> bool:
-        """Whether the previous round left no optimizer state to load (kept in memory only,
-        train.state_every, or its deferred write never finished, train.state_async) and no attempt of
-        this round left a checkpoint to resume from: the state must then be replayed."""
-        train_cfg = self.cfg.train
-        if self.round == 0 or not train_cfg.carry_optimizer_state:
-            return False
-        return carried_state(self.run, self.round - 1) is None and newest_checkpoint(self.run, self.round, self.dist) is None
-
-    def replayed_engine(self, policy: str):
-        """(the engine this round starts from, whether its optimizer state continues), rebuilt where the
-        previous round did not write its state: from the newest written state (or round 0's start), the
-        train stages since then run again from their committed rows, as they ran. The replay must end
-        on the weights the previous round exported, byte for byte; otherwise (or where the state was
-        written by another number of ranks) the round starts a fresh optimizer on ``policy``."""
+    def replayed_engine(self, point: ResumePoint, policy: str) -> tuple[object, ResumePoint]:
+        """(the engine this round starts from, where: ``kept``, its optimizer state continuing, or
+        ``fresh``), rebuilt where the previous round did not write its state: from the newest written
+        state (``point``; or round 0's start), the train stages since then run again from their
+        committed rows, as they ran. The replay must end on the weights the previous round exported,
+        byte for byte; otherwise (or where the state was written by another number of ranks) the round
+        starts a fresh optimizer on ``policy``."""
         cfg, dist = self.cfg, self.dist
-        base, state = last_carried_state(self.run, self.round)
+        base, state = point.replay_from, point.state
         start = self.run.policy_path(base + 1)
         engine, _ = self.live.train_engine(cfg, start, None, dist.world, self.base, build=build_engine)
         if state is None or load_state(engine, self.run.fs, state, dist.world):
@@ -473,12 +465,12 @@ class TrainJob:
                     start = self.run.policy_path(round_idx + 1)
             if self.exports_equal(engine, start):
                 self.log(f"train r{self.round}: optimizer state replayed from round {base + 1} to round {self.round - 1}")
-                return engine, True
+                return engine, ResumePoint("kept")
             self.log(f"train r{self.round}: the replayed rounds did not end on round {self.round - 1}'s export; starting a fresh optimizer")
         else:
             self.log(f"train r{self.round}: round {base}'s optimizer state was written by {state['world']} ranks; starting a fresh optimizer")
         del engine
-        return self.live.train_engine(cfg, policy, None, dist.world, self.base, build=build_engine)[0], False
+        return self.live.train_engine(cfg, policy, None, dist.world, self.base, build=build_engine)[0], ResumePoint("fresh")
 
     def exports_equal(self, engine, policy: str) -> bool:
         """Whether ``engine``'s weights, exported as train exports them, are byte for byte the weight

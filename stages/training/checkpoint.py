@@ -10,10 +10,11 @@
   folder, with the EMA average beside the engine state (:data:`EMA_FILE`, sha256-checked like the rest
   when read back), and the record ``ckpt/step-NNNNN.json`` (the step, the step history so far, the
   world size, the files), written last and exclusively: it is what makes the checkpoint visible.
-* Where an update starts (:func:`start_update`): after the newest checkpoint any earlier attempt of the
-  round left, so a retried attempt repeats no optimizer step; else with the optimizer state the kept
-  engine holds, or the one the previous round carried (``train.carry_optimizer_state``:
-  :func:`carry_state` writes it as the round's ``optimizer/``).
+* Where an update starts (:func:`resume_point`, the one place that decides, and :func:`start_at`): after
+  the newest checkpoint any earlier attempt of the round left, so a retried attempt repeats no optimizer
+  step; else with the optimizer state the kept engine holds, the one the previous round carried
+  (``train.carry_optimizer_state``: :func:`carry_state` writes it as the round's ``optimizer/``), or
+  one replayed from an older written state.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from gndpo.dist import Dist
 from gndpo.faults import crash_point
@@ -155,36 +157,60 @@ class Start:
     optimizer_state: bool  # AdamW's moments continue (a checkpoint's, the kept engine's, the previous round's)
 
 
-def start_update(engine, run: Run, round_idx: int, dist: Dist, ema: EmaWeights | None, continued: bool, log) -> Start:
-    """Load what the update continues from, on every rank alike: the newest in-round checkpoint (engine
-    state, EMA average) if an earlier attempt left one this world size can load; else, unless the kept
-    engine already ``continued`` from the previous round, the optimizer state that round carried."""
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a round's update continues from (:func:`resume_point`)."""
+
+    source: Literal["checkpoint", "kept", "carried", "replay", "fresh"]
+    state: dict | None = None  # the checkpoint's, the carried or the replay's starting state record
+    replay_from: int = -1  # replay: the round whose written state it starts from (-1: round 0's start)
+
+
+def resume_point(run: Run, round_idx: int, dist: Dist, kept: bool) -> ResumePoint:
+    """Where round ``round_idx``'s update continues from: the first of these the run has.
+
+    1. ``checkpoint``: the newest in-round checkpoint an earlier attempt left, written by this number
+       of ranks (engine state, EMA average, the steps taken), so a retried attempt repeats no step;
+    2. ``kept``: the engine this process kept, which exported exactly the previous round's policy
+       (``kept``): its optimizer state is in memory;
+    3. ``fresh``: round 0, or ``train.carry_optimizer_state`` off;
+    4. ``carried``: the optimizer state the previous round wrote;
+    5. ``replay``: the newest state written before that (``train.state_every``, or a
+       ``train.state_async`` write that never finished), the train stages since then run again.
+    Every rank gets the same answer (rank 0 chooses the checkpoint)."""
     checkpoint = newest_checkpoint(run, round_idx, dist)
-    if checkpoint is not None and load_state(engine, run.fs, checkpoint, dist.world):
+    if checkpoint is not None and checkpoint.get("world", 1) == dist.world:
+        return ResumePoint("checkpoint", checkpoint)
+    if kept:
+        return ResumePoint("kept")
+    if round_idx == 0 or not run.cfg.train.carry_optimizer_state:
+        return ResumePoint("fresh")
+    state = carried_state(run, round_idx - 1)
+    if state is not None:
+        return ResumePoint("carried", state)
+    base, state = last_carried_state(run, round_idx)
+    return ResumePoint("replay", state, base)
+
+
+def start_at(point: ResumePoint, engine, run: Run, round_idx: int, world: int, ema: EmaWeights | None, log) -> Start:
+    """Load ``point``'s state into ``engine`` (and the EMA average), on every rank alike; the update's
+    start. A replay has already run (its engine continues, ``kept``, or starts ``fresh``); a carried
+    state written by another number of ranks is not loaded: ZeRO partitions are per rank."""
+    if point.source == "checkpoint":
+        load_state(engine, run.fs, point.state, world)
         if ema is not None:
-            ema.load_bytes(verified_bytes(run.fs, checkpoint["ema"]))
-        log(f"train r{round_idx}: resuming after step {checkpoint['step']} from a checkpoint")
-        return Start(list(checkpoint["history"]), checkpoint["step"], True)
-    return Start([], 0, continued or continue_optimizer(engine, run, round_idx, dist.world, log))
+            ema.load_bytes(verified_bytes(run.fs, point.state["ema"]))
+        log(f"train r{round_idx}: resuming after step {point.state['step']} from a checkpoint")
+        return Start(list(point.state["history"]), point.state["step"], True)
+    if point.source == "carried":
+        # The parent's records, for a forked run's first round.
+        if load_state(engine, run.records(round_idx - 1, "train").run, point.state, world):
+            return Start([], 0, True)
+        log(f"train r{round_idx}: optimizer state of round {round_idx - 1} was written by {point.state['world']} ranks; starting a fresh one")
+    return Start([], 0, point.source == "kept")
 
 
 # -- across rounds ----------------------------------------------------------------------------------
-def continue_optimizer(engine, run: Run, round_idx: int, world: int, log) -> bool:
-    """Continue AdamW's moments (and, in bf16, the fp32 master weights) from the previous round: a
-    fresh Adam's first steps are sign-like (size lr in every coordinate), which on a small policy
-    undoes much of a round."""
-    if round_idx == 0 or not run.cfg.train.carry_optimizer_state:
-        return False
-    records = run.records(round_idx - 1, "train")  # the parent's, for a forked run's first round
-    state = carried_state(run, round_idx - 1)
-    if state is None:
-        return False
-    if not load_state(engine, records.run, state, world):
-        log(f"train r{round_idx}: optimizer state of round {round_idx - 1} was written by {state['world']} ranks; starting a fresh one")
-        return False
-    return True
-
-
 def carried_state(run: Run, round_idx: int) -> dict | None:
     """The optimizer state round ``round_idx``'s train carried ({world, files}): in its commit, or
     written after it (``train.state_async``) and made visible by the record its commit names; None if

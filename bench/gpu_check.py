@@ -147,7 +147,7 @@ class Recorder:
 
 # -- shared pieces: config, models, rows ----------------------------------------------------------------
 def config(student: str, **train):
-    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.config.load import config_from_dict
 
     return config_from_dict({"student": student, "teacher": student, "train": train})
 

@@ -8,8 +8,9 @@ import typer
 
 from gndpo.cli.common import split_settings, user_errors
 from gndpo.errors import GndpoError, did_you_mean
+from gndpo.pipeline.config.keys import KeyDoc, config_keys
 from gndpo.pipeline.config.load import config_to_yaml, load_config, override_config
-from gndpo.pipeline.config.schema import Config, KeyDoc, config_keys
+from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.run.run import open_run
 
 CONFIG_SUFFIXES = (".yaml", ".yml")

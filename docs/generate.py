@@ -3,7 +3,7 @@
     python docs/generate.py           # (re)write docs/reference/{config-keys,cli,shards,metrics}.md
     python docs/generate.py --check   # exit 1 naming every page that differs from what the code gives
 
-Sources: the config schema (gndpo.pipeline.config.schema.config_keys, the same list as `gndpo config keys`),
+Sources: the config schema (gndpo.pipeline.config.keys.config_keys, the same list as `gndpo config keys`),
 the Typer app (gndpo.cli.app), the Arrow schemas of the shards (gndpo.storage.shards and the held-out
 eval's) with the comments beside their fields, and the metrics table (gndpo.pipeline.observe.metrics.METRICS).
 Runs where gndpo is importable (`pip install -e .`, as the tests need). tests/test_docs_site.py fails
@@ -92,7 +92,8 @@ def section_docs() -> dict[str, str]:
 
 
 def config_keys_page() -> str:
-    from gndpo.pipeline.config.schema import Config, config_keys
+    from gndpo.pipeline.config.keys import config_keys
+    from gndpo.pipeline.config.schema import Config
 
     sections: dict[str, list] = {}
     for doc in config_keys():

@@ -163,7 +163,7 @@ def test_user_tools_are_called_by_their_path_or_a_name_given_to_them():
 
 def test_a_rollout_config_with_unusable_tools_is_refused(tmp_path):
     from gndpo.errors import GndpoError
-    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.config.load import config_from_dict
 
     with pytest.raises(GndpoError, match="rollout.tools must be a list"):
         config_from_dict({"rollout": {"tools": [3]}})

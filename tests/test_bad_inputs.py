@@ -259,7 +259,7 @@ def test_the_table_covers_at_least_sixty_mistakes():
 def test_outcome_rewards_default_to_the_runs_reward(tiny_assets):
     """`reward: math` with GRPO trains on math, not on the schema's exact_match (which on chat answers
     is 0 for every response, so every advantage is 0 and training changes nothing)."""
-    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.config.load import config_from_dict
 
     cfg = config_from_dict({**tiny_config_dict(tiny_assets), "reward": "math", "method": {"name": "grpo"}})
     assert cfg.method.outcome.rewards == ["math"]

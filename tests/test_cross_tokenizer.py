@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.teachers.registry import check_teacher_backend
 from tests.conftest import committed_rows, invoke_ok, run_stages

@@ -215,7 +215,7 @@ def test_built_reference_pages_show_every_key_and_command(site):
     import typer.main
 
     from gndpo.cli.app import app, register
-    from gndpo.pipeline.config.schema import config_keys
+    from gndpo.pipeline.config.keys import config_keys
 
     keys_page = (site / "reference" / "config-keys.html").read_text()
     missing = [d.key for d in config_keys() if f"<td><code>{d.key}</code></td>" not in keys_page]
@@ -466,7 +466,7 @@ def normalize_metrics(method: dict) -> dict:
     import duckdb
     import pyarrow as pa
 
-    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.config.load import config_from_dict
     from gndpo.pipeline.methods import method_statistics
     from gndpo.pipeline.methods.base import StatsQuery
     from gndpo.stages.normalize import NormalizeJob, create_views, rollout_figures, score_moments

@@ -132,7 +132,7 @@ def test_zero3_trains_in_a_process_whose_in_process_engine_has_shut_down(tiny_as
     from safetensors.numpy import load_file
 
     from gndpo.apps.init import init_run
-    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.config.load import config_from_dict
     from gndpo.pipeline.run.run import open_run
 
     weights = {}

@@ -208,7 +208,7 @@ def test_train_drops_the_rest_bucket_exactly_when_k_is_the_vocabulary(tiny_asset
     when k = V (the student's output width), and only then."""
     from transformers import AutoModelForCausalLM
 
-    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.config.load import config_from_dict
     from gndpo.stages import train
     from gndpo.stages.training.batch import TrainRow
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
 from gndpo.stages.models.gpu_memory import GIB, Shape, parse_memory, train_peak, uses_checkpointing
 from gndpo.stages.models.loading import architecture_parameter_count
 from tests.conftest import assert_one_line_error, invoke

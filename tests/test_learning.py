@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.methods import response_targets
 from gndpo.pipeline.methods.base import Response, Stats
 from gndpo.stages.train import Objective

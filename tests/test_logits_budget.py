@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import ModelConfig, config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
+from gndpo.pipeline.config.schema import ModelConfig
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
 
 

@@ -402,7 +402,7 @@ def test_method_settings_the_schema_cannot_declare_are_refused_by_validate(cfg_k
     """What is left to methods.validate (run by gndpo init and fork, never by a stage): the method's name,
     the schedule's entries and the outcome rewards. Choices and ranges are the schema's
     (tests/test_config.py); a bad setting never reaches normalize."""
-    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.config.load import config_from_dict
     from gndpo.pipeline.methods import validate
 
     cfg = config_from_dict({"method": cfg_kwargs}).method
@@ -424,7 +424,7 @@ def test_method_settings_the_schema_cannot_declare_are_refused_by_validate(cfg_k
 )
 def test_bad_method_knobs_are_refused_when_the_config_is_read(cfg_kwargs, fragment):
     """Formerly accepted by init and refused at normalize; now the schema's choices and ranges."""
-    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.config.load import config_from_dict
 
     with pytest.raises(GndpoError, match=None) as err:
         config_from_dict({"method": cfg_kwargs})

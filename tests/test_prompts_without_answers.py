@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.methods import METHODS, answer_readers
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.run import open_run

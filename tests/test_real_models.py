@@ -269,7 +269,7 @@ def smollm2_round(smollm2, tmp_path_factory):
     models), then round 1's rollout on the kept engine with the exported weights loaded into it."""
     from gndpo.apps.init import init_run
     from gndpo.apps.rounds import run_rounds
-    from gndpo.pipeline.config.schema import config_from_dict
+    from gndpo.pipeline.config.load import config_from_dict
     from gndpo.stages.models.live import LiveModels
 
     folder = tmp_path_factory.mktemp("smollm2-run")

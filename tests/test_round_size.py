@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gndpo.apps import round_size
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
 from gndpo.storage.step_files import BUFFER_BYTES
 from tests.conftest import assert_one_line_error, invoke, tiny_config_dict
 

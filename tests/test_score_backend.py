@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.vllm_engine import shutdown_llm
 from gndpo.stages.score import ScoreJob

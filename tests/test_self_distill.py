@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import SelfTeacherConfig, config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
+from gndpo.pipeline.config.schema import SelfTeacherConfig
 from gndpo.pipeline.methods import METHODS
 from gndpo.stages.text.teacher_context import TeacherPrompts, other_problem_partners
 from gndpo.stages.training.ema import EmaWeights

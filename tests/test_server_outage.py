@@ -13,8 +13,7 @@ import time
 import pytest
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.load import config_to_yaml
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict, config_to_yaml
 from gndpo.pipeline.exec.units import Worker
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models import teacher_server

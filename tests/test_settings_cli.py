@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gndpo.pipeline.config.keys import config_keys
 from gndpo.pipeline.config.load import config_to_yaml, load_config
-from gndpo.pipeline.config.schema import Config, config_keys
+from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.run.run import open_run
 from tests.conftest import assert_one_line_error, invoke, invoke_ok, tiny_config_dict
 

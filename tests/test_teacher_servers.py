@@ -16,7 +16,7 @@ import time
 import pytest
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models import teacher_server
 from gndpo.stages.teachers.registry import check_teacher_backend

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from tests.conftest import committed_rows, invoke_ok, model_logprobs, run_stages
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import MethodConfig, config_from_dict
+from gndpo.pipeline.config.load import config_from_dict
+from gndpo.pipeline.config.schema import MethodConfig
 from gndpo.pipeline.methods import validate
 from gndpo.pipeline.methods.losses import DivergenceTerm, combined_token_losses, topk_divergence
 

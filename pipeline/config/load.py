@@ -1,6 +1,6 @@
 """Reading a config: a YAML file, ``key=value`` overrides, and model and data paths made absolute (the
 file's relative to the file's folder, an override's relative to the current folder, as a shell user
-expects); the result is built and checked by :func:`gndpo.pipeline.config.schema.config_from_dict`."""
+expects); the result is built and checked by :func:`config_from_dict`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 import yaml
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import RUN_TEACHER, SELF_TEACHER, Config, config_from_dict, split_run_teacher
+from gndpo.pipeline.config.checks import check_combinations
+from gndpo.pipeline.config.schema import RUN_TEACHER, SELF_TEACHER, Config, split_run_teacher
+from gndpo.pipeline.config.validate import build
 from gndpo.pipeline.tasks.plugins import use_plugin_dirs
 
 
@@ -113,3 +115,27 @@ def _looks_like_hub_id(value: str) -> bool:
 def config_to_yaml(cfg: Config) -> str:
     """``cfg`` as YAML, its keys in the schema's order (what run.yaml holds)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_from_dict(data: dict) -> Config:
+    """A Config from nested mappings: unknown keys, wrong types, values out of range and settings that
+    contradict each other are one-line GndpoErrors naming the key."""
+    cfg = build(Config, outcome_rewards_default(data), "")
+    check_combinations(cfg)
+    return cfg
+
+
+def outcome_rewards_default(data: dict) -> dict:
+    """``data`` with ``method.outcome.rewards``, when it is not given, set to the run's own ``reward``: a
+    run graded with ``reward: math`` trains GRPO on math, not on the schema's ``exact_match`` (which on
+    chat answers scores every response 0, and every advantage with it). Malformed sections are left
+    for :func:`_build` to refuse."""
+    if not isinstance(data, dict) or "reward" not in data:
+        return data
+    method = {} if data.get("method") is None else data["method"]
+    if not isinstance(method, dict):
+        return data
+    outcome = {} if method.get("outcome") is None else method["outcome"]
+    if not isinstance(outcome, dict) or "rewards" in outcome:
+        return data
+    return {**data, "method": {**method, "outcome": {**outcome, "rewards": [data["reward"]]}}}

@@ -7,7 +7,7 @@
 * ``dict_parameters``: function parameters annotated ``dict``, ``dict[...]``, ``list[dict]`` or
   ``list[dict[...]]``;
 * ``backend_comparisons``: comparisons of ``score.backend`` (or a name ``backend`` holding it) with a
-  string or a tuple of strings, outside pipeline/config/schema.py and the teacher registry;
+  string or a tuple of strings, outside the config schema (schema.py and its checks.py) and the teacher registry;
 * ``stage_records_by_name``: calls ``records(<round>, "<stage>")`` that fetch another stage's records
   by the stage's name.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("storage", "pipeline", "stages", "apps", "cli")
 RECORD_NAMES = re.compile(r"^(unit|u|record|rec|manifest|rollouts|commit|c|f|file|meta|state|.*_record|.*_manifest)$")
-ALLOWED_BACKEND_COMPARISONS = ("pipeline/config/schema.py", "stages/teachers/registry.py")
+ALLOWED_BACKEND_COMPARISONS = ("pipeline/config/schema.py", "pipeline/config/checks.py", "stages/teachers/registry.py")
 
 
 def code_files():

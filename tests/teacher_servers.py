@@ -191,10 +191,12 @@ class FakeTeacher(LoopbackServer):
     does, without a model: at position i the teacher's log-probs are the log-softmax of fixed logits
     ((31 v + 17 i) mod 13) / 4 over a ``vocabulary`` of tokens v, the same in every FakeTeacher. While
     ``failing`` it answers HTTP 503 to everything, and to the sequences that start with a token in
-    ``poison``. For the pool's behaviour, not a teacher's numbers."""
+    ``poison``. Each completions answer takes ``delay_s`` at least. For the pool's behaviour, not a
+    teacher's numbers."""
 
     def __init__(self, model: str = "fake-teacher", vocabulary: int = 16):
         self.model, self.vocabulary, self.failing, self.poison = model, vocabulary, False, set()
+        self.delay_s = 0.0
         super().__init__()
 
     def logprobs(self, position: int) -> list[float]:
@@ -209,6 +211,7 @@ class FakeTeacher(LoopbackServer):
         if path == "/v1/models":
             return 200, json.dumps({"data": [{"id": self.model}]}).encode()
         request = json.loads(body)
+        time.sleep(self.delay_s)
         if request["prompt"][0] in self.poison:
             return 503, b'{"error": "the fake teacher cannot answer this one"}'
         k, positions = request.get("prompt_logprobs") or 0, [None]

@@ -77,6 +77,9 @@ def test_a_failed_server_gets_nothing_in_its_cooldown_and_one_request_on_probati
     request for that second, then exactly one (probation) before it fails again; the batch completes on B."""
     monkeypatch.setattr(teacher_server, "COOLDOWN_S", (1.0, 1.0))  # every cooldown 1 s: the test sees several
     failing, healthy = fakes
+    # B takes 10 ms an answer, 2 at a time: the batch lasts 2 s at least whatever the machine, so A's
+    # cooldown ends before it does and A gets its probation request.
+    monkeypatch.setattr(healthy, "delay_s", 0.01)
     failing.failing = True
     pool = pool_of(failing.url, healthy.url, in_flight=2)
     many = 400

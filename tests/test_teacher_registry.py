@@ -19,8 +19,9 @@ from tests.conftest import committed_rows, invoke_ok, model_logprobs, run_stages
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = ("storage", "pipeline", "stages", "apps", "cli")
-# The two places that may name a backend: the schema declares the choices, the registry maps them.
-MAY_NAME_BACKENDS = {"pipeline/config/schema.py", "stages/teachers/registry.py"}
+# The places that may name a backend: the config schema declares the choices (and its checks refuse
+# the settings one backend cannot take, whenever a config is read), the registry maps them.
+MAY_NAME_BACKENDS = {"pipeline/config/schema.py", "pipeline/config/checks.py", "stages/teachers/registry.py"}
 
 
 def is_string_or_strings(node: ast.AST) -> bool:

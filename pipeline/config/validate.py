@@ -1,86 +1,153 @@
-"""Building a settings tree from nested mappings, checked against the schema's declarations."""
+"""Building a settings tree from nested mappings: pydantic checks every value against the schema's
+declarations, and its first error becomes one line that names the key.
+
+The schema stays plain frozen dataclasses (their comments are the keys' documentation, their
+fields the fingerprint); :func:`validator` derives from each section a pydantic ``TypedDict`` of the
+keys given (unknown keys forbidden) and each declared type's pydantic form, strict as YAML needs it:
+
+* an int or a bool is strict: 2.5, "3", 1 for a bool or "yes" are refused (YAML already read each value
+  as what it is, so a string here is a mistake, not a number to parse);
+* a float also takes an int, and a string YAML 1.1 leaves unparsed ("1e-4"); never inf or nan;
+* a string also takes a number (a name such as ``7`` YAML read as an int);
+* the items of a list or a mapping are checked, never converted: the config holds, and its fingerprint
+  hashes, what the file says;
+* ``Annotated[float, Range(...)]`` becomes pydantic's bounds; an empty section (``rollout:``) is its defaults.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import types
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
+
+import annotated_types
+import typing_extensions
+from pydantic import BeforeValidator, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter, ValidationError
 
 from gndpo.errors import GndpoError, did_you_mean
 from gndpo.pipeline.config.keys import choices_text, describe_type
+from gndpo.pipeline.config.schema import Range
+
+RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+SECTION = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-def build(cls, data: dict, where: str):
-    if not isinstance(data, dict):
-        raise GndpoError(f"config section {where.rstrip('.') or '<root>'} must be a mapping, got {type(data).__name__}")
+def build(cls: type, data: dict, where: str = ""):
+    """A ``cls`` (a schema section: ``Config`` for the whole) from ``data``; a one-line GndpoError naming
+    the key of the first value the schema does not allow. ``where``: the section's dotted prefix."""
+    try:
+        checked = validator(cls).validate_python(data)
+    except ValidationError as exc:
+        raise GndpoError(error_line(cls, data, exc.errors()[0], where)) from None
+    return instantiate(cls, checked)
+
+
+@functools.cache
+def validator(cls: type) -> TypeAdapter:
+    return TypeAdapter(section_type(cls))
+
+
+def section_type(cls: type) -> type:
+    """The pydantic form of a section: a TypedDict of its keys, each optional, unknown keys forbidden."""
     hints = typing.get_type_hints(cls, include_extras=True)
-    kwargs = {}
-    for key, value in data.items():
-        if key not in hints:
-            raise GndpoError(f"unknown config key {where}{key}{did_you_mean(str(key), hints, where)}")
-        typ, checks = hints[key], ()
-        if typing.get_origin(typ) is Annotated:
-            typ, *checks = typing.get_args(typ)
-        if dataclasses.is_dataclass(typ):
-            # An empty section (``rollout:`` with nothing under it) is its defaults; anything else that is
-            # not a mapping is a mistake (``rollout=0`` would otherwise reset every rollout setting).
-            kwargs[key] = build(typ, {} if value is None else value, f"{where}{key}.")
-            continue
-        kwargs[key] = _coerce(value, typ, f"{where}{key}")
-        for check in checks:
-            problem = check.violation(kwargs[key])
-            if problem:
-                raise GndpoError(f"config key {where}{key} {problem}, got {value!r}")
-    return cls(**kwargs)
+    keys = {f.name: value_type(hints[f.name]) for f in dataclasses.fields(cls)}
+    section = typing_extensions.TypedDict(cls.__name__, keys, total=False)
+    section.__pydantic_config__ = SECTION
+    return section
 
 
-def _coerce(value: Any, typ: type, name: str):
-    """``value`` as a ``typ``, or a GndpoError naming the key. A scalar is converted where YAML may have
-    read it as another (a number for a string, "1e-4" for a float); the items of a list or a mapping are
-    checked, never converted, so the config holds (and its fingerprint hashes) what the file says."""
-    if typing.get_origin(typ) is Literal:
-        if not _holds(value, typ):
-            hint = did_you_mean(value, typing.get_args(typ)) if isinstance(value, str) else ""
-            raise GndpoError(f"config key {name} must be one of {choices_text(typ)}, got {value!r}{hint}")
-        return value
-    if typing.get_origin(typ) in (list, dict, types.UnionType, typing.Union):
-        if not _holds(value, typ):
-            raise GndpoError(f"config key {name} must be {describe_type(typ)}, got {value!r}")
-        return value
-    if typ is float and isinstance(value, str):
-        try:  # YAML 1.1 reads "1e-4" (no dot) as a string
-            value = float(value)
+def value_type(typ) -> Any:
+    """A key's declared type in its pydantic form (see the module's docstring)."""
+    checks = []
+    if typing.get_origin(typ) is Annotated:
+        typ, *checks = typing.get_args(typ)
+    if dataclasses.is_dataclass(typ):
+        return Annotated[section_type(typ), BeforeValidator(lambda value: {} if value is None else value)]
+    bounds = [annotated_types.Interval(gt=c.gt, ge=c.ge, lt=c.lt, le=c.le) for c in checks if isinstance(c, Range)]
+    if typ is float:
+        return Annotated[(StrictFloat, BeforeValidator(yaml_float), *bounds)]
+    if typ is str:
+        return Annotated[StrictStr, BeforeValidator(number_as_text)]
+    return Annotated[(item_type(typ), *bounds)] if bounds else item_type(typ)
+
+
+def item_type(typ) -> Any:
+    """A type as checked without conversion: a list's or a mapping's items, a TypedDict's fields."""
+    origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin is list:
+        return list[item_type(args[0])]
+    if origin is dict:
+        return dict[item_type(args[0]), item_type(args[1])]
+    if origin in (types.UnionType, typing.Union):
+        return Union[tuple(item_type(a) for a in args)]  # noqa: UP007 - built from a tuple of types
+    if typing.is_typeddict(typ):
+        fields = typing.get_type_hints(typ)
+        turn = typing_extensions.TypedDict(typ.__name__, {k: item_type(t) for k, t in fields.items()})
+        turn.__pydantic_config__ = SECTION
+        return turn
+    # an int item stays an int where a float is declared (1 is a number, and the file said 1)
+    strict = {int: StrictInt, bool: StrictBool, str: StrictStr, float: Union[StrictInt, StrictFloat]}  # noqa: UP007
+    return typ if origin is Literal or typ is Any else strict[typ]
+
+
+def yaml_float(value):
+    """YAML 1.1 reads "1e-4" (no dot) as a string: parsed here; anything else is left to the check."""
+    if isinstance(value, str):
+        try:
+            return float(value)
         except ValueError:
-            pass
-    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):  # .inf and .nan are YAML floats; no setting means either
-            raise GndpoError(f"config key {name} must be a finite number, got {value!r}")
-        return float(value)
-    if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise GndpoError(f"config key {name} must be {typ.__name__}, got {value!r}")
+            return value
     return value
 
 
-def _holds(value: Any, typ) -> bool:
-    """Whether ``value`` is a ``typ``: a scalar, a Literal's choice, a list or dict of them, a TypedDict."""
-    origin, args = typing.get_origin(typ), typing.get_args(typ)
-    if origin is Literal:
-        return isinstance(value, str) and value in args
-    if origin in (types.UnionType, typing.Union):  # `bool | Literal["auto"]`: a value of one of its types, as written
-        return any(_holds(value, arg) for arg in args)
-    if origin is list:
-        return isinstance(value, list) and all(_holds(item, args[0]) for item in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(_holds(k, args[0]) and _holds(v, args[1]) for k, v in value.items())
-    if typing.is_typeddict(typ):
-        fields = typing.get_type_hints(typ)
-        return isinstance(value, dict) and set(value) == set(fields) and all(_holds(value[k], t) for k, t in fields.items())
-    if typ is Any:
-        return True
-    if typ is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+def number_as_text(value):
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def instantiate(cls: type, checked: dict):
+    """The frozen ``cls`` of the checked keys (the others keep their defaults), its sections built alike."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+
+    def section(name: str):
+        typ = hints[name]
+        typ = typing.get_args(typ)[0] if typing.get_origin(typ) is Annotated else typ
+        return typ if dataclasses.is_dataclass(typ) else None
+
+    values = {}
+    for name, value in checked.items():
+        sub = section(name)
+        values[name] = instantiate(sub, value) if sub is not None else float(value) if hints[name] is float else value
+    return cls(**values)
+
+
+def error_line(cls: type, data, error: dict, where: str) -> str:
+    """pydantic's ``error`` as the one line a user reads: the dotted key, what it must be, what it got."""
+    key, typ, value = where.rstrip("."), cls, data
+    for part in error["loc"]:
+        section = typ if dataclasses.is_dataclass(typ) else None
+        if section is None:  # inside a list, a mapping or a union: the key's own type says it
+            break
+        hints = typing.get_type_hints(section, include_extras=True)
+        if part not in hints:
+            prefix = f"{key}." if key else ""
+            return f"unknown config key {prefix}{part}{did_you_mean(str(part), hints, prefix)}"
+        key, typ, value = f"{key}.{part}" if key else part, hints[part], value[part]
+    checks = []
+    if typing.get_origin(typ) is Annotated:
+        typ, *checks = typing.get_args(typ)
+    if dataclasses.is_dataclass(typ):
+        return f"config section {key or '<root>'} must be a mapping, got {type(value).__name__}"
+    if error["type"] == "finite_number":
+        return f"config key {key} must be a finite number, got {value!r}"
+    if error["type"] in RANGE_ERRORS:
+        number = yaml_float(error["input"])
+        problem = next(c.violation(number) for c in checks if c.violation(number))
+        return f"config key {key} {problem}, got {value!r}"
+    if typing.get_origin(typ) is Literal:
+        hint = did_you_mean(value, typing.get_args(typ)) if isinstance(value, str) else ""
+        return f"config key {key} must be one of {choices_text(typ)}, got {value!r}{hint}"
+    if typing.get_origin(typ) in (list, dict, types.UnionType, typing.Union):
+        return f"config key {key} must be {describe_type(typ)}, got {value!r}"
+    return f"config key {key} must be {typ.__name__}, got {value!r}"

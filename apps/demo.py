@@ -21,10 +21,10 @@ from gndpo.apps.init import init_run
 from gndpo.apps.loop import run_loop
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import build_config
-from gndpo.pipeline.config.schema import SELF_TEACHER
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import SELF_TEACHER
 from gndpo.stages.models.live import LiveModels
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.yaml")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from gndpo.apps.init import check_prompts_fit
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import DataConfig, EngineConfig, RolloutConfig
 from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.prompts import load_prompts
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import DataConfig, EngineConfig, RolloutConfig
 from gndpo.pipeline.tasks.rewards import get_reward
 from gndpo.stages.models.vllm_engine import resolve_max_model_len
 from gndpo.stages.text.agent import ToolUse

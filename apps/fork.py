@@ -20,10 +20,10 @@ import yaml
 from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, resolve_models, run_yaml
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import apply_overrides, config_from_dict
-from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.run.images import RunImages, copy_images
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
+from gndpo.pipeline.settings.schema import Config
 from gndpo.pipeline.tasks.rewards import run_rewards
 from gndpo.stages.models.loading import read_once
 from gndpo.stages.teachers.registry import backend_of, check_teacher_backend

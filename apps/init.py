@@ -23,13 +23,13 @@ from transformers.utils import logging as hf_logging
 from gndpo.apps.round_size import check_round_fits
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_to_yaml
-from gndpo.pipeline.config.schema import SELF_TEACHER, Config
 from gndpo.pipeline.methods import answer_readers
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.run.images import decode, image_ids, store_images, with_image_ids
 from gndpo.pipeline.run.prompts import load_prompts, split_heldout
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, model_cache_dir, open_run
 from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, resolve_reference, teacher_folder
+from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import flash_attention_blocker, gpu_memory
 from gndpo.stages.models.gpu_memory import check_gpu_memory

@@ -23,9 +23,9 @@ from gndpo.apps.init import init_run
 from gndpo.apps.loop import run_loop
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import apply_overrides, config_from_dict
-from gndpo.pipeline.config.schema import RUN_TEACHER, SELF_TEACHER, Config
 from gndpo.pipeline.methods import get_method
 from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.settings.schema import RUN_TEACHER, SELF_TEACHER, Config
 
 RECIPE_FILE = "recipe.json"
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
+from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.models.device import available_memory, resolve_dtype
 from gndpo.stages.models.loading import parameter_count
 from gndpo.storage.runfs import RunFS

@@ -67,11 +67,11 @@ def timed(call) -> float:
 def measure(url: str, n: int) -> dict:
     """Seconds of each executor step for a fresh run at ``url`` with a stage of ``n`` units."""
     from gndpo.pipeline.config.load import config_to_yaml
-    from gndpo.pipeline.config.schema import Config
     from gndpo.pipeline.exec.gc import collect_garbage
     from gndpo.pipeline.exec.status import stage_rows
     from gndpo.pipeline.exec.units import Worker
     from gndpo.pipeline.run.run import open_run
+    from gndpo.pipeline.settings.schema import Config
     from gndpo.storage.runfs import RunFS
 
     fs = RunFS(url)

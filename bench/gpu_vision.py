@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.vision_models
-from gndpo.pipeline.config.schema import ModelConfig  # noqa: E402
+from gndpo.pipeline.settings.schema import ModelConfig  # noqa: E402
 from gndpo.stages.models.logprobs import logits_chunk, pair_token_stats, policy_token_logprobs  # noqa: E402
 from gndpo.stages.models.vision import freeze_all_but_language_model  # noqa: E402
 from tests.vision_models import FAMILIES, check_forward, smolvlm_sized  # noqa: E402

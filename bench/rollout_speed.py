@@ -34,7 +34,7 @@ def main(argv=None) -> dict:
 
     from vllm import SamplingParams
 
-    from gndpo.pipeline.config.schema import DataConfig, EngineConfig
+    from gndpo.pipeline.settings.schema import DataConfig, EngineConfig
     from gndpo.stages.models.device import set_cpu_threads
     from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
     from gndpo.stages.models.vllm_engine import generate, make_llm, shutdown_llm

@@ -41,7 +41,7 @@ def main(argv=None) -> dict:
     import numpy as np
     import torch
 
-    from gndpo.pipeline.config.schema import DataConfig, EngineConfig
+    from gndpo.pipeline.settings.schema import DataConfig, EngineConfig
     from gndpo.stages.models.device import set_cpu_threads
     from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
     from gndpo.stages.models.logprobs import chunks, head_logprobs, make_batch, response_hidden, token_budget_batches

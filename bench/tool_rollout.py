@@ -35,7 +35,7 @@ def main(argv=None) -> dict:
     from vllm import SamplingParams
 
     from gndpo.apps.demos.tool_task import ensure_tool_toy_assets
-    from gndpo.pipeline.config.schema import DataConfig, EngineConfig, RolloutConfig
+    from gndpo.pipeline.settings.schema import DataConfig, EngineConfig, RolloutConfig
     from gndpo.stages.models.device import set_cpu_threads
     from gndpo.stages.models.loading import load_tokenizer
     from gndpo.stages.models.vllm_engine import make_llm, shutdown_llm

@@ -10,8 +10,8 @@ from gndpo.cli.common import split_settings, user_errors
 from gndpo.errors import GndpoError, did_you_mean
 from gndpo.pipeline.config.keys import KeyDoc, config_keys
 from gndpo.pipeline.config.load import config_to_yaml, load_config, override_config
-from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import Config
 
 CONFIG_SUFFIXES = (".yaml", ".yml")
 
@@ -53,7 +53,7 @@ def keys(
     prefix: Optional[str] = typer.Argument(None, help="Only the keys that start with it, e.g. rollout or train.lr."),
 ):
     """List every config key: its type, default, range or choices, and what it does (from the schema,
-    pipeline/config/schema.py)."""
+    pipeline/settings/schema.py)."""
     docs = config_keys()
     chosen = [d for d in docs if prefix is None or d.key.startswith(prefix)]
     if not chosen:

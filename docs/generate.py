@@ -74,7 +74,7 @@ def paragraph(doc: str | None) -> str:
 # -- config keys ---------------------------------------------------------------------------------------------------
 def section_docs() -> dict[str, str]:
     """{section path: its dataclass's docstring} of every section of the config (``model.lora``, ...)."""
-    from gndpo.pipeline.config.schema import Config
+    from gndpo.pipeline.settings.schema import Config
 
     found: dict[str, str] = {}
 
@@ -93,13 +93,13 @@ def section_docs() -> dict[str, str]:
 
 def config_keys_page() -> str:
     from gndpo.pipeline.config.keys import config_keys
-    from gndpo.pipeline.config.schema import Config
+    from gndpo.pipeline.settings.schema import Config
 
     sections: dict[str, list] = {}
     for doc in config_keys():
         sections.setdefault(doc.key.rpartition(".")[0], []).append(doc)
     docs = section_docs()
-    out = [header("the config schema, gndpo/pipeline/config/schema.py"), "# Config keys\n\n",
+    out = [header("the config schema, gndpo/pipeline/settings/schema.py"), "# Config keys\n\n",
            "Every key a config file (or a `key=value` setting on the command line) may set, section by section, from the schema "
            "itself: its type, its default, the values it allows and what it does. A key left out takes its default. "
            "The same list, on the command line (a prefix picks keys):\n\n",

@@ -34,7 +34,6 @@ import torch
 
 from gndpo.dist import Dist
 from gndpo.faults import crash_point
-from gndpo.pipeline.config.schema import SELF_TEACHER
 from gndpo.pipeline.exec.inputs import Read, StageInputs
 from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
@@ -50,6 +49,7 @@ from gndpo.pipeline.methods.losses import (
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import adopt_library_loggers, info
 from gndpo.pipeline.run.run import Run
+from gndpo.pipeline.settings.schema import SELF_TEACHER
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer

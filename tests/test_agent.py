@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gndpo.apps.demos.tool_task import CALL_CLOSE, END_OF_TURN, build_tokenizer, call_text, task_row
-from gndpo.pipeline.config.schema import DataConfig, RolloutConfig
+from gndpo.pipeline.settings.schema import DataConfig, RolloutConfig
 from gndpo.stages.models.vllm_engine import Generation
 from gndpo.stages.text import agent
 from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations, turn_seed

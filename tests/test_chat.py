@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gndpo.apps.demos.arithmetic import CHAT_TEMPLATE, END_OF_TURN
-from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import DataConfig
 from gndpo.stages.text.chat import render_prompt
 from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import read_shards

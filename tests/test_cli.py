@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from gndpo.apps.demo import DEFAULT_CONFIG
 from gndpo.cli.app import app, register
 from gndpo.pipeline.config.load import load_config
-from gndpo.pipeline.config.schema import Config
+from gndpo.pipeline.settings.schema import Config
 from tests.conftest import invoke_ok, tiny_config_dict
 
 register()

@@ -18,9 +18,9 @@ from gndpo.apps.init import init_run
 from gndpo.cli.app import app, register
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict, config_to_yaml, load_config
-from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.methods import METHODS, validate
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.train import round_lr
 from tests.conftest import tiny_config_dict, write_config
 

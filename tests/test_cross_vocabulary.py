@@ -11,8 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.methods.losses import NO_ENTRY_ID, UNMATCHED_ID, OtherVocabulary, other_vocabulary_divergence
+from gndpo.pipeline.settings.schema import DataConfig
 from gndpo.stages.models.logprobs import make_batch, policy_token_logprobs
 from gndpo.stages.text.align import Alignment, Span
 from gndpo.stages.text.cross_tokenizer import response_topk

@@ -120,7 +120,7 @@ def exported_model_loads_in_transformers_and_vllm(model_dir, reference_weights):
     process, as rollout's) give the same log-probs on it."""
     from transformers import AutoModelForCausalLM
 
-    from gndpo.pipeline.config.schema import EngineConfig
+    from gndpo.pipeline.settings.schema import EngineConfig
     from gndpo.stages.models.vllm_engine import make_llm, response_logprobs, shutdown_llm
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import EngineConfig
+from gndpo.pipeline.settings.schema import EngineConfig
 from gndpo.stages.models import vllm_engine as engine
 from tests.conftest import assert_one_line_error, committed_rows, gndpo, invoke, run_stages, tiny_config_dict
 

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from gndpo.pipeline.config.schema import ModelConfig
+from gndpo.pipeline.settings.schema import ModelConfig
 from gndpo.stages.models import device
 from gndpo.stages.models.loading import load_causal_lm
 from tests.conftest import invoke_ok

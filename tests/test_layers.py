@@ -9,7 +9,8 @@ scanned like the others) and for modules named by string (``importlib.import_mod
 module is checked like an import. A gndpo import inside a function is allowed only with a comment
 saying why (start-up time, a cycle it avoids), on its line or the line above.
 Inside the foundation and the stages the sub-folders are floors too (:data:`SUB_FLOORS`, bottom first):
-``pipeline/config`` checks methods and tasks, so neither imports config; a stage module (``stages/score.py``)
+``pipeline/settings`` declares the settings every part takes; ``pipeline/config`` reads and checks them,
+with the methods' and tasks' declarations, so neither imports config; a stage module (``stages/score.py``)
 sits above every sub-folder of ``stages/``.
 Runs alone: ``python -m pytest tests/test_layers.py``.
 """
@@ -33,7 +34,7 @@ FORBIDDEN = {0: ("torch", "transformers", "vllm", "deepspeed")}
 # The sub-folders of a floor, bottom first. A module directly in the floor's folder (a stage:
 # stages/score.py) sits above them all.
 SUB_FLOORS = {
-    "gndpo.pipeline": ("tasks", "methods", "config", "run", "observe", "exec"),
+    "gndpo.pipeline": ("settings", "tasks", "methods", "config", "run", "observe", "exec"),
     "gndpo.stages": ("models", "text", "scoring", "training", "teachers"),
 }
 MODULE_STRING = re.compile(r"gndpo(\.[A-Za-z_]\w*)+\.?(:\w+)?")
@@ -240,9 +241,9 @@ def test_the_checks_catch_a_reverse_import_and_a_cycle(tmp_path):
         "pipeline/run/__init__.py": "",
         "pipeline/run/run.py": "def f():\n    from gndpo.storage import bytes\n",
         "pipeline/methods/__init__.py": "",
-        "pipeline/methods/loss.py": "from gndpo.pipeline.config.schema import Config\n",
+        "pipeline/methods/loss.py": "from gndpo.pipeline.config.load import config_from_dict\n",
         "pipeline/config/__init__.py": "",
-        "pipeline/config/schema.py": "import gndpo.pipeline.methods\n",
+        "pipeline/config/load.py": "import gndpo.pipeline.methods\n",
         "stages/__init__.py": "",
         "stages/a.py": "from gndpo.stages import b\n",
         "stages/b.py": "import gndpo.stages.a\n",
@@ -258,8 +259,8 @@ def test_the_checks_catch_a_reverse_import_and_a_cycle(tmp_path):
                          "gndpo.pipeline.exec.by_name (pipeline) names gndpo.stages (stages) by string",
                          "gndpo.pipeline.exec.by_name (pipeline) names gndpo.stages.score (stages) by string"], found
     assert any("run.py:2" in v and "inside a function" in v for v in found), found
-    assert any("loss.py:1" in v and "(pipeline/methods) imports gndpo.pipeline.config.schema.Config (pipeline/config)" in v for v in found), found
-    assert not any("schema.py" in v for v in found), found  # config may import methods
+    assert any("loss.py:1" in v and "(pipeline/methods) imports gndpo.pipeline.config.load.config_from_dict (pipeline/config)" in v for v in found), found
+    assert not any("load.py" in v for v in found), found  # config may import methods
     assert any("bytes.py:1" in v and "imports torch" in v for v in found), found
     assert cycles(module_graph(tmp_path)) == [["gndpo.stages.a", "gndpo.stages.b"]]
 

@@ -18,7 +18,7 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
-from gndpo.pipeline.config.schema import ModelConfig
+from gndpo.pipeline.settings.schema import ModelConfig
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
 
 
@@ -149,7 +149,7 @@ def test_mean_of_teachers_keeps_two_buffers_and_the_mixture(toy):
 PROBE = r"""
 import json, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from gndpo.pipeline.config.schema import ModelConfig
+from gndpo.pipeline.settings.schema import ModelConfig
 from gndpo.dist import usable_cpus
 from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
 from tests.memory import peak_above_start

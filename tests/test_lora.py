@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
-from gndpo.pipeline.config.schema import EngineConfig
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import EngineConfig
 from gndpo.stages.models.lora import adapted_student, add_adapters, load_adapter, merged_state_dict, save_adapter, without_adapters
 from gndpo.stages.models.vllm_engine import AdapterEngine, adapter_request, forced_logprobs, make_llm, shutdown_llm
 from tests.conftest import (

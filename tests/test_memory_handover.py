@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gndpo.pipeline.config.schema import EngineConfig
+from gndpo.pipeline.settings.schema import EngineConfig
 from gndpo.stages.models import live as live_module
 from gndpo.stages.models.live import LiveModels
 

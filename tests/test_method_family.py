@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import MethodConfig, OutcomeConfig, PacedConfig, ReopoldConfig, TipConfig, TropdConfig
 from gndpo.pipeline.methods import (
     METHODS,
     Response,
@@ -29,6 +28,7 @@ from gndpo.pipeline.methods import (
 )
 from gndpo.pipeline.methods.divergence import scheduled_divergence
 from gndpo.pipeline.methods.losses import token_losses, topk_divergence
+from gndpo.pipeline.settings.schema import MethodConfig, OutcomeConfig, PacedConfig, ReopoldConfig, TipConfig, TropdConfig
 
 
 def make_batch(seed=0, prompts=4, n=3, lengths=(1, 7), with_prefix=False):

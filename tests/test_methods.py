@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import MethodConfig
 from gndpo.pipeline.methods import Response, Stats, clamped_score, get_method, gndpo_stats_from_sums, response_targets, score_partial_sums
 from gndpo.pipeline.methods.losses import aggregate, token_losses
+from gndpo.pipeline.settings.schema import MethodConfig
 
 
 def as_response(t, s, mask) -> Response:
@@ -194,8 +194,8 @@ def test_reward_weighted_loss_is_the_weighted_mean_of_response_token_means():
     """reward_beta > 0: loss = sum_i w_i L_i / sum_i w_i, L_i response i's mean over its valid tokens,
     whatever loss_agg says (a token mean would weight long responses by their length), and the
     micro-batch shares still add up to it."""
-    from gndpo.pipeline.config.schema import MethodConfig
     from gndpo.pipeline.methods import policy_settings
+    from gndpo.pipeline.settings.schema import MethodConfig
 
     for loss_agg in ("", "token-mean", "seq-mean-token-mean"):
         assert policy_settings(MethodConfig(name="forward_kl", reward_beta=0.5, loss_agg=loss_agg))[1] == "weighted-seq-mean"

@@ -7,8 +7,8 @@ import types
 from dataclasses import replace
 from types import SimpleNamespace
 
-from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.observe import metrics
+from gndpo.pipeline.settings.schema import Config
 from gndpo.storage.runfs import RunFS
 
 

@@ -142,7 +142,7 @@ class FakeRun:
     """A run whose stage r/stage is committed when the file ``<dir>/r-stage`` exists."""
 
     def __init__(self, folder: Path, num_processes=0, tp=1):
-        from gndpo.pipeline.config.schema import Config, EngineConfig, TrainConfig
+        from gndpo.pipeline.settings.schema import Config, EngineConfig, TrainConfig
 
         self.folder = folder
         self.cfg = Config(train=TrainConfig(num_processes=num_processes), engine=EngineConfig(tensor_parallel_size=tp))
@@ -203,7 +203,7 @@ def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
     loop.run_loop(str(tmp_path / "run"), 1, log=lambda *_: None)
     assert [stage for stage, _ in seen] == list(STAGES)
     assert len({id(live) for _, live in seen}) == 1 and seen[0][1].keep
-    from gndpo.pipeline.config.schema import Config
+    from gndpo.pipeline.settings.schema import Config
 
     cfg = Config(student="s", teacher="t")
     assert rounds.keeps_models(cfg, 0) and rounds.keeps_models(cfg, 1) and not rounds.keeps_models(cfg, 2)

@@ -16,10 +16,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.prompts import load_prompts, split_heldout
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import DataConfig
 from tests.conftest import assert_one_line_error, invoke, invoke_ok, tiny_config_dict, write_config
 
 

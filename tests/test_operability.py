@@ -3,8 +3,8 @@
 import logging
 from types import SimpleNamespace
 
-from gndpo.pipeline.config.schema import Config, LoggingConfig
 from gndpo.pipeline.observe import logs, metrics, progress
+from gndpo.pipeline.settings.schema import Config, LoggingConfig
 
 
 def test_lines_mode_writes_a_plain_line_per_interval_and_at_the_end(caplog, monkeypatch):

@@ -16,8 +16,8 @@ import pyarrow as pa
 import pytest
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.run.prompts import load_prompts, prompt_id
+from gndpo.pipeline.settings.schema import DataConfig
 
 HAS_DATASETS = importlib.util.find_spec("datasets") is not None
 needs_datasets = pytest.mark.skipif(not HAS_DATASETS, reason="the datasets package is not installed (pip install 'gndpo[datasets]')")

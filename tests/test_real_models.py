@@ -175,7 +175,7 @@ def assert_reloads_exactly(live, cfg, new, model, tok) -> None:
 
 
 def test_kept_engine_samples_from_the_reloaded_weights_on_gemma(gemma3, tmp_path):
-    from gndpo.pipeline.config.schema import EngineConfig
+    from gndpo.pipeline.settings.schema import EngineConfig
     from gndpo.stages.models.live import LiveModels
 
     model, tok = perturbed_copy(gemma3, tmp_path / "round1")
@@ -192,7 +192,7 @@ def test_kept_engine_reloads_smollm2_and_a_stale_one_is_replaced(smollm2, tmp_pa
     """SmolLM2's reload is exact (as Gemma's above; one engine serves both checks). Then the fallback:
     a reload that leaves the engine on the old weights (here, no reload at all) fails the probe check;
     rollout gets a fresh engine, with a warning, and the metric records the restart."""
-    from gndpo.pipeline.config.schema import EngineConfig
+    from gndpo.pipeline.settings.schema import EngineConfig
     from gndpo.stages.models.live import LiveModels
 
     cfg = EngineConfig(max_model_len=256, kv_cache_gib=1, in_process=True)
@@ -217,7 +217,7 @@ def test_an_engine_whose_precision_exceeds_the_tolerance_restarts_once_not_every
     even on exactly its weights (1B: mean 0.017 against 0.03, max 0.082). Here fp32's tolerance is set
     below SmolLM2's honest fp32 gap to show it: the first reload fails the check and restarts, the fresh
     engine's gap calibrates the check (a warning says so), and the next rounds' exact reloads pass."""
-    from gndpo.pipeline.config.schema import EngineConfig
+    from gndpo.pipeline.settings.schema import EngineConfig
     from gndpo.stages.models import live as live_module
     from gndpo.stages.models.live import LiveModels
 

@@ -16,8 +16,8 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
-from gndpo.pipeline.config.schema import SelfTeacherConfig
 from gndpo.pipeline.methods import METHODS
+from gndpo.pipeline.settings.schema import SelfTeacherConfig
 from gndpo.stages.text.teacher_context import TeacherPrompts, other_problem_partners
 from gndpo.stages.training.ema import EmaWeights
 from tests.conftest import assert_one_line_error, committed_rows, invoke, invoke_ok, run_stages
@@ -39,7 +39,7 @@ def test_other_problem_partners_are_a_seeded_cycle_without_fixed_points():
 
 
 def test_other_problem_context_takes_every_column_but_the_prompt_from_the_partner():
-    from gndpo.pipeline.config.schema import DataConfig, TeacherContextConfig
+    from gndpo.pipeline.settings.schema import DataConfig, TeacherContextConfig
 
     rows = [{"prompt_id": f"p{i}", "prompt": f"q{i}", "answer": f"a{i}", "solution": f"s{i}"} for i in range(7)]
     context = TeacherContextConfig(messages=[{"role": "user", "content": "{prompt} | {solution} | {answer}"}], other_problem=True, seed=1)

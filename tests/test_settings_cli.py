@@ -18,8 +18,8 @@ import yaml
 
 from gndpo.pipeline.config.keys import config_keys
 from gndpo.pipeline.config.load import config_to_yaml, load_config
-from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import Config
 from tests.conftest import assert_one_line_error, invoke, invoke_ok, tiny_config_dict
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gndpo.pipeline.config.schema import ScoreConfig
+from gndpo.pipeline.settings.schema import ScoreConfig
 from gndpo.stages.teachers.base import TeacherBackend
 from gndpo.stages.teachers.hf import HFBackend
 from gndpo.stages.teachers.registry import TEACHER_BACKENDS
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = ("storage", "pipeline", "stages", "apps", "cli")
 # The places that may name a backend: the config schema declares the choices (and its checks refuse
 # the settings one backend cannot take, whenever a config is read), the registry maps them.
-MAY_NAME_BACKENDS = {"pipeline/config/schema.py", "pipeline/config/checks.py", "stages/teachers/registry.py"}
+MAY_NAME_BACKENDS = {"pipeline/settings/schema.py", "pipeline/config/checks.py", "stages/teachers/registry.py"}
 
 
 def is_string_or_strings(node: ast.AST) -> bool:

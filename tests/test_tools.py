@@ -95,7 +95,7 @@ def chatml_tokenizer():
 
 
 def test_tool_turn_closes_the_call_and_reopens_the_assistant(chatml_tokenizer):
-    from gndpo.pipeline.config.schema import DataConfig
+    from gndpo.pipeline.settings.schema import DataConfig
     from gndpo.stages.text.chat import tool_turn_ids
 
     ids = tool_turn_ids(chatml_tokenizer, {"prompt": "What is 37 * 41?"}, DataConfig(), "1517")
@@ -106,7 +106,7 @@ def test_tool_turn_closes_the_call_and_reopens_the_assistant(chatml_tokenizer):
 
 
 def test_a_template_without_tool_turns_is_refused(chatml_tokenizer):
-    from gndpo.pipeline.config.schema import DataConfig
+    from gndpo.pipeline.settings.schema import DataConfig
     from gndpo.stages.text.chat import tool_turn_ids
 
     tok = chatml_tokenizer

@@ -14,9 +14,9 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
-from gndpo.pipeline.config.schema import MethodConfig
 from gndpo.pipeline.methods import validate
 from gndpo.pipeline.methods.losses import DivergenceTerm, combined_token_losses, topk_divergence
+from gndpo.pipeline.settings.schema import MethodConfig
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 BETA = 0.3

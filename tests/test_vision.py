@@ -373,7 +373,7 @@ SMOLVLM_PROBE = r"""
 import json
 import torch
 from gndpo.dist import usable_cpus
-from gndpo.pipeline.config.schema import ModelConfig
+from gndpo.pipeline.settings.schema import ModelConfig
 from gndpo.stages.models.logprobs import logits_chunk, pair_token_stats, policy_token_logprobs
 from gndpo.stages.models.vision import freeze_all_but_language_model
 from tests.memory import peak_above_start
@@ -470,7 +470,7 @@ def test_a_tool_conversation_shows_its_picture_on_every_turn(vision_pair, tmp_pa
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from gndpo.pipeline.config.schema import DataConfig, EngineConfig, RolloutConfig
+    from gndpo.pipeline.settings.schema import DataConfig, EngineConfig, RolloutConfig
     from gndpo.stages.models.vllm_engine import make_llm, shutdown_llm
     from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
     from gndpo.stages.text.chat import render_prompt

@@ -45,8 +45,8 @@ from gndpo.apps.demos.arithmetic import (
     train_supervised,
 )
 from gndpo.apps.demos.build import pinned_build, use_build_threads
-from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.settings.schema import DataConfig
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids
 from gndpo.storage.cache import cached_build
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 from gndpo.apps.demos.arithmetic import ModelSpec, character_tokenizer, padded_batch, spec_key, train_supervised
 from gndpo.apps.demos.build import pinned_build, use_build_threads
-from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.settings.schema import DataConfig
 from gndpo.stages.text.chat import render_prompt
 from gndpo.storage.cache import cached_build
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import SELF_TEACHER, Config
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
+from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 
 
 def check_other_vocabulary(cfg) -> None:

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from gndpo.pipeline.config.schema import Config
+from gndpo.pipeline.settings.schema import Config
 
 
 def choices_text(typ) -> str:

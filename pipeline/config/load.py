@@ -10,8 +10,8 @@ import yaml
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.checks import check_combinations
-from gndpo.pipeline.config.schema import RUN_TEACHER, SELF_TEACHER, Config, split_run_teacher
 from gndpo.pipeline.config.validate import build
+from gndpo.pipeline.settings.schema import RUN_TEACHER, SELF_TEACHER, Config, split_run_teacher
 from gndpo.pipeline.tasks.plugins import use_plugin_dirs
 
 

@@ -28,7 +28,7 @@ from pydantic import BeforeValidator, ConfigDict, StrictBool, StrictFloat, Stric
 
 from gndpo.errors import GndpoError, did_you_mean
 from gndpo.pipeline.config.keys import choices_text, describe_type
-from gndpo.pipeline.config.schema import Range
+from gndpo.pipeline.settings.schema import Range
 
 RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 SECTION = ConfigDict(extra="forbid", allow_inf_nan=False)

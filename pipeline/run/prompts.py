@@ -29,8 +29,8 @@ import json
 import polars as pl
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.run.images import content_text, placeholders, source_images
+from gndpo.pipeline.settings.schema import DataConfig
 from gndpo.storage.images import image_id
 from gndpo.storage.tables import read_table_url
 

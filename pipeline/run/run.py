@@ -9,9 +9,9 @@ import yaml
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
-from gndpo.pipeline.config.schema import SELF_TEACHER, Config
 from gndpo.pipeline.run.images import image_ids
 from gndpo.pipeline.run.teacher_runs import is_reference, teacher_folder
+from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.pipeline.tasks.plugins import use_plugin_dirs
 from gndpo.storage.cache import cache_dir
 from gndpo.storage.hub import hub_snapshot

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import RUN_TEACHER, split_run_teacher
+from gndpo.pipeline.settings.schema import RUN_TEACHER, split_run_teacher
 from gndpo.storage.runfs import RunFS, file_sha256
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import SELF_TEACHER, Config
+from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.stages.models.loading import architecture_parameter_count, model_config
 
 GIB = 2**30

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from gndpo.errors import GndpoError, whole_message
-from gndpo.pipeline.config.schema import ModelConfig
+from gndpo.pipeline.settings.schema import ModelConfig
 from gndpo.stages.models.device import attn_implementation, local_device, resolve_dtype
 
 # Files that make a folder a model folder to transformers (a model's config, or a tokenizer's).

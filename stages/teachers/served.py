@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.schema import SELF_TEACHER, Config
+from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.stages.models.device import free_memory, local_device, resolve_dtype
 from gndpo.stages.models.loading import has_weights, is_vision_model, load_causal_lm, load_tokenizer, parameter_count, vocabulary_size
 from gndpo.stages.models.probe import probe_logprobs, probe_token_ids

@@ -9,9 +9,9 @@ from functools import cached_property
 
 import torch
 
-from gndpo.pipeline.config.schema import Config
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.run.run import Run
+from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import is_vision_model, load_tokenizer
 from gndpo.stages.models.logprobs import logits_chunk

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gndpo.faults import crash_point
-from gndpo.pipeline.config.schema import DataConfig, RolloutConfig
 from gndpo.pipeline.run.seeds import derived_seed
+from gndpo.pipeline.settings.schema import DataConfig, RolloutConfig
 from gndpo.pipeline.tasks.tools import Tool, ToolResult, get_tool, parse_tool_call, run_tool_calls
 from gndpo.stages.models.vllm_engine import generate
 from gndpo.stages.text.chat import tool_turn_ids

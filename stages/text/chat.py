@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass, field
 
 from gndpo.errors import GndpoError, first_line
-from gndpo.pipeline.config.schema import DataConfig
 from gndpo.pipeline.run.images import content_text, image_ids, with_image_parts
+from gndpo.pipeline.settings.schema import DataConfig
 
 
 @dataclass

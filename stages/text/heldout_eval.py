@@ -15,10 +15,10 @@ from math import comb
 
 import pyarrow as pa
 
-from gndpo.pipeline.config.schema import DataConfig, EngineConfig
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.seeds import derived_seed
+from gndpo.pipeline.settings.schema import DataConfig, EngineConfig
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer, unsampleable
 from gndpo.stages.models.vllm_engine import shutdown_llm

@@ -30,8 +30,8 @@ import random
 from collections.abc import Callable
 
 from gndpo.errors import GndpoError, first_line
-from gndpo.pipeline.config.schema import DataConfig, TeacherContextConfig
 from gndpo.pipeline.run.images import PLACEHOLDER, image_ids, with_image_parts
+from gndpo.pipeline.settings.schema import DataConfig, TeacherContextConfig
 from gndpo.stages.models.vision import expanded_prompt_ids, placeholder_count
 from gndpo.stages.text.chat import render_prompt, uses_template
 

@@ -35,6 +35,7 @@ from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info, worker_file
 from gndpo.pipeline.observe.metrics import publish_metrics, write_metrics_jsonl
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import Config
 from gndpo.stages import job_class
 from gndpo.storage.cache import cache_root
 from gndpo.storage.records import STAGES
@@ -213,7 +214,7 @@ def run_stage_processes(procs: list[StageProcess], stage: str, round_idx: int) -
         )
 
 
-def keeps_models(cfg, gpus: int) -> bool:
+def keeps_models(cfg: Config, gpus: int) -> bool:
     """Whether ``gndpo run`` can run every stage in this process, keeping engines and models alive
     between stages and rounds: with at most one GPU, one train rank and one rollout worker."""
     return gpus <= 1 and cfg.train.num_processes <= 1 and cfg.engine.tensor_parallel_size == 1

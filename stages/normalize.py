@@ -19,6 +19,7 @@ from gndpo.pipeline.methods import StatsQuery, gndpo_stats_from_sums, method_sta
 from gndpo.pipeline.methods.base import TEACHER_SCOPE
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run
+from gndpo.pipeline.settings.schema import Config
 from gndpo.storage.duck import connect, parquet_source
 from gndpo.storage.shards import STATS, verify_shards, write_shard
 
@@ -73,7 +74,7 @@ class NormalizeJob:
         return {**commits[0]["stats"], "seconds": seconds, "tokens_per_s": (commits[0]["stats"]["token_count"] or 0) / max(seconds, 1e-9)}
 
 
-def create_views(con, rollouts: str, scores: str, cfg) -> tuple[str, str]:
+def create_views(con, rollouts: str, scores: str, cfg: Config) -> tuple[str, str]:
     """The two views every method's SQL reads: ``responses`` (rollouts joined with their scores, one
     row per response) and ``tokens`` (one row per valid token); returns the (rollouts, scores)
     sources the statistics use, which leave out truncated responses where ``rollout.truncated`` is

@@ -49,7 +49,7 @@ from gndpo.pipeline.methods.losses import (
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import adopt_library_loggers, info
 from gndpo.pipeline.run.run import Run
-from gndpo.pipeline.settings.schema import SELF_TEACHER
+from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer
@@ -169,7 +169,7 @@ class Objective:
     share_prompts: bool = True
 
     @classmethod
-    def of(cls, cfg, round_idx: int, pad_id: int, device: torch.device, images: BatchImages | None = None,
+    def of(cls, cfg: Config, round_idx: int, pad_id: int, device: torch.device, images: BatchImages | None = None,
            student_unmatched: dict[str, np.ndarray] | None = None, checkpointing: bool = False) -> Objective:
         """The round's objective; ``checkpointing``: whether the model recomputes its layers in backward."""
         policy_loss, loss_agg = policy_settings(cfg.method)

@@ -12,7 +12,7 @@ from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 
 
-def check_other_vocabulary(cfg) -> None:
+def check_other_vocabulary(cfg: Config) -> None:
     """A GndpoError (one line) for what ``score.cross_tokenizer`` cannot give the run's method: values
     defined at every position over one vocabulary (the teacher's entropy, the full KL); a top-k mixed
     over several teachers (each sits at its own spans' first tokens); the renormalized top-k form."""
@@ -32,7 +32,7 @@ def check_other_vocabulary(cfg) -> None:
                          "tokens without a student twin join its rest bucket)")
 
 
-def engine_logprob_blockers(cfg) -> list[str]:
+def engine_logprob_blockers(cfg: Config) -> list[str]:
     """Why the rollout engine's sampler log-probs cannot stand in for the student's forward in score
     (empty: they can): they are the temperature-1 distribution's, exist only for tokens the student
     sampled, and are not the student's whole distribution."""
@@ -46,7 +46,7 @@ def engine_logprob_blockers(cfg) -> list[str]:
     return [why for clash, why in reasons if clash]
 
 
-def check_student_logprobs(cfg) -> None:
+def check_student_logprobs(cfg: Config) -> None:
     """A GndpoError (one line) when ``score.student_logprobs: engine`` cannot stand in for the student's
     forward (:func:`engine_logprob_blockers`); ``auto`` falls back to the forward there instead."""
     blockers = engine_logprob_blockers(cfg) if cfg.score.student_logprobs == "engine" else []

@@ -28,6 +28,7 @@ from gndpo.pipeline.methods.base import (
     merge_groups,
 )
 from gndpo.pipeline.methods.distill import clamped_score, gndpo_stats_from_sums, score_partial_sums
+from gndpo.pipeline.settings.schema import Config, MethodConfig
 from gndpo.pipeline.tasks.rewards import reads_answer
 
 METHODS: dict[str, Method] = {m.name: m for mod in (distill, divergence, trust, outcome) for m in mod.METHODS}
@@ -47,12 +48,12 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-def active_modifiers(cfg) -> list:
+def active_modifiers(cfg: MethodConfig) -> list:
     """The modifiers (TIP and the others that reweight any method's tokens) that ``cfg`` turns on."""
     return [m for m in MODIFIERS if m.enabled(cfg)]
 
 
-def validate(cfg) -> Method:
+def validate(cfg: MethodConfig) -> Method:
     """The method settings the schema cannot check (its ranges and choices are checked when the config
     is read): the method's name, ``method.schedule``'s entries, and the outcome rewards where they are
     used. One-line user errors; run by ``gndpo init`` and ``gndpo fork``, never by a stage."""
@@ -66,7 +67,7 @@ def validate(cfg) -> Method:
     return method
 
 
-def answer_readers(cfg) -> str:
+def answer_readers(cfg: Config) -> str:
     """What in run config ``cfg`` needs each training prompt's reference answer, as a phrase for a
     one-line error ("" when nothing does): the method or a modifier that trains on a reward that reads
     the answer (the outcome methods, PACED's pass rates, reward weighting, outcome mixing), or a teacher
@@ -82,7 +83,7 @@ def answer_readers(cfg) -> str:
     return "; ".join(readers)
 
 
-def policy_settings(cfg) -> tuple[str, str]:
+def policy_settings(cfg: MethodConfig) -> tuple[str, str]:
     """(policy loss, aggregation): the config's, or the method's defaults where the config is empty.
     Reward-weighted distillation (``reward_beta`` > 0) always aggregates sum_i w_i L_i / sum_i w_i over
     the step's responses (L_i: response i's token mean), as OPSD defines it: a token mean would give
@@ -92,7 +93,7 @@ def policy_settings(cfg) -> tuple[str, str]:
     return cfg.policy_loss or method.policy_loss, agg
 
 
-def score_needs(cfg) -> frozenset:
+def score_needs(cfg: MethodConfig) -> frozenset:
     """The optional score columns the run's method and modifiers need (see base.SCORE_EXTRAS)."""
     needs = set(get_method(cfg.name).needs)
     for m in active_modifiers(cfg):
@@ -100,7 +101,7 @@ def score_needs(cfg) -> frozenset:
     return frozenset(n for n in SCORE_EXTRAS if n in needs)
 
 
-def method_statistics(q: StatsQuery, cfg, round_idx: int) -> tuple[dict, dict]:
+def method_statistics(q: StatsQuery, cfg: MethodConfig, round_idx: int) -> tuple[dict, dict]:
     """The method's and modifiers' statistics, from the normalize stage's DuckDB views."""
     method = get_method(cfg.name)
     round_wide, groups = method.statistics(q, cfg, round_idx)
@@ -112,7 +113,7 @@ def method_statistics(q: StatsQuery, cfg, round_idx: int) -> tuple[dict, dict]:
     return round_wide, merge_groups(*groups)
 
 
-def response_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def response_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     """What train optimizes for ``resp``: the method's targets, then each active modifier's change."""
     targets = get_method(cfg.name).targets(resp, stats, cfg, round_idx)
     for m in active_modifiers(cfg):
@@ -120,6 +121,6 @@ def response_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targe
     return targets
 
 
-def divergence_of(cfg, round_idx: int) -> str:
+def divergence_of(cfg: MethodConfig, round_idx: int) -> str:
     """The divergence used by the div term this round."""
     return get_method(cfg.name).divergence(cfg, round_idx)

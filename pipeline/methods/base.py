@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.settings.schema import MethodConfig
 
 # The policy losses, aggregations and top-k forms the loss functions (:mod:`gndpo.pipeline.methods.losses`)
 # understand are the choices of method.policy_loss, method.loss_agg and method.topk_form in the schema.
@@ -132,7 +133,7 @@ class Method:
     rewards_used: str = ""
 
 
-def no_statistics(q, cfg, round_idx) -> tuple[dict, dict]:
+def no_statistics(q, cfg: MethodConfig, round_idx) -> tuple[dict, dict]:
     return {}, {}
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.base import Method, Response, Stats, Targets, no_statistics
+from gndpo.pipeline.settings.schema import MethodConfig
 
 
 def clamped_score(teacher_logprobs: np.ndarray, student_logprobs: np.ndarray, clamp: float) -> np.ndarray:
@@ -51,18 +52,18 @@ def gndpo_normalized(c: np.ndarray, stats: Stats, eps: float) -> np.ndarray:
     return (c - stats["c_mean"]) / np.sqrt(stats["c_var"] + eps)
 
 
-def _opd_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _opd_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     return Targets.policy_gradient(clamped_score(resp.teacher_lp, resp.student_lp, cfg.clamp), resp.mask)
 
 
-def _gndpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _gndpo_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     c = clamped_score(resp.teacher_lp, resp.student_lp, cfg.clamp)
     # stats_scope teacher: mean and std over the tokens of the teacher that scored this response.
     scope = stats.of_teacher(resp.teacher) if cfg.stats_scope == "teacher" else stats
     return Targets.policy_gradient(gndpo_normalized(c, scope, cfg.std_eps), resp.mask)
 
 
-def _tinker_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _tinker_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     return Targets.policy_gradient(resp.teacher_lp - resp.sampler_lp, resp.mask)
 
 
@@ -83,7 +84,7 @@ def minillm_returns(r: np.ndarray, mask: np.ndarray, gamma: float) -> np.ndarray
 MINILLM_MAX_EXPONENT = 700.0
 
 
-def _minillm_statistics(q, cfg, round_idx):
+def _minillm_statistics(q, cfg: MethodConfig, round_idx):
     g = cfg.minillm_gamma
     longest = q.one("SELECT coalesce(max(t), 0) AS t FROM tokens")["t"]
     if g < 1.0 and longest * math.log(1.0 / g) > MINILLM_MAX_EXPONENT:
@@ -102,7 +103,7 @@ def _minillm_statistics(q, cfg, round_idx):
     return stats, {}
 
 
-def _minillm_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _minillm_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     a = minillm_returns(resp.log_ratio, resp.mask, cfg.minillm_gamma)
     whitened = (a - stats["minillm_mean"]) / np.sqrt(stats["minillm_var"] + cfg.std_eps)
     return Targets.policy_gradient(whitened, resp.mask)

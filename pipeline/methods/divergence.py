@@ -28,6 +28,7 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.base import DIVERGENCES, TOPK, Method, Modifier, Response, Stats, Targets, no_statistics
+from gndpo.pipeline.settings.schema import MethodConfig
 
 SHORT_NAMES = {"fkl": "forward_kl", "rkl": "reverse_kl", "jsd": "jsd"}
 PACED_DEFAULT_SCHEDULE = "fkl:1,rkl:1000000"
@@ -59,7 +60,7 @@ def scheduled_divergence(schedule: str, round_idx: int) -> str:
 
 
 def _divergence_of(name: str):
-    def choose(cfg, round_idx: int) -> str:
+    def choose(cfg: MethodConfig, round_idx: int) -> str:
         if cfg.schedule:
             return scheduled_divergence(cfg.schedule, round_idx)
         if name == "paced":
@@ -69,12 +70,12 @@ def _divergence_of(name: str):
     return choose
 
 
-def _divergence_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _divergence_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     return Targets.divergence(resp.mask)
 
 
 # -- reward-weighted distillation ------------------------------------------------------------------
-def _reward_weight_statistics(q, cfg, round_idx):
+def _reward_weight_statistics(q, cfg: MethodConfig, round_idx):
     b = cfg.reward_beta
     return q.one(
         f"""
@@ -90,13 +91,13 @@ def reward_weight(reward: float, stats: Stats, beta: float) -> float:
     return stats["responses_weighted"] * float(np.exp(reward / beta - stats["reward_logsumexp"]))
 
 
-def _apply_reward_weight(t: Targets, resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _apply_reward_weight(t: Targets, resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     t.weight *= reward_weight(resp.reward, stats, cfg.reward_beta)
     return t
 
 
 # -- PACED ------------------------------------------------------------------------------------------
-def _pass_rate_statistics(q, cfg, round_idx):
+def _pass_rate_statistics(q, cfg: MethodConfig, round_idx):
     return {}, q.by_prompt("SELECT prompt_id, avg(reward) AS pass_rate FROM responses GROUP BY prompt_id")
 
 
@@ -105,7 +106,7 @@ def paced_weight(pass_rate: float, a: float, b: float) -> float:
     return float(pass_rate**a * (1.0 - pass_rate) ** b)
 
 
-def _apply_paced(t: Targets, resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _apply_paced(t: Targets, resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     t.weight *= paced_weight(stats.group(resp.prompt_id)["pass_rate"], cfg.paced.a, cfg.paced.b)
     return t
 

@@ -20,13 +20,14 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.base import Method, Modifier, Response, Stats, Targets
+from gndpo.pipeline.settings.schema import MethodConfig
 from gndpo.pipeline.tasks.rewards import get_reward
 
 GRPO_EPS = 1e-6
 GDPO_EPS = 1e-4
 
 
-def check_outcome_rewards(cfg) -> None:
+def check_outcome_rewards(cfg: MethodConfig) -> None:
     """``method.outcome`` where a method uses it (by :func:`gndpo.pipeline.methods.validate`): at least one
     reward, each one that exists, and one weight per reward (or none); one-line user errors."""
     oc = cfg.outcome
@@ -38,7 +39,7 @@ def check_outcome_rewards(cfg) -> None:
         raise GndpoError(f"method.outcome.weights must be {len(oc.rewards)} numbers, one per reward, got {oc.weights!r}")
 
 
-def outcome_rewards(cfg) -> list[tuple[str, float]]:
+def outcome_rewards(cfg: MethodConfig) -> list[tuple[str, float]]:
     """[(reward name, weight)] from ``method.outcome`` (checked by :func:`check_outcome_rewards`)."""
     oc = cfg.outcome
     return list(zip(oc.rewards, map(float, oc.weights or [1.0] * len(oc.rewards))))
@@ -80,17 +81,17 @@ def gdpo_pre_advantage(rewards: dict, group: dict, weighted: list[tuple[str, flo
     return total
 
 
-def _grpo_statistics(q, cfg, round_idx):
+def _grpo_statistics(q, cfg: MethodConfig, round_idx):
     summed = " + ".join(f"{w} * {_col(n)}" for n, w in outcome_rewards(cfg))
     return {}, group_statistics(q, {GRPO_REWARD: summed})
 
 
-def _grpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _grpo_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     a = grpo_advantage(resp.rewards, stats.group(resp.prompt_id), outcome_rewards(cfg))
     return Targets.policy_gradient(np.full_like(resp.mask, a), resp.mask)
 
 
-def _gdpo_statistics(q, cfg, round_idx):
+def _gdpo_statistics(q, cfg: MethodConfig, round_idx):
     weighted = outcome_rewards(cfg)
     mode = cfg.outcome.gdpo_batch_norm
     groups = group_statistics(q, {n: _col(n) for n, _ in weighted})
@@ -110,7 +111,7 @@ def _gdpo_statistics(q, cfg, round_idx):
     return round_wide, groups
 
 
-def _gdpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _gdpo_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     pre = gdpo_pre_advantage(resp.rewards, stats.group(resp.prompt_id), outcome_rewards(cfg))
     if cfg.outcome.gdpo_batch_norm == "sequence":
         a = (pre - stats["gdpo_mean"]) / (stats["gdpo_std"] + GDPO_EPS)
@@ -119,7 +120,7 @@ def _gdpo_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
     return Targets.policy_gradient(np.full_like(resp.mask, a), resp.mask)
 
 
-def _apply_outcome_mix(t: Targets, resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _apply_outcome_mix(t: Targets, resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     """A_t = A_dist_t + coef * A_GRPO_i on the tokens with a policy-gradient term (slime-style)."""
     a = grpo_advantage(resp.rewards, stats.group(resp.prompt_id), outcome_rewards(cfg))
     t.adv = t.adv + cfg.outcome.coef * a * t.pg_mask

@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TOKEN_KL, Modifier, Response, Stats, Targets
+from gndpo.pipeline.settings.schema import MethodConfig
 
 
-def _statistics(q, cfg, round_idx):
+def _statistics(q, cfg: MethodConfig, round_idx):
     cap = q.quantile("hS", cfg.tip.entropy_quantile)  # exact, in bounded memory
     ranges = q.one(
         """SELECT min(h) AS tip_h_min, max(h) AS tip_h_max, min(d) AS tip_d_min, max(d) AS tip_d_max
@@ -50,7 +51,7 @@ def tip_selection(scores: np.ndarray, mask: np.ndarray, keep_ratio: float) -> np
     return out
 
 
-def _apply(t: Targets, resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _apply(t: Targets, resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     selected = tip_selection(tip_scores(resp.student_entropy, resp.token_kl, stats), resp.mask, cfg.tip.keep_ratio)
     t.mask, t.pg_mask, t.div = t.mask * selected, t.pg_mask * selected, t.div * selected
     t.adv = t.adv * selected

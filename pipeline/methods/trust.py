@@ -20,6 +20,7 @@ import numpy as np
 
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOPK, Method, Response, Stats, Targets, no_statistics
 from gndpo.pipeline.methods.distill import gndpo_normalized
+from gndpo.pipeline.settings.schema import MethodConfig
 
 
 def acceptance(log_ratio: np.ndarray) -> np.ndarray:
@@ -27,14 +28,14 @@ def acceptance(log_ratio: np.ndarray) -> np.ndarray:
     return np.exp(np.minimum(log_ratio, 0.0))
 
 
-def _tropd_statistics(q, cfg, round_idx):
+def _tropd_statistics(q, cfg: MethodConfig, round_idx):
     tropd_cfg = cfg.tropd
     if tropd_cfg.tau_quantile < 0:
         return {"tropd_tau": tropd_cfg.tau}, {}
     return {"tropd_tau": q.quantile("exp(least(lpT - lpS, 0))", tropd_cfg.tau_quantile)}, {}
 
 
-def _tropd_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _tropd_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     tropd_cfg = cfg.tropd
     r = resp.log_ratio
     trust = (acceptance(r) >= stats["tropd_tau"]).astype(np.float64) * resp.mask
@@ -52,7 +53,7 @@ def _tropd_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets
     return Targets(adv=adv * pg_mask, pg_mask=pg_mask, div=div, mask=mask)
 
 
-def _eopd_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _eopd_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     uncertain = (resp.teacher_entropy > cfg.eopd.entropy_threshold).astype(np.float64)
     t = Targets.policy_gradient(resp.log_ratio, resp.mask)
     t.div = cfg.eopd.fkl_coef * uncertain * resp.mask
@@ -63,14 +64,14 @@ def reopold_floor(lam: float) -> float:
     return math.log(lam) / (1.0 - lam)
 
 
-def _reopold_statistics(q, cfg, round_idx):
+def _reopold_statistics(q, cfg: MethodConfig, round_idx):
     if round_idx < cfg.reopold.switch_round:
         return {}, {}
     beta = cfg.reopold.beta
     return {"reopold_entropy_cut": q.quantile("hS", 1.0 - beta)}, {}
 
 
-def _reopold_targets(resp: Response, stats: Stats, cfg, round_idx: int) -> Targets:
+def _reopold_targets(resp: Response, stats: Stats, cfg: MethodConfig, round_idx: int) -> Targets:
     floor = reopold_floor(cfg.reopold.lam)
     r = resp.log_ratio
     if round_idx < cfg.reopold.switch_round:

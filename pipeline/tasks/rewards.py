@@ -41,6 +41,7 @@ from fractions import Fraction
 from typing import Callable
 
 from gndpo.errors import GndpoError, first_line
+from gndpo.pipeline.settings.schema import Config
 from gndpo.pipeline.tasks.plugins import named_callable
 from gndpo.pipeline.tasks.tools import CALL, ToolCall, parse_tool_call
 
@@ -333,7 +334,7 @@ def get_reward(name: str) -> Reward:
     return named_callable(name, REWARDS, "reward")
 
 
-def run_rewards(cfg, with_answers: bool = True) -> dict[str, Reward]:
+def run_rewards(cfg: Config, with_answers: bool = True) -> dict[str, Reward]:
     """Every reward a run records per response: the built-ins plus the custom ones the config names;
     without answers (prompts that have none), only those that do not read one."""
     named = [cfg.reward, *cfg.method.outcome.rewards]
@@ -359,7 +360,7 @@ def score_response(rewards: dict[str, Reward], response: str, row: dict) -> dict
     return out
 
 
-def check_rewards(cfg, row: dict) -> None:
+def check_rewards(cfg: Config, row: dict) -> None:
     """Import every reward the config names and call each on ``row`` (with its reference answer, or
     without one its prompt, as the response), so a broken reward is refused at init, not in the middle
     of a rollout."""

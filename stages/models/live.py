@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from gndpo.pipeline.settings.schema import Config, EngineConfig
 from gndpo.stages.models.device import resolve_dtype
 from gndpo.stages.models.loading import load_causal_lm, model_config
 from gndpo.stages.models.lora import ADAPTER_DIR, adapted_student, policy_state_dict
@@ -103,7 +104,7 @@ class LiveModels:
     _pools: dict = field(default_factory=dict)  # ServerSettings -> ServerPool (score.backend server)
 
     # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
-    def student_engine(self, policy: str, cfg, seed: int, images: int = 0, exported: str | None = None):
+    def student_engine(self, policy: str, cfg: EngineConfig, seed: int, images: int = 0, exported: str | None = None):
         """A vLLM engine holding ``policy``'s weights. Kept: the running engine when it was built with
         the same settings, after loading ``policy``'s weights into it if it holds another folder's:
         from the kept DeepSpeed engine's memory when that engine exported ``policy`` (``exported``: the
@@ -134,12 +135,12 @@ class LiveModels:
                 self._calibrate_tolerance(key, cfg)
         return self._engine.llm
 
-    def _tolerance(self, key: tuple, cfg) -> float:
+    def _tolerance(self, key: tuple, cfg: EngineConfig) -> float:
         """The largest probe gap a reload into the engine built with ``key`` may show: the engine dtype's,
         or what a fresh engine's own gap calibrated it to (:meth:`_calibrate_tolerance`)."""
         return max(TOLERANCE[engine_dtype(cfg)], self._calibrated.get(key, 0.0))
 
-    def _calibrate_tolerance(self, key: tuple, cfg) -> None:
+    def _calibrate_tolerance(self, key: tuple, cfg: EngineConfig) -> None:
         """After a restart. A fresh engine holds exactly the exported weights, so its own gap is what the
         engine's precision costs on this model (bf16 against the trainer's forward: a mean of 0.017 at
         1B, against a dtype tolerance of 0.03); where that is beyond the dtype's tolerance, later reloads
@@ -152,7 +153,7 @@ class LiveModels:
                 f"{engine_dtype(cfg)} tolerance {TOLERANCE[engine_dtype(cfg)]:g}): the engine's precision, not a stale reload; "
                 f"later reloads are held to {CALIBRATED * fresh:.2g}")
 
-    def _reloaded_within_tolerance(self, live: _Engine, policy: str, cfg, exported: str | None, images: int) -> bool:
+    def _reloaded_within_tolerance(self, live: _Engine, policy: str, cfg: EngineConfig, exported: str | None, images: int) -> bool:
         """Load ``policy``'s weights into the kept engine and measure it on the probe; whether its gap
         is within the engine dtype's tolerance (False, with a warning: the caller starts a fresh one)."""
         memory = self._load_policy(live, policy, exported, images)
@@ -179,7 +180,7 @@ class LiveModels:
             live.asleep = False
         return live
 
-    def adapter_engine(self, policy: str, cfg, seed: int, base: str, rank: int) -> AdapterEngine:
+    def adapter_engine(self, policy: str, cfg: EngineConfig, seed: int, base: str, rank: int) -> AdapterEngine:
         """The student of a ``model.lora`` run as vLLM serves LoRA: an engine on ``base`` (the initial
         student) whose requests carry ``policy``'s adapters (its ``adapter/``; none in round 0, where the
         fresh adapters add nothing). Kept, the engine holds the base weights for the whole run and
@@ -289,7 +290,7 @@ class LiveModels:
                 self._teacher_engine = None
 
     # -- score with score.backend vllm: the teacher's engine -------------------------------------------
-    def teacher_engine(self, path: str, cfg, max_logprobs: int = 0, images: int = 0):
+    def teacher_engine(self, path: str, cfg: EngineConfig, max_logprobs: int = 0, images: int = 0):
         """A vLLM engine holding the teacher (``images``: the most pictures a prompt shows). Kept, it is
         started once per run (the teacher never changes) and sleeps on a GPU while other stages run; the
         student's engine sleeps while it scores."""
@@ -351,7 +352,7 @@ class LiveModels:
         torch.cuda.empty_cache()
 
     # -- train: the DeepSpeed engine -----------------------------------------------------------------
-    def train_engine(self, cfg, policy: str, policy_dir: str | None, world: int, base: str | None = None, *, build: Callable):
+    def train_engine(self, cfg: Config, policy: str, policy_dir: str | None, world: int, base: str | None = None, *, build: Callable):
         """(DeepSpeed engine on ``policy``, whether it continues from the previous round as it is);
         ``build(cfg, policy, world, base)`` makes a new one (train's
         :func:`~gndpo.stages.training.deepspeed_engine.build_engine`: training sits above the models here).
@@ -389,7 +390,7 @@ class LiveModels:
         """Whether :meth:`trained` keeps a ``world``-rank engine for the next round."""
         return self.keep and world == 1
 
-    def trained(self, engine, cfg, world: int, model_dir: str, pending=None) -> None:
+    def trained(self, engine, cfg: Config, world: int, model_dir: str, pending=None) -> None:
         """Record that ``engine`` finished an update and exported it to ``model_dir`` (a URL); kept for
         the next round if this process keeps models (one rank only). ``pending``: its optimizer state's
         write in progress (an object with ``wait()``; only for a kept engine, :meth:`keeps_trainer`),

@@ -14,6 +14,7 @@ import pyarrow as pa
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods import clamped_score, score_needs, score_partial_sums
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY
+from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.scoring.forward import Scored, UnitRows
 from gndpo.storage.shards import flat_values, list_column, round_to_bfloat16, scores_schema
 
@@ -30,7 +31,7 @@ def refuse_non_finite(per_token: dict[str, np.ndarray], rows: UnitRows, round_id
             raise GndpoError(f"non-finite {name} for rollout {rid} in round {round_idx}; refusing to score")
 
 
-def score_shard(rows: UnitRows, scored: Scored, cfg, student_from_engine: bool = False) -> tuple[pa.Table, dict]:
+def score_shard(rows: UnitRows, scored: Scored, cfg: Config, student_from_engine: bool = False) -> tuple[pa.Table, dict]:
     """(the unit's score table, its commit counts: the metric sums and the token counts);
     ``student_from_engine``: the student's log-probs are the rollout engine's (score.student_logprobs)."""
     per_token, aligned = dict(scored.per_token), scored.aligned

@@ -130,13 +130,13 @@ def probe_gap(scores, reference) -> float:
 
 
 # -- the run's teachers and their servers -------------------------------------------------------------
-def served_models(cfg) -> dict[str, str]:
+def served_models(cfg: Config) -> dict[str, str]:
     """{teacher name recorded per row: the model as the config names it} of the run's teachers: a
     self-teacher's servers serve the initial student (init refuses one that follows the student)."""
     return {f"self/{cfg.self_teacher.weights}": cfg.student} if cfg.teacher == SELF_TEACHER else cfg.teacher_models()
 
 
-def teacher_server_settings(cfg) -> dict[str, ServerSettings]:
+def teacher_server_settings(cfg: Config) -> dict[str, ServerSettings]:
     """{teacher name: its servers' settings} for ``cfg`` (``score.servers``, a list for one teacher or a
     mapping by teacher name): the name each serves its teacher under is ``score.server_model``'s, else
     the teacher's hub id (a one-line error for a local folder without one)."""

@@ -24,6 +24,7 @@ import sys
 import torch
 
 from gndpo.dist import Dist
+from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.models.device import gpu_memory, local_device, resolve_dtype
 from gndpo.stages.models.gpu_memory import uses_checkpointing
 from gndpo.stages.models.loading import is_vision_model, load_causal_lm
@@ -129,7 +130,7 @@ def quiet_deepspeed_import() -> None:
     import deepspeed  # noqa: F401
 
 
-def deepspeed_config(cfg, world: int, dtype: torch.dtype) -> dict:
+def deepspeed_config(cfg: Config, world: int, dtype: torch.dtype) -> dict:
     """DeepSpeed settings for one update. Micro-batches are token-budgeted and vary in number per step,
     so train marks accumulation boundaries itself and DeepSpeed's own batch arithmetic is left at 1."""
     train_cfg = cfg.train
@@ -172,7 +173,7 @@ def enable_checkpointing(model) -> None:
             module.training = True
 
 
-def build_engine(cfg, policy: str, world: int, base: str | None = None):
+def build_engine(cfg: Config, policy: str, world: int, base: str | None = None):
     """A DeepSpeed engine on the round's policy; returns (engine, config dict). With ``model.lora`` the
     model is ``base`` (the initial student) with the adapters ``policy`` carries (fresh ones in round 0)."""
     import deepspeed

@@ -39,7 +39,7 @@ class NormalizeJob:
     def plan(self):
         """One unit, "stats", reading the committed score and rollout manifests."""
         scores, rollouts = self.inputs.manifest("score"), self.inputs.manifest("rollout")
-        inputs = {"score_manifest_finished_at": scores["finished_at"], "rollout_manifest_finished_at": rollouts["finished_at"]}
+        inputs = {"score_manifest_finished_at": scores.finished_at, "rollout_manifest_finished_at": rollouts.finished_at}
         return [{"unit": "stats"}], inputs
 
     def setup(self):

@@ -56,15 +56,13 @@ class ScoreJob:
         """One unit per committed rollout shard (the evaluation unit's excepted), plus one for the held-out
         responses rollout sampled for the label-free held-out measure (prompts without answers)."""
         rollouts = self.inputs.manifest("rollout")
-        units = [
-            {"unit": u["unit"], "rollout_files": u["files"]} for u in rollouts["units"] if u["unit"] != EVAL_UNIT
-        ]
-        heldout = [f for u in rollouts["units"] if u["unit"] == EVAL_UNIT for f in u["files"] if f.get("kind") == HELDOUT_ROLLOUTS]
+        units = [{"unit": u.unit, "rollout_files": u.files} for u in rollouts.units if u.unit != EVAL_UNIT]
+        heldout = [f for f in rollouts.evaluation() if f.get("kind") == HELDOUT_ROLLOUTS]
         if heldout:
             units.append({"unit": EVAL_UNIT, "rollout_files": heldout})
         extras = sorted(score_needs(self.cfg.method))
         teacher = self.cfg.teachers or self.cfg.teacher
-        return units, {"rollout_manifest_finished_at": rollouts["finished_at"], "teacher": teacher, "extras": extras}
+        return units, {"rollout_manifest_finished_at": rollouts.finished_at, "teacher": teacher, "extras": extras}
 
     def setup(self):
         """The student module and the teacher backend that scores beside it."""
@@ -97,7 +95,7 @@ class ScoreJob:
         mode = self.cfg.score.student_logprobs
         if mode != "auto":
             return mode == "engine"
-        bits = self.inputs.manifest("rollout")["metrics"].get("engine_dtype_bits")
+        bits = self.inputs.manifest("rollout").metrics.get("engine_dtype_bits")
         return bits == 32 and not engine_logprob_blockers(self.cfg) and not self.cfg.logging.entropy_metrics
 
     @torch.no_grad()

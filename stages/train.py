@@ -368,7 +368,7 @@ class TrainJob:
     def plan(self):
         """One unit, "update", after the round's committed normalize."""
         normalize = self.inputs.manifest("normalize")
-        return [{"unit": "update"}], {"normalize_manifest_finished_at": normalize["finished_at"], "method": self.cfg.method.name}
+        return [{"unit": "update"}], {"normalize_manifest_finished_at": normalize.finished_at, "method": self.cfg.method.name}
 
     def setup(self):
         """Join the process group this process trains in (once per process)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 from gndpo.errors import GndpoError
 from gndpo.storage.runfs import RunFS
@@ -202,3 +203,60 @@ HELDOUT_ROLLOUTS = "heldout_rollouts"
 def rollout_shards(manifest: dict) -> list[dict]:
     """The rollout manifest's response shards (the eval unit's file is not a rollout shard)."""
     return [f for u in manifest["units"] if u["unit"] != EVAL_UNIT for f in u["files"]]
+
+
+# -- the committed records, typed -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Commit:
+    """A committed unit (``done/<unit>.json``): its files' records (path, bytes, sha256, rows; ``kind``
+    for an evaluation unit's), and the numbers its stage summed for the manifest (``numbers``: the
+    stage's own, by name)."""
+
+    unit: str
+    attempt: int
+    files: list[dict]
+    rows: int
+    bytes: int
+    committed_at: float
+    numbers: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, record: dict) -> Commit:
+        fixed = {"unit", "attempt", "files", "rows", "bytes", "committed_at"}
+        return cls(record["unit"], record["attempt"], record["files"], record["rows"], record["bytes"], record["committed_at"],
+                   {k: v for k, v in record.items() if k not in fixed})
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed stage (``_MANIFEST.json``): its units' commits in plan order, what it was planned
+    from, its metrics, and when the last worker wrote it."""
+
+    round: int
+    stage: str
+    units: list[Commit]
+    inputs: dict  # what the plan was made from
+    metrics: dict  # the stage's own figures, by name (docs/reference/metrics.md)
+    rows: int
+    bytes: int
+    finished_at: float
+
+    @classmethod
+    def of(cls, record: dict) -> Manifest:
+        units = [Commit.of(u) for u in record["units"]]
+        return cls(record["round"], record["stage"], units, record.get("inputs", {}), record.get("metrics", {}),
+                   record.get("rows", sum(u.rows for u in units)), record.get("bytes", sum(u.bytes for u in units)),
+                   record.get("finished_at", 0.0))
+
+    def files(self) -> list[dict]:
+        """Every unit's file records, in unit order."""
+        return [f for unit in self.units for f in unit.files]
+
+    def response_shards(self) -> list[dict]:
+        """A rollout manifest's response shards: every unit's but the evaluation unit's."""
+        return [f for unit in self.units if unit.unit != EVAL_UNIT for f in unit.files]
+
+    def evaluation(self) -> list[dict]:
+        """The evaluation unit's file records (none where the stage has no such unit)."""
+        return [f for unit in self.units if unit.unit == EVAL_UNIT for f in unit.files]
+

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.run.run import Run
-from gndpo.storage.records import manifest_files, rollout_shards
+from gndpo.storage.records import Manifest
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class StageInputs:
 
     def __init__(self, run: Run, round_idx: int, reads: tuple[Read, ...]):
         self.run, self.round, self.reads = run, round_idx, reads
-        self._manifests: dict[str, dict] = {}
+        self._manifests: dict[str, Manifest] = {}
 
     def require(self, stage: str) -> None:
         """A one-line GndpoError naming the latest input of ``stage`` that is not committed (round -1's
@@ -47,18 +47,18 @@ class StageInputs:
             if r >= 0 and self.run.records(r, read.stage).manifest() is None:
                 raise GndpoError(f"cannot run {stage} of round {self.round}: {read.stage} of round {r} is not committed")
 
-    def manifest(self, stage: str) -> dict:
+    def manifest(self, stage: str) -> Manifest:
         """The committed manifest of the read ``stage`` (a stage the class did not declare is a bug: a
         LookupError, not a user's error)."""
         if stage not in self._manifests:
             read = next((r for r in self.reads if r.stage == stage), None)
             if read is None:
                 raise LookupError(f"{stage} is not among this stage's reads ({', '.join(r.stage for r in self.reads)})")
-            self._manifests[stage] = self.run.records(read.round_of(self.round), stage).require_manifest()
+            self._manifests[stage] = Manifest.of(self.run.records(read.round_of(self.round), stage).require_manifest())
         return self._manifests[stage]
 
     def files(self, stage: str) -> list[dict]:
         """The file records of the read ``stage``'s manifest, in unit order; for rollout, its response
         shards (the evaluation unit's file is not one)."""
         manifest = self.manifest(stage)
-        return rollout_shards(manifest) if stage == "rollout" else manifest_files(manifest)
+        return manifest.response_shards() if stage == "rollout" else manifest.files()

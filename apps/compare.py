@@ -55,9 +55,9 @@ def round_rows(run) -> tuple[list[dict], list[float]]:
                "reward_mean": by.get((r, "normalize"), {}).get("reward_mean"),
                "kl_estimate": by.get((r, "normalize"), {}).get("reverse_kl_estimate")}
         if (r, "train") in by:
-            commit = run.records(r, "train").done("update")
-            norms = [s["grad_norm"] for s in commit["steps"]]
-            row.update(stability(norms, run.cfg.train.grad_clip), adv_min=commit.get("adv_min"), adv_max=commit.get("adv_max"))
+            update = run.records(r, "train").done("update").numbers
+            norms = [s["grad_norm"] for s in update["steps"]]
+            row.update(stability(norms, run.cfg.train.grad_clip), adv_min=update.get("adv_min"), adv_max=update.get("adv_max"))
             all_norms += norms
         rows.append(row)
     return rows, all_norms

@@ -30,7 +30,6 @@ from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.loading import load_tokenizer
 from gndpo.storage.duck import connect, parquet_source
-from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.tables import write_file
 
 # (file name, title, y label, [(stage, metric, legend suffix)]): one figure each.
@@ -235,8 +234,8 @@ def strayed_rollouts(run, round_idx: int, rows: int) -> list[tuple]:
     loss mask, teacher log-probs, student log-probs, prompt_id). DuckDB ranks the round's responses
     over the shards; only the chosen ones are read into Python."""
     con = connect(run.fs)
-    rollouts = parquet_source(run.fs, rollout_shards(run.records(round_idx, "rollout").require_manifest()))
-    scores = parquet_source(run.fs, manifest_files(run.records(round_idx, "score").require_manifest()))
+    rollouts = parquet_source(run.fs, run.records(round_idx, "rollout").require_manifest().response_shards())
+    scores = parquet_source(run.fs, run.records(round_idx, "score").require_manifest().files())
     con.sql(f"""CREATE VIEW ranked AS
         SELECT r.rollout_id, list_sum(list_transform(list_zip(s.teacher_logprobs, s.student_logprobs, r.loss_mask),
                                                      lambda x: (x[1] - x[2]) * x[3])) AS total

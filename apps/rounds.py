@@ -38,7 +38,7 @@ from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.settings.schema import Config
 from gndpo.stages import job_class
 from gndpo.storage.cache import cache_root
-from gndpo.storage.records import STAGES
+from gndpo.storage.records import STAGES, Manifest
 from gndpo.storage.runfs import RunFS
 
 
@@ -51,7 +51,7 @@ def check_round(run, round_idx: int, stage: str) -> None:
 
 def run_stage(
     url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=info, live=None
-) -> dict | None:
+) -> Manifest | None:
     """Run (or join, with ``worker``) one stage; returns its manifest, or None if other workers still
     hold units when this worker runs out of work. ``live``: the engines and models to compute with
     (:class:`gndpo.stages.models.live.LiveModels`; default: built for this stage alone)."""
@@ -64,7 +64,7 @@ def run_stage(
     with worker_log(url, f"r{round_idx:04d}-{stage}"):
         job = job_class(stage)(run, round_idx, log=log, live=live)
 
-        def committed(manifest: dict) -> None:  # by the one worker whose manifest write succeeded
+        def committed(manifest: Manifest) -> None:  # by the one worker whose manifest write succeeded
             publish_metrics(run, manifest, worker_log_dir(url))
 
         dist = Dist.from_env()

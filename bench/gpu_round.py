@@ -238,9 +238,9 @@ def main(argv=None) -> None:
             print("\n".join(tail), file=sys.stderr)
             fail(f"{stage} failed (exit code {proc.returncode}); log: {entry['log']}")
         manifest = open_run(str(run)).records(0, stage).require_manifest()
-        entry["rows"], entry["metrics"] = manifest["rows"], manifest["metrics"]
-        if stage == "rollout" and manifest["metrics"].get("tokens"):
-            entry["generated_tokens_per_s"] = round(manifest["metrics"]["tokens"] / seconds, 1)
+        entry["rows"], entry["metrics"] = manifest.rows, manifest.metrics
+        if stage == "rollout" and manifest.metrics.get("tokens"):
+            entry["generated_tokens_per_s"] = round(manifest.metrics["tokens"] / seconds, 1)
         result["stages"][stage] = entry
         print(f"{stage}: {seconds:.1f}s, peak {entry['peak_mib']} MiB (idle {entry['idle_mib']} MiB)", flush=True)
     result["total_seconds"] = round(sum(s["seconds"] for s in result["stages"].values()), 2)

@@ -188,7 +188,7 @@ def run_on_gpu(args) -> None:
             print("\n".join(entry["log_tail"]), file=sys.stderr)
             fail(f"{stage} failed (exit code {proc.returncode})")
         manifest = open_run(str(run)).records(0, stage).require_manifest()
-        entry["rows"], entry["metrics"] = manifest["rows"], manifest["metrics"]
+        entry["rows"], entry["metrics"] = manifest.rows, manifest.metrics
         print(f"{stage}: {entry['seconds']:.1f}s, peak {entry['peak_mib']} MiB", flush=True)
     result["status"] = gndpo("status", run).stdout.splitlines()
     result["phases"] = gndpo("status", run, "--phases").stdout.splitlines()

@@ -108,7 +108,7 @@ class SyntheticStage:
         return pa.table(cols, schema=schema)
 
     def summarize(self, commits):
-        return {"responses": sum(c["responses"] for c in commits), "tokens": sum(c["tokens"] for c in commits)}
+        return {"responses": sum(c.numbers["responses"] for c in commits), "tokens": sum(c.numbers["tokens"] for c in commits)}
 
 
 def make_run(folder: Path, tokens: int, length: int, shard_tokens: int) -> Path:
@@ -134,13 +134,13 @@ import json, sys, time
 import numpy as np
 import pyarrow.parquet as pq
 from gndpo.pipeline.run.run import open_run
-from gndpo.storage.records import rollout_shards
-from gndpo.storage.records import manifest_files
+
+
 t0 = time.time()
 run = open_run(sys.argv[1])
 paths = lambda m: [run.fs.path(r["path"]) for r in m]
-scores = manifest_files(run.records(0, "score").require_manifest())
-rollouts = rollout_shards(run.records(0, "rollout").require_manifest())
+scores = run.records(0, "score").require_manifest().files()
+rollouts = run.records(0, "rollout").require_manifest().response_shards()
 lpT = np.concatenate([pq.read_table(p, columns=["teacher_logprobs"]).column(0).combine_chunks().values.to_numpy() for p in paths(scores)])
 lpS = np.concatenate([pq.read_table(p, columns=["student_logprobs"]).column(0).combine_chunks().values.to_numpy() for p in paths(scores)])
 mask = np.concatenate([pq.read_table(p, columns=["loss_mask"]).column(0).combine_chunks().values.to_numpy() for p in paths(rollouts)]) == 1
@@ -179,7 +179,7 @@ def bench(tokens: int, length: int, shard_tokens: int, keep: bool) -> dict:
         from gndpo.pipeline.run.run import open_run
 
         manifest = open_run(str(run)).records(0, "normalize").require_manifest()
-        stats, stage_seconds = manifest["metrics"], manifest["units"][0]["seconds"]
+        stats, stage_seconds = manifest.metrics, manifest.units[0].numbers["seconds"]
         # The baseline holds ~40 bytes per token row (two float32 columns, their float64 difference and
         # its clamp, the mask); past what the machine has, it is not run.
         need = 40 * tokens / 2**30

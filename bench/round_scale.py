@@ -96,10 +96,10 @@ import pyarrow.parquet as pq
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.normalize import create_views
 from gndpo.storage.duck import connect, parquet_source
-from gndpo.storage.records import manifest_files, rollout_shards
+
 run = open_run(sys.argv[1])
-scores = manifest_files(run.records(0, "score").require_manifest())
-rollouts = rollout_shards(run.records(0, "rollout").require_manifest())
+scores = run.records(0, "score").require_manifest().files()
+rollouts = run.records(0, "rollout").require_manifest().response_shards()
 con = connect(run.fs, threads=1)
 create_views(con, parquet_source(run.fs, rollouts), parquet_source(run.fs, scores), run.cfg)
 q = run.cfg.method.tropd.tau_quantile
@@ -163,7 +163,7 @@ def bench(method: str, tokens: int, length: int, shard_tokens: int, exact: bool)
         imports = measured([sys.executable, "-c", IMPORTS])  # the same process, its imports only
         from gndpo.pipeline.run.run import open_run
 
-        stats = open_run(str(run)).records(0, "normalize").require_manifest()["metrics"]
+        stats = open_run(str(run)).records(0, "normalize").require_manifest().metrics
         out = {
             "method": method, "token_rows": int(stats["token_count"]), "responses": int(stats["responses"]), "response_length": length,
             "parquet_gib": sum(f.stat().st_size for f in (run / "rounds").rglob("*.parquet")) / 2**30, "build_seconds": built,

@@ -128,9 +128,9 @@ def heldout_accuracy(target: Path, heldout: str | None, max_tokens: int, out: Pa
 def train_bytes(run, round_idx: int) -> int:
     """Bytes round ``round_idx``'s train wrote: its commit's files, and an optimizer state written after
     the commit (train.state_async), which the commit only names."""
-    commit = run.records(round_idx, "train").manifest()["units"][0]
-    pending = (commit.get("optimizer_state") or {}).get("pending")
-    return commit["bytes"] + (run.fs.read_json(pending)["bytes"] if pending else 0)
+    commit = run.records(round_idx, "train").manifest().units[0]
+    pending = (commit.numbers.get("optimizer_state") or {}).get("pending")
+    return commit.bytes + (run.fs.read_json(pending)["bytes"] if pending else 0)
 
 
 def gndpo_round(work: dict, folder: Path) -> dict:
@@ -140,7 +140,7 @@ def gndpo_round(work: dict, folder: Path) -> dict:
     rounds = work.get("rounds", 1)
     seconds, _, memory = run_measured(gndpo_cmd("run", str(run), "--rounds", str(rounds)), folder / "gndpo-run.log")
     stages = {m["stage"]: m.get("seconds") for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-    tokens = sum(open_run(str(run)).records(r, "rollout").manifest()["metrics"]["tokens"] for r in range(rounds))
+    tokens = sum(open_run(str(run)).records(r, "rollout").manifest().metrics["tokens"] for r in range(rounds))
     written = [train_bytes(open_run(str(run)), r) for r in range(rounds)]
     # Where each stage's time went (`gndpo status --phases`): seconds per phase, MB written.
     phases = {row.pop("stage"): {k: v for k, v in row.items() if k != "round" and v} for row in phase_rows(open_run(str(run)))}

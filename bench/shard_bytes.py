@@ -57,11 +57,10 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
 
     from gndpo.pipeline.run.run import open_run
-    from gndpo.storage.records import manifest_files
     from gndpo.storage.shards import read_shards, to_parquet_bytes
 
     run = open_run(a.run)
-    table = read_shards(run.fs, manifest_files(run.records(0, "score").require_manifest()))
+    table = read_shards(run.fs, run.records(0, "score").require_manifest().files())
     tokens = int(sum(len(v) for v in table.column("teacher_logprobs").to_pylist()))
     sampled = table
     for name in TOPK_COLUMNS:

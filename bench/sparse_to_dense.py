@@ -114,8 +114,8 @@ def heldout_after_rounds(run_url: str) -> list[float]:
 def spent(run_url: str) -> dict:
     run = open_run(run_url)
     rounds = run.newest_policy_version()
-    tokens = sum(run.records(r, "rollout").manifest()["metrics"]["tokens"] for r in range(rounds))
-    steps = sum(len(run.records(r, "train").done("update")["steps"]) for r in range(rounds))
+    tokens = sum(run.records(r, "rollout").manifest().metrics["tokens"] for r in range(rounds))
+    steps = sum(len(run.records(r, "train").done("update").numbers["steps"]) for r in range(rounds))
     return {"rounds": rounds, "rollout_tokens": tokens, "optimizer_steps": steps}
 
 

@@ -21,6 +21,7 @@ from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.settings.schema import Config
 from gndpo.storage.duck import connect, parquet_source
+from gndpo.storage.records import Commit
 from gndpo.storage.shards import STATS, verify_shards, write_shard
 
 
@@ -68,10 +69,11 @@ class NormalizeJob:
         summary = {k: (float(v) if v is not None else None) for k, v in stats.items()}
         return [record], {"stats": summary, "groups": len(groups)}
 
-    def summarize(self, commits):
+    def summarize(self, commits: list[Commit]) -> dict:
         """The manifest's metrics: the round's statistics and the unit's speed."""
-        seconds = commits[0]["seconds"]
-        return {**commits[0]["stats"], "seconds": seconds, "tokens_per_s": (commits[0]["stats"]["token_count"] or 0) / max(seconds, 1e-9)}
+        unit = commits[0].numbers
+        seconds, stats = unit["seconds"], unit["stats"]
+        return {**stats, "seconds": seconds, "tokens_per_s": (stats["token_count"] or 0) / max(seconds, 1e-9)}
 
 
 def create_views(con, rollouts: str, scores: str, cfg: Config) -> tuple[str, str]:

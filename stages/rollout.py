@@ -34,7 +34,7 @@ from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, 
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.text.guide import TeacherGuide
 from gndpo.stages.text.heldout_eval import HeldoutTask, greedy_eval
-from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS
+from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS, Commit
 from gndpo.storage.rows import RolloutRow, rows_table
 from gndpo.storage.shards import ROLLOUTS, write_shard
 
@@ -246,16 +246,16 @@ class RolloutJob:
         record["kind"] = HELDOUT_ROLLOUTS
         return [record], {"eval": {"label_free": True, "n": len(heldout)}}
 
-    def summarize(self, commits):
+    def summarize(self, commits: list[Commit]) -> dict:
         """The manifest's metrics: responses, tokens, rewards, speed, the held-out score, tool use."""
-        gen = [c for c in commits if c["unit"] != EVAL_UNIT]
+        gen = [c.numbers for c in commits if c.unit != EVAL_UNIT]  # each sampling unit's own numbers
         responses = sum(c["responses"] for c in gen)
         metrics = {
             "policy_version": self.round,
             "responses": responses,
             "tokens": sum(c["tokens"] for c in gen),
             "reward_mean": sum(c["reward_sum"] for c in gen) / max(responses, 1) if all("reward_sum" in c for c in gen) else None,
-            "seconds": sum(c["seconds"] for c in commits),
+            "seconds": sum(c.numbers["seconds"] for c in commits),
             **conversation_metrics(gen, responses),
         }
         metrics["tokens_per_s"] = metrics["tokens"] / max(sum(c["seconds"] for c in gen), 1e-9)
@@ -267,6 +267,6 @@ class RolloutJob:
             if any(key in c for c in gen):
                 metrics[key] = max(c.get(key, 0) for c in gen)
         for c in commits:
-            if c["unit"] == EVAL_UNIT and "accuracy" in c["eval"]:
-                metrics["heldout_accuracy"] = c["eval"]["accuracy"]
+            if c.unit == EVAL_UNIT and "accuracy" in c.numbers["eval"]:
+                metrics["heldout_accuracy"] = c.numbers["eval"]["accuracy"]
         return metrics

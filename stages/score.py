@@ -35,7 +35,7 @@ from gndpo.stages.scoring.shard import refuse_non_finite, score_shard
 from gndpo.stages.teachers.base import TeacherBackend
 from gndpo.stages.teachers.registry import build_teacher
 from gndpo.stages.teachers.setup import ScoreSetup
-from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS
+from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS, Commit
 from gndpo.storage.shards import read_shard, write_shard
 
 
@@ -139,10 +139,10 @@ class ScoreJob:
                             "teacher_logprob": float(np.mean(teacher[greedy])) if greedy.any() else None,
                             "prompts": int((sample_of_row == 0).sum())}}
 
-    def summarize(self, commits):
+    def summarize(self, commits: list[Commit]) -> dict:
         """The manifest's metrics: tokens, speed, and the student's columns against the sampler's."""
-        heldout = [c["eval"] for c in commits if c["unit"] == EVAL_UNIT]
-        commits = [c for c in commits if c["unit"] != EVAL_UNIT]
+        heldout = [c.numbers["eval"] for c in commits if c.unit == EVAL_UNIT]
+        commits = [c.numbers for c in commits if c.unit != EVAL_UNIT]  # each scoring unit's own numbers
         total = lambda key: sum(c.get(key, 0.0) for c in commits)  # noqa: E731
         seconds, student_tokens = total("seconds"), total("student_tokens")
         metrics = {"tokens": total("tokens"), "seconds": seconds, "tokens_per_s": total("tokens") / max(seconds, 1e-9)}

@@ -71,6 +71,7 @@ from gndpo.stages.training.deepspeed_engine import build_engine, init_distribute
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.stages.training.export import export_ema, export_student, save_hf_folder
 from gndpo.storage.meter import phase
+from gndpo.storage.records import Commit
 
 
 def all_reduce(values: np.ndarray, op: str = "sum") -> np.ndarray:
@@ -545,9 +546,9 @@ class TrainJob:
             self.live.trained(update.engine, self.cfg, dist.world, self.run.fs.uri(summary["model_dir"]), pending)
         return files, summary
 
-    def summarize(self, commits):
+    def summarize(self, commits: list[Commit]) -> dict:
         """The manifest's metrics: the new policy version and folder, the steps' losses and gradient norms."""
-        c = commits[0]
+        c = commits[0].numbers
         steps = c["steps"]
         norms = np.array([s["grad_norm"] for s in steps])
         return {

@@ -24,10 +24,76 @@ from gndpo.storage.runfs import RunFS
 
 STAGES = ("rollout", "score", "normalize", "train")
 CHECKPOINTS = "ckpt"  # an attempt's folder of the checkpoints it writes while it computes (train's engine states)
+# The rollout stage's extra unit that measures held-out accuracy; its file is not a rollout shard.
+EVAL_UNIT = "eval-heldout"
+# The kind of an evaluation unit's file that holds held-out responses as rollout rows (prompts without
+# answers: score's teacher reads them for the label-free held-out measure).
+HELDOUT_ROLLOUTS = "heldout_rollouts"
 
 
 def round_prefix(round_idx: int) -> str:
     return f"rounds/r{round_idx:04d}"
+
+
+# -- the committed records, typed -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Commit:
+    """A committed unit (``done/<unit>.json``): its files' records (path, bytes, sha256, rows; ``kind``
+    for an evaluation unit's), and the numbers its stage summed for the manifest (``numbers``: the
+    stage's own, by name)."""
+
+    unit: str
+    attempt: int
+    files: list[dict]
+    rows: int
+    bytes: int
+    committed_at: float
+    numbers: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, record: dict) -> Commit:
+        fixed = {"unit", "attempt", "files", "rows", "bytes", "committed_at"}
+        return cls(record["unit"], record["attempt"], record["files"], record["rows"], record["bytes"], record["committed_at"],
+                   {k: v for k, v in record.items() if k not in fixed})
+
+    def to_json(self) -> dict:
+        """The commit as its record reads (the stage's numbers beside the fixed fields)."""
+        return {"unit": self.unit, "attempt": self.attempt, "files": self.files, "rows": self.rows, "bytes": self.bytes,
+                "committed_at": self.committed_at, **self.numbers}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed stage (``_MANIFEST.json``): its units' commits in plan order, what it was planned
+    from, its metrics, and when the last worker wrote it."""
+
+    round: int
+    stage: str
+    units: list[Commit]
+    inputs: dict  # what the plan was made from
+    metrics: dict  # the stage's own figures, by name (docs/reference/metrics.md)
+    rows: int
+    bytes: int
+    finished_at: float
+
+    @classmethod
+    def of(cls, record: dict) -> Manifest:
+        units = [Commit.of(u) for u in record["units"]]
+        return cls(record["round"], record["stage"], units, record.get("inputs", {}), record.get("metrics", {}),
+                   record.get("rows", sum(u.rows for u in units)), record.get("bytes", sum(u.bytes for u in units)),
+                   record.get("finished_at", 0.0))
+
+    def files(self) -> list[dict]:
+        """Every unit's file records, in unit order."""
+        return [f for unit in self.units for f in unit.files]
+
+    def response_shards(self) -> list[dict]:
+        """A rollout manifest's response shards: every unit's but the evaluation unit's."""
+        return [f for unit in self.units if unit.unit != EVAL_UNIT for f in unit.files]
+
+    def evaluation(self) -> list[dict]:
+        """The evaluation unit's file records (none where the stage has no such unit)."""
+        return [f for unit in self.units if unit.unit == EVAL_UNIT for f in unit.files]
 
 
 class StageRecords:
@@ -97,9 +163,14 @@ class StageRecords:
         return f"{self.attempt_dir(unit, attempt)}/{CHECKPOINTS}"
 
     # -- commits ----------------------------------------------------------------------------------
-    def done(self, unit: str) -> dict | None:
-        """``unit``'s done marker (its files' records and the unit's own numbers), or None if not done."""
-        return self.run.read_json_or_none(f"{self.prefix}/done/{unit}.json")
+    def _record(self, path: str) -> dict | None:
+        """The JSON record at ``path`` under this stage's folder, or None."""
+        return self.run.read_json_or_none(f"{self.prefix}/{path}")
+
+    def done(self, unit: str) -> Commit | None:
+        """``unit``'s commit (its files' records and the unit's own numbers), or None if not done."""
+        record = self._record(f"done/{unit}.json")
+        return None if record is None else Commit.of(record)
 
     def done_units(self) -> set[str]:
         """The ids of the units with a done marker."""
@@ -129,18 +200,19 @@ class StageRecords:
         self.run.create_json(f"{self.prefix}/_PRUNED.json", body)
 
     # -- manifest ---------------------------------------------------------------------------------
-    def manifest(self) -> dict | None:
+    def manifest(self) -> Manifest | None:
         """The stage's manifest (committed: its files, their records and the stage's metrics), or None."""
-        return self.run.read_json_or_none(f"{self.prefix}/_MANIFEST.json")
+        record = self._record("_MANIFEST.json")
+        return None if record is None else Manifest.of(record)
 
-    def require_manifest(self) -> dict:
+    def require_manifest(self) -> Manifest:
         """The manifest; a one-line GndpoError naming the stage and round where it is not committed."""
         m = self.manifest()
         if m is None:
             raise GndpoError(f"stage {self.stage} of round {self.round} is not committed yet ({self.run.uri(self.prefix)})")
         return m
 
-    def create_manifest(self, body: dict) -> tuple[dict, bool]:
+    def create_manifest(self, body: dict) -> tuple[Manifest, bool]:
         """Write the manifest once; a concurrent writer's identical manifest is accepted. Returns the
         manifest and whether this call wrote it."""
         body = {"round": self.round, "stage": self.stage, **body}
@@ -153,11 +225,8 @@ class InheritedRecords(StageRecords):
     with every file record marked with the parent's URL (``run``), so that readers open the file
     there (:meth:`RunFS.holding`) and it is never copied."""
 
-    def manifest(self) -> dict | None:
-        return _mark(super().manifest(), self.run.url)
-
-    def done(self, unit: str) -> dict | None:
-        return _mark(super().done(unit), self.run.url)
+    def _record(self, path: str) -> dict | None:
+        return _mark(super()._record(path), self.run.url)
 
     def _refuse(self, *_args, **_kwargs):
         raise GndpoError(f"stage {self.stage} of round {self.round} is inherited from {self.run.url}; a fork never writes it")
@@ -177,86 +246,12 @@ def _mark(obj, url: str):
     return obj
 
 
-def manifest_files(manifest: dict) -> list[dict]:
-    """All file records of a manifest, in unit order."""
-    return [f for unit in manifest["units"] for f in unit["files"]]
-
-
-def train_optimizer_state(fs, commit: dict) -> dict | None:
+def train_optimizer_state(fs, commit: Commit) -> dict | None:
     """A train commit's carried optimizer state ({world, files, ...}): the one its commit lists, or the
     record it names as written after it (``{"pending": path}``, train.state_async); None where it has
     none, or the named record never appeared (the writing process died first). ``fs``: the storage
     the commit's paths are relative to."""
-    state = commit.get("optimizer_state")
+    state = commit.numbers.get("optimizer_state")
     if state and "pending" in state:
         state = fs.read_json_or_none(state["pending"])
     return state if state and "files" in state else None
-
-
-# The rollout stage's extra unit that measures held-out accuracy; its file is not a rollout shard.
-EVAL_UNIT = "eval-heldout"
-# The kind of an evaluation unit's file that holds held-out responses as rollout rows (prompts without
-# answers: score's teacher reads them for the label-free held-out measure).
-HELDOUT_ROLLOUTS = "heldout_rollouts"
-
-
-def rollout_shards(manifest: dict) -> list[dict]:
-    """The rollout manifest's response shards (the eval unit's file is not a rollout shard)."""
-    return [f for u in manifest["units"] if u["unit"] != EVAL_UNIT for f in u["files"]]
-
-
-# -- the committed records, typed -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Commit:
-    """A committed unit (``done/<unit>.json``): its files' records (path, bytes, sha256, rows; ``kind``
-    for an evaluation unit's), and the numbers its stage summed for the manifest (``numbers``: the
-    stage's own, by name)."""
-
-    unit: str
-    attempt: int
-    files: list[dict]
-    rows: int
-    bytes: int
-    committed_at: float
-    numbers: dict = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, record: dict) -> Commit:
-        fixed = {"unit", "attempt", "files", "rows", "bytes", "committed_at"}
-        return cls(record["unit"], record["attempt"], record["files"], record["rows"], record["bytes"], record["committed_at"],
-                   {k: v for k, v in record.items() if k not in fixed})
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A committed stage (``_MANIFEST.json``): its units' commits in plan order, what it was planned
-    from, its metrics, and when the last worker wrote it."""
-
-    round: int
-    stage: str
-    units: list[Commit]
-    inputs: dict  # what the plan was made from
-    metrics: dict  # the stage's own figures, by name (docs/reference/metrics.md)
-    rows: int
-    bytes: int
-    finished_at: float
-
-    @classmethod
-    def of(cls, record: dict) -> Manifest:
-        units = [Commit.of(u) for u in record["units"]]
-        return cls(record["round"], record["stage"], units, record.get("inputs", {}), record.get("metrics", {}),
-                   record.get("rows", sum(u.rows for u in units)), record.get("bytes", sum(u.bytes for u in units)),
-                   record.get("finished_at", 0.0))
-
-    def files(self) -> list[dict]:
-        """Every unit's file records, in unit order."""
-        return [f for unit in self.units for f in unit.files]
-
-    def response_shards(self) -> list[dict]:
-        """A rollout manifest's response shards: every unit's but the evaluation unit's."""
-        return [f for unit in self.units if unit.unit != EVAL_UNIT for f in unit.files]
-
-    def evaluation(self) -> list[dict]:
-        """The evaluation unit's file records (none where the stage has no such unit)."""
-        return [f for unit in self.units if unit.unit == EVAL_UNIT for f in unit.files]
-

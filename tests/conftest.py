@@ -169,10 +169,10 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
     import pyarrow.parquet as pq
 
     from gndpo.pipeline.run.run import open_run
-    from gndpo.storage.records import manifest_files, rollout_shards
+
 
     m = open_run(str(run_dir)).records(round_idx, stage).manifest()
-    files = rollout_shards(m) if stage == "rollout" else manifest_files(m)
+    files = m.response_shards() if stage == "rollout" else m.files()
     return sorted((r for f in files for r in pq.read_table(Path(run_dir) / f["path"]).to_pylist()), key=lambda r: r["rollout_id"])
 
 

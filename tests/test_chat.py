@@ -22,7 +22,6 @@ from gndpo.apps.demos.arithmetic import CHAT_TEMPLATE, END_OF_TURN
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.settings.schema import DataConfig
 from gndpo.stages.text.chat import render_prompt
-from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import read_shards
 from tests.conftest import assert_one_line_error, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
 
@@ -99,7 +98,7 @@ def chat_round(request, tmp_path_factory, chat_assets, chat_rollout):
 
 
 def rollout_rows(run):
-    rows = read_shards(run.fs, rollout_shards(run.records(0, "rollout").require_manifest())).to_pylist()
+    rows = read_shards(run.fs, run.records(0, "rollout").require_manifest().response_shards()).to_pylist()
     assert rows
     return rows
 
@@ -141,7 +140,7 @@ def test_teacher_scores_the_generated_ids_after_the_rendered_prompt(chat_round, 
     if mode != "keep":
         pytest.skip("scores do not depend on the truncation mode; checked once")
     teacher = AutoModelForCausalLM.from_pretrained(chat_assets / "teacher").eval()
-    scores = {s["rollout_id"]: s for s in read_shards(run.fs, manifest_files(run.records(0, "score").require_manifest())).to_pylist()}
+    scores = {s["rollout_id"]: s for s in read_shards(run.fs, run.records(0, "score").require_manifest().files()).to_pylist()}
     for r in rollout_rows(run)[:8]:
         prompt, response = r["prompt_token_ids"], r["response_token_ids"]
         with torch.no_grad():
@@ -156,8 +155,8 @@ def test_truncated_modes(chat_round):
     rows = rollout_rows(run)
     cut = [r for r in rows if r["finish_reason"] == "length"]
     kept = [r for r in rows if r["finish_reason"] != "length"]
-    stats = run.records(0, "normalize").require_manifest()["metrics"]
-    train = run.records(0, "train").require_manifest()["units"][0]
+    stats = run.records(0, "normalize").require_manifest().metrics
+    train = run.records(0, "train").require_manifest().units[0]
     assert stats["truncated_fraction"] == pytest.approx(len(cut) / len(rows))
     in_stats = kept if mode == "drop" else rows
     assert stats["token_count"] == sum(sum(r["loss_mask"]) for r in in_stats)

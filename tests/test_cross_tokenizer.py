@@ -106,7 +106,7 @@ def test_every_student_token_gets_its_share_of_its_spans_teacher_log_ratio(cross
         inside += int((aligned == 0).sum())
         tokens += len(ids)
     assert split > 0 and ends > 0, "some doubled digits should have been merged, some responses ended"
-    metrics = open_run(str(crossed)).records(0, "score").manifest()["metrics"]
+    metrics = open_run(str(crossed)).records(0, "score").manifest().metrics
     assert metrics["cross_tokenizer/unaligned_tokens"] == inside  # special tokens the student sampled mid-response
     assert metrics["cross_tokenizer/split_span_fraction"] == pytest.approx(split / (tokens - inside))
 
@@ -196,7 +196,7 @@ def test_the_stored_top_k_is_the_teachers_after_the_same_text_in_the_students_vo
         seen["none"] += int((~entries).sum())
         seen["unmatched"] += int((got_ids == UNMATCHED_ID).sum())
     assert min(seen.values()) > 0, seen
-    steps = open_run(str(crossed_topk)).records(0, "train").done("update")["steps"]
+    steps = open_run(str(crossed_topk)).records(0, "train").done("update").numbers["steps"]
     assert steps and all(np.isfinite(s["loss"]) and s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)
 
 

@@ -83,7 +83,7 @@ def test_the_demo(tmp_path):
     assert html.count('class="rollout"') == 4 and "teacher finds it unlikely" in html and "method:" in html
     # The round table's time is the round's wall time (every stage, set-up included), not train's alone.
     round_seconds = float(round_table(html)[0]["round_seconds"])
-    train_seconds = open_run(str(tmp_path / "demo" / "run")).records(0, "train").manifest()["metrics"]["seconds"]
+    train_seconds = open_run(str(tmp_path / "demo" / "run")).records(0, "train").manifest().metrics["seconds"]
     assert round_seconds > train_seconds
     console = open_in_chromium(report / "report.html", ARTIFACTS / "report.png")
     assert console == [], console

@@ -78,5 +78,5 @@ def test_a_kept_engine_killed_by_a_process_group_sigint_is_replaced(tmp_path, ti
     assert "kept from an earlier stage has stopped" in text and "Traceback" not in text, text[-3000:]
     # Round 1 sampled from a fresh engine: nothing reloaded into the dead one, every stage committed.
     rollout = open_run(str(run)).records(1, "rollout").manifest()
-    assert rollout is not None and rollout["metrics"]["engine_reloaded"] == 0
+    assert rollout is not None and rollout.metrics["engine_reloaded"] == 0
     assert open_run(str(run)).records(1, "train").manifest() is not None

@@ -140,7 +140,7 @@ def test_zero3_trains_in_a_process_whose_in_process_engine_has_shut_down(tiny_as
         url = str(tmp_path / f"zero{stage}")
         init_run(url, config_from_dict(tiny_config_dict(tiny_assets, train={"zero_stage": stage}, engine={"in_process": True})))
         run_stages(url, "rollout", "score", "normalize", "train")
-        model_dir = open_run(url).records(0, "train").manifest()["metrics"]["model_dir"]
+        model_dir = open_run(url).records(0, "train").manifest().metrics["model_dir"]
         weights[stage] = load_file(str(Path(url) / model_dir / "model.safetensors"))
     assert committed_rows(tmp_path / "zero3") == committed_rows(tmp_path / "zero0")
     assert weights[3].keys() == weights[0].keys()

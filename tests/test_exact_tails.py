@@ -318,5 +318,5 @@ def test_score_writes_the_rest_and_train_reads_it_or_recomputes_it(rolled_out, t
         if stored:
             assert all(len(r.topk_rest) == len(r.response) for r in rows)
         run_stages(run_dir, "train")
-        metrics = open_run(str(run_dir)).records(0, "train").require_manifest()["metrics"]
+        metrics = open_run(str(run_dir)).records(0, "train").require_manifest().metrics
         assert np.isfinite(metrics["loss_mean"]) and np.isfinite(metrics["grad_norm_mean"])

@@ -48,7 +48,7 @@ def test_checkpointing_recomputes_the_layers_and_changes_no_weight(tmp_path, rol
         finally:
             live.close()
         counts[on] = (calls.count("forward"), calls.count("backward"))
-        model_dir = open_run(run.fs.url).records(0, "train").require_manifest()["metrics"]["model_dir"]
+        model_dir = open_run(run.fs.url).records(0, "train").require_manifest().metrics["model_dir"]
         weights[on] = load_file(f"{run.fs.url}/{model_dir}/model.safetensors")
     forwards = counts[False][0]
     assert forwards > 0 and counts == {False: (forwards, 0), True: (forwards, forwards)}, counts

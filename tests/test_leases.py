@@ -76,7 +76,7 @@ def test_a_worker_that_cannot_renew_its_lease_abandons_the_unit(tmp_path, monkey
     assert lease_state(records, "u0") == "stale"
     second = Worker(records, SlowJob(fs, seconds=0), ttl=TTL, log=lambda *_: None)
     manifest = second.run()
-    assert records.done("u0")["attempt"] == 2 and [u["attempt"] for u in manifest["units"]] == [2]
+    assert records.done("u0").attempt == 2 and [u.attempt for u in manifest.units] == [2]
 
 
 def test_a_failed_beat_within_the_ttl_costs_nothing(tmp_path, monkeypatch, caplog):
@@ -96,7 +96,7 @@ def test_a_failed_beat_within_the_ttl_costs_nothing(tmp_path, monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="gndpo"):
         # A ttl with room for a loaded machine's scheduling delays: one missed beat leaves a 0.5 s gap.
         manifest = Worker(records, SlowJob(fs, seconds=1.5), ttl=1.0, log=lambda *_: None).run()
-    assert [u["attempt"] for u in manifest["units"]] == [1]
+    assert [u.attempt for u in manifest.units] == [1]
     assert [r.getMessage() for r in caplog.records] == ["score r0 u0: heartbeat of attempt 1 failed: connection reset"]
 
 

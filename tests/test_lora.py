@@ -161,7 +161,7 @@ def lora_runs(tmp_path_factory, tiny_assets):
 
 
 def export_dir(run, round_idx: int):
-    return run / open_run(str(run)).records(round_idx, "train").manifest()["metrics"]["model_dir"]
+    return run / open_run(str(run)).records(round_idx, "train").manifest().metrics["model_dir"]
 
 
 @pytest.mark.slow
@@ -177,13 +177,13 @@ def test_lora_rounds_train_the_adapters_only_and_continue_them_from_their_files(
         assert changed and all(n.endswith("_proj.weight") for n in changed), sorted(changed)
         assert (export_dir(kept, round_idx) / "adapter" / "adapter_model.safetensors").is_file()
     # The carried state is the adapters' (and their moments): a fraction of the exported policy.
-    commit = open_run(str(split)).records(0, "train").manifest()["units"][0]
-    state = commit["optimizer_state"]
+    commit = open_run(str(split)).records(0, "train").manifest().units[0]
+    state = commit.numbers["optimizer_state"]
     state = json.loads((split / state["pending"]).read_text()) if "pending" in state else state
-    export_bytes = sum(f["bytes"] for f in commit["files"] if "/model/" in f["path"])
+    export_bytes = sum(f["bytes"] for f in commit.files if "/model/" in f["path"])
     assert 0 < sum(f["bytes"] for f in state["files"]) < 0.5 * export_bytes
     for run in (kept, split):  # round 1's engine: the initial student with round 0's adapters, through vLLM's LoRA
-        probe = open_run(str(run)).records(1, "rollout").manifest()["metrics"]
+        probe = open_run(str(run)).records(1, "rollout").manifest().metrics
         assert probe["engine_adapters"] == 1 and probe["engine_probe_gap_mean"] < 1e-4, probe
 
 
@@ -216,7 +216,7 @@ def test_lora_under_zero_2_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
     adapter = load_file(str(export_dir(run, 0) / "adapter" / "adapter_model.safetensors"))
     assert adapter and all(".lora_" in k for k in adapter)
-    probe = open_run(str(run)).records(1, "rollout").manifest()["metrics"]
+    probe = open_run(str(run)).records(1, "rollout").manifest().metrics
     assert "engine_adapters" not in probe and probe["engine_reloaded"] == 1 and probe["engine_probe_gap_mean"] < 1e-4, probe
 
 

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from gndpo.pipeline.observe import logs, metrics, progress
 from gndpo.pipeline.settings.schema import Config, LoggingConfig
+from gndpo.storage.records import Manifest
 
 
 def test_lines_mode_writes_a_plain_line_per_interval_and_at_the_end(caplog, monkeypatch):
@@ -94,7 +95,7 @@ def test_a_failing_backend_is_a_warning_not_a_failure(monkeypatch, caplog):
 
     monkeypatch.setattr(metrics, "log_wandb", broken)
     with caplog.at_level(logging.WARNING):
-        metrics.publish_metrics(run, {"round": 0, "stage": "score", "metrics": {"tokens": 3}}, "/tmp")
+        metrics.publish_metrics(run, Manifest(round=0, stage="score", units=[], inputs={}, metrics={"tokens": 3}, rows=0, bytes=0, finished_at=0.0), "/tmp")
     assert [r.getMessage() for r in caplog.records] == ["metrics backend wandb failed: no network"]
 
 

@@ -337,7 +337,7 @@ def test_an_ema_top_k_self_distillation_round_on_smollm2(smollm2_round, tmp_path
     fork_run(str(smollm2_round / "run"), url, 0, ["method.name=forward_kl", "method.pointwise_clip=1.0", "self_teacher.weights=ema"])
     run_stages(url, "score", "normalize", "train")
     run = open_run(url)
-    assert run.records(0, "train").manifest()["metrics"]["ema_dir"].endswith("/ema")
+    assert run.records(0, "train").manifest().metrics["ema_dir"].endswith("/ema")
     scores = committed_rows(tmp_path / "fork", "score", 0)
     assert all(np.isfinite(s["teacher_rest_logprob"]).all() for s in scores)
 
@@ -364,12 +364,12 @@ def test_gemma_teaches_smollm2_across_tokenizers(smollm2_round, gemma3, tmp_path
     matched = float((ids[entries] >= 0).mean())
     print(f"Gemma's top-16 entries with a SmolLM2 twin: {matched:.3f} ({int((ids == UNMATCHED_ID).sum())} without)")
     assert matched > 0.5
-    steps = open_run(url).records(0, "train").done("update")["steps"]
+    steps = open_run(url).records(0, "train").done("update").numbers["steps"]
     assert steps and all(np.isfinite(s["loss"]) and s["grad_norm"] > 0 for s in steps)
     aligned = np.concatenate([s["aligned"] for s in scores])
     assert aligned.all(), f"{int((aligned == 0).sum())} of {aligned.size} student tokens got no teacher value"
     values = np.concatenate([s["teacher_logprobs"] for s in scores])
     assert np.isfinite(values).all()
-    metrics = open_run(url).records(0, "score").manifest()["metrics"]
+    metrics = open_run(url).records(0, "score").manifest().metrics
     print("Gemma -> SmolLM2 tokens in split spans:", metrics["cross_tokenizer/split_span_fraction"])
     assert metrics["cross_tokenizer/unaligned_tokens"] == 0

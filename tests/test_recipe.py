@@ -22,7 +22,7 @@ def recipe_args(base, out):
 
 
 def export_dir(run, version: int):
-    return run / open_run(str(run)).records(version - 1, "train").manifest()["metrics"]["model_dir"]
+    return run / open_run(str(run)).records(version - 1, "train").manifest().metrics["model_dir"]
 
 
 @pytest.fixture(scope="module")

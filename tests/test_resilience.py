@@ -23,7 +23,6 @@ from safetensors.numpy import load_file
 
 from gndpo.pipeline.exec.status import stage_rows
 from gndpo.pipeline.run.run import open_run
-from gndpo.storage.records import rollout_shards
 from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
@@ -86,18 +85,18 @@ def test_crashed_rollout_has_exactly_the_reference_rows(reference, crashed_run):
     assert ids == [r["rollout_id"] for r in want]
     assert [r["response_token_ids"] for r in got] == [r["response_token_ids"] for r in want]
     run = open_run(str(crashed_run))
-    assert run.records(0, "rollout").done("u00001")["attempt"] == 2
-    assert run.records(0, "score").done("u00000")["attempt"] == 3
+    assert run.records(0, "rollout").done("u00001").attempt == 2
+    assert run.records(0, "score").done("u00000").attempt == 3
     assert committed_rows(crashed_run, "score") == committed_rows(reference / "run", "score")
 
 
 def test_crashed_train_resumes_without_repeating_steps(reference, crashed_run):
     run = open_run(str(crashed_run))
     commit = run.records(0, "train").done("update")
-    assert commit["attempt"] == 2 and commit["resumed_after_step"] == 1 and len(commit["steps"]) == 3
+    assert commit.attempt == 2 and commit.numbers["resumed_after_step"] == 1 and len(commit.numbers["steps"]) == 3
     ref = open_run(str(reference / "run"))
-    got = load_file(str(crashed_run / run.records(0, "train").manifest()["metrics"]["model_dir"] / "model.safetensors"))
-    want = load_file(str(reference / "run" / ref.records(0, "train").manifest()["metrics"]["model_dir"] / "model.safetensors"))
+    got = load_file(str(crashed_run / run.records(0, "train").manifest().metrics["model_dir"] / "model.safetensors"))
+    want = load_file(str(reference / "run" / ref.records(0, "train").manifest().metrics["model_dir"] / "model.safetensors"))
     assert got.keys() == want.keys()
     for key in want:  # "the same trained weights": bit for bit, as resume promises
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
@@ -146,7 +145,7 @@ def test_three_workers_commit_every_unit_once(reference, tmp_path):
     assert len(units) == 4 and rec.done_units() == set(units)
     for unit in units:  # exactly one attempt was ever made per unit: no duplicate work, no loser
         assert rec.attempts(unit) == [1]
-    assert rec.manifest()["rows"] == 32
+    assert rec.manifest().rows == 32
     assert committed_rows(run, "score") == committed_rows(reference / "run", "score")
 
 
@@ -170,11 +169,11 @@ def test_stale_lease_is_taken_over_and_the_late_commit_is_rejected(reference, tm
     score = next(r for r in stage_rows(open_run(str(run))) if r["stage"] == "score")
     assert score["stale"] == 1 and score["done"] == 0
     run_stages(run, "score")  # a worker in this process takes u00000 over as attempt 2 and finishes the stage
-    assert rec.done("u00000")["attempt"] == 2
+    assert rec.done("u00000").attempt == 2
     os.kill(slow.pid, signal.SIGCONT)
     _, err = slow.communicate(timeout=120)
     assert slow.returncode == 0, err[-2000:]
-    assert rec.done("u00000")["attempt"] == 2  # the late commit lost
+    assert rec.done("u00000").attempt == 2  # the late commit lost
     assert not (run / rec.attempt_dir("u00000", 1)).exists()  # and cleaned up after itself
     assert committed_rows(run, "score") == committed_rows(reference / "run", "score")
 
@@ -182,7 +181,7 @@ def test_stale_lease_is_taken_over_and_the_late_commit_is_rejected(reference, tm
 def test_corrupt_shard_is_refused_by_name(reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference / "after-rollout", run)
-    shard = next(f for f in rollout_shards(open_run(str(run)).records(0, "rollout").manifest()))
+    shard = next(f for f in open_run(str(run)).records(0, "rollout").manifest().response_shards())
     path = run / shard["path"]
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF

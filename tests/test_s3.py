@@ -107,11 +107,11 @@ def test_listing_a_missing_folder_does_not_list_its_parent(s3_endpoint):
 def stage_rows(url: str, stage: str) -> list[dict]:
     """A committed stage's rows of round 0, by rollout id (local or s3://)."""
     from gndpo.pipeline.run.run import open_run
-    from gndpo.storage.records import manifest_files, rollout_shards
     from gndpo.storage.shards import read_shards
 
     run = open_run(url)
-    files = (rollout_shards if stage == "rollout" else manifest_files)(run.records(0, stage).require_manifest())
+    manifest = run.records(0, stage).require_manifest()
+    files = manifest.response_shards() if stage == "rollout" else manifest.files()
     rows = read_shards(run.fs, files).to_pylist()
     return sorted(rows, key=lambda r: r["rollout_id"])
 
@@ -120,7 +120,7 @@ def trained_weights(url: str) -> bytes:
     """The bytes of round 0's exported model.safetensors (local or s3://)."""
     from gndpo.pipeline.run.run import open_run
 
-    model_dir = open_run(url).records(0, "train").manifest()["metrics"]["model_dir"]
+    model_dir = open_run(url).records(0, "train").manifest().metrics["model_dir"]
     with fsspec.open(f"{url}/{model_dir}/model.safetensors", "rb") as f:
         return f.read()
 
@@ -154,7 +154,7 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     # local folder and to another S3 prefix, byte for byte.
     from gndpo.pipeline.run.run import open_run
 
-    model_dir = open_run(run).records(0, "train").manifest()["metrics"]["model_dir"]
+    model_dir = open_run(run).records(0, "train").manifest().metrics["model_dir"]
     local = tmp_path / "student"
     gndpo("export", run, local, env=s3_endpoint)
     gndpo("export", run, f"{run}-student", env=s3_endpoint)

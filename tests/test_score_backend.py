@@ -81,7 +81,7 @@ def auto_choice(run_dir, monkeypatch, entropy_metrics: bool, engine_bits: int | 
     if engine_bits is not None:
         records = run.records(0, "rollout")
         manifest = records.require_manifest()
-        manifest["metrics"]["engine_dtype_bits"] = engine_bits
+        manifest.metrics["engine_dtype_bits"] = engine_bits
         monkeypatch.setattr(records, "require_manifest", lambda: manifest)
         monkeypatch.setattr(run, "records", lambda round_idx, stage: records)
     return ScoreJob(run, 0).student_from_engine()
@@ -91,7 +91,7 @@ def test_auto_takes_the_engines_logprobs_only_where_they_are_the_fp32_students(b
     """score.student_logprobs auto: the engine's log-probs where the rollout engine sampled in fp32 and
     nothing needs the student's forward; the forward where the engine ran in 16 bits, the student's
     entropy metric is on, or the sampler's numbers are not the student's (a temperature other than 1)."""
-    assert open_run(str(backends_run)).records(0, "rollout").require_manifest()["metrics"]["engine_dtype_bits"] == 32
+    assert open_run(str(backends_run)).records(0, "rollout").require_manifest().metrics["engine_dtype_bits"] == 32
     assert auto_choice(backends_run, monkeypatch, entropy_metrics=False) is True
     assert auto_choice(backends_run, monkeypatch, entropy_metrics=True) is False
     assert auto_choice(backends_run, monkeypatch, entropy_metrics=False, temperature=0.7) is False

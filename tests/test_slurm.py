@@ -254,12 +254,12 @@ def committed_tables(run: Path, stage: str) -> dict:
     """Every committed parquet file's rows of round 0's ``stage``, by unit and file name."""
     manifest = open_run(str(run)).records(0, stage).manifest()
     assert manifest is not None, f"{stage} of round 0 is not committed in {run}"
-    return {(u["unit"], Path(f["path"]).name): pq.read_table(run / f["path"]).to_pylist()
-            for u in manifest["units"] for f in u["files"] if f["path"].endswith(".parquet")}
+    return {(u.unit, Path(f["path"]).name): pq.read_table(run / f["path"]).to_pylist()
+            for u in manifest.units for f in u.files if f["path"].endswith(".parquet")}
 
 
 def trained_weights(run: Path) -> dict:
-    model_dir = open_run(str(run)).records(0, "train").manifest()["metrics"]["model_dir"]
+    model_dir = open_run(str(run)).records(0, "train").manifest().metrics["model_dir"]
     return load_file(str(run / model_dir / "model.safetensors"))
 
 
@@ -302,7 +302,7 @@ def test_cancelled_and_resubmitted_job_commits_the_rows_of_gndpo_run(slurm, refe
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields['JobState']} {fields['ExitCode']}:\n{tail(second_out, 60)}"
     assert "rollout on 2 workers (CPU)" in log and "score on 2 workers (CPU)" in log, log
     records = open_run(str(run)).records(0, "rollout")
-    assert any(records.done(u)["attempt"] >= 2 for u in claimed), [records.done(u) for u in claimed]
+    assert any(records.done(u).attempt >= 2 for u in claimed), [records.done(u) for u in claimed]
     for stage in ("rollout", "score", "normalize", "train"):
         assert open_run(str(run)).records(0, stage).manifest() is not None, stage
 

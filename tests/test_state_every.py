@@ -16,6 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
+from gndpo.storage.records import Commit
 from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
@@ -43,12 +44,12 @@ def runs(tmp_path_factory, tiny_assets):
 
 
 def weights(run, round_idx: int) -> dict:
-    model_dir = open_run(str(run)).records(round_idx, "train").manifest()["metrics"]["model_dir"]
+    model_dir = open_run(str(run)).records(round_idx, "train").manifest().metrics["model_dir"]
     return load_file(str(run / model_dir / "model.safetensors"))
 
 
-def train_commit(run, round_idx: int) -> dict:
-    return open_run(str(run)).records(round_idx, "train").manifest()["units"][0]
+def train_commit(run, round_idx: int) -> Commit:
+    return open_run(str(run)).records(round_idx, "train").manifest().units[0]
 
 
 def test_only_every_third_round_writes_the_optimizer_state(runs):
@@ -59,10 +60,10 @@ def test_only_every_third_round_writes_the_optimizer_state(runs):
         for round_idx in range(ROUNDS):
             commit = train_commit(run, round_idx)
             # What a round commits is its export: no more than the policy's bytes; the state comes later.
-            assert not [f for f in commit["files"] if "/optimizer/" in f["path"]]
-            assert commit["bytes"] == sum(f["bytes"] for f in commit["files"] if "/model/" in f["path"])
-            assert ("optimizer_state" in commit) == (round_idx == 2), (run.name, round_idx)
-        record = json.loads((run / train_commit(run, 2)["optimizer_state"]["pending"]).read_text())
+            assert not [f for f in commit.files if "/optimizer/" in f["path"]]
+            assert commit.bytes == sum(f["bytes"] for f in commit.files if "/model/" in f["path"])
+            assert ("optimizer_state" in commit.numbers) == (round_idx == 2), (run.name, round_idx)
+        record = json.loads((run / train_commit(run, 2).numbers["optimizer_state"]["pending"]).read_text())
         assert record["world"] == 1 and record["bytes"] == sum(f["bytes"] for f in record["files"]) > 0
         for f in record["files"]:
             assert "/optimizer/" in f["path"] and hashlib.sha256((run / f["path"]).read_bytes()).hexdigest() == f["sha256"]

@@ -93,7 +93,7 @@ class CountingJob:
         return [rec], {"tokens": unit["n"]}
 
     def summarize(self, commits):
-        return {"tokens": sum(c["tokens"] for c in commits)}
+        return {"tokens": sum(c.numbers["tokens"] for c in commits)}
 
 
 def test_worker_commits_every_unit_once_and_resumes_after_a_crash(tmp_path):
@@ -110,11 +110,11 @@ def test_worker_commits_every_unit_once_and_resumes_after_a_crash(tmp_path):
     claim.write_text(json.dumps(body))
     job = CountingJob(fs, [3, 4, 5])
     manifest = Worker(records, job, log=lambda *_: None).run()
-    assert manifest["rows"] == 12 and manifest["metrics"]["tokens"] == 12
+    assert manifest.rows == 12 and manifest.metrics["tokens"] == 12
     # Beside the job's own metrics, where its units' time went (the shards: the write phase).
-    assert manifest["metrics"]["phase_write_bytes"] == sum(u["bytes"] for u in manifest["units"]) > 0
-    assert [u["unit"] for u in manifest["units"]] == ["u0", "u1", "u2"]
-    assert records.done("u1")["attempt"] == 2
+    assert manifest.metrics["phase_write_bytes"] == sum(u.bytes for u in manifest.units) > 0
+    assert [u.unit for u in manifest.units] == ["u0", "u1", "u2"]
+    assert records.done("u1").attempt == 2
     # A rerun after the manifest does no work at all.
     again = CountingJob(fs, [3, 4, 5])
     assert Worker(records, again, log=lambda *_: None).run() == manifest and again.setups == 0
@@ -134,7 +134,7 @@ def test_live_lease_is_not_taken_and_losing_commit_removes_its_attempt(tmp_path)
     assert second.compute(job.plan()[0][0], 2)
     assert not first.compute(job.plan()[0][0], 1)
     assert not fs.exists(records.attempt_dir("u0", 1))
-    assert records.done("u0")["attempt"] == 2
+    assert records.done("u0").attempt == 2
 
 
 def test_one_worker_lists_the_commits_a_bounded_number_of_times_not_once_a_unit(tmp_path, monkeypatch):
@@ -146,5 +146,5 @@ def test_one_worker_lists_the_commits_a_bounded_number_of_times_not_once_a_unit(
     listings, list_done = [], records.done_units
     monkeypatch.setattr(records, "done_units", lambda: listings.append(1) or list_done())
     manifest = Worker(records, CountingJob(fs, [1] * 60), log=lambda *_: None).run()
-    assert [u["unit"] for u in manifest["units"]] == [f"u{i}" for i in range(60)]
+    assert [u.unit for u in manifest.units] == [f"u{i}" for i in range(60)]
     assert len(listings) <= 2, len(listings)

@@ -36,13 +36,13 @@ def test_step_files_spill_past_their_buffer_and_read_back_what_was_appended():
 
 def whole_round(run, round_idx: int) -> tuple[pa.Table, pa.Table]:
     """The round's rollout and score rows, every shard read at once with pyarrow, scores lined up with rollouts."""
-    from gndpo.storage.records import manifest_files, rollout_shards
+
 
     def read(records):
         return pa.concat_tables([pq.read_table(run.fs.holding(r).path(r["path"])) for r in records], promote_options="default")
 
-    rollouts = read(rollout_shards(run.records(round_idx, "rollout").require_manifest()))
-    scores = read(manifest_files(run.records(round_idx, "score").require_manifest()))
+    rollouts = read(run.records(round_idx, "rollout").require_manifest().response_shards())
+    scores = read(run.records(round_idx, "score").require_manifest().files())
     row_of = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
     return rollouts, scores.take([row_of[rid] for rid in rollouts.column("rollout_id").to_pylist()])
 

@@ -20,7 +20,7 @@ def init(folder, assets, **sections):
 
 
 def export_dir(run, version: int):
-    return run / open_run(str(run)).records(version - 1, "train").manifest()["metrics"]["model_dir"]
+    return run / open_run(str(run)).records(version - 1, "train").manifest().metrics["model_dir"]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def test_a_reference_resolves_to_the_policy_and_records_its_files(parent, tiny_a
     child = tmp_path / "pinned" / "run"
     recorded = yaml.safe_load((child / "run.yaml").read_text())["teacher_runs"][f"run:{parent}@1"]
     commit = open_run(str(parent)).records(0, "train").manifest()
-    model_dir = commit["metrics"]["model_dir"]
-    want = sorted((f["path"][len(model_dir) + 1:], f["sha256"]) for u in commit["units"] for f in u["files"] if f["path"].startswith(model_dir + "/"))
+    model_dir = commit.metrics["model_dir"]
+    want = sorted((f["path"][len(model_dir) + 1:], f["sha256"]) for u in commit.units for f in u.files if f["path"].startswith(model_dir + "/"))
     assert recorded["policy"] == 1 and recorded["model_dir"] == model_dir
     assert sorted((f["path"], f["sha256"]) for f in recorded["files"]) == want
     assert open_run(str(child)).teacher_models(0) == {f"run:{parent}@1": str(export_dir(parent, 1))}

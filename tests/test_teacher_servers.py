@@ -71,8 +71,8 @@ def test_a_round_through_two_replicas_equals_the_hf_backends(rounds, method):
     hf, server = (committed_rows(rounds[method][k], "score") for k in ("hf", "server"))
     assert len(hf) == len(server) == 32
     assert_teacher_columns_agree(hf, server, atol=1e-4, topk=method == "reverse_kl")
-    train = open_run(rounds[method]["server"]).records(0, "train").require_manifest()["metrics"]
-    reference = open_run(rounds[method]["hf"]).records(0, "train").require_manifest()["metrics"]
+    train = open_run(rounds[method]["server"]).records(0, "train").require_manifest().metrics
+    reference = open_run(rounds[method]["hf"]).records(0, "train").require_manifest().metrics
     assert train["optimizer_steps"] == reference["optimizer_steps"] == 2
     assert train["loss_mean"] == pytest.approx(reference["loss_mean"], rel=1e-3, abs=1e-5)
 

@@ -81,7 +81,7 @@ def test_routing_scores_each_prompt_with_its_teacher(parent, tiny_assets, other_
     # Train normalizes each response with its own teacher's statistics: its advantage range is the
     # per-teacher standardization's, re-derived here, and not the pooled one's.
     run_stages(new, "train")
-    trained = open_run(str(new)).records(0, "train").manifest()["metrics"]
+    trained = open_run(str(new)).records(0, "train").manifest().metrics
     own = np.concatenate([(np.concatenate(parts) - moments(np.concatenate(parts))[0]) / np.sqrt(moments(np.concatenate(parts))[1])
                           for parts in per_teacher.values()])
     pooled = (everything - everything.mean()) / everything.std(ddof=1)

@@ -94,7 +94,7 @@ def test_rows_masks_and_turns(reference, tok):
         if r["finish_reason"] == "max_turns":
             assert r["tool_calls"][-1]["result"] is None and r["num_turns"] == 3
     manifest = open_run(str(reference)).records(0, "rollout").manifest()
-    metrics = manifest["metrics"]
+    metrics = manifest.metrics
     llm = sum(sum(r["loss_mask"]) for r in rows)
     tool = sum(len(r["loss_mask"]) - sum(r["loss_mask"]) for r in rows)
     assert metrics["tool_mask/llm_tokens"] == pytest.approx(llm / 48)
@@ -134,7 +134,7 @@ def test_scores_and_statistics_cover_student_tokens_only(reference):
         assert len(s["teacher_logprobs"]) == len(r["response_token_ids"])  # every token scored in context
         assert s["n_valid"] == sum(r["loss_mask"])
         n_valid += s["n_valid"]
-    stats = run.records(0, "normalize").manifest()["metrics"]
+    stats = run.records(0, "normalize").manifest().metrics
     assert stats["token_count"] == n_valid
 
 
@@ -261,7 +261,7 @@ def test_demo_tools_task_on_prebuilt_assets(tmp_path, tool_assets):
         "--set", "engine.in_process=true",
     ).stdout
     assert "teacher" in out and "student (start)" in out and "student after round 1" in out
-    metrics = open_run(str(tmp_path / "demo" / "run")).records(0, "rollout").manifest()["metrics"]
+    metrics = open_run(str(tmp_path / "demo" / "run")).records(0, "rollout").manifest().metrics
     assert {"tool_mask/llm_tokens", "tool_mask/tool_tokens", "tool_mask/tool_ratio", "num_turns/mean"} <= set(metrics)
 
 

@@ -313,11 +313,11 @@ def test_a_gndpo_round_reads_the_images_in_every_stage(vision_round, vision_pair
     sampled = np.concatenate([r["sampler_logprobs"] for r in rollouts])
     np.testing.assert_allclose(sampled, np.concatenate([by_id[r["rollout_id"]]["student_logprobs"] for r in rollouts]), atol=1e-4)
     # Train's first step recomputed score's log-probs: the importance ratio is 1.
-    train = run.records(0, "train").require_manifest()["metrics"]
+    train = run.records(0, "train").require_manifest().metrics
     assert abs(train["ratio_mean"] - 1.0) < 1e-5
     # The kept engine loaded round 0's update: on image prompts it samples from exactly those weights,
     # and the probe it checked the reload with showed it a picture (vision tower and connector included).
-    later_metrics = run.records(1, "rollout").require_manifest()["metrics"]
+    later_metrics = run.records(1, "rollout").require_manifest().metrics
     assert later_metrics["engine_reloaded"] == 1 and later_metrics["engine_probe_gap_max"] < 1e-4
     assert "image" in json.loads((Path(run.policy_path(1)) / "gndpo_probe.json").read_text())
     later = {r["rollout_id"]: r for r in committed_rows(vision_round, "score", 1)}
@@ -334,7 +334,7 @@ def test_a_gndpo_round_reads_the_images_in_every_stage(vision_round, vision_pair
 
     assert token_view(str(vision_round)).count('<img class="picture"') >= 1
     # Held-out eval ran on the images (the random student answers nothing right, but it answered).
-    rollout_metrics = run.records(0, "rollout").require_manifest()["metrics"]
+    rollout_metrics = run.records(0, "rollout").require_manifest().metrics
     assert "heldout_accuracy" in rollout_metrics
 
 

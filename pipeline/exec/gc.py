@@ -22,7 +22,7 @@ import time
 from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.units import lease_state
 from gndpo.pipeline.observe.metrics import committed_rounds
-from gndpo.storage.records import STAGES, train_optimizer_state
+from gndpo.storage.records import STAGES, Commit, train_optimizer_state
 
 
 def collect_garbage(run, dry_run: bool = False) -> list[str]:
@@ -38,7 +38,7 @@ def collect_garbage(run, dry_run: bool = False) -> list[str]:
                     if attempt is None:
                         continue
                     if done is not None:
-                        garbage = done["attempt"] != attempt
+                        garbage = done.attempt != attempt
                     else:
                         garbage = attempt != max(rec.attempts(unit), default=0) or lease_state(rec, unit, now) == "stale"
                     if garbage:
@@ -80,7 +80,7 @@ def prune_rounds(run, keep: int, dry_run: bool = False) -> list[dict]:
             folders = [f for f in folders if run.fs.exists(f)]
             if not folders:
                 continue
-        files = commit["files"] + [f for f in (state or {}).get("files", []) if f not in commit["files"]]
+        files = commit.files + [f for f in (state or {}).get("files", []) if f not in commit.files]
         size = sum(f["bytes"] for f in files if any(f["path"].startswith(d + "/") for d in folders))
         pruned.append({"round": r, "folders": folders, "bytes": size})
         if not dry_run:
@@ -91,10 +91,11 @@ def prune_rounds(run, keep: int, dry_run: bool = False) -> list[dict]:
     return pruned
 
 
-def exported_folders(commit: dict, state: dict | None) -> list[str]:
+def exported_folders(commit: Commit, state: dict | None) -> list[str]:
     """The run-relative folders a train commit exported: the model, its EMA, the optimizer ``state``
     (:func:`train_optimizer_state`; a deferred one's record with it, so that no record outlives its files)."""
-    folders = [commit["model_dir"], *([commit["ema_dir"]] if commit.get("ema_dir") else [])]
+    exported = commit.numbers
+    folders = [exported["model_dir"], *([exported["ema_dir"]] if exported.get("ema_dir") else [])]
     folders += sorted({f["path"].rsplit("/", 1)[0] for f in (state or {}).get("files", [])})
-    pending = (commit.get("optimizer_state") or {}).get("pending")
+    pending = (exported.get("optimizer_state") or {}).get("pending")
     return folders + ([pending] if state is not None and pending else [])

@@ -54,7 +54,7 @@ class StageInputs:
             read = next((r for r in self.reads if r.stage == stage), None)
             if read is None:
                 raise LookupError(f"{stage} is not among this stage's reads ({', '.join(r.stage for r in self.reads)})")
-            self._manifests[stage] = Manifest.of(self.run.records(read.round_of(self.round), stage).require_manifest())
+            self._manifests[stage] = self.run.records(read.round_of(self.round), stage).require_manifest()
         return self._manifests[stage]
 
     def files(self, stage: str) -> list[dict]:

@@ -9,7 +9,7 @@ import time
 
 from gndpo.pipeline.exec.units import lease_state, sum_phases
 from gndpo.pipeline.observe.metrics import committed_rounds
-from gndpo.storage.records import STAGES
+from gndpo.storage.records import STAGES, Commit
 
 
 def stage_state(committed: bool, leases: list[str | None]) -> str:
@@ -34,9 +34,9 @@ def stage_rows(run) -> list[dict]:
             done = rec.done_units()
             leases = [lease_state(rec, u, now) for u in units if u not in done]
             commits = [rec.done(u) for u in units if u in done]
-            work = [c for c in commits if "eval" not in c]  # the held-out evaluation is not the stage's data
-            evals = [c["eval"] for c in commits if "eval" in c]
-            tokens = sum(c.get("tokens", 0) for c in work)
+            work = [c for c in commits if "eval" not in c.numbers]  # the held-out evaluation is not the stage's data
+            evals = [c.numbers["eval"] for c in commits if "eval" in c.numbers]
+            tokens = sum(c.numbers.get("tokens", 0) for c in work)
             seconds = wall_seconds(rec, units, commits, finished=len(commits) == len(units), now=now)
             rows.append(
                 {
@@ -47,7 +47,7 @@ def stage_rows(run) -> list[dict]:
                     "claimed": leases.count("claimed"),
                     "stale": leases.count("stale"),
                     "done": len(done & set(units)),
-                    "rows": sum(c["rows"] for c in work),
+                    "rows": sum(c.rows for c in work),
                     "tokens": tokens,
                     "seconds": None if seconds is None else round(seconds, 1),
                     "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
@@ -104,12 +104,12 @@ def phase_rows(run) -> list[dict]:
              **{f"{n} MB": round(written.get(n, 0) / 1e6, 3) for n in writing}} for r, stage, seconds, written in rows]
 
 
-def wall_seconds(rec, units: list[str], commits: list[dict], finished: bool, now: float) -> float | None:
+def wall_seconds(rec, units: list[str], commits: list[Commit], finished: bool, now: float) -> float | None:
     """Wall time of a stage: from the first claim of any of its units (engine start-up and set-up
     included, which happen under the lease) to its last commit, or to now while units remain (a stage a
     fork inherited shows its parent's); None before anyone claims a unit."""
     claimed = [float(rec.read_claim(u, a)["claimed_at"]) for u in units for a in rec.attempts(u)[:1]]
     if not claimed:
         return None
-    end = max(float(c["committed_at"]) for c in commits) if finished and commits else now
+    end = max(c.committed_at for c in commits) if finished and commits else now
     return max(end - min(claimed), 0.0)

@@ -33,7 +33,7 @@ from gndpo.pipeline.exec.signals import pid_alive
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import FILE_ONLY, info, unit_context
 from gndpo.storage.meter import phase, unit_clock
-from gndpo.storage.records import StageRecords
+from gndpo.storage.records import Commit, Manifest, StageRecords
 
 _units_log = logging.getLogger(__name__)
 # Counts of a unit's commit summary that progress sums and shows with their rate.
@@ -59,8 +59,9 @@ class StageJob(Protocol):
     def run_unit(self, unit: dict, out_dir: str) -> tuple[list[dict], dict]:
         """Compute one unit into files under ``out_dir``; return (file records, summary for the commit)."""
 
-    def summarize(self, commits: list[dict]) -> dict:
-        """Metrics for the manifest, from all commit records of the stage."""
+    def summarize(self, commits: list[Commit]) -> dict:
+        """Metrics for the manifest, from all the stage's commits (each unit's own numbers: what
+        ``run_unit`` returned, with its ``seconds``, ``worker`` and ``phases``)."""
 
     def live_state(self) -> dict:
         """Optional: what the worker's heartbeats carry while it holds a unit, for `gndpo status` (JSON)."""
@@ -184,7 +185,7 @@ class Worker:
             plan = self.records.create_plan(units, inputs)
         return plan
 
-    def run(self, wait_for_others: bool = True) -> dict | None:
+    def run(self, wait_for_others: bool = True) -> Manifest | None:
         """Work until every unit is committed; then write (or read) the manifest and return it.
 
         With ``wait_for_others`` False the worker returns None once nothing is left for it to claim
@@ -281,16 +282,16 @@ class Worker:
             _units_log.warning("%s r%d %s: could not release attempt %d (%s); it frees after its ttl",
                                self.records.stage, self.records.round, uid, attempt, exc)
 
-    def finish(self, plan: dict) -> dict:
+    def finish(self, plan: dict) -> Manifest:
         manifest = self.records.manifest()
         if manifest is not None:
             return manifest
         commits = [self.records.done(u["unit"]) for u in plan["units"]]
         body = {
             "inputs": plan["inputs"],
-            "units": commits,
-            "rows": sum(c["rows"] for c in commits),
-            "bytes": sum(c["bytes"] for c in commits),
+            "units": [c.to_json() for c in commits],
+            "rows": sum(c.rows for c in commits),
+            "bytes": sum(c.bytes for c in commits),
             "metrics": {**self.job.summarize(commits), **phase_totals(commits)},
             "finished_at": time.time(),
         }
@@ -300,25 +301,25 @@ class Worker:
         return manifest
 
 
-def sum_phases(commits: list[dict]) -> dict[str, dict[str, float]]:
+def sum_phases(commits: list[Commit]) -> dict[str, dict[str, float]]:
     """``{phase: {"seconds": s, "bytes": b}}`` over ``commits``' units (seconds of work: units that ran
     side by side on several workers add up)."""
     totals: dict[str, dict[str, float]] = {}
     for commit in commits:
-        for name, spent in commit.get("phases", {}).items():
+        for name, spent in commit.numbers.get("phases", {}).items():
             total = totals.setdefault(name, {"seconds": 0.0, "bytes": 0})
             total["seconds"] += spent["seconds"]
             total["bytes"] += spent["bytes"]
     return totals
 
 
-def phase_totals(commits: list[dict]) -> dict:
+def phase_totals(commits: list[Commit]) -> dict:
     """A stage's ``phase_<name>_seconds`` and ``phase_<name>_bytes`` metrics (:func:`sum_phases`)."""
     return {f"phase_{name}_{measure}": round(value, 3) if measure == "seconds" else value
             for name, spent in sorted(sum_phases(commits).items()) for measure, value in sorted(spent.items())}
 
 
-def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=info, on_manifest=None) -> dict:
+def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log=info, on_manifest=None) -> Manifest | None:
     """Run a one-unit stage that every rank of a torch.distributed group computes together (train
     under torchrun/deepspeed): rank 0 alone plans, holds the lease and commits; the others follow its
     decision, broadcast to them, and compute the same unit in lockstep."""

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from gndpo.errors import first_line
-from gndpo.storage.records import STAGES
+from gndpo.storage.records import STAGES, Manifest
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def collect_metrics(run) -> list[dict]:
         for stage in STAGES:
             m = run.records(r, stage).manifest()
             if m is not None:
-                rows.append({"round": r, "stage": stage, **m["metrics"]})
+                rows.append({"round": r, "stage": stage, **m.metrics})
     return rows
 
 
@@ -204,7 +204,7 @@ def numeric_metrics(row: dict) -> dict[str, float]:
     }
 
 
-def publish_metrics(run, manifest: dict, log_dir: str) -> None:
+def publish_metrics(run, manifest: Manifest, log_dir: str) -> None:
     """Send a just-committed stage's metrics to ``logging.backends`` (called once per stage, by the
     worker that wrote its manifest). TensorBoard: the event file under ``RUN/tensorboard/`` is rebuilt
     whole from every manifest under one fixed name, so a concurrent or repeated rebuild replaces it
@@ -215,7 +215,7 @@ def publish_metrics(run, manifest: dict, log_dir: str) -> None:
             if backend == "tensorboard":
                 write_tensorboard(run, collect_metrics(run))
             elif backend == "wandb":
-                log_wandb(run, {"round": manifest["round"], "stage": manifest["stage"], **manifest["metrics"]}, log_dir)
+                log_wandb(run, {"round": manifest.round, "stage": manifest.stage, **manifest.metrics}, log_dir)
         except Exception as exc:  # noqa: BLE001 - reporting must never fail a committed stage
             logging.getLogger(__name__).warning("metrics backend %s failed: %s", backend, first_line(exc))
 

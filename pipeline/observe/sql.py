@@ -18,7 +18,6 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.run import PROMPT_SPLITS
 from gndpo.storage.duck import connect, create_view, lock, parquet_source, record_uris
-from gndpo.storage.records import manifest_files, rollout_shards
 from gndpo.storage.shards import ROLLOUTS, SCORES, STATS
 
 READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -45,9 +44,9 @@ def run_connection(run, allow_files: bool = False) -> duckdb.DuckDBPyConnection:
         for stage in files:
             m = run.records(r, stage).manifest()
             if m is not None:
-                files[stage] += rollout_shards(m) if stage == "rollout" else manifest_files(m)
+                files[stage] += m.response_shards() if stage == "rollout" else m.files()
                 if stage == "score":
-                    score_rounds.append(f"SELECT *, {r}::INTEGER AS round FROM {parquet_source(run.fs, manifest_files(m))}")
+                    score_rounds.append(f"SELECT *, {r}::INTEGER AS round FROM {parquet_source(run.fs, m.files())}")
     for view, stage, schema in (("rollouts", "rollout", ROLLOUTS), ("stats", "normalize", STATS)):
         con.register(f"empty_{view}", schema.empty_table())
         create_view(con, run.fs, view, files[stage], f"SELECT * FROM empty_{view}")

@@ -102,7 +102,7 @@ class Run:
         """The run-relative folder of the model exported by round ``round_idx - 1`` (None for round 0)."""
         if round_idx == 0:
             return None
-        return self.records(round_idx - 1, "train").require_manifest()["metrics"]["model_dir"]
+        return self.records(round_idx - 1, "train").require_manifest().metrics["model_dir"]
 
     def teacher_models(self, round_idx: int) -> dict[str, str]:
         """{name recorded per score row: local model folder} of the teachers that score ``round_idx``:
@@ -119,7 +119,7 @@ class Run:
         else:
             records = self.records(round_idx - 1, "train")
             require_exported(records)
-            path = records.run.local_dir(records.require_manifest()["metrics"]["ema_dir"], model_cache_dir())
+            path = records.run.local_dir(records.require_manifest().metrics["ema_dir"], model_cache_dir())
         return {f"self/{weights}": path}
 
     def model_folder(self, name: str, role: str = "model") -> str:
@@ -163,8 +163,9 @@ class Run:
             raise GndpoError(f"{self.fs.url} has no policy v{version}; its trained policies are {trained} (v0 is the initial student)")
         records = self.records(version - 1, "train")
         require_exported(records)
-        model_dir = records.require_manifest()["metrics"]["model_dir"]
-        files = [f for unit in records.manifest()["units"] for f in unit["files"] if f["path"].startswith(f"{model_dir}/")]
+        manifest = records.require_manifest()
+        model_dir = manifest.metrics["model_dir"]
+        files = [f for f in manifest.files() if f["path"].startswith(f"{model_dir}/")]
         return CommittedPolicy(version, records, model_dir, files)
 
     def latest_policy(self) -> tuple[int, str]:

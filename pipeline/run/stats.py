@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from gndpo.pipeline.methods.base import Stats
 from gndpo.pipeline.run.run import Run
-from gndpo.storage.records import manifest_files
 from gndpo.storage.shards import read_shards
 
 
 def round_stats(run: Run, round_idx: int) -> Stats:
     """The committed statistics of a round (global and per prompt), read from its stats shard."""
-    table = read_shards(run.fs, manifest_files(run.records(round_idx, "normalize").require_manifest()))
+    table = read_shards(run.fs, run.records(round_idx, "normalize").require_manifest().files())
     stats = Stats()
     for r in table.to_pylist():
         target = stats.round_wide if r["scope"] == "global" else stats.groups.setdefault(r["scope"], {})

@@ -216,7 +216,7 @@ def carried_state(run: Run, round_idx: int) -> dict | None:
     written after it (``train.state_async``) and made visible by the record its commit names; None if
     it wrote none, or that record never appeared (the process died while writing)."""
     records = run.records(round_idx, "train")  # the parent's, for a forked run's first round
-    return train_optimizer_state(records.run, records.require_manifest()["units"][0])
+    return train_optimizer_state(records.run, records.require_manifest().units[0])
 
 
 def last_carried_state(run: Run, round_idx: int) -> tuple[int, dict | None]:

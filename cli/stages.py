@@ -26,7 +26,7 @@ def _stage_command(stage: str):
         if manifest is None:
             typer.echo(f"{stage} r{round}: no unit left to claim; other workers are finishing")
         else:
-            typer.echo(f"{stage} r{round}: committed, {manifest['rows']} rows")
+            typer.echo(f"{stage} r{round}: committed, {manifest.rows} rows")
 
     command.__doc__ = HELP[stage]
     return command

@@ -191,30 +191,17 @@ class RolloutJob:
         pid = c.row["prompt_id"]
         prefix_len = len(c.response_ids) - sum(c.loss_mask) if self.guide is not None else 0
         return RolloutRow(
-            rollout_id=f"r{self.round:04d}-{pid}-{sample_idx:03d}",
-            prompt_id=pid,
-            sample_idx=sample_idx,
-            round=self.round,
-            policy_version=self.round,
-            prompt_token_ids=c.prompt_ids,
-            response_token_ids=c.response_ids,
-            loss_mask=c.loss_mask,
-            teacher_prefix_len=prefix_len,
+            rollout_id=f"r{self.round:04d}-{pid}-{sample_idx:03d}", prompt_id=pid, sample_idx=sample_idx,
+            round=self.round, policy_version=self.round,
+            prompt_token_ids=c.prompt_ids, response_token_ids=c.response_ids, loss_mask=c.loss_mask, teacher_prefix_len=prefix_len,
             # Tokens the student did not sample (a teacher prefix, tool turns) carry 0 here.
             sampler_logprobs=c.sampler_logprobs,
-            finish_reason=c.finish_reason,
-            num_turns=c.num_turns,
-            tool_calls=c.tool_calls,
+            finish_reason=c.finish_reason, num_turns=c.num_turns, tool_calls=c.tool_calls,
             **self.rewarded(c, self.rewards if rewards is None else rewards),
-            temperature=rollout_cfg.temperature,
-            top_p=rollout_cfg.top_p,
-            top_k=rollout_cfg.top_k,
-            max_tokens=rollout_cfg.max_tokens,
-            seed=c.seed,
-            logprobs_mode="raw",
-            prompt=prompt_text,
+            temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k, max_tokens=rollout_cfg.max_tokens,
+            seed=c.seed, logprobs_mode="raw",
             # With tools the special tokens stay, so the stored text shows where each turn begins.
-            response=self.tok.decode(c.response_ids, skip_special_tokens=self.tool_use is None),
+            prompt=prompt_text, response=self.tok.decode(c.response_ids, skip_special_tokens=self.tool_use is None),
         )
 
     def rewarded(self, c: Conversation, rewards: dict) -> dict:

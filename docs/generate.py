@@ -186,9 +186,9 @@ def parameter_row(p, ctx) -> list[str]:
 SCHEMAS = (
     ("Rollouts", "gndpo.storage.rows", "RolloutRow", "`rounds/rNNNN/rollout/data/uNNNNN/aNNN/part-00000.parquet` (and, for held-out prompts "
      "without answers, `rounds/rNNNN/rollout/data/eval-heldout/aNNN/part-00000.parquet`)", "one sampled response"),
-    ("Scores", "gndpo.storage.shards", "SCORES", "`rounds/rNNNN/score/data/uNNNNN/aNNN/part-00000.parquet`",
+    ("Scores", "gndpo.storage.rows", "ScoreRow", "`rounds/rNNNN/score/data/uNNNNN/aNNN/part-00000.parquet`",
      "the teacher's and the student's numbers for one response; `k` is the shard's top-k, min(score.teacher_topk, vocabulary)"),
-    ("Statistics", "gndpo.storage.shards", "STATS", "`rounds/rNNNN/normalize/data/stats/aNNN/stats.parquet`",
+    ("Statistics", "gndpo.storage.rows", "StatRow", "`rounds/rNNNN/normalize/data/stats/aNNN/stats.parquet`",
      "one statistic of the round: scope `global`, a prompt id, or `teacher:NAME`"),
     ("Held-out evaluation", "gndpo.stages.text.heldout_eval", "EVAL_SCHEMA", "`rounds/rNNNN/rollout/data/eval-heldout/aNNN/eval.parquet` "
      "(held-out prompts with answers)", "the greedy response to one held-out prompt and its reward"),
@@ -267,7 +267,7 @@ def shards_page() -> str:
         missing = [f.name for f in schema if f.name not in notes]
         if missing:
             raise SystemExit(f"docs/generate.py: cannot find columns {missing} of {variable} in {module_name}'s source")
-        size = "k" if variable == "SCORES" else None
+        size = "k" if variable == "ScoreRow" else None
         out.append(f"## {title}\n\n`{module_name}.{variable}`, written at {where}. One row: {row}.\n\n")
         out.append(table(["Column", "Type", "Comment"], [[code(f.name), code(arrow_type(f.type, size)), inline(notes[f.name])] for f in schema]))
         out.append("\n")

@@ -12,8 +12,6 @@ with :func:`gndpo.pipeline.run.stats.round_stats`.
 
 from __future__ import annotations
 
-import pyarrow as pa
-
 from gndpo.pipeline.exec.inputs import Read, StageInputs
 from gndpo.pipeline.methods import StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
 from gndpo.pipeline.methods.base import TEACHER_SCOPE
@@ -22,6 +20,7 @@ from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.settings.schema import Config
 from gndpo.storage.duck import connect, parquet_source
 from gndpo.storage.records import Commit
+from gndpo.storage.rows import StatRow, rows_table
 from gndpo.storage.shards import STATS, verify_shards, write_shard
 
 
@@ -65,7 +64,7 @@ class NormalizeJob:
         if self.cfg.method.stats_scope == "teacher":  # GNDPO's moments over each teacher's tokens too
             groups.update(teacher_moments(con, scores))
 
-        record = write_shard(fs, f"{out_dir}/stats.parquet", pa.Table.from_pylist(stats_rows(self.round, stats, groups), schema=STATS))
+        record = write_shard(fs, f"{out_dir}/stats.parquet", rows_table(stats_rows(self.round, stats, groups), STATS))
         summary = {k: (float(v) if v is not None else None) for k, v in stats.items()}
         return [record], {"stats": summary, "groups": len(groups)}
 
@@ -140,10 +139,9 @@ def teacher_moments(con, scores: str) -> dict[str, dict]:
     return {f"{TEACHER_SCOPE}{teacher}": gndpo_stats_from_sums(n or 0, c_sum or 0.0, c_sq or 0.0) for teacher, n, c_sum, c_sq in rows}
 
 
-def stats_rows(round_idx: int, stats: dict, groups: dict[str, dict]) -> list[dict]:
+def stats_rows(round_idx: int, stats: dict, groups: dict[str, dict]) -> list[StatRow]:
     """The long-format rows (round, scope, name, value) of the global statistics and each scope's;
     a statistic that is None (no tokens to compute it over) is left out."""
-    rows = [{"round": round_idx, "scope": "global", "name": k, "value": float(v)} for k, v in sorted(stats.items()) if v is not None]
-    rows += [{"round": round_idx, "scope": scope, "name": k, "value": float(v)}
-             for scope, values in sorted(groups.items()) for k, v in sorted(values.items()) if v is not None]
+    rows = [StatRow(round_idx, "global", k, float(v)) for k, v in sorted(stats.items()) if v is not None]
+    rows += [StatRow(round_idx, scope, k, float(v)) for scope, values in sorted(groups.items()) for k, v in sorted(values.items()) if v is not None]
     return rows

@@ -1,9 +1,9 @@
 """Stored rows declared once, as typed records: each field is a column, with its Arrow type.
 
-The rollout shard's schema (:data:`gndpo.storage.shards.ROLLOUTS`), the reference page of the shards
-and ``gndpo sql``'s ``rollouts`` view come from :class:`RolloutRow`, and rollout writes its rows as
-instances of it: a misspelled or missing column is a TypeError where the row is made, never a column
-of nulls in a committed shard.
+Each shard's schema (:mod:`gndpo.storage.shards`), its reference page and ``gndpo sql``'s view come from
+its row class (:class:`RolloutRow`, :class:`ScoreRow`, :class:`StatRow`). Rollout and normalize write
+their rows as instances of it: a misspelled or missing column is a TypeError where the row is made,
+never a column of nulls in a committed shard. Score builds its columns whole, by the same names.
 """
 
 from __future__ import annotations
@@ -52,6 +52,52 @@ class RolloutRow:
     logprobs_mode: Annotated[str, pa.string()]
     prompt: Annotated[str, pa.string()]
     response: Annotated[str, pa.string()]
+
+
+@dataclass(frozen=True)
+class ScoreRow:
+    """The teacher's and the student's numbers for one response, as score stores them (its writer
+    builds the columns whole; ``k`` of the top-k is the shard's, min(score.teacher_topk, vocabulary))."""
+
+    rollout_id: Annotated[str, pa.string()]
+    prompt_id: Annotated[str, pa.string()]
+    teacher_logprobs: Annotated[list[float], pa.list_(pa.float32())]
+    student_logprobs: Annotated[list[float], pa.list_(pa.float32())]
+    # Per-row partial sums of the clamped score c_t = clamp(lpT - lpS) over valid tokens, so the
+    # normalize stage's cost grows with responses, not tokens. Float64 to keep the variance exact.
+    n_valid: Annotated[int, pa.int64()]
+    c_sum: Annotated[float, pa.float64()]
+    c_sq_sum: Annotated[float, pa.float64()]
+    c_min: Annotated[float, pa.float64()]
+    c_max: Annotated[float, pa.float64()]
+    teacher: Annotated[str, pa.string()]
+    # Written only when the run's method needs them (null otherwise), per token of the response:
+    # the teacher's top-k ids and full-softmax log-probs (k = score.teacher_topk), teacher and
+    # student entropies in nats, and the full-vocabulary KL(p_S || p_T).
+    # Top-k as fixed-size lists: one flat buffer per column that readers view as [tokens, k].
+    teacher_topk_ids: Annotated[list[list[int]] | None, pa.list_(pa.list_(pa.int32(), 16))]
+    teacher_topk_logprobs: Annotated[list[list[float]] | None, pa.list_(pa.list_(pa.float32(), 16))]
+    # With the top-k: log of the teacher's mass outside its top-k ids (the "rest" bucket), from the
+    # full softmax (a logsumexp over the other ids), never 1 - sum(p), which is rounding noise for a
+    # confident teacher; float32 even under score.dtype bfloat16. Shards written before it have no
+    # such column: train then recomputes the rest from the top-k, as it used to.
+    teacher_rest_logprob: Annotated[list[float] | None, pa.list_(pa.float32())]
+    teacher_entropy: Annotated[list[float] | None, pa.list_(pa.float32())]
+    student_entropy: Annotated[list[float] | None, pa.list_(pa.float32())]
+    token_kl: Annotated[list[float] | None, pa.list_(pa.float32())]
+    # score.cross_tokenizer: 1 where the student token's teacher log-prob came from teacher tokens
+    # covering exactly its characters; 0 where it did not align (no signal there). Null otherwise.
+    aligned: Annotated[list[int] | None, pa.list_(pa.int8())]
+
+
+@dataclass(frozen=True)
+class StatRow:
+    """One statistic of a round, as normalize stores them (long format)."""
+
+    round: Annotated[int, pa.int32()]
+    scope: Annotated[str, pa.string()]  # "global" or a group key such as a prompt_id
+    name: Annotated[str, pa.string()]
+    value: Annotated[float, pa.float64()]
 
 
 def arrow_schema(row: type) -> pa.Schema:

@@ -15,45 +15,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gndpo.errors import GndpoError
-from gndpo.storage.rows import RolloutRow, arrow_schema
+from gndpo.storage.rows import RolloutRow, ScoreRow, StatRow, arrow_schema
 from gndpo.storage.runfs import RunFS
 
-ROLLOUTS = arrow_schema(RolloutRow)  # declared in storage/rows.py
+# Declared, with each column's comment, in storage/rows.py.
+ROLLOUTS = arrow_schema(RolloutRow)
 
-SCORES = pa.schema(
-    [
-        ("rollout_id", pa.string()),
-        ("prompt_id", pa.string()),
-        ("teacher_logprobs", pa.list_(pa.float32())),
-        ("student_logprobs", pa.list_(pa.float32())),
-        # Per-row partial sums of the clamped score c_t = clamp(lpT - lpS) over valid tokens, so the
-        # normalize stage's cost grows with responses, not tokens. Float64 to keep the variance exact.
-        ("n_valid", pa.int64()),
-        ("c_sum", pa.float64()),
-        ("c_sq_sum", pa.float64()),
-        ("c_min", pa.float64()),
-        ("c_max", pa.float64()),
-        ("teacher", pa.string()),
-        # Written only when the run's method needs them (null otherwise), per token of the response:
-        # the teacher's top-k ids and full-softmax log-probs (k = score.teacher_topk), teacher and
-        # student entropies in nats, and the full-vocabulary KL(p_S || p_T).
-        # Top-k as fixed-size lists: one flat buffer per column that readers view as [tokens, k].
-        ("teacher_topk_ids", pa.list_(pa.list_(pa.int32(), 16))),
-        ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32(), 16))),
-        # With the top-k: log of the teacher's mass outside its top-k ids (the "rest" bucket), from the
-        # full softmax (a logsumexp over the other ids), never 1 - sum(p), which is rounding noise for a
-        # confident teacher; float32 even under score.dtype bfloat16. Shards written before it have no
-        # such column: train then recomputes the rest from the top-k, as it used to.
-        ("teacher_rest_logprob", pa.list_(pa.float32())),
-        ("teacher_entropy", pa.list_(pa.float32())),
-        ("student_entropy", pa.list_(pa.float32())),
-        ("token_kl", pa.list_(pa.float32())),
-        # score.cross_tokenizer: 1 where the student token's teacher log-prob came from teacher tokens
-        # covering exactly its characters; 0 where it did not align (no signal there). Null otherwise.
-        ("aligned", pa.list_(pa.int8())),
-    ]
-)
-
+SCORES = arrow_schema(ScoreRow)
 
 
 def scores_schema(topk: int) -> pa.Schema:
@@ -105,14 +73,7 @@ def flat_values(column) -> tuple[np.ndarray, np.ndarray]:
     return flat, offsets
 
 
-STATS = pa.schema(
-    [
-        ("round", pa.int32()),
-        ("scope", pa.string()),  # "global" or a group key such as a prompt_id
-        ("name", pa.string()),
-        ("value", pa.float64()),
-    ]
-)
+STATS = arrow_schema(StatRow)
 
 
 def float_leaf_columns(schema: pa.Schema) -> list[str]:

@@ -1,6 +1,6 @@
-"""Each stored row is declared once: the rollout shard's schema is its row class's, and `gndpo sql`'s
-views show exactly the declared columns (scores with the round the view adds), on a run with rows and
-on one without."""
+"""Each stored row is declared once: a shard's schema is its row class's, and `gndpo sql`'s views show
+exactly the declared columns (scores with the round the view adds), on a run with rows and on one
+without."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from gndpo.pipeline.observe.sql import run_connection
 from gndpo.pipeline.run.run import open_run
-from gndpo.storage.rows import RolloutRow, arrow_schema
+from gndpo.storage.rows import RolloutRow, ScoreRow, StatRow, arrow_schema
 from gndpo.storage.shards import ROLLOUTS, SCORES, STATS
 from tests.conftest import invoke_ok, run_stages
 
@@ -20,16 +20,21 @@ def view_columns(run_dir) -> dict[str, list[str]]:
     return {view: [row[0] for row in con.execute(f"DESCRIBE {view}").fetchall()] for view in ("rollouts", "scores", "stats")}
 
 
+def fields(row: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(row)]
+
+
 def declared() -> dict[str, list[str]]:
-    return {"rollouts": [f.name for f in dataclasses.fields(RolloutRow)], "scores": [*SCORES.names, "round"], "stats": STATS.names}
+    """Each view's columns as the row classes declare them (score shards store no round: the view adds it)."""
+    return {"rollouts": fields(RolloutRow), "scores": [*fields(ScoreRow), "round"], "stats": fields(StatRow)}
 
 
-def test_the_rollout_schema_is_its_row_class():
-    assert ROLLOUTS == arrow_schema(RolloutRow)
-    assert ROLLOUTS.names == [f.name for f in dataclasses.fields(RolloutRow)]
-    fields = {f.name: 0 for f in dataclasses.fields(RolloutRow)}
+def test_each_shard_schema_is_its_row_class():
+    for schema, row in ((ROLLOUTS, RolloutRow), (SCORES, ScoreRow), (STATS, StatRow)):
+        assert schema == arrow_schema(row) and schema.names == fields(row)
+    values = {name: 0 for name in fields(RolloutRow)}
     with pytest.raises(TypeError, match="reward_sum"):  # a misspelled column fails where the row is made
-        RolloutRow(**{**fields, "reward_sum": 1.0})
+        RolloutRow(**{**values, "reward_sum": 1.0})
 
 
 @pytest.mark.slow

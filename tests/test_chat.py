@@ -161,8 +161,8 @@ def test_truncated_modes(chat_round):
     in_stats = kept if mode == "drop" else rows
     assert stats["token_count"] == sum(sum(r["loss_mask"]) for r in in_stats)
     assert stats["responses"] == len(in_stats)
-    assert train["responses"] == (len(rows) if mode == "keep" else len(kept))
-    assert all(np.isfinite(s["loss"]) for s in train["steps"])
+    assert train.numbers["responses"] == (len(rows) if mode == "keep" else len(kept))
+    assert all(np.isfinite(s["loss"]) for s in train.numbers["steps"])
 
 
 def write_messages(path, rows):

@@ -72,9 +72,9 @@ def test_only_every_third_round_writes_the_optimizer_state(runs):
 def test_a_replayed_state_gives_the_rows_and_weights_of_the_uninterrupted_run(runs):
     whole, resumed, log = runs
     assert "optimizer state replayed from round 0 to round 1" in log, log[-3000:]
-    assert "replay" in train_commit(resumed, 2)["phases"] and "replay" not in train_commit(whole, 2)["phases"]
+    assert "replay" in train_commit(resumed, 2).numbers["phases"] and "replay" not in train_commit(whole, 2).numbers["phases"]
     for run in (whole, resumed):  # the state continued in every round after the first, replayed or kept
-        assert [train_commit(run, r)["optimizer_state_resumed"] for r in range(ROUNDS)] == [False, True, True]
+        assert [train_commit(run, r).numbers["optimizer_state_resumed"] for r in range(ROUNDS)] == [False, True, True]
     for round_idx in range(ROUNDS):
         for stage in ("rollout", "score"):
             assert committed_rows(resumed, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
@@ -94,7 +94,7 @@ def test_a_crash_before_a_deferred_state_is_recorded_costs_a_replay_not_a_wrong_
     config = write_config(tmp_path, tiny_config_dict(tiny_assets, train={"state_every": 1}, rollout={"eval_heldout": False}))
     invoke_ok("init", run, "--config", config)
     assert gndpo_killed("run", run, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.state_write"}, log=tmp_path / "crash.log") == -9
-    assert train_commit(run, 0)["optimizer_state"]["pending"] and not (run / train_commit(run, 0)["optimizer_state"]["pending"]).exists()
+    assert train_commit(run, 0).numbers["optimizer_state"]["pending"] and not (run / train_commit(run, 0).numbers["optimizer_state"]["pending"]).exists()
     log = gndpo("run", run, "--rounds", 2).stderr
     assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
     for round_idx in range(2):

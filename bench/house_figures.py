@@ -27,7 +27,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.code_scan
 from common import RESULTS, machine, save_json  # noqa: E402
+
+from tests.code_scan import backend_comparisons  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE = ("storage", "pipeline", "stages", "apps", "cli")
@@ -68,31 +71,6 @@ def dict_parameters(tree: ast.AST) -> int:
     return count
 
 
-def is_backend(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "backend" and "score" in ast.unparse(node)) or (
-        isinstance(node, ast.Name) and node.id == "backend")
-
-
-TEACHER_BACKENDS = {"hf", "vllm", "server"}
-
-
-def is_string_or_strings(node: ast.AST) -> bool:
-    """A teacher backend's name, or a tuple of them (logging.backends' names are not counted)."""
-    if isinstance(node, ast.Constant):
-        return node.value in TEACHER_BACKENDS
-    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and all(is_string_or_strings(e) for e in node.elts)
-
-
-def backend_comparisons(tree: ast.AST) -> list[int]:
-    lines = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            sides = [node.left, *node.comparators]
-            if any(is_backend(s) for s in sides) and any(is_string_or_strings(s) for s in sides):
-                lines.append(node.lineno)
-    return lines
-
-
 def records_by_stage_name(tree: ast.AST) -> int:
     count = 0
     for node in ast.walk(tree):
@@ -119,7 +97,7 @@ def figures(root: Path = ROOT) -> dict:
         out["dict_parameters"] += dict_parameters(tree)
         out["stage_records_by_name"] += records_by_stage_name(tree)
         if rel not in ALLOWED_BACKEND_COMPARISONS:
-            out["backend_comparisons"] += [f"{rel}:{line}" for line in backend_comparisons(tree)]
+            out["backend_comparisons"] += [f"{rel}:{line}" for line, _ in backend_comparisons(tree)]
     return out
 
 

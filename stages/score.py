@@ -84,7 +84,7 @@ class ScoreJob:
         # torch.topk and vLLM both stop there, and a shard's top-k has one width.
         smallest = min(vocabulary_size(p) for p in teachers.values())
         self.topk = min(self.cfg.score.teacher_topk, smallest) if TOPK in score_needs(self.cfg.method) else 0
-        setup = ScoreSetup(self.run, self.round, self.live, device, policy, student, images)
+        setup = ScoreSetup(self.run, self.live, device, policy, student, images)
         self.teacher, self.backend = build_teacher(setup, teachers)
 
     def student_from_engine(self) -> bool:

@@ -118,7 +118,7 @@ def instantiate(cls: type, checked: dict):
     values = {}
     for name, value in checked.items():
         sub = section(name)
-        values[name] = instantiate(sub, value) if sub is not None else float(value) if hints[name] is float else value
+        values[name] = instantiate(sub, value) if sub is not None else value
     return cls(**values)
 
 

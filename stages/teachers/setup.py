@@ -1,5 +1,5 @@
-"""What a score worker has ready when it builds its teacher (:class:`ScoreSetup`): the run and round,
-the round's policy and student module, the device, the run's pictures; and how each teacher reads a
+"""What a score worker has ready when it builds its teacher (:class:`ScoreSetup`): the run, the
+round's policy and student module, the device, the run's pictures; and how each teacher reads a
 prompt (its own rendering with a teacher context or its own image processing, else the student's ids)."""
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ class ScoreSetup:
     """A score worker's round, ready for a teacher backend to build on."""
 
     run: Run
-    round: int
     live: LiveModels
     device: torch.device
     policy: str  # the round's student folder

@@ -19,6 +19,7 @@ import yaml
 
 from gndpo.apps.init import check_images, check_models, check_precision, check_routes, check_teacher_prompts, resolve_models, run_yaml
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.checks import check_staleness
 from gndpo.pipeline.config.load import apply_overrides, config_from_dict
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.run.images import RunImages, copy_images
@@ -72,6 +73,7 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
     models = resolve_models(cfg, parent.teacher_runs, parent.hub_models)
     local = models.local  # the checks read the models' local folders
     validate_method(local.method)
+    check_staleness(local)
     check_teacher_backend(local)
     check_precision(local)
     with read_once():  # the checks read the same models' tokenizers and configs several times

@@ -21,7 +21,9 @@ import yaml
 from transformers.utils import logging as hf_logging
 
 from gndpo.apps.round_size import check_round_fits
+from gndpo.apps.schedule import choose_order
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.checks import check_staleness
 from gndpo.pipeline.config.load import config_to_yaml
 from gndpo.pipeline.methods import answer_readers
 from gndpo.pipeline.methods import validate as validate_method
@@ -31,7 +33,7 @@ from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, model_cache_dir, open_run
 from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, resolve_reference, teacher_folder
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.pipeline.tasks.rewards import check_rewards
-from gndpo.stages.models.device import flash_attention_blocker, gpu_memory
+from gndpo.stages.models.device import flash_attention_blocker, gpu_memory, visible_gpus
 from gndpo.stages.models.gpu_memory import check_gpu_memory
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
@@ -329,6 +331,8 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
         check_gpu_memory(models.local, gpu_bytes or gpu_memory(), backend_of(cfg).capabilities)
         probes = backend_of(cfg).check_teachers(cfg, models.local, bool(images))
     say_held_out(cfg, splits)
+    # How `gndpo run` will order the stages on this machine (it says so again, for the GPUs it is given).
+    logging.getLogger("gndpo").info(choose_order(cfg, visible_gpus()).line())
     store_images(fs, images)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
@@ -369,6 +373,7 @@ def checked_prompts(url: str, cfg: Config) -> tuple[dict, dict]:
     """Every check of a new run (``cfg`` names the models' local folders) and its prompts, read and
     checked: ({split: prompt table}, {image id: bytes}), nothing written yet."""
     validate_method(cfg.method)
+    check_staleness(cfg)
     check_metrics_backends(cfg)
     check_teacher_backend(cfg)
     check_precision(cfg)

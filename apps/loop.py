@@ -1,29 +1,37 @@
-"""``gndpo run``'s loop on this machine: how many GPUs, and whether the stages share kept engines."""
+"""``gndpo run``'s loop on this machine: how many GPUs, in which order the stages run, and whether they
+share kept engines."""
 
 from __future__ import annotations
 
 from gndpo.apps.rounds import keeps_models, run_rounds
+from gndpo.apps.schedule import choose_order, run_scheduled
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.device import visible_gpus
 from gndpo.stages.models.live import LiveModels
 
 
-def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = True, log=info, live=None) -> None:
-    """Run rounds 0..rounds-1 of ``url`` (:func:`gndpo.apps.rounds.run_rounds`).
+def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = True, log=info, live=None, learner_gpus: int = 0) -> None:
+    """Run rounds 0..rounds-1 of ``url``.
 
-    ``gpus``: GPUs of this node to use (None: every visible one). ``keep_alive``: where
-    :func:`keeps_models` allows (at most one GPU, one train rank, one rollout worker), run every stage in
-    this process on kept engines: ``live`` (a caller's set, left open, e.g. for a final evaluation on
-    the same engine) or one made and closed here."""
+    ``gpus``: GPUs of this node to use (None: every visible one); ``learner_gpus``: how many of them run
+    score and train, the others rollout (:func:`gndpo.apps.schedule.choose_order`). The order is chosen
+    and said in one line. Sequentially, where ``keep_alive`` and :func:`keeps_models` allow (at most one
+    GPU, one train rank, one rollout worker), every stage runs in this process on kept engines: ``live``
+    (a caller's set, left open, e.g. for a final evaluation on the same engine) or one made and closed
+    here (:func:`gndpo.apps.rounds.run_rounds`); otherwise each stage runs in processes of its own
+    (:func:`gndpo.apps.schedule.run_scheduled`)."""
     gpus = visible_gpus() if gpus is None else gpus
-    if not (keep_alive and keeps_models(open_run(url).cfg, gpus)):
-        run_rounds(url, rounds, gpus=gpus, log=log)
+    cfg = open_run(url).cfg
+    order = choose_order(cfg, gpus, learner_gpus)
+    log(order.line())
+    if not (order.sequential and keep_alive and keeps_models(cfg, gpus)):
+        run_scheduled(url, rounds, gpus, order, learner_gpus, log=log)
         return
     own = live is None
     live = LiveModels(keep=True, log=log) if own else live
     try:
-        run_rounds(url, rounds, gpus=gpus, log=log, live=live)
+        run_rounds(url, rounds, live, log=log)
     finally:
         if own:
             live.close()

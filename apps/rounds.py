@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from gndpo.dist import Dist, usable_cpus
@@ -42,27 +43,32 @@ from gndpo.storage.records import STAGES, Manifest
 from gndpo.storage.runfs import RunFS
 
 
-def check_round(run, round_idx: int, stage: str) -> None:
-    """A stage runs once what it reads (its class's ``reads``) is committed."""
+def check_round(run, round_idx: int, stage: str, follow: bool = False) -> None:
+    """A stage runs once what it reads (its class's ``reads``) is committed; with ``follow``, a stage
+    that reads another unit by unit (score) may start while that one runs."""
     if round_idx < 0:
         raise GndpoError(f"round must be >= 0, got {round_idx}")
-    StageInputs(run, round_idx, job_class(stage).reads).require(stage)
+    reads = job_class(stage).reads
+    if follow and not any(read.per_unit for read in reads):
+        raise GndpoError(f"--follow streams a stage behind the one it reads unit by unit; {stage} reads none that way (score does)")
+    StageInputs(run, round_idx, reads, follow=follow).require(stage)
 
 
 def run_stage(
-    url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=info, live=None
+    url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=info, live=None, follow: bool = False
 ) -> Manifest | None:
     """Run (or join, with ``worker``) one stage; returns its manifest, or None if other workers still
     hold units when this worker runs out of work. ``live``: the engines and models to compute with
-    (:class:`gndpo.stages.models.live.LiveModels`; default: built for this stage alone)."""
+    (:class:`gndpo.stages.models.live.LiveModels`; default: built for this stage alone). ``follow``:
+    stream behind the stage it reads unit by unit, taking each unit once its input unit commits."""
     run = open_run(url)
-    check_round(run, round_idx, stage)
+    check_round(run, round_idx, stage, follow)
     if lease_ttl <= 0:
         raise GndpoError("--lease-ttl must be positive")
     records = run.records(round_idx, stage)
     # The log file first: the stage's modules import vLLM, which sets up its logging when imported.
     with worker_log(url, f"r{round_idx:04d}-{stage}"):
-        job = job_class(stage)(run, round_idx, log=log, live=live)
+        job = job_class(stage)(run, round_idx, log=log, live=live, **({"follow": True} if follow else {}))
 
         def committed(manifest: Manifest) -> None:  # by the one worker whose manifest write succeeded
             publish_metrics(run, manifest, worker_log_dir(url))
@@ -79,9 +85,10 @@ def run_stage(
     return manifest
 
 
-def stage_command(url: str, stage: str, round_idx: int, num_processes: int = 1) -> list[str]:
-    """The command line that runs one stage in a fresh process (train under torchrun for >1 rank)."""
-    tail = ["-m", "gndpo", stage, url, "--round", str(round_idx)]
+def stage_command(url: str, stage: str, round_idx: int, num_processes: int = 1, follow: bool = False) -> list[str]:
+    """The command line that runs one stage in a fresh process (train under torchrun for >1 rank;
+    ``follow``: streaming behind the stage it reads unit by unit)."""
+    tail = ["-m", "gndpo", stage, url, "--round", str(round_idx), *(["--follow"] if follow else [])]
     if stage == "train" and num_processes > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}", *tail]
     return [sys.executable, *tail]
@@ -108,13 +115,14 @@ def worker_log(url: str, name: str):
 
 @dataclass(frozen=True)
 class StageProcess:
-    """One process of a stage: its command line, the environment it adds, and the file its output goes
-    to (None: inherited from ``gndpo run``)."""
+    """One process of a stage: its command line, the environment it adds, the file its output goes
+    to (None: inherited from ``gndpo run``), and the CPUs it is pinned to (empty: not pinned)."""
 
     argv: list
     env: dict
     log_path: str | None
     name: str = "main"  # "gpu3" for a per-GPU worker
+    cpus: tuple[int, ...] = ()
 
 
 def _device_ids(count: int) -> list[str]:
@@ -128,32 +136,84 @@ def _device_ids(count: int) -> list[str]:
     return [str(i) for i in range(count)]
 
 
+@dataclass(frozen=True)
+class DeviceSets:
+    """Which GPUs each stage's processes use: every GPU for every stage, or with ``--learner-gpus K`` the
+    last K for score and train (the learner) and the others for rollout (the actor), so that rollout can
+    run beside them (:mod:`gndpo.apps.schedule`)."""
+
+    rollout: list[str]
+    learner: list[str]
+
+    @classmethod
+    def of(cls, gpus: int, learner_gpus: int = 0) -> DeviceSets:
+        if learner_gpus < 0:
+            raise GndpoError(f"--learner-gpus must be >= 0, got {learner_gpus}")
+        ids = _device_ids(gpus) if gpus > 0 else []
+        if learner_gpus == 0:
+            return cls(ids, ids)
+        if learner_gpus >= gpus:
+            raise GndpoError(f"--learner-gpus {learner_gpus} leaves rollout no GPU of the {gpus} this run uses (--gpus); give it at most {max(gpus - 1, 0)}")
+        return cls(ids[: gpus - learner_gpus], ids[gpus - learner_gpus :])
+
+    @property
+    def split(self) -> bool:
+        return self.rollout != self.learner
+
+    def of_stage(self, stage: str) -> list[str]:
+        return self.rollout if stage == "rollout" else self.learner
+
+
+def stage_cpus(spec: str | None = None) -> dict[str, tuple[int, ...]]:
+    """{stage: CPUs} from ``GNDPO_STAGE_CPUS`` (or ``spec``), e.g. ``rollout=0 score=1 normalize=1
+    train=1``: each stage's processes are pinned to those cores, as each would own its devices; a stage
+    not named is not pinned. A one-line GndpoError for a malformed entry."""
+    spec = os.environ.get("GNDPO_STAGE_CPUS", "") if spec is None else spec
+    pinned = {}
+    for entry in spec.split():
+        stage, _, cpus = entry.partition("=")
+        try:
+            pinned[stage] = tuple(int(c) for c in cpus.split(","))
+        except ValueError:
+            pinned[stage] = ()
+        if stage not in STAGES or not pinned[stage]:
+            raise GndpoError(f"GNDPO_STAGE_CPUS entry {entry!r} is not STAGE=CPU[,CPU...] with STAGE one of {', '.join(STAGES)}")
+    return pinned
+
+
 def stage_processes(
-    url: str, stage: str, round_idx: int, gpus: int, num_processes: int = 0, gpus_per_worker: int = 1, log_dir: str | None = None
+    url: str, stage: str, round_idx: int, gpus: int, num_processes: int = 0, gpus_per_worker: int = 1, log_dir: str | None = None,
+    devices: list[str] | None = None, follow: bool = False, cpus: tuple[int, ...] = (),
 ) -> list[StageProcess]:
-    """The processes that run ``stage`` of ``round_idx`` on a node with ``gpus`` GPUs.
+    """The processes that run ``stage`` of ``round_idx`` on a node with ``gpus`` GPUs (``devices``: the
+    ids of those this stage uses, default the first ``gpus``; :class:`DeviceSets`).
 
     * rollout, score with gpus >= 1: one ``--worker`` per ``gpus_per_worker`` GPUs (rollout: the engine's
       tensor-parallel size; score: 1), pinned with CUDA_VISIBLE_DEVICES, output to
       ``<log_dir>/r0003-score-gpu1.log``;
-    * train: one process, under torchrun with ``num_processes`` ranks if > 0, else one per GPU;
+    * train: one process, under torchrun with ``num_processes`` ranks if > 0, else one per GPU (pinned
+      to ``devices`` where they are a subset);
     * normalize, and every stage with gpus == 0: one process, output inherited (as before GPUs counted).
 
     Where several processes share the node (workers, train's ranks), each gets its share of the CPUs
     (``GNDPO_THREADS``): each would otherwise start a torch thread per CPU, and 8 workers on a node
-    would run 8 times as many threads as it has cores.
+    would run 8 times as many threads as it has cores. ``follow``: score streams behind rollout
+    (``--follow``). ``cpus``: the cores every process is pinned to.
     """
     if gpus < 0:
         raise GndpoError(f"--gpus must be >= 0, got {gpus}")
+    subset = devices is not None and len(devices) < gpus
+    gpus, ids = (len(devices), devices) if devices is not None else (gpus, None)
     if stage == "train":
         nproc = num_processes if num_processes > 0 else max(gpus, 1)
-        return [StageProcess(stage_command(url, stage, round_idx, nproc), cpu_share(nproc) if nproc > 1 else {}, None)]
+        env = {**(cpu_share(nproc) if nproc > 1 else {}), **({"CUDA_VISIBLE_DEVICES": ",".join(ids)} if subset else {})}
+        return [StageProcess(stage_command(url, stage, round_idx, nproc), env, None, cpus=cpus)]
     if gpus == 0 or stage not in ("rollout", "score"):
-        return [StageProcess(stage_command(url, stage, round_idx), {}, None)]
+        return [StageProcess(stage_command(url, stage, round_idx, follow=follow), {}, None, cpus=cpus)]
     per = max(gpus_per_worker, 1)
     if per > gpus:
         raise GndpoError(f"{stage} needs {per} GPUs per worker (engine.tensor_parallel_size) but this node has {gpus}")
-    ids = _device_ids(gpus)
+    ids = ids or _device_ids(gpus)
     log_dir = log_dir or worker_log_dir(url)
     procs = []
     threads = cpu_share(gpus // per)
@@ -162,10 +222,11 @@ def stage_processes(
         name = f"gpu{w * per}" if per == 1 else f"gpu{w * per}-{(w + 1) * per - 1}"
         procs.append(
             StageProcess(
-                [*stage_command(url, stage, round_idx), "--worker"],
+                [*stage_command(url, stage, round_idx, follow=follow), "--worker"],
                 {"CUDA_VISIBLE_DEVICES": ",".join(group), "LOCAL_RANK": "0", **threads},
                 f"{log_dir}/r{round_idx:04d}-{stage}-{name}.log",
                 name,
+                cpus,
             )
         )
     return procs
@@ -177,41 +238,81 @@ def cpu_share(processes: int) -> dict[str, str]:
     return {"GNDPO_THREADS": str(max(usable_cpus() // processes, 1))}
 
 
-def run_stage_processes(procs: list[StageProcess], stage: str, round_idx: int) -> None:
-    """Start every process of the plan, wait for all, and raise naming the first that failed (with its
-    log file). Processes still running when this one is interrupted are terminated."""
-    running = []
-    try:
-        for p in procs:
-            # A stage of this run: on a signal it stops quietly, and this process says how to resume.
-            env = {**os.environ, **p.env, STAGE_OF_RUN_ENV: "1"}
-            if p.log_path is None:
-                running.append((p, subprocess.Popen(p.argv, env=env, preexec_fn=die_with_parent)))
-                continue
-            Path(p.log_path).parent.mkdir(parents=True, exist_ok=True)
-            with open(p.log_path, "ab") as out:  # appended: a resumed stage keeps the earlier attempt's log
-                out.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(p.argv)} ({p.env})\n".encode())
-                out.flush()
-                running.append((p, subprocess.Popen(p.argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)))
-        codes = [(p, proc.wait()) for p, proc in running]
-    finally:
-        for _, proc in running:
+def _child_setup(cpus: tuple[int, ...]) -> None:
+    """In a stage process before exec: die with ``gndpo run``, and keep to its cores (if pinned)."""
+    die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+class StageGroup:
+    """The running processes of one stage of one round, started together (a ``preexec_fn`` makes each
+    die with this process and keep to its cores). :meth:`wait` blocks; :meth:`exited` polls."""
+
+    def __init__(self, procs: list[StageProcess], stage: str, round_idx: int, started_at: float | None = None, finishing: bool = False):
+        """``finishing``: the one process started after the stage's first ones exited without committing
+        it (``started_at``: when those started)."""
+        self.procs, self.stage, self.round, self.finishing = procs, stage, round_idx, finishing
+        self.started_at = time.time() if started_at is None else started_at
+        self.running: list[tuple[StageProcess, subprocess.Popen]] = []
+        try:
+            for p in procs:
+                # A stage of this run: on a signal it stops quietly, and this process says how to resume.
+                env = {**os.environ, **p.env, STAGE_OF_RUN_ENV: "1"}
+                setup = partial(_child_setup, p.cpus)
+                if p.log_path is None:
+                    self.running.append((p, subprocess.Popen(p.argv, env=env, preexec_fn=setup)))
+                    continue
+                Path(p.log_path).parent.mkdir(parents=True, exist_ok=True)
+                with open(p.log_path, "ab") as out:  # appended: a resumed stage keeps the earlier attempt's log
+                    out.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(p.argv)} ({p.env})\n".encode())
+                    out.flush()
+                    self.running.append((p, subprocess.Popen(p.argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=setup)))
+        except BaseException:
+            self.terminate()
+            raise
+
+    def exited(self) -> bool:
+        return all(proc.poll() is not None for _, proc in self.running)
+
+    def wait(self) -> None:
+        """Wait for every process; then :meth:`raise_if_failed`. Interrupted, the rest are terminated."""
+        try:
+            for _, proc in self.running:
+                proc.wait()
+        finally:
+            self.terminate()
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """A GndpoError naming the first process that failed (with its log file), once all exited."""
+        failed = [(p, proc.returncode) for p, proc in self.running if proc.returncode != 0]
+        if not failed:
+            return
+        p, code = failed[0]
+        if p.log_path is None:
+            raise GndpoError(f"{self.stage} of round {self.round} failed (exit code {code}); rerun to resume")
+        more = f" ({len(failed) - 1} more workers failed)" if len(failed) > 1 else ""
+        raise GndpoError(
+            f"{self.stage} of round {self.round} failed: worker {p.name} exited with code {code}{more}; "
+            f"log: {p.log_path}; rerun to resume"
+        )
+
+    def terminate(self) -> None:
+        """Stop the processes still running (SIGTERM, then SIGKILL after 30 s)."""
+        for _, proc in self.running:
             if proc.poll() is None:
                 proc.terminate()
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-    failed = [(p, code) for p, code in codes if code != 0]
-    if failed:
-        p, code = failed[0]
-        if p.log_path is None:
-            raise GndpoError(f"{stage} of round {round_idx} failed (exit code {code}); rerun to resume")
-        more = f" ({len(failed) - 1} more workers failed)" if len(failed) > 1 else ""
-        raise GndpoError(
-            f"{stage} of round {round_idx} failed: worker {p.name} exited with code {code}{more}; "
-            f"log: {p.log_path}; rerun to resume"
-        )
+
+
+def run_stage_processes(procs: list[StageProcess], stage: str, round_idx: int) -> None:
+    """Start every process of the plan, wait for all, and raise naming the first that failed (with its
+    log file). Processes still running when this one is interrupted are terminated."""
+    StageGroup(procs, stage, round_idx).wait()
 
 
 def keeps_models(cfg: Config, gpus: int) -> bool:
@@ -220,44 +321,23 @@ def keeps_models(cfg: Config, gpus: int) -> bool:
     return gpus <= 1 and cfg.train.num_processes <= 1 and cfg.engine.tensor_parallel_size == 1
 
 
-def run_rounds(url: str, rounds: int, gpus: int = 0, log=info, live=None) -> None:
-    """Run rounds 0..rounds-1, skipping committed stages; a failing stage stops the loop.
-
-    ``live``: kept engines and models (:class:`gndpo.stages.models.live.LiveModels`, made by the caller,
-    who decides with :func:`keeps_models`): every stage then runs in this process, each through the
-    work-unit executor exactly as a stage process would, on the same vLLM engine, teacher and DeepSpeed
-    engine. None: each stage runs as the processes :func:`stage_processes` plans for ``gpus`` GPUs."""
+def run_rounds(url: str, rounds: int, live, log=info) -> None:
+    """Run rounds 0..rounds-1 one stage at a time in this process, skipping committed stages; a failing
+    stage stops the loop. ``live``: kept engines and models (:class:`gndpo.stages.models.live.LiveModels`,
+    made by the caller, who decides with :func:`keeps_models`): every stage runs through the work-unit
+    executor exactly as a stage process would, on the same vLLM engine, teacher and DeepSpeed engine.
+    Stages in processes of their own, one after another or overlapped: :mod:`gndpo.apps.schedule`."""
     run = open_run(url)
-    in_process = live is not None
-    with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages", draw=in_process) as bar:
+    with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages") as bar:
         for r in range(rounds):
             for stage in STAGES:
                 if run.records(r, stage).manifest() is not None:
                     bar.advance(1)
                     continue
                 t0 = time.time()
-                if in_process:
-                    log(f"round {r}: {stage} ...")
-                    run_stage(url, stage, r, log=log, live=live)
-                else:
-                    run_stage_in_processes(url, run, stage, r, gpus, log)
+                log(f"round {r}: {stage} ...")
+                run_stage(url, stage, r, log=log, live=live)
                 if run.records(r, stage).manifest() is None:
                     raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
                 log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")
                 bar.advance(1)
-
-
-def run_stage_in_processes(url: str, run, stage: str, round_idx: int, gpus: int, log=info) -> None:
-    """Run one stage as the processes :func:`stage_processes` plans, and one more to finish if none of
-    them committed."""
-    per = run.cfg.engine.tensor_parallel_size if stage == "rollout" else 1
-    procs = stage_processes(url, stage, round_idx, gpus, run.cfg.train.num_processes, gpus_per_worker=per)
-    workers = [p for p in procs if p.log_path]
-    where = f" on {len(workers)} workers (logs: {Path(workers[0].log_path).parent}/)" if workers else ""
-    log(f"round {round_idx}: {stage}{where} ...")
-    run_stage_processes(procs, stage, round_idx)
-    if run.records(round_idx, stage).manifest() is None:
-        # Every worker exited and none committed the stage (one lost a race, or all found the
-        # last units leased): one more process takes over what is left and commits.
-        finish = StageProcess(stage_command(url, stage, round_idx), dict(workers[0].env) if workers else {}, None)
-        run_stage_processes([finish], stage, round_idx)

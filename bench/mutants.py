@@ -238,6 +238,21 @@ MUTATIONS = [
         "ranked[: data.heldout_max + 1]",
         ("tests/test_one_train_file.py",),
     ),
+    Mutation(
+        "stale-behaviour-is-current", "with run.max_staleness, score's student column (the behaviour log-probs train's ratio divides by) "
+        "from the round's newest policy instead of the one that sampled",
+        "stages/score.py",
+        "policy = self.run.policy_path(self.run.sampling_version(self.round))",
+        "policy = self.run.policy_path(self.round)",
+        ("tests/test_overlap.py",),
+    ),
+    Mutation(
+        "train-ratio-against-itself", "train's importance ratio taken against the current policy's own log-probs (always 1)",
+        "stages/train.py",
+        '        old = padded(micro, "old_logp", width, device)\n',
+        "        old = logp.detach()\n",
+        ("tests/test_overlap.py", "tests/test_methods.py"),
+    ),
 ]
 
 

@@ -19,6 +19,14 @@ def run(
         "GPU, each logging to RUN/logs/r<round>-<stage>-gpu<i>.log (a local cache folder for s3:// runs); train "
         "runs train.num_processes ranks (0 = one per GPU). 0: one process per stage, output to the terminal.",
     ),
+    learner_gpus: int = typer.Option(
+        0,
+        "--learner-gpus",
+        min=0,
+        help="Of the GPUs used, how many run score and train (the learner); rollout runs on the others, so "
+        "score streams behind rollout and, with run.max_staleness, rollout of the next round runs beside train. "
+        "0: every stage uses every GPU, one after another (see run.overlap).",
+    ),
     keep_alive: bool = typer.Option(
         True,
         "--keep-alive/--no-keep-alive",
@@ -32,5 +40,5 @@ def run(
 
     rounds = rounds_of(rounds, old_rounds)
     with stdout_kept_for_data():
-        run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive)
+        run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive, learner_gpus=learner_gpus)
     typer.echo(round_summary(open_run(run)))

@@ -20,9 +20,10 @@ def _stage_command(stage: str):
         round: int = typer.Option(..., "--round", "-r", help="Round index, from 0."),
         worker: bool = typer.Option(False, "--worker", help="Join other workers: exit when nothing is left to claim."),
         lease_ttl: float = typer.Option(120.0, "--lease-ttl", help="Seconds without a heartbeat after which others may take a unit."),
+        follow: bool = typer.Option(False, "--follow", help="score: start while rollout still runs, scoring each rollout unit once it commits."),
     ):
         with stdout_kept_for_data():
-            manifest = run_stage(run, stage, round, worker=worker, lease_ttl=lease_ttl)
+            manifest = run_stage(run, stage, round, worker=worker, lease_ttl=lease_ttl, follow=follow)
         if manifest is None:
             typer.echo(f"{stage} r{round}: no unit left to claim; other workers are finishing")
         else:

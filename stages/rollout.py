@@ -70,13 +70,16 @@ class RolloutJob:
     policy in vLLM (tool turns included), rewards them, and writes one rollout shard."""
 
     stage = "rollout"
-    reads = (Read("train", previous_round=True),)  # the policy round k-1 exported (round 0: the config's student)
+    # The train that exported the sampling policy: round k-1's, or k-1-s with run.max_staleness s
+    # (version 0, the config's student, has none).
+    reads = (Read("train", sampling_policy=True),)
 
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
         self.inputs = StageInputs(run, round_idx, self.reads)
         self.live = live or LiveModels()
         self.llm = self.tok = None
+        self.version = run.sampling_version(round_idx)  # the policy that samples: stored in every row
 
     def plan(self):
         """The round's prompts (``rollout.prompts_per_round`` of them, drawn by the rollout seed) in units
@@ -90,15 +93,15 @@ class RolloutJob:
         ]
         if rollout_cfg.eval_heldout and self.run.heldout_measure() != "none":
             units.append({"unit": EVAL_UNIT})
-        return units, {"policy_version": self.round, "prompts": len(ids), "n": rollout_cfg.n}
+        return units, {"policy_version": self.version, "prompts": len(ids), "n": rollout_cfg.n}
 
     def setup(self):
         """The round's policy on a vLLM engine (kept or fresh; a LoRA student's adapters on its base where
         vLLM serves them), its tokenizer, stops, tools and rewards."""
-        policy = self.run.policy_path(self.round)
+        policy = self.run.policy_path(self.version)
         self.tok = load_tokenizer(policy)
         self.images = RunImages(self.run.fs)
-        exported = self.run.policy_dir(self.round)
+        exported = self.run.policy_dir(self.version)
         lora_cfg = self.cfg.model.lora
         if served_as_adapters(lora_cfg, cuda_available()) and not self.run.images_per_prompt():  # a VLM's engine loads the merged weights
             self.llm = self.live.adapter_engine(policy, self.cfg.engine, self.cfg.rollout.seed, self.run.policy_path(0), lora_cfg.rank)
@@ -192,7 +195,7 @@ class RolloutJob:
         prefix_len = len(c.response_ids) - sum(c.loss_mask) if self.guide is not None else 0
         return RolloutRow(
             rollout_id=f"r{self.round:04d}-{pid}-{sample_idx:03d}", prompt_id=pid, sample_idx=sample_idx,
-            round=self.round, policy_version=self.round,
+            round=self.round, policy_version=self.version,
             prompt_token_ids=c.prompt_ids, response_token_ids=c.response_ids, loss_mask=c.loss_mask, teacher_prefix_len=prefix_len,
             # Tokens the student did not sample (a teacher prefix, tool turns) carry 0 here.
             sampler_logprobs=c.sampler_logprobs,
@@ -238,7 +241,8 @@ class RolloutJob:
         gen = [c.numbers for c in commits if c.unit != EVAL_UNIT]  # each sampling unit's own numbers
         responses = sum(c["responses"] for c in gen)
         metrics = {
-            "policy_version": self.round,
+            "policy_version": self.version,
+            "staleness": self.round - self.version,  # rounds the sampling policy is behind the round's
             "responses": responses,
             "tokens": sum(c["tokens"] for c in gen),
             "reward_mean": sum(c["reward_sum"] for c in gen) / max(responses, 1) if all("reward_sum" in c for c in gen) else None,

@@ -44,30 +44,43 @@ class ScoreJob:
     the student's recomputed log-probs where the method needs them) and writes one score shard."""
 
     stage = "score"
-    reads = (Read("rollout"),)
+    reads = (Read("rollout", per_unit=True),)  # unit u scores rollout's unit u, once that one is committed
 
-    def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
+    def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None, follow: bool = False):
+        """``follow``: stream behind a rollout still running, each unit starting once its rollout unit
+        commits; otherwise rollout must be committed first."""
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
-        self.inputs = StageInputs(run, round_idx, self.reads)
+        self.inputs = StageInputs(run, round_idx, self.reads, follow=follow)
         self.live = live or LiveModels()
         self.backend: TeacherBackend | None = None  # the teacher backend, once setup made it
 
     def plan(self):
-        """One unit per committed rollout shard (the evaluation unit's excepted), plus one for the held-out
-        responses rollout sampled for the label-free held-out measure (prompts without answers)."""
-        rollouts = self.inputs.manifest("rollout")
-        units = [{"unit": u.unit, "rollout_files": u.files} for u in rollouts.units if u.unit != EVAL_UNIT]
-        heldout = [f for f in rollouts.evaluation() if f.get("kind") == HELDOUT_ROLLOUTS]
-        if heldout:
-            units.append({"unit": EVAL_UNIT, "rollout_files": heldout})
+        """One unit per rollout unit of rollout's plan (the evaluation unit's excepted), plus the
+        evaluation unit where rollout samples held-out responses for the label-free held-out measure
+        (prompts without answers). Rollout's plan is enough: a unit's rollout files are read when it
+        runs, so the plan is the same whether rollout has committed or is still running."""
+        rollout_units = [u["unit"] for u in self.inputs.plan_units("rollout")]
+        units = [{"unit": u} for u in rollout_units if u != EVAL_UNIT]
+        if EVAL_UNIT in rollout_units and self.run.heldout_measure() == "label_free":
+            units.append({"unit": EVAL_UNIT})
         extras = sorted(score_needs(self.cfg.method))
         teacher = self.cfg.teachers or self.cfg.teacher
-        return units, {"rollout_manifest_finished_at": rollouts.finished_at, "teacher": teacher, "extras": extras}
+        return units, {"rollout_round": self.round, "teacher": teacher, "extras": extras}
+
+    def rollout_files(self, unit: str) -> list[dict]:
+        """The rollout files unit ``unit`` scores: its rollout unit's shard, or for the evaluation unit the
+        held-out responses (not the accuracy table)."""
+        files = self.inputs.unit_commit("rollout", unit).files
+        if unit == EVAL_UNIT:
+            return [f for f in files if f.get("kind") == HELDOUT_ROLLOUTS]
+        return files
 
     def setup(self):
         """The student module and the teacher backend that scores beside it."""
         set_cpu_threads()
-        policy = self.run.policy_path(self.round)
+        # The policy that sampled the round (older than the round's own with run.max_staleness): the
+        # student's column is the behaviour's log-probs, which train's importance ratio divides by.
+        policy = self.run.policy_path(self.run.sampling_version(self.round))
         # The teachers of this round: a self-teacher's weights may follow the student (live, ema).
         teachers = self.run.teacher_models(self.round)
         if not self.cfg.score.cross_tokenizer:
@@ -95,7 +108,10 @@ class ScoreJob:
         mode = self.cfg.score.student_logprobs
         if mode != "auto":
             return mode == "engine"
-        bits = self.inputs.manifest("rollout").metrics.get("engine_dtype_bits")
+        # The rollout units committed so far (at least the one this worker claimed): a stage streaming
+        # behind rollout decides before the rest exist; every worker of a node samples in one precision.
+        commits = self.inputs.committed_units("rollout")
+        bits = min((c.numbers["engine_dtype_bits"] for c in commits if "engine_dtype_bits" in c.numbers), default=None)
         return bits == 32 and not engine_logprob_blockers(self.cfg) and not self.cfg.logging.entropy_metrics
 
     @torch.no_grad()
@@ -103,8 +119,8 @@ class ScoreJob:
         """Every teacher's (and, where the method needs it, the student's) per-token values for the
         rollout shard's responses, refused if any is not finite, as one score shard."""
         if unit["unit"] == EVAL_UNIT:
-            return [], self.heldout_measure(unit["rollout_files"])
-        rows = UnitRows.read(self.run.fs, unit["rollout_files"])
+            return [], self.heldout_measure(self.rollout_files(EVAL_UNIT))
+        rows = UnitRows.read(self.run.fs, self.rollout_files(unit["unit"]))
         before = self.backend.counts()
         scored = self.teacher.score(rows, self.topk)
         refuse_non_finite(scored.per_token, rows, self.round)

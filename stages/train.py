@@ -353,7 +353,8 @@ class TrainJob:
     round for resume) and exports the next round's policy."""
 
     stage = "train"
-    reads = (Read("rollout"), Read("score"), Read("normalize"))
+    # The policy it updates (round k-1's train exported it), then the round's data and statistics.
+    reads = (Read("train", previous_round=True), Read("rollout"), Read("score"), Read("normalize"))
 
     def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None, dist: Dist | None = None):
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
@@ -553,6 +554,8 @@ class TrainJob:
         norms = np.array([s["grad_norm"] for s in steps])
         return {
             "policy_version": self.round + 1,
+            # Rounds between the policy that sampled the data (its rows' policy_version) and the one updated.
+            "staleness": self.round - self.run.sampling_version(self.round),
             "model_dir": c["model_dir"],
             **({"ema_dir": c["ema_dir"]} if c.get("ema_dir") else {}),
             "loss_mean": float(np.mean([s["loss"] for s in steps])),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gndpo.apps import rounds
+from gndpo.apps import rounds, schedule
 from gndpo.apps.rounds import StageProcess, run_stage_processes, stage_processes, worker_log_dir
 from gndpo.errors import GndpoError
 from gndpo.storage.records import STAGES
@@ -150,12 +150,26 @@ class FakeRun:
     def records(self, r, stage):
         return FakeRecords(self.folder / f"{r}-{stage}")
 
+    def sampling_version(self, r):
+        return r
+
+
+SEQUENTIAL = schedule.RoundOrder(False, 0, "one stage at a time")
+
+
+def run_processes(tmp_path, monkeypatch, command, gpus, log=lambda *_: None):
+    """The scheduler's sequential order over ``FakeRun`` with ``command`` standing in for each stage's."""
+    monkeypatch.setattr(schedule, "open_run", lambda url: FakeRun(tmp_path))
+    monkeypatch.setattr(rounds, "stage_command", command)
+    monkeypatch.setattr(schedule, "stage_command", command)
+    schedule.run_scheduled(str(tmp_path / "run"), 1, gpus, SEQUENTIAL, log=log)
+
 
 def fake_stage_command(folder: Path, commit_in_workers: bool):
     """Stand-in for `python -m gndpo.cli STAGE RUN --round R [--worker]`: records how it was started; a
     non-worker process commits, a worker commits only when ``commit_in_workers``."""
 
-    def command(url, stage, r, num_processes=1):
+    def command(url, stage, r, num_processes=1, follow=False):
         script = (
             "import os, sys; from pathlib import Path; f = Path(sys.argv[1]); worker = '--worker' in sys.argv; "
             "log = Path(sys.argv[2]); log.open('a').write(f\"{sys.argv[3]} {'worker' if worker else 'main'} "
@@ -169,10 +183,8 @@ def fake_stage_command(folder: Path, commit_in_workers: bool):
 
 @pytest.mark.parametrize("commit_in_workers", [True, False])
 def test_run_rounds_with_gpus_starts_workers_and_commits(tmp_path, monkeypatch, commit_in_workers):
-    monkeypatch.setattr(rounds, "open_run", lambda url: FakeRun(tmp_path))
-    monkeypatch.setattr(rounds, "stage_command", fake_stage_command(tmp_path, commit_in_workers))
     lines = []
-    rounds.run_rounds(str(tmp_path / "run"), 1, log=lines.append, gpus=2)
+    run_processes(tmp_path, monkeypatch, fake_stage_command(tmp_path, commit_in_workers), 2, log=lines.append)
     calls = sorted((tmp_path / "calls.txt").read_text().splitlines())
     expected = ["normalize main - 1", "rollout worker 0 1", "rollout worker 1 1", "score worker 0 1", "score worker 1 1", "train main - 2"]
     if not commit_in_workers:  # every worker exited without committing: one more process finishes the stage
@@ -190,6 +202,7 @@ def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rounds, "open_run", lambda url: FakeRun(tmp_path))
     monkeypatch.setattr(loop, "open_run", lambda url: FakeRun(tmp_path))
+    monkeypatch.setattr(loop, "run_scheduled", lambda *a, **k: pytest.fail("no process expected"))
     monkeypatch.setattr(loop, "visible_gpus", lambda: 0)
     seen = []
 
@@ -199,7 +212,6 @@ def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
         return {"rows": 1}
 
     monkeypatch.setattr(rounds, "run_stage", run_stage)
-    monkeypatch.setattr(rounds, "run_stage_processes", lambda *a: pytest.fail("no process expected"))
     loop.run_loop(str(tmp_path / "run"), 1, log=lambda *_: None)
     assert [stage for stage, _ in seen] == list(STAGES)
     assert len({id(live) for _, live in seen}) == 1 and seen[0][1].keep
@@ -212,9 +224,7 @@ def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
 
 
 def test_run_rounds_without_gpus_runs_today_s_processes(tmp_path, monkeypatch):
-    monkeypatch.setattr(rounds, "open_run", lambda url: FakeRun(tmp_path))
-    monkeypatch.setattr(rounds, "stage_command", fake_stage_command(tmp_path, False))
-    rounds.run_rounds(str(tmp_path / "run"), 1, log=lambda *_: None, gpus=0)
+    run_processes(tmp_path, monkeypatch, fake_stage_command(tmp_path, False), 0)
     calls = sorted((tmp_path / "calls.txt").read_text().splitlines())
     # train.num_processes 0 on CPU is one plain process (stage_command's default is 1 rank)
     assert calls == sorted(f"{s} main - 1" for s in STAGES)
@@ -222,14 +232,11 @@ def test_run_rounds_without_gpus_runs_today_s_processes(tmp_path, monkeypatch):
 
 
 def test_run_rounds_reports_the_failed_worker(tmp_path, monkeypatch):
-    monkeypatch.setattr(rounds, "open_run", lambda url: FakeRun(tmp_path))
-
-    def command(url, stage, r, num_processes=1):
+    def command(url, stage, r, num_processes=1, follow=False):
         return [PY, "-c", "import os, sys; sys.exit(5 if os.environ.get('CUDA_VISIBLE_DEVICES') == '1' else 0)"]
 
-    monkeypatch.setattr(rounds, "stage_command", command)
     with pytest.raises(GndpoError, match=r"rollout of round 0 failed: worker gpu1 exited with code 5; log: .*r0000-rollout-gpu1\.log"):
-        rounds.run_rounds(str(tmp_path / "run"), 1, log=lambda *_: None, gpus=2)
+        run_processes(tmp_path, monkeypatch, command, 2)
 
 
 def test_cli_run_passes_gpus_and_keep_alive_to_the_loop(monkeypatch):
@@ -245,4 +252,4 @@ def test_cli_run_passes_gpus_and_keep_alive_to_the_loop(monkeypatch):
     monkeypatch.setattr(run_command, "round_summary", lambda run: f"summary of {run}")
     assert CliRunner().invoke(app, ["run", "R", "--rounds", "2", "--gpus", "2", "--no-keep-alive"]).exit_code == 0
     assert CliRunner().invoke(app, ["run", "R"]).exit_code == 0
-    assert calls == [("R", 2, {"gpus": 2, "keep_alive": False}), ("R", 3, {"gpus": None, "keep_alive": True})]
+    assert calls == [("R", 2, {"gpus": 2, "keep_alive": False, "learner_gpus": 0}), ("R", 3, {"gpus": None, "keep_alive": True, "learner_gpus": 0})]

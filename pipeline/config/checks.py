@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.methods import score_needs
+from gndpo.pipeline.methods import policy_settings, score_needs
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL, TOPK
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 
@@ -161,3 +161,24 @@ def check_self_distillation(cfg: Config) -> None:
         raise GndpoError(f"config key teacher_context.messages: {{{bad[0]}}} is not a column name (write {{{{ and }}}} for literal braces)")
     if cfg.teacher_context.other_problem and not cfg.teacher_context.messages:
         raise GndpoError("teacher_context.other_problem needs teacher_context.messages (the context to take from another prompt)")
+
+
+# The policy losses whose ratio exp(logp - old_logp) weighs each sampled token by how much likelier the
+# trained policy makes it than the policy that sampled it (old_logp: the behaviour's, stored per row).
+CORRECTED_LOSSES = ("gspo", "ppo", "is")
+
+
+def check_staleness(cfg: Config) -> None:
+    """A GndpoError (one line) when ``run.max_staleness`` > 0 meets a method that trains as if the policy
+    that sampled were the one trained: no importance ratio against the behaviour's log-probs (reinforce's
+    -A log pi, or no policy-gradient term: the divergence methods' per-state loss is taken over the
+    states a stale policy visited, with nothing to reweigh them)."""
+    if not cfg.run.max_staleness:
+        return
+    loss, _ = policy_settings(cfg.method)
+    if loss not in CORRECTED_LOSSES:
+        what = "no policy-gradient term" if loss == "none" else f"policy loss {loss}"
+        raise GndpoError(
+            f"run.max_staleness {cfg.run.max_staleness} trains on samples of an older policy, and method {cfg.method.name} has {what}, "
+            f"with no importance ratio against the sampling policy: set method.policy_loss to one of {', '.join(CORRECTED_LOSSES)}, "
+            "or run.max_staleness 0")

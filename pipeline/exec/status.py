@@ -1,7 +1,9 @@
 """What `gndpo status` shows: per round and stage, its state (committed, running, stopped), units planned /
 claimed / done / stale, the rows and tokens of its data (the held-out evaluation apart, as rollout's
 accuracy or, for prompts without answers, score's label-free reverse-KL estimate), wall time and
-throughput, read from plans, claims, commit records and manifests; and with ``--phases``, where each stage's time went (:func:`phase_rows`)."""
+throughput, read from plans, claims, commit records and manifests; which stages ran beside which (their
+spans from first claim to last commit overlapped: score streamed behind rollout, rollout ahead of train)
+and the staleness of the policy that sampled; and with ``--phases``, where each stage's time went (:func:`phase_rows`)."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ def stage_state(committed: bool, leases: list[str | None]) -> str:
 
 def stage_rows(run) -> list[dict]:
     """`gndpo status`'s table: per round and stage, units planned / claimed / stale / done, rows,
-    tokens and time."""
-    rows, now = [], time.time()
+    tokens, time, the stages it ran beside and the sampling policy's staleness."""
+    rows, spans, now = [], {}, time.time()
     for r in range(committed_rounds(run) + 1):
         for stage in STAGES:
             rec = run.records(r, stage)
@@ -38,6 +40,7 @@ def stage_rows(run) -> list[dict]:
             evals = [c.numbers["eval"] for c in commits if "eval" in c.numbers]
             tokens = sum(c.numbers.get("tokens", 0) for c in work)
             seconds = wall_seconds(rec, units, commits, finished=len(commits) == len(units), now=now)
+            spans[(r, stage)] = stage_span(rec, units, commits, finished=len(commits) == len(units), now=now)
             rows.append(
                 {
                     "round": r,
@@ -55,9 +58,30 @@ def stage_rows(run) -> list[dict]:
                     # reverse-KL estimate of the round's policy on held-out prompts.
                     "heldout": evals[0].get("accuracy") if evals else None,
                     "heldout_kl": evals[0].get("reverse_kl") if evals else None,
+                    # Rounds the sampling policy is behind: rollout's plan names the policy version it samples with.
+                    "staleness": r - plan["inputs"]["policy_version"] if stage == "rollout" and "policy_version" in plan["inputs"] else None,
                 }
             )
+    for row in rows:
+        row["beside"] = ", ".join(f"r{r} {stage}" for r, stage in overlapping(spans, (row["round"], row["stage"]))) or None
     return rows
+
+
+def stage_span(rec, units: list[str], commits: list[Commit], finished: bool, now: float) -> tuple[float, float] | None:
+    """(start, end) of a stage: its first claim, and its last commit (now while units remain); None before
+    anyone claimed a unit."""
+    claimed = [float(rec.read_claim(u, a)["claimed_at"]) for u in units for a in rec.attempts(u)[:1]]
+    if not claimed:
+        return None
+    return min(claimed), max(c.committed_at for c in commits) if finished and commits else now
+
+
+def overlapping(spans: dict[tuple[int, str], tuple[float, float] | None], key: tuple[int, str]) -> list[tuple[int, str]]:
+    """The stages whose span overlaps ``key``'s (the stages it ran beside), in round and stage order."""
+    mine = spans.get(key)
+    if mine is None:
+        return []
+    return [other for other, span in spans.items() if other != key and span is not None and span[0] < mine[1] and mine[0] < span[1]]
 
 
 def worker_lines(run) -> list[str]:
@@ -108,8 +132,5 @@ def wall_seconds(rec, units: list[str], commits: list[Commit], finished: bool, n
     """Wall time of a stage: from the first claim of any of its units (engine start-up and set-up
     included, which happen under the lease) to its last commit, or to now while units remain (a stage a
     fork inherited shows its parent's); None before anyone claims a unit."""
-    claimed = [float(rec.read_claim(u, a)["claimed_at"]) for u in units for a in rec.attempts(u)[:1]]
-    if not claimed:
-        return None
-    end = max(c.committed_at for c in commits) if finished and commits else now
-    return max(end - min(claimed), 0.0)
+    span = stage_span(rec, units, commits, finished, now)
+    return None if span is None else max(span[1] - span[0], 0.0)

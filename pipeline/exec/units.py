@@ -196,13 +196,18 @@ class Worker:
             return manifest
         plan = self.ensure_plan()
         units = {u["unit"]: u for u in plan["units"]}
+        # A unit is claimed only once what it reads is committed: at once, but for a stage that streams
+        # behind another (:mod:`gndpo.pipeline.exec.inputs`, per-unit reads), whose input units commit
+        # while it runs. A job that declares no inputs reads nothing.
+        inputs = getattr(self.job, "inputs", None)
+        ready = inputs.unit_ready if inputs is not None else (lambda _unit: True)
         done = self.records.done_units() & units.keys()
         pending = {u: None for u in units if u not in done}  # in plan order; a dict: O(1) removal
         listed_at = time.monotonic()
         with progress.task(f"{self.records.stage} r{self.records.round}", total=len(units), unit="units") as bar:
             bar.advance(len(done))
             while pending:
-                claimed = next(((u, a) for u in pending if (a := self.try_claim(u)) is not None), None)
+                claimed = next(((u, a) for u in pending if ready(u) and (a := self.try_claim(u)) is not None), None)
                 if claimed is not None:
                     summary = self.compute(units[claimed[0]], claimed[1])
                     if summary is not None or self.records.done(claimed[0]) is not None:  # not an abandoned lease
@@ -219,8 +224,8 @@ class Worker:
                     done |= others
                     bar.advance(len(others))
                     listed_at = time.monotonic()
-                if claimed is None and pending:  # what is left is held by live leases of other workers
-                    if not wait_for_others:
+                if claimed is None and pending:  # what is left is held by other workers, or not yet readable
+                    if not wait_for_others and all(ready(u) for u in pending):
                         return None
                     time.sleep(self.poll)
         return self.finish(plan)

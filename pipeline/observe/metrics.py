@@ -43,7 +43,9 @@ METRICS: tuple[Metric, ...] = (
            "optimizer state).", "the phases the stage went through"),
     Metric("every", "phase_<phase>_bytes", "Bytes of data files the stage wrote to the run folder in the phase.", "as the seconds"),
     # rollout
-    Metric("rollout", "policy_version", "The policy that sampled: k is the student after k trained rounds (the round's index)."),
+    Metric("rollout", "policy_version", "The policy that sampled: k is the student after k trained rounds (the round's index, "
+           "or max(round - run.max_staleness, 0))."),
+    Metric("rollout", "staleness", "Rounds the sampling policy is behind the round (0 on-policy; run.max_staleness once the run is that far)."),
     Metric("rollout", "responses", "Responses sampled for training (held-out ones are not counted)."),
     Metric("rollout", "tokens", "Response tokens sampled for training (tool turns and teacher prefixes included)."),
     Metric("rollout", "reward_mean", "Mean of the run's reward over the training responses; null where the prompts have no answers."),
@@ -122,6 +124,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("normalize", "reward_logsumexp", "logsumexp of r_i / method.reward_beta over the responses.", "method.reward_beta > 0"),
     # train
     Metric("train", "policy_version", "The policy the update produced: round + 1."),
+    Metric("train", "staleness", "Rounds between the policy that sampled the round's rows and the policy this update started from."),
     Metric("train", "model_dir", "Run-relative folder of the exported student (Hugging Face format)."),
     Metric("train", "ema_dir", "Run-relative folder of the exported EMA teacher.", "teacher: self with self_teacher.weights ema"),
     Metric("train", "loss_mean", "Mean loss over the optimizer steps."),

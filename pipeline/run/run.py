@@ -94,6 +94,11 @@ class Run:
         require_exported(records)
         return records.run.local_dir(self.policy_dir(round_idx), model_cache_dir())
 
+    def sampling_version(self, round_idx: int) -> int:
+        """The policy version that samples round ``round_idx``: the student after max(round -
+        run.max_staleness, 0) trained rounds (the round's own index at staleness 0)."""
+        return max(round_idx - self.cfg.run.max_staleness, 0)
+
     def lora_base(self) -> str | None:
         """With model.lora, the initial student the rounds' adapters apply to; else None."""
         return self.policy_path(0) if self.cfg.model.lora.enabled else None
@@ -107,17 +112,19 @@ class Run:
     def teacher_models(self, round_idx: int) -> dict[str, str]:
         """{name recorded per score row: local model folder} of the teachers that score ``round_idx``:
         the config's, or with ``teacher: self`` the student's weights ``self_teacher.weights`` names
-        (frozen: the initial student; live: the round's policy; ema: the average train exported with
-        the previous round's model, the initial student in round 0)."""
+        (frozen: the initial student; live: the policy that sampled the round; ema: the average train
+        exported with that policy, the initial student at version 0)."""
         if self.cfg.teacher != SELF_TEACHER:
             return {name: self.teacher_folder(value) for name, value in self.cfg.teacher_models().items()}
         weights = self.cfg.self_teacher.weights
-        if weights == "frozen" or round_idx == 0:
+        # The sampling policy, not the newest: a stale round's score may run before the newer one exists.
+        version = self.sampling_version(round_idx)
+        if weights == "frozen" or version == 0:
             path = self.policy_path(0)
         elif weights == "live":
-            path = self.policy_path(round_idx)
+            path = self.policy_path(version)
         else:
-            records = self.records(round_idx - 1, "train")
+            records = self.records(version - 1, "train")
             require_exported(records)
             path = records.run.local_dir(records.require_manifest().metrics["ema_dir"], model_cache_dir())
         return {f"self/{weights}": path}

@@ -486,6 +486,21 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class RoundsConfig:
+    """How rounds follow each other (docs/concepts/rounds.md). ``overlap`` decides only when stages run,
+    never what they compute, so it is not part of the fingerprint; ``max_staleness`` is."""
+
+    # Rollout of round k samples with policy max(k - max_staleness, 0): 0 = on-policy (the default); 1 =
+    # round k+1 rolls out with policy k while round k scores, normalizes and trains. Always exactly that
+    # lag, never "whatever is newest", so the rows do not depend on timing and a rerun reproduces them.
+    max_staleness: NonNegativeInt = 0
+    # auto: stages overlap where they have devices of their own (`gndpo run --learner-gpus`, or a served
+    # teacher whose student column is the engine's), else one after another; on: every overlap the
+    # settings allow, whatever the devices; off: one stage at a time.
+    overlap: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclass(frozen=True)
 class Config:
     """A run's whole experiment: models, data, reward, method and each stage's settings. Frozen once
     read and checked (:func:`gndpo.pipeline.config.load.load_config`); its :meth:`fingerprint` is the
@@ -505,6 +520,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run: RoundsConfig = field(default_factory=RoundsConfig)
     # Folders user plugins (rewards, tools named module:function) import from; `gndpo init` records the
     # config file's folder and the current folder, as absolute paths, unless the config names its own.
     plugin_dirs: list[str] = field(default_factory=list)
@@ -519,7 +535,10 @@ class Config:
         return dict(self.teachers) if self.teachers else {self.teacher: self.teacher}
 
     def fingerprint(self) -> str:
-        """The run's identity: every setting that changes what is computed (``logging`` and where plugins
-        are found are left out)."""
-        settings = {k: v for k, v in self.to_dict().items() if k not in ("logging", "plugin_dirs")}
+        """The run's identity: every setting that changes what is computed (``logging``, where plugins
+        are found and ``run.overlap`` are left out; ``run`` only where its staleness is not 0, so runs
+        made before the section existed keep their identity)."""
+        settings = {k: v for k, v in self.to_dict().items() if k not in ("logging", "plugin_dirs", "run")}
+        if self.run.max_staleness:
+            settings["run"] = {"max_staleness": self.run.max_staleness}
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]

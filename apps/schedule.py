@@ -1,0 +1,154 @@
+"""When `gndpo run` starts each stage of each round, with every stage in processes of its own.
+
+Three orders, all keeping every stage a resumable job whose rows do not depend on when it ran:
+
+* **sequential**: rollout, score, normalize, train, one at a time;
+* **score streamed behind rollout**: score's processes start with rollout's (``--follow``) and score
+  each rollout unit once it commits; normalize still waits for every score unit;
+* **rollout ahead of train** (``run.max_staleness`` s >= 1): rollout of round k starts once train of
+  round k-1-s has committed, so it runs beside round k-1's score, normalize and train, sampling with
+  policy k-s (:meth:`gndpo.pipeline.run.run.Run.sampling_version`), the same policy whatever the order.
+
+:func:`choose_order` picks the order from the settings and the devices, and says why;
+:func:`run_scheduled` starts each stage as soon as what it reads is committed (:func:`may_start`) and
+its previous round has committed, at most one round of a stage at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gndpo.apps.rounds import DeviceSets, StageGroup, StageProcess, stage_command, stage_cpus, stage_processes, worker_log
+from gndpo.errors import GndpoError
+from gndpo.pipeline.observe import progress
+from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.run.run import Run, open_run
+from gndpo.pipeline.settings.schema import Config
+from gndpo.storage.records import STAGES
+
+POLL_S = 0.5  # seconds between looks at the running stages and the committed manifests
+
+
+@dataclass(frozen=True)
+class RoundOrder:
+    """How `gndpo run` overlaps the stages: whether score streams behind rollout, and how many rounds
+    rollout may run ahead of train (0, or ``run.max_staleness``); with the reason it was chosen."""
+
+    stream_score: bool
+    rollout_ahead: int
+    reason: str
+
+    @property
+    def sequential(self) -> bool:
+        return not self.stream_score and self.rollout_ahead == 0
+
+    def line(self) -> str:
+        """The one line init and `gndpo run` print: the order and why."""
+        if self.sequential:
+            return f"rounds run one stage at a time: {self.reason}"
+        parts = ["score streams behind rollout"] if self.stream_score else []
+        if self.rollout_ahead:
+            parts.append(f"rollout runs up to {self.rollout_ahead} round{'s' if self.rollout_ahead > 1 else ''} ahead of train")
+        return f"rounds overlap ({', '.join(parts)}): {self.reason}"
+
+
+def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0) -> RoundOrder:
+    """The order for ``cfg`` on ``gpus`` GPUs (``learner_gpus`` of them for score and train).
+
+    ``run.overlap`` off: sequential; on: score streams and rollout runs ``run.max_staleness`` rounds
+    ahead, whatever the devices. auto: overlap only what has devices of its own, since stages sharing one
+    device only compete for it: everything with a learner split of the GPUs; score alone where the
+    teacher is served and the student's column is the engine's (score then computes nothing locally);
+    else sequential."""
+    staleness, overlap = cfg.run.max_staleness, cfg.run.overlap
+    if overlap == "off":
+        return RoundOrder(False, 0, "run.overlap off")
+    if overlap == "on":
+        return RoundOrder(True, staleness, "run.overlap on")
+    if learner_gpus:
+        split = f"rollout on {gpus - learner_gpus} GPUs, score and train on {learner_gpus} (--learner-gpus)"
+        return RoundOrder(True, staleness, split)
+    if cfg.score.backend == "server" and cfg.score.student_logprobs == "engine":
+        why = "the teacher is served and the student's log-probs are the engine's, so score needs no device of its own"
+        ahead = " (rollout waits for train: they share this machine's device; --learner-gpus K splits a GPU node)" if staleness else ""
+        return RoundOrder(True, 0, why + ahead)
+    device = f"{gpus} GPUs" if gpus > 1 else "one GPU" if gpus == 1 else "the CPU"
+    return RoundOrder(False, 0, f"every stage uses {device}, so overlapping would only compete for it "
+                                "(run.overlap on, or gndpo run --learner-gpus K on a GPU node, to overlap)")
+
+
+def may_start(run: Run, order: RoundOrder, round_idx: int, stage: str, started: set[tuple[int, str]]) -> bool:
+    """Whether ``stage`` of ``round_idx`` may start now: its previous round has committed, and so has what
+    it reads (score: rollout has started, where it streams; rollout: train of round k-1-ahead)."""
+
+    def committed(r: int, s: str) -> bool:
+        return r < 0 or run.records(r, s).manifest() is not None
+
+    if not committed(round_idx - 1, stage):
+        return False
+    if stage == "rollout":
+        # The sampling policy's train (k-1-s) and, unless rollout may run ahead, round k-1's train too.
+        return committed(max(round_idx - 1 - order.rollout_ahead, run.sampling_version(round_idx) - 1), "train")
+    if stage == "score":
+        return (round_idx, "rollout") in started if order.stream_score else committed(round_idx, "rollout")
+    if stage == "normalize":
+        return committed(round_idx, "score")
+    return committed(round_idx, "normalize") and committed(round_idx - 1, "train")
+
+
+def stage_group(url: str, run: Run, stage: str, round_idx: int, gpus: int, devices: DeviceSets, order: RoundOrder, log=info) -> StageGroup:
+    """Start the processes of ``stage`` of ``round_idx`` on its device set, pinned to its cores."""
+    per = run.cfg.engine.tensor_parallel_size if stage == "rollout" else 1
+    follow = stage == "score" and order.stream_score
+    procs = stage_processes(url, stage, round_idx, gpus, run.cfg.train.num_processes, gpus_per_worker=per,
+                            devices=devices.of_stage(stage) if devices.split else None, follow=follow,
+                            cpus=stage_cpus().get(stage, ()))
+    workers = [p for p in procs if p.log_path]
+    where = f" on {len(workers)} workers (logs: {Path(workers[0].log_path).parent}/)" if workers else ""
+    log(f"round {round_idx}: {stage}{where}{' (streaming behind rollout)' if follow else ''} ...")
+    return StageGroup(procs, stage, round_idx)
+
+
+def finishing_group(url: str, group: StageGroup) -> StageGroup:
+    """One more process for a stage whose processes all exited and none committed it (one lost a race,
+    or all found the last units leased): it takes over what is left and commits."""
+    first = group.procs[0]
+    finish = StageProcess(stage_command(url, group.stage, group.round), dict(first.env) if first.log_path else {}, None, cpus=first.cpus)
+    return StageGroup([finish], group.stage, group.round, started_at=group.started_at, finishing=True)
+
+
+def run_scheduled(url: str, rounds: int, gpus: int, order: RoundOrder, learner_gpus: int = 0, log=info) -> None:
+    """Run rounds 0..rounds-1 in ``order``, each stage as the processes :func:`stage_processes` plans,
+    skipping committed stages; the first stage that fails stops every other and the loop."""
+    run = open_run(url)
+    devices = DeviceSets.of(gpus, learner_gpus)
+    todo = [(r, stage) for r in range(rounds) for stage in STAGES if run.records(r, stage).manifest() is None]
+    started: set[tuple[int, str]] = set()
+    running: dict[str, StageGroup] = {}  # stage -> the round of it that runs now
+    with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages", draw=False) as bar:
+        bar.advance(rounds * len(STAGES) - len(todo))
+        try:
+            while todo or running:
+                for r, stage in list(todo):
+                    if stage not in running and may_start(run, order, r, stage, started):
+                        running[stage] = stage_group(url, run, stage, r, gpus, devices, order, log)
+                        started.add((r, stage))
+                        todo.remove((r, stage))
+                for stage, group in list(running.items()):
+                    if not group.exited():
+                        continue
+                    group.raise_if_failed()
+                    if run.records(group.round, stage).manifest() is not None:
+                        log(f"round {group.round}: {stage} committed in {time.time() - group.started_at:.1f}s")
+                        bar.advance(1)
+                        del running[stage]
+                    elif not group.finishing:
+                        running[stage] = finishing_group(url, group)
+                    else:
+                        raise GndpoError(f"{stage} of round {group.round} finished without committing its manifest; rerun to resume")
+                time.sleep(POLL_S)
+        finally:
+            for group in running.values():
+                group.terminate()

@@ -1,0 +1,253 @@
+"""Overlapped rounds: score streams behind rollout, and with run.max_staleness 1 rollout of round k+1
+runs beside round k's train, sampling with policy k. Two runs of the same staleness-1 config share the
+module: one sequential in one process on kept engines (the reference), one overlapped in stage
+processes, SIGKILLed with two rounds in flight and rerun. Their rows and weights must be the same bits;
+the overlapped run's commit times must show score committing while rollout still computes; and train's
+importance ratio must divide by the sampling policy's log-probs, recomputed here with transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from gndpo.apps.rounds import DeviceSets, stage_cpus, stage_processes
+from gndpo.apps.schedule import RoundOrder, choose_order, may_start
+from gndpo.errors import GndpoError
+from gndpo.pipeline.config.load import config_from_dict
+from gndpo.pipeline.exec.status import stage_rows
+from gndpo.pipeline.run.run import open_run
+from gndpo.storage.records import EVAL_UNIT, STAGES
+
+from .conftest import assert_one_line_error, gndpo, invoke, invoke_ok, model_logprobs, tiny_config_dict, write_config
+
+ROUNDS = 2
+
+
+def stale_config(assets: Path, overlap: str, **sections) -> dict:
+    # Four rollout units, so score has units to stream behind; one optimizer step, so the step's ratio
+    # is the whole round's; the student's column recomputed, so it is the sampling policy's forward.
+    return tiny_config_dict(
+        assets, rollout={"prompts_per_unit": 4}, train={"optimizer_steps": 1}, score={"student_logprobs": "recompute"},
+        method={"policy_loss": "ppo"}, run={"max_staleness": 1, "overlap": overlap}, **sections,
+    )
+
+
+def created(folder: Path, cfg: dict) -> Path:
+    folder.mkdir(parents=True)
+    run = folder / "run"
+    invoke_ok("init", run, "--config", write_config(folder, cfg))
+    return run
+
+
+def stage_in_flight(run: Path, round_idx: int, stage: str) -> bool:
+    """Claimed by a worker, not committed: the stage runs now."""
+    prefix = run / f"rounds/r{round_idx:04d}/{stage}"
+    return (prefix / "claims").exists() and any((prefix / "claims").iterdir()) and not (prefix / "manifest.json").exists()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_assets) -> dict:
+    """{"sequential": run, "overlapped": run, "killed_in_flight": the stages running when it was killed}."""
+    folder = tmp_path_factory.mktemp("overlap")
+    sequential = created(folder / "sequential", stale_config(tiny_assets, "off"))
+    gndpo("run", sequential, "--rounds", ROUNDS)
+    overlapped = created(folder / "overlapped", stale_config(tiny_assets, "on"))
+    # Each rollout unit lingers 1.5 s after sampling, so score (started with rollout, streaming behind it)
+    # has rollout units to wait for, and round 1's rollout (started once round 0's commits) runs long
+    # enough to be caught beside round 0's train.
+    env = {**os.environ, "GNDPO_DELAY_AT": "rollout.generate", "GNDPO_DELAY_S": "1.5"}
+    with open(folder / "killed.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gndpo.cli", "run", str(overlapped), "--rounds", str(ROUNDS)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        in_flight = []
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline:
+            in_flight = [(r, s) for r in range(ROUNDS) for s in STAGES if stage_in_flight(overlapped, r, s)]
+            if {r for r, _ in in_flight} == {0, 1}:
+                break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)  # the loop and every stage process it started
+        proc.wait()
+    gndpo("run", overlapped, "--rounds", ROUNDS)
+    return {"sequential": sequential, "overlapped": overlapped, "killed_in_flight": in_flight}
+
+
+def shards(run: Path, round_idx: int, stage: str) -> dict[str, list]:
+    """{unit: its committed tables} of a stage, read with pyarrow."""
+    manifest = open_run(str(run)).records(round_idx, stage).require_manifest()
+    return {u.unit: [pq.read_table(run / f["path"]) for f in u.files if f["path"].endswith(".parquet")] for u in manifest.units}
+
+
+def commit_times(run: Path, round_idx: int, stage: str) -> dict[str, float]:
+    manifest = open_run(str(run)).records(round_idx, stage).require_manifest()
+    return {u.unit: u.committed_at for u in manifest.units if u.unit != EVAL_UNIT}
+
+
+def test_killed_with_two_rounds_in_flight_the_rerun_has_the_unkilled_rows_and_weights(runs):
+    in_flight = runs["killed_in_flight"]
+    assert {r for r, _ in in_flight} == {0, 1}, f"the kill did not catch two rounds in flight: {in_flight}"
+    assert (1, "rollout") in in_flight
+    for r in range(ROUNDS):
+        for stage in ("rollout", "score", "normalize"):
+            got, want = shards(runs["overlapped"], r, stage), shards(runs["sequential"], r, stage)
+            assert got.keys() == want.keys(), (r, stage)
+            for unit in want:
+                assert all(a.equals(b) for a, b in zip(got[unit], want[unit], strict=True)), (r, stage, unit)
+    for r in range(ROUNDS):  # the exported weights, byte for byte
+        exports = [open_run(str(runs[k])).policy_path(r + 1) for k in ("overlapped", "sequential")]
+        digests = [{p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(e).glob("*.safetensors")} for e in exports]
+        assert digests[0] and digests[0] == digests[1], r
+
+
+def test_score_commits_units_while_rollout_still_computes(runs):
+    # Round 0 ran with its rollout units slowed (round 1's, rerun after the kill, sampled at full speed).
+    rollout, score = commit_times(runs["overlapped"], 0, "rollout"), commit_times(runs["overlapped"], 0, "score")
+    assert min(score.values()) < max(rollout.values()), (rollout, score)
+    # One stage at a time: each score unit after rollout's last.
+    rollout, score = commit_times(runs["sequential"], 0, "rollout"), commit_times(runs["sequential"], 0, "score")
+    assert min(score.values()) > max(rollout.values())
+
+
+def test_round_1_samples_with_policy_0_and_says_so(runs):
+    run = open_run(str(runs["overlapped"]))
+    (rollout,) = shards(runs["overlapped"], 1, "rollout")["u00000"]
+    assert set(rollout.column("policy_version").to_pylist()) == {0}
+    assert run.records(1, "rollout").require_manifest().metrics["staleness"] == 1
+    assert run.records(1, "train").require_manifest().metrics["staleness"] == 1
+    assert run.records(0, "train").require_manifest().metrics["staleness"] == 0
+    rows = {(row["round"], row["stage"]): row for row in stage_rows(run)}
+    assert rows[(1, "rollout")]["staleness"] == 1 and rows[(0, "rollout")]["staleness"] == 0
+    assert "r0 train" in (rows[(1, "rollout")]["beside"] or "")
+    assert "r0 rollout" in (rows[(0, "score")]["beside"] or "")
+    sequential = {(row["round"], row["stage"]): row for row in stage_rows(open_run(str(runs["sequential"])))}
+    assert all(row["beside"] is None for row in sequential.values())
+    status = invoke_ok("status", str(runs["overlapped"])).output
+    assert "beside" in status and "staleness" in status
+
+
+def test_train_ratio_divides_by_the_sampling_policy_log_probs(runs):
+    """Round 1's rows were sampled by policy 0 and train starts from policy 1, so the first step's mean
+    ratio is mean exp(lp_1 - lp_0) over the loss tokens, recomputed here, not 1 (what a train would show
+    that took the current policy's log-probs for the behaviour's)."""
+    run = open_run(str(runs["overlapped"]))
+    models = [AutoModelForCausalLM.from_pretrained(run.policy_path(v), dtype=torch.float32).eval() for v in (0, 1)]
+    ratios, student = [], []
+    for unit, (rollout,) in shards(runs["overlapped"], 1, "rollout").items():
+        if unit == EVAL_UNIT:  # the held-out accuracy's greedy table
+            continue
+        for row in rollout.to_pylist():
+            lp0, lp1 = (np.array(model_logprobs(m, row["prompt_token_ids"], row["response_token_ids"])) for m in models)
+            mask = np.array(row["loss_mask"], dtype=bool)
+            ratios += list(np.exp(lp1 - lp0)[mask])
+            student.append((row["rollout_id"], lp0))
+    steps = run.records(1, "train").done("update").numbers["steps"]
+    expected = float(np.mean(ratios))
+    assert abs(expected - 1) > 1e-3  # training moved the policy: a ratio of 1 would be wrong
+    assert steps[0]["ratio_mean"] == pytest.approx(expected, rel=1e-4)
+    # The student column score stored is the sampling policy's forward.
+    scores = {r["rollout_id"]: r["student_logprobs"] for (t,) in shards(runs["overlapped"], 1, "score").values() for r in t.to_pylist()}
+    for rid, lp0 in student:
+        assert np.allclose(scores[rid], lp0, atol=1e-4), rid
+
+
+# -- choosing the order, without running ------------------------------------------------------------------
+
+
+def order_of(tiny_assets, gpus=0, learner_gpus=0, **sections) -> RoundOrder:
+    return choose_order(config_from_dict(tiny_config_dict(tiny_assets, **sections)), gpus, learner_gpus)
+
+
+def test_auto_overlaps_only_stages_with_devices_of_their_own(tiny_assets):
+    cpu = order_of(tiny_assets)
+    assert cpu.sequential and "the CPU" in cpu.line() and "run.overlap on" in cpu.line()
+    assert order_of(tiny_assets, gpus=1).sequential
+    served = order_of(tiny_assets, score={"backend": "server", "student_logprobs": "engine", "servers": ["http://127.0.0.1:1"]}, run={"max_staleness": 1})
+    assert served.stream_score and served.rollout_ahead == 0 and "served" in served.line()
+    assert order_of(tiny_assets, score={"backend": "server", "servers": ["http://127.0.0.1:1"]}).sequential  # score still runs the student's forward here
+    split = order_of(tiny_assets, gpus=8, learner_gpus=2, run={"max_staleness": 1})
+    assert split.stream_score and split.rollout_ahead == 1 and "--learner-gpus" in split.line()
+    forced = order_of(tiny_assets, run={"max_staleness": 1, "overlap": "on"})
+    assert forced.stream_score and forced.rollout_ahead == 1
+    assert order_of(tiny_assets, gpus=8, learner_gpus=2, run={"overlap": "off"}).sequential
+
+
+def test_learner_gpus_split_the_node(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    devices = DeviceSets.of(8, 2)
+    assert devices.rollout == [str(i) for i in range(6)] and devices.learner == ["6", "7"]
+    url = str(tmp_path / "run")
+    rollout = stage_processes(url, "rollout", 0, 8, devices=devices.rollout)
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in rollout] == [str(i) for i in range(6)]
+    score = stage_processes(url, "score", 0, 8, devices=devices.learner, follow=True)
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in score] == ["6", "7"] and all("--follow" in p.argv for p in score)
+    (train,) = stage_processes(url, "train", 0, 8, devices=devices.learner)
+    assert train.env["CUDA_VISIBLE_DEVICES"] == "6,7" and "--nproc_per_node=2" in train.argv
+    for bad, fragment in (((8, 8), "leaves rollout no GPU"), ((4, -1), "must be >= 0")):
+        with pytest.raises(GndpoError, match=fragment):
+            DeviceSets.of(*bad)
+
+
+def test_stage_cpus_pin_each_stage(monkeypatch):
+    monkeypatch.setenv("GNDPO_STAGE_CPUS", "rollout=0 score=1 train=1,2")
+    assert stage_cpus() == {"rollout": (0,), "score": (1,), "train": (1, 2)}
+    with pytest.raises(GndpoError, match="GNDPO_STAGE_CPUS entry 'evaluate=1'"):
+        stage_cpus("evaluate=1")
+
+
+class Records:
+    def __init__(self, done: bool):
+        self.done = done
+
+    def manifest(self):
+        return {} if self.done else None
+
+
+@dataclasses.dataclass
+class PlannedRun:
+    committed: set
+    staleness: int
+
+    def records(self, r, stage):
+        return Records((r, stage) in self.committed)
+
+    def sampling_version(self, r):
+        return max(r - self.staleness, 0)
+
+
+def test_each_order_starts_a_stage_once_what_it_reads_is_there():
+    round0 = {(0, s) for s in ("rollout",)}
+    sequential, streamed, ahead = RoundOrder(False, 0, ""), RoundOrder(True, 0, ""), RoundOrder(True, 1, "")
+    assert not may_start(PlannedRun(set(), 0), sequential, 0, "score", {(0, "rollout")})
+    assert may_start(PlannedRun(set(), 0), streamed, 0, "score", {(0, "rollout")})
+    assert not may_start(PlannedRun(round0, 1), sequential, 1, "rollout", set())  # waits for train of round 0
+    assert may_start(PlannedRun(round0, 1), ahead, 1, "rollout", set())  # policy 0 is all it needs
+    assert not may_start(PlannedRun(round0 | {(1, "rollout")}, 1), ahead, 2, "rollout", set())  # needs train of round 0
+    # train of round 1 waits for train of round 0 even when its own data is there
+    data1 = {(1, s) for s in ("rollout", "score", "normalize")} | {(0, s) for s in ("rollout", "score", "normalize")}
+    assert not may_start(PlannedRun(data1, 1), ahead, 1, "train", set())
+
+
+def test_init_refuses_staleness_for_a_method_without_the_ratio(tmp_path, tiny_assets):
+    for method, said in (({"name": "reopold"}, "policy loss reinforce"), ({"name": "forward_kl"}, "no policy-gradient term")):
+        cfg = write_config(tmp_path, tiny_config_dict(tiny_assets, method=method, run={"max_staleness": 1}))
+        assert_one_line_error(invoke("init", tmp_path / f"run-{method['name']}", "--config", cfg), "run.max_staleness 1", said,
+                              "method.policy_loss", "gspo, ppo, is")
+        assert not (tmp_path / f"run-{method['name']}").exists()
+
+
+def test_staleness_is_part_of_the_identity_and_the_order_is_not(tiny_assets):
+    base = config_from_dict(tiny_config_dict(tiny_assets))
+    assert config_from_dict(tiny_config_dict(tiny_assets, run={"overlap": "on"})).fingerprint() == base.fingerprint()
+    assert config_from_dict(tiny_config_dict(tiny_assets, run={"max_staleness": 1})).fingerprint() != base.fingerprint()

@@ -331,14 +331,14 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
         check_gpu_memory(models.local, gpu_bytes or gpu_memory(), backend_of(cfg).capabilities)
         probes = backend_of(cfg).check_teachers(cfg, models.local, bool(images))
     say_held_out(cfg, splits)
-    # How `gndpo run` will order the stages on this machine (it says so again, for the GPUs it is given).
-    logging.getLogger("gndpo").info(choose_order(cfg, visible_gpus()).line())
     store_images(fs, images)
     for split, table in splits.items():
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
     if not fs.create("run.yaml", run_yaml(cfg, models, **({"served_probes": probes} if probes else {}))):
         # A concurrent init won; accept it only if it is the same experiment.
         return init_run(url, cfg)
+    # How `gndpo run` will order the stages on this machine (it says so again, for the GPUs it is given).
+    logging.getLogger("gndpo").info(choose_order(cfg, visible_gpus()).line())
     return open_run(url)
 
 

@@ -26,6 +26,7 @@ from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run, open_run
 from gndpo.pipeline.settings.schema import Config
+from gndpo.stages.teachers.registry import backend_of
 from gndpo.storage.records import STAGES
 
 POLL_S = 0.5  # seconds between looks at the running stages and the committed manifests
@@ -70,7 +71,7 @@ def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0) -> RoundOrder:
     if learner_gpus:
         split = f"rollout on {gpus - learner_gpus} GPUs, score and train on {learner_gpus} (--learner-gpus)"
         return RoundOrder(True, staleness, split)
-    if cfg.score.backend == "server" and cfg.score.student_logprobs == "engine":
+    if backend_of(cfg).capabilities.served and cfg.score.student_logprobs == "engine":
         why = "the teacher is served and the student's log-probs are the engine's, so score needs no device of its own"
         ahead = " (rollout waits for train: they share this machine's device; --learner-gpus K splits a GPU node)" if staleness else ""
         return RoundOrder(True, 0, why + ahead)

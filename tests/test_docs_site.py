@@ -516,7 +516,7 @@ def every_branch_metrics() -> dict[str, set[str]]:
 
     conversation = {"llm_tokens": 10, "tool_tokens": 2, "turns_sum": 4, "turns_min": 1, "turns_max": 2, "tool_calls": 1, "tool_errors": 0}
     probe = {"engine_probe_gap_max": 0.0, "engine_probe_gap_mean": 0.0, "engine_reloaded": 1, "engine_restarted": 0, "engine_adapters": 1}
-    rollout = RolloutJob.summarize(types.SimpleNamespace(round=0), [
+    rollout = RolloutJob.summarize(types.SimpleNamespace(round=0, version=0), [
         unit_commit("u00000", prompts=2, responses=4, tokens=12, reward_sum=1.0, seconds=1.0, engine_dtype_bits=32, **conversation, **probe),
         unit_commit(EVAL_UNIT, seconds=1.0, eval={"accuracy": 0.5, "n": 2})])
     score_commit = unit_commit("u00000", tokens=12, seconds=1.0, student_tokens=10, student_from_engine=0, student_entropy_sum=3.0,
@@ -525,7 +525,7 @@ def every_branch_metrics() -> dict[str, set[str]]:
     score = ScoreJob.summarize(types.SimpleNamespace(cfg=types.SimpleNamespace(score=types.SimpleNamespace(cross_tokenizer=True))), [
         score_commit, unit_commit(EVAL_UNIT, seconds=1.0, eval={"reverse_kl": 0.1, "teacher_logprob": -1.0, "prompts": 2})])
     step = {"loss": 0.1, "grad_norm": 1.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "lr": 1e-3}
-    train = TrainJob.summarize(types.SimpleNamespace(round=0), [
+    train = TrainJob.summarize(types.SimpleNamespace(round=0, run=types.SimpleNamespace(sampling_version=lambda r: r)), [
         unit_commit("update", steps=[step, step], model_dir="rounds/r0000/train/data/update/a001/model", ema_dir="rounds/r0000/train/data/update/a001/ema",
                     adv_min=-1.0, adv_max=1.0, adv_mean=0.0, adv_std=1.0, divergence="forward_kl", tokens=12, seconds=2.0)])
     normalize = set().union(*(normalize_metrics(m) for m in method_configs()))

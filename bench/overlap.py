@@ -36,13 +36,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent.parent))  # `tests.teacher_servers` (the server the suite starts)
 from common import RESULTS, gndpo_cmd, machine, run_timed, save_json  # noqa: E402
 
 from gndpo.apps.compare import method_row  # noqa: E402
 from gndpo.apps.demo import DEFAULT_CONFIG, demo_config_data  # noqa: E402
 from gndpo.apps.demos.arithmetic import ensure_toy_assets  # noqa: E402
-from gndpo.pipeline.exec.status import stage_rows  # noqa: E402
+from gndpo.pipeline.exec.status import stage_rows, stage_span  # noqa: E402
+from gndpo.pipeline.observe.metrics import committed_rounds  # noqa: E402
 from gndpo.pipeline.run.run import open_run  # noqa: E402
 from gndpo.storage.records import STAGES  # noqa: E402
 
@@ -62,17 +62,16 @@ def load() -> dict:
 
 
 def stage_spans(run_dir: Path) -> list[dict]:
-    """Every committed stage's (round, stage, start, end), from its records (first claim, last commit)."""
+    """Every committed stage's (round, stage, start, end): `gndpo status`'s span, first claim to last commit."""
     run = open_run(str(run_dir))
     spans = []
-    for r in range(64):
-        records = [run.records(r, s) for s in STAGES]
-        if all(rec.manifest() is None for rec in records):
-            break
-        for stage, rec in zip(STAGES, records):
-            units = [u["unit"] for u in rec.plan()["units"]]
-            claimed = min(float(rec.read_claim(u, a)["claimed_at"]) for u in units for a in rec.attempts(u)[:1])
-            spans.append({"round": r, "stage": stage, "start": claimed, "end": max(c.committed_at for c in rec.require_manifest().units)})
+    for r in range(committed_rounds(run)):
+        for stage in STAGES:
+            rec = run.records(r, stage)
+            manifest = rec.manifest()
+            if manifest is not None:
+                start, end = stage_span(rec, [c.unit for c in manifest.units], manifest.units, finished=True, now=time.time())
+                spans.append({"round": r, "stage": stage, "start": start, "end": end})
     return spans
 
 
@@ -93,7 +92,7 @@ def timing_config(assets: Path, folder: Path, server_url: str, prompts: int, set
 
     cfg = demo_config_data(assets, DEFAULT_CONFIG)
     cfg["rollout"].update({"prompts_per_round": prompts, "prompts_per_unit": 64, "eval_heldout": False})
-    cfg["score"] = {**cfg.get("score", {}), "backend": "server", "servers": [server_url], "student_logprobs": "engine"}
+    cfg["score"] = {**cfg.get("score", {}), "backend": "server", "servers": [server_url], "server_model": "teacher", "student_logprobs": "engine"}
     cfg["train"].update({"optimizer_steps": 16})
     cfg["engine"]["in_process"] = True
     for section, values in settings.items():
@@ -104,7 +103,7 @@ def timing_config(assets: Path, folder: Path, server_url: str, prompts: int, set
 
 
 def timing(rounds: int, prompts: int) -> dict:
-    from tests.teacher_servers import VllmServer
+    from gndpo.tests.teacher_servers import VllmServer  # the server the suite starts
 
     assets = ensure_toy_assets()
     results = {}
@@ -227,19 +226,18 @@ def figure(data: dict) -> None:
 
     ways = data["timing"]["ways"]
     colors = {"rollout": "#4c72b0", "score": "#dd8452", "normalize": "#55a868", "train": "#c44e52"}
-    fig, axes = plt.subplots(len(ways), 1, figsize=(9, 1.6 * len(ways) + 0.6), sharex=True)
+    fig, axes = plt.subplots(len(ways), 1, figsize=(9, 2.0 * len(ways) + 0.6), sharex=True)
     for ax, (name, row) in zip(axes, ways.items()):
+        lanes = list(reversed(STAGES))  # rollout on top
         for span in row["spans"]:
-            lane = 1 if span["stage"] == "rollout" else 0
+            lane = lanes.index(span["stage"])
             ax.barh(lane, span["end"] - span["start"], left=span["start"], color=colors[span["stage"]], edgecolor="white", height=0.8)
             if span["end"] - span["start"] > 3:
                 ax.text((span["start"] + span["end"]) / 2, lane, f"r{span['round']}", ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks([0, 1], ["core 1", "core 0"])
+        ax.set_yticks(range(len(lanes)), [f"{stage} (core {0 if stage == 'rollout' else 1})" for stage in lanes], fontsize=8)
         ax.set_title(f"{name}: {row['seconds_per_round']} s per round", fontsize=9, loc="left")
     axes[-1].set_xlabel("seconds since the run started")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, list(colors), loc="upper right", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.tight_layout()
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(FIGURE, dpi=110)
 
@@ -253,7 +251,7 @@ def main(argv=None) -> None:
     data = load()
     if a.part == "timing":
         data["timing"] = timing(a.rounds, a.prompts)
-    elif a.part == "accuracy":
+    elif a.part == "accuracy":  # "figure" and "table" redraw and rewrite from what is saved
         data["accuracy"] = accuracy()
     save_json(OUT, data)
     if data.get("timing"):

@@ -268,7 +268,7 @@ def gndpo_killed(*args, env: dict, log: Path, timeout=600) -> int:
 # other worker idles, so they start first (longest-processing-time-first scheduling). Other files keep
 # their order.
 LONGEST_FILES = (
-    "test_real_models.py", "test_e2e.py", "test_teacher_servers.py", "test_demo.py", "test_slurm.py", "test_lora.py", "test_resilience.py",
+    "test_real_models.py", "test_e2e.py", "test_teacher_servers.py", "test_overlap.py", "test_demo.py", "test_slurm.py", "test_lora.py", "test_resilience.py",
     "test_operations.py", "test_data_parallel.py", "test_s3.py", "test_tool_rollout.py", "test_engine_death.py", "test_state_every.py",
     "test_logprobs.py", "test_vision.py", "test_recipe.py", "test_docs_site.py", "test_logits_budget.py", "test_engine_settings.py",
     "test_hub_models.py", "test_self_distill.py", "test_method_stages.py", "test_chat.py", "test_cross_tokenizer.py", "test_fork.py",

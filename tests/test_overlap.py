@@ -22,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from gndpo.apps.report import find_runs, round_table
 from gndpo.apps.rounds import DeviceSets, stage_cpus, stage_processes
 from gndpo.apps.schedule import RoundOrder, choose_order, may_start
 from gndpo.errors import GndpoError
@@ -95,6 +96,7 @@ def commit_times(run: Path, round_idx: int, stage: str) -> dict[str, float]:
     return {u.unit: u.committed_at for u in manifest.units if u.unit != EVAL_UNIT}
 
 
+@pytest.mark.slow
 def test_killed_with_two_rounds_in_flight_the_rerun_has_the_unkilled_rows_and_weights(runs):
     in_flight = runs["killed_in_flight"]
     assert {r for r, _ in in_flight} == {0, 1}, f"the kill did not catch two rounds in flight: {in_flight}"
@@ -111,6 +113,7 @@ def test_killed_with_two_rounds_in_flight_the_rerun_has_the_unkilled_rows_and_we
         assert digests[0] and digests[0] == digests[1], r
 
 
+@pytest.mark.slow
 def test_score_commits_units_while_rollout_still_computes(runs):
     # Round 0 ran with its rollout units slowed (round 1's, rerun after the kill, sampled at full speed).
     rollout, score = commit_times(runs["overlapped"], 0, "rollout"), commit_times(runs["overlapped"], 0, "score")
@@ -120,6 +123,7 @@ def test_score_commits_units_while_rollout_still_computes(runs):
     assert min(score.values()) > max(rollout.values())
 
 
+@pytest.mark.slow
 def test_round_1_samples_with_policy_0_and_says_so(runs):
     run = open_run(str(runs["overlapped"]))
     (rollout,) = shards(runs["overlapped"], 1, "rollout")["u00000"]
@@ -135,8 +139,10 @@ def test_round_1_samples_with_policy_0_and_says_so(runs):
     assert all(row["beside"] is None for row in sequential.values())
     status = invoke_ok("status", str(runs["overlapped"])).output
     assert "beside" in status and "staleness" in status
+    assert "<th>staleness</th>" in round_table(find_runs(str(runs["overlapped"])))  # the report's round table
 
 
+@pytest.mark.slow
 def test_train_ratio_divides_by_the_sampling_policy_log_probs(runs):
     """Round 1's rows were sampled by policy 0 and train starts from policy 1, so the first step's mean
     ratio is mean exp(lp_1 - lp_0) over the loss tokens, recomputed here, not 1 (what a train would show

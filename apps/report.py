@@ -326,8 +326,8 @@ def heldout_label(series: list[Series]) -> str:
 def round_table(series: list[Series]) -> str:
     """The main metrics as an HTML table, one row per (series, round); ``round_seconds`` is the round's
     wall time, each stage from its first claim to its last commit (of the first run of a series)."""
-    cols = [("rollout", "heldout_accuracy"), ("rollout", "staleness"), ("score", "heldout_reverse_kl"), ("normalize", "reward_mean"), ("normalize", "reverse_kl_estimate"),
-            ("train", "grad_norm_mean"), ("train", "clip_fraction"), ("normalize", "response_length_mean")]
+    cols = [("rollout", "heldout_accuracy"), ("rollout", "staleness"), ("score", "heldout_reverse_kl"), ("normalize", "reward_mean"),
+            ("normalize", "reverse_kl_estimate"), ("train", "grad_norm_mean"), ("train", "clip_fraction"), ("normalize", "response_length_mean")]
     head = "<tr><th>run</th><th>round</th>" + "".join(f"<th>{html.escape(m)}</th>" for _, m in cols) + "<th>round_seconds</th></tr>"
     body = []
     for s in series:

@@ -59,7 +59,8 @@ class ScoreJob:
         evaluation unit where rollout samples held-out responses for the label-free held-out measure
         (prompts without answers). Rollout's plan is enough: a unit's rollout files are read when it
         runs, so the plan is the same whether rollout has committed or is still running."""
-        rollout_units = [u["unit"] for u in self.inputs.plan_units("rollout")]
+        waiting = lambda: self.log(f"score r{self.round}: waiting for rollout of round {self.round} to plan its units")  # noqa: E731
+        rollout_units = [u["unit"] for u in self.inputs.plan_units("rollout", on_wait=waiting)]
         units = [{"unit": u} for u in rollout_units if u != EVAL_UNIT]
         if EVAL_UNIT in rollout_units and self.run.heldout_measure() == "label_free":
             units.append({"unit": EVAL_UNIT})

@@ -89,11 +89,16 @@ class StageInputs:
         """The stage's per-unit read, if it has one."""
         return next((r for r in self.reads if r.per_unit), None)
 
-    def plan_units(self, stage: str) -> list[dict]:
+    def plan_units(self, stage: str, on_wait=None) -> list[dict]:
         """The units of the read ``stage``'s plan, waiting for the plan while following (the stage read
-        may not have started yet); without following, its committed manifest's."""
+        may not have started yet; ``on_wait`` is called once if it has not); without following, its
+        committed manifest's."""
         records = self.run.records(self._read(stage).round_of(self.run, self.round), stage)
+        waited = False
         while self.follow and records.manifest() is None and records.plan() is None:
+            if not waited and on_wait is not None:
+                on_wait()
+            waited = True
             time.sleep(PLAN_POLL_S)
         if not self.follow or records.manifest() is not None:
             return [{"unit": c.unit} for c in self.manifest(stage).units]

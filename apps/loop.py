@@ -11,19 +11,21 @@ from gndpo.stages.models.device import visible_gpus
 from gndpo.stages.models.live import LiveModels
 
 
-def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = True, log=info, live=None, learner_gpus: int = 0) -> None:
+def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = True, log=info, live=None, learner_gpus: int = 0,
+             overlap: str | None = None) -> None:
     """Run rounds 0..rounds-1 of ``url``.
 
     ``gpus``: GPUs of this node to use (None: every visible one); ``learner_gpus``: how many of them run
-    score and train, the others rollout (:func:`gndpo.apps.schedule.choose_order`). The order is chosen
-    and said in one line. Sequentially, where ``keep_alive`` and :func:`keeps_models` allow (at most one
-    GPU, one train rank, one rollout worker), every stage runs in this process on kept engines: ``live``
+    score and train, the others rollout; ``overlap``: in place of ``run.overlap``
+    (:func:`gndpo.apps.schedule.choose_order`). The order is chosen and said in one line.
+    Sequentially, where ``keep_alive`` and :func:`keeps_models` allow (at most one GPU, one train rank,
+    one rollout worker), every stage runs in this process on kept engines: ``live``
     (a caller's set, left open, e.g. for a final evaluation on the same engine) or one made and closed
     here (:func:`gndpo.apps.rounds.run_rounds`); otherwise each stage runs in processes of its own
     (:func:`gndpo.apps.schedule.run_scheduled`)."""
     gpus = visible_gpus() if gpus is None else gpus
     cfg = open_run(url).cfg
-    order = choose_order(cfg, gpus, learner_gpus)
+    order = choose_order(cfg, gpus, learner_gpus, overlap)
     log(order.line())
     if not (order.sequential and keep_alive and keeps_models(cfg, gpus)):
         run_scheduled(url, rounds, gpus, order, learner_gpus, log=log)

@@ -55,19 +55,21 @@ class RoundOrder:
         return f"rounds overlap ({', '.join(parts)}): {self.reason}"
 
 
-def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0) -> RoundOrder:
-    """The order for ``cfg`` on ``gpus`` GPUs (``learner_gpus`` of them for score and train).
+def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0, overlap: str | None = None) -> RoundOrder:
+    """The order for ``cfg`` on ``gpus`` GPUs (``learner_gpus`` of them for score and train), with
+    ``overlap`` (`gndpo run --overlap`) in place of ``run.overlap`` where given.
 
     ``run.overlap`` off: sequential; on: score streams and rollout runs ``run.max_staleness`` rounds
     ahead, whatever the devices. auto: overlap only what has devices of its own, since stages sharing one
     device only compete for it: everything with a learner split of the GPUs; score alone where the
     teacher is served and the student's column is the engine's (score then computes nothing locally);
     else sequential."""
-    staleness, overlap = cfg.run.max_staleness, cfg.run.overlap
+    staleness, setting = cfg.run.max_staleness, "--overlap" if overlap else "run.overlap"
+    overlap = overlap or cfg.run.overlap
     if overlap == "off":
-        return RoundOrder(False, 0, "run.overlap off")
+        return RoundOrder(False, 0, f"{setting} off")
     if overlap == "on":
-        return RoundOrder(True, staleness, "run.overlap on")
+        return RoundOrder(True, staleness, f"{setting} on")
     if learner_gpus:
         split = f"rollout on {gpus - learner_gpus} GPUs, score and train on {learner_gpus} (--learner-gpus)"
         return RoundOrder(True, staleness, split)

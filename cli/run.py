@@ -3,6 +3,7 @@ from typing import Optional
 import typer
 
 from gndpo.cli.common import rounds_of, stdout_kept_for_data, user_errors
+from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.metrics import round_summary
 from gndpo.pipeline.run.run import open_run
 
@@ -27,6 +28,12 @@ def run(
         "score streams behind rollout and, with run.max_staleness, rollout of the next round runs beside train. "
         "0: every stage uses every GPU, one after another (see run.overlap).",
     ),
+    overlap: Optional[str] = typer.Option(
+        None,
+        "--overlap",
+        help="auto, on or off, in place of the run's run.overlap for this command: when stages run side by side "
+        "(it never changes what they compute). Default: the run's setting.",
+    ),
     keep_alive: bool = typer.Option(
         True,
         "--keep-alive/--no-keep-alive",
@@ -39,6 +46,8 @@ def run(
     from gndpo.apps.loop import run_loop  # at call time: torch and transformers load only for this command
 
     rounds = rounds_of(rounds, old_rounds)
+    if overlap not in (None, "auto", "on", "off"):
+        raise GndpoError(f"--overlap must be auto, on or off, got {overlap!r}")
     with stdout_kept_for_data():
-        run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive, learner_gpus=learner_gpus)
+        run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive, learner_gpus=learner_gpus, overlap=overlap)
     typer.echo(round_summary(open_run(run)))

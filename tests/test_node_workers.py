@@ -252,4 +252,5 @@ def test_cli_run_passes_gpus_and_keep_alive_to_the_loop(monkeypatch):
     monkeypatch.setattr(run_command, "round_summary", lambda run: f"summary of {run}")
     assert CliRunner().invoke(app, ["run", "R", "--rounds", "2", "--gpus", "2", "--no-keep-alive"]).exit_code == 0
     assert CliRunner().invoke(app, ["run", "R"]).exit_code == 0
-    assert calls == [("R", 2, {"gpus": 2, "keep_alive": False, "learner_gpus": 0}), ("R", 3, {"gpus": None, "keep_alive": True, "learner_gpus": 0})]
+    assert calls == [("R", 2, {"gpus": 2, "keep_alive": False, "learner_gpus": 0, "overlap": None}),
+                     ("R", 3, {"gpus": None, "keep_alive": True, "learner_gpus": 0, "overlap": None})]

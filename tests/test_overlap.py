@@ -81,7 +81,8 @@ def runs(tmp_path_factory, tiny_assets) -> dict:
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGKILL)  # the loop and every stage process it started
         proc.wait()
-    gndpo("run", overlapped, "--rounds", ROUNDS)
+    # Resumed one stage at a time in this process (the order is the command's to choose, not the run's).
+    gndpo("run", overlapped, "--rounds", ROUNDS, "--overlap", "off")
     return {"sequential": sequential, "overlapped": overlapped, "killed_in_flight": in_flight}
 
 
@@ -187,6 +188,8 @@ def test_auto_overlaps_only_stages_with_devices_of_their_own(tiny_assets):
     forced = order_of(tiny_assets, run={"max_staleness": 1, "overlap": "on"})
     assert forced.stream_score and forced.rollout_ahead == 1
     assert order_of(tiny_assets, gpus=8, learner_gpus=2, run={"overlap": "off"}).sequential
+    command = choose_order(config_from_dict(tiny_config_dict(tiny_assets)), 0, overlap="on")
+    assert command.stream_score and "--overlap on" in command.line()
 
 
 def test_learner_gpus_split_the_node(tmp_path, monkeypatch):

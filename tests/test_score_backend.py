@@ -71,20 +71,19 @@ def test_engine_student_logprobs_are_the_samplers_and_skip_the_students_forward(
 
 def auto_choice(run_dir, monkeypatch, entropy_metrics: bool, engine_bits: int | None = None, **rollout) -> bool:
     """What score.student_logprobs auto chooses for round 0 of ``run_dir`` (True: the engine's log-probs),
-    with ``logging.entropy_metrics``, ``rollout`` settings and, if given, the engine precision the
-    rollout manifest records replaced."""
+    with ``logging.entropy_metrics``, ``rollout`` settings and, if given, the engine precision each
+    rollout unit's commit records replaced."""
     run = open_run(str(run_dir))
     cfg = run.cfg
     run.cfg = dataclasses.replace(cfg, score=dataclasses.replace(cfg.score, student_logprobs="auto"),
                                   logging=dataclasses.replace(cfg.logging, entropy_metrics=entropy_metrics),
                                   rollout=dataclasses.replace(cfg.rollout, **rollout))
+    job = ScoreJob(run, 0)
     if engine_bits is not None:
-        records = run.records(0, "rollout")
-        manifest = records.require_manifest()
-        manifest.metrics["engine_dtype_bits"] = engine_bits
-        monkeypatch.setattr(records, "require_manifest", lambda: manifest)
-        monkeypatch.setattr(run, "records", lambda round_idx, stage: records)
-    return ScoreJob(run, 0).student_from_engine()
+        commits = [dataclasses.replace(c, numbers={**c.numbers, "engine_dtype_bits": engine_bits}) if "engine_dtype_bits" in c.numbers else c
+                   for c in job.inputs.committed_units("rollout")]
+        monkeypatch.setattr(job.inputs, "committed_units", lambda stage: commits)
+    return job.student_from_engine()
 
 
 def test_auto_takes_the_engines_logprobs_only_where_they_are_the_fp32_students(backends_run, monkeypatch):

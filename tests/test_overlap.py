@@ -31,7 +31,7 @@ from gndpo.pipeline.exec.status import stage_rows
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import EVAL_UNIT, STAGES
 
-from .conftest import assert_one_line_error, gndpo, invoke, invoke_ok, model_logprobs, tiny_config_dict, write_config
+from .conftest import assert_one_line_error, invoke, invoke_ok, model_logprobs, tiny_config_dict, write_config
 
 ROUNDS = 2
 
@@ -63,12 +63,12 @@ def runs(tmp_path_factory, tiny_assets) -> dict:
     """{"sequential": run, "overlapped": run, "killed_in_flight": the stages running when it was killed}."""
     folder = tmp_path_factory.mktemp("overlap")
     sequential = created(folder / "sequential", stale_config(tiny_assets, "off"))
-    gndpo("run", sequential, "--rounds", ROUNDS)
+    invoke_ok("run", sequential, "--rounds", ROUNDS)  # in this process, on kept engines
     overlapped = created(folder / "overlapped", stale_config(tiny_assets, "on"))
-    # Each rollout unit lingers 1.5 s after sampling, so score (started with rollout, streaming behind it)
+    # Each rollout unit lingers 1 s after sampling, so score (started with rollout, streaming behind it)
     # has rollout units to wait for, and round 1's rollout (started once round 0's commits) runs long
     # enough to be caught beside round 0's train.
-    env = {**os.environ, "GNDPO_DELAY_AT": "rollout.generate", "GNDPO_DELAY_S": "1.5"}
+    env = {**os.environ, "GNDPO_DELAY_AT": "rollout.generate", "GNDPO_DELAY_S": "1"}
     with open(folder / "killed.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gndpo.cli", "run", str(overlapped), "--rounds", str(ROUNDS)],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -82,7 +82,7 @@ def runs(tmp_path_factory, tiny_assets) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)  # the loop and every stage process it started
         proc.wait()
     # Resumed one stage at a time in this process (the order is the command's to choose, not the run's).
-    gndpo("run", overlapped, "--rounds", ROUNDS, "--overlap", "off")
+    invoke_ok("run", overlapped, "--rounds", ROUNDS, "--overlap", "off")
     return {"sequential": sequential, "overlapped": overlapped, "killed_in_flight": in_flight}
 
 

@@ -26,6 +26,7 @@ from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run, open_run
 from gndpo.pipeline.settings.schema import Config
+from gndpo.stages import job_class
 from gndpo.stages.teachers.registry import backend_of
 from gndpo.storage.records import STAGES
 
@@ -82,23 +83,23 @@ def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0, overlap: str | N
                                 "(run.overlap on, or gndpo run --learner-gpus K on a GPU node, to overlap)")
 
 
-def may_start(run: Run, order: RoundOrder, round_idx: int, stage: str, started: set[tuple[int, str]]) -> bool:
-    """Whether ``stage`` of ``round_idx`` may start now: its previous round has committed, and so has what
-    it reads (score: rollout has started, where it streams; rollout: train of round k-1-ahead)."""
-
-    def committed(r: int, s: str) -> bool:
-        return r < 0 or run.records(r, s).manifest() is not None
-
+def may_start(run: Run, order: RoundOrder, round_idx: int, stage: str, started: set[tuple[int, str]], committed=None) -> bool:
+    """Whether ``stage`` of ``round_idx`` may start now: its previous round has committed, and so has
+    everything its class declares it reads (``reads``: a per-unit read, where score streams, once that
+    stage has started here or committed); rollout also waits for train of round k-1-ahead, the order's
+    own bound. ``committed(round, stage)``: whether that stage's manifest exists (default: read it)."""
+    if committed is None:
+        committed = lambda r, s: r < 0 or run.records(r, s).manifest() is not None  # noqa: E731
     if not committed(round_idx - 1, stage):
         return False
-    if stage == "rollout":
-        # The sampling policy's train (k-1-s) and, unless rollout may run ahead, round k-1's train too.
-        return committed(max(round_idx - 1 - order.rollout_ahead, run.sampling_version(round_idx) - 1), "train")
-    if stage == "score":
-        return (round_idx, "rollout") in started if order.stream_score else committed(round_idx, "rollout")
-    if stage == "normalize":
-        return committed(round_idx, "score")
-    return committed(round_idx, "normalize") and committed(round_idx - 1, "train")
+    if stage == "rollout" and not committed(round_idx - 1 - order.rollout_ahead, "train"):
+        return False
+    for read in job_class(stage).reads:
+        r = read.round_of(run, round_idx)
+        streams = read.per_unit and order.stream_score and (r, read.stage) in started
+        if not (streams or committed(r, read.stage)):
+            return False
+    return True
 
 
 def stage_group(url: str, run: Run, stage: str, round_idx: int, gpus: int, devices: DeviceSets, order: RoundOrder, log=info) -> StageGroup:
@@ -130,12 +131,26 @@ def run_scheduled(url: str, rounds: int, gpus: int, order: RoundOrder, learner_g
     todo = [(r, stage) for r in range(rounds) for stage in STAGES if run.records(r, stage).manifest() is None]
     started: set[tuple[int, str]] = set()
     running: dict[str, StageGroup] = {}  # stage -> the round of it that runs now
+    known: set[tuple[int, str]] = set()  # stages seen committed: a manifest, once there, stays
+
+    def committed(r: int, stage: str) -> bool:
+        if r < 0 or (r, stage) in known:
+            return True
+        if run.records(r, stage).manifest() is None:
+            return False
+        known.add((r, stage))
+        return True
+
     with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages", draw=False) as bar:
         bar.advance(rounds * len(STAGES) - len(todo))
         try:
             while todo or running:
+                looked: set[str] = set()
                 for r, stage in list(todo):
-                    if stage not in running and may_start(run, order, r, stage, started):
+                    if stage in looked:  # each stage's rounds run in order: only its earliest to do may start
+                        continue
+                    looked.add(stage)
+                    if stage not in running and may_start(run, order, r, stage, started, committed):
                         running[stage] = stage_group(url, run, stage, r, gpus, devices, order, log)
                         started.add((r, stage))
                         todo.remove((r, stage))
@@ -143,7 +158,7 @@ def run_scheduled(url: str, rounds: int, gpus: int, order: RoundOrder, learner_g
                     if not group.exited():
                         continue
                     group.raise_if_failed()
-                    if run.records(group.round, stage).manifest() is not None:
+                    if committed(group.round, stage):
                         log(f"round {group.round}: {stage} committed in {time.time() - group.started_at:.1f}s")
                         bar.advance(1)
                         del running[stage]

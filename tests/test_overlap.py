@@ -240,6 +240,8 @@ def test_each_order_starts_a_stage_once_what_it_reads_is_there():
     sequential, streamed, ahead = RoundOrder(False, 0, ""), RoundOrder(True, 0, ""), RoundOrder(True, 1, "")
     assert not may_start(PlannedRun(set(), 0), sequential, 0, "score", {(0, "rollout")})
     assert may_start(PlannedRun(set(), 0), streamed, 0, "score", {(0, "rollout")})
+    # Resumed after rollout committed: score starts though no rollout started in this scheduler.
+    assert may_start(PlannedRun({(0, "rollout")}, 0), streamed, 0, "score", set())
     assert not may_start(PlannedRun(round0, 1), sequential, 1, "rollout", set())  # waits for train of round 0
     assert may_start(PlannedRun(round0, 1), ahead, 1, "rollout", set())  # policy 0 is all it needs
     assert not may_start(PlannedRun(round0 | {(1, "rollout")}, 1), ahead, 2, "rollout", set())  # needs train of round 0

@@ -102,13 +102,14 @@ def may_start(run: Run, order: RoundOrder, round_idx: int, stage: str, started: 
     return True
 
 
-def stage_group(url: str, run: Run, stage: str, round_idx: int, gpus: int, devices: DeviceSets, order: RoundOrder, log=info) -> StageGroup:
-    """Start the processes of ``stage`` of ``round_idx`` on its device set, pinned to its cores."""
+def stage_group(url: str, run: Run, stage: str, round_idx: int, gpus: int, devices: DeviceSets, order: RoundOrder,
+                cpus: tuple[int, ...] = (), log=info) -> StageGroup:
+    """Start the processes of ``stage`` of ``round_idx`` on its device set, pinned to ``cpus``."""
     per = run.cfg.engine.tensor_parallel_size if stage == "rollout" else 1
     follow = stage == "score" and order.stream_score
     procs = stage_processes(url, stage, round_idx, gpus, run.cfg.train.num_processes, gpus_per_worker=per,
                             devices=devices.of_stage(stage) if devices.split else None, follow=follow,
-                            cpus=stage_cpus().get(stage, ()))
+                            cpus=cpus)
     workers = [p for p in procs if p.log_path]
     where = f" on {len(workers)} workers (logs: {Path(workers[0].log_path).parent}/)" if workers else ""
     log(f"round {round_idx}: {stage}{where}{' (streaming behind rollout)' if follow else ''} ...")
@@ -127,7 +128,7 @@ def run_scheduled(url: str, rounds: int, gpus: int, order: RoundOrder, learner_g
     """Run rounds 0..rounds-1 in ``order``, each stage as the processes :func:`stage_processes` plans,
     skipping committed stages; the first stage that fails stops every other and the loop."""
     run = open_run(url)
-    devices = DeviceSets.of(gpus, learner_gpus)
+    devices, cpus = DeviceSets.of(gpus, learner_gpus), stage_cpus()  # both refused in one line before anything starts
     todo = [(r, stage) for r in range(rounds) for stage in STAGES if run.records(r, stage).manifest() is None]
     started: set[tuple[int, str]] = set()
     running: dict[str, StageGroup] = {}  # stage -> the round of it that runs now
@@ -151,7 +152,7 @@ def run_scheduled(url: str, rounds: int, gpus: int, order: RoundOrder, learner_g
                         continue
                     looked.add(stage)
                     if stage not in running and may_start(run, order, r, stage, started, committed):
-                        running[stage] = stage_group(url, run, stage, r, gpus, devices, order, log)
+                        running[stage] = stage_group(url, run, stage, r, gpus, devices, order, cpus.get(stage, ()), log)
                         started.add((r, stage))
                         todo.remove((r, stage))
                 for stage, group in list(running.items()):

@@ -64,6 +64,10 @@ class StageInputs:
             if r >= 0 and self.run.records(r, read.stage).manifest() is None:
                 raise GndpoError(f"cannot run {stage} of round {self.round}: {read.stage} of round {r} is not committed")
 
+    def _records(self, stage: str):
+        """The records of the read ``stage`` in the round the read names."""
+        return self.run.records(self._read(stage).round_of(self.run, self.round), stage)
+
     def _read(self, stage: str) -> Read:
         read = next((r for r in self.reads if r.stage == stage), None)
         if read is None:
@@ -74,8 +78,7 @@ class StageInputs:
         """The committed manifest of the read ``stage`` (a stage the class did not declare is a bug: a
         LookupError, not a user's error)."""
         if stage not in self._manifests:
-            read = self._read(stage)
-            self._manifests[stage] = self.run.records(read.round_of(self.run, self.round), stage).require_manifest()
+            self._manifests[stage] = self._records(stage).require_manifest()
         return self._manifests[stage]
 
     def files(self, stage: str) -> list[dict]:
@@ -93,7 +96,7 @@ class StageInputs:
         """The units of the read ``stage``'s plan, waiting for the plan while following (the stage read
         may not have started yet; ``on_wait`` is called once if it has not); without following, its
         committed manifest's."""
-        records = self.run.records(self._read(stage).round_of(self.run, self.round), stage)
+        records = self._records(stage)
         waited = False
         while self.follow and records.manifest() is None and records.plan() is None:
             if not waited and on_wait is not None:
@@ -113,18 +116,18 @@ class StageInputs:
         seen = self._ready.setdefault(read.stage, set())
         # At most one listing per READY_LIST_S: a worker asks of every pending unit in each pass.
         if unit not in seen and time.monotonic() - self._listed_at > READY_LIST_S:
-            seen |= self.run.records(read.round_of(self.run, self.round), read.stage).done_units()
+            seen |= self._records(read.stage).done_units()
             self._listed_at = time.monotonic()
         return unit in seen
 
     def committed_units(self, stage: str) -> list[Commit]:
         """The commit records of the read ``stage``'s units committed so far, in unit order."""
-        records = self.run.records(self._read(stage).round_of(self.run, self.round), stage)
+        records = self._records(stage)
         return [c for c in (records.done(u) for u in sorted(records.done_units())) if c is not None]
 
     def unit_commit(self, stage: str, unit: str) -> Commit:
         """The commit record of ``unit`` of the read ``stage`` (committed: :meth:`unit_ready` said so)."""
-        commit = self.run.records(self._read(stage).round_of(self.run, self.round), stage).done(unit)
+        commit = self._records(stage).done(unit)
         if commit is None:
             raise GndpoError(f"{stage} unit {unit} of round {self.round} is not committed")
         return commit

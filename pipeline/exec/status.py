@@ -39,8 +39,10 @@ def stage_rows(run) -> list[dict]:
             work = [c for c in commits if "eval" not in c.numbers]  # the held-out evaluation is not the stage's data
             evals = [c.numbers["eval"] for c in commits if "eval" in c.numbers]
             tokens = sum(c.numbers.get("tokens", 0) for c in work)
-            seconds = wall_seconds(rec, units, commits, finished=len(commits) == len(units), now=now)
-            spans[(r, stage)] = stage_span(rec, units, commits, finished=len(commits) == len(units), now=now)
+            # From the first claim (engine start-up and set-up happen under the lease) to the last commit,
+            # or to now while units remain (a stage a fork inherited shows its parent's).
+            span = spans[(r, stage)] = stage_span(rec, units, commits, finished=len(commits) == len(units), now=now)
+            seconds = None if span is None else max(span[1] - span[0], 0.0)
             rows.append(
                 {
                     "round": r,
@@ -126,11 +128,3 @@ def phase_rows(run) -> list[dict]:
     writing = sorted({n for *_, written in rows for n, b in written.items() if b}, key=order)
     return [{"round": r, "stage": stage, **{f"{n} s": round(seconds.get(n, 0.0), 2) for n in timed},
              **{f"{n} MB": round(written.get(n, 0) / 1e6, 3) for n in writing}} for r, stage, seconds, written in rows]
-
-
-def wall_seconds(rec, units: list[str], commits: list[Commit], finished: bool, now: float) -> float | None:
-    """Wall time of a stage: from the first claim of any of its units (engine start-up and set-up
-    included, which happen under the lease) to its last commit, or to now while units remain (a stage a
-    fork inherited shows its parent's); None before anyone claims a unit."""
-    span = stage_span(rec, units, commits, finished, now)
-    return None if span is None else max(span[1] - span[0], 0.0)

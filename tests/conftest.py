@@ -299,6 +299,12 @@ def invoke_ok(*args):
     return result
 
 
+def run_log(run_dir) -> str:
+    """The run's log files (``RUN/logs/*-run.log``, one per `gndpo run`): gndpo's info lines whatever the
+    terminal was shown, so a test that ran `gndpo run` in this process reads what it logged here."""
+    return "".join(p.read_text() for p in sorted(Path(run_dir, "logs").glob("*-run.log")))
+
+
 def run_stages(run_dir, *stages: str, round_idx: int = 0, live=None) -> None:
     """Run ``stages`` of a round in this process, through the code a stage command runs
     (:func:`gndpo.apps.rounds.run_stage`) without starting an interpreter and importing torch,

@@ -143,7 +143,8 @@ class LoopbackServer:
             context.load_cert_chain(*map(str, certificate))
             self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
             self.scheme = "https"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # shutdown() waits for the loop to look at its flag: every 0.5 s by default, per server closed
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
     def respond(self, path: str, body: bytes | None, headers) -> tuple[int, bytes] | None:

@@ -21,7 +21,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import gndpo, invoke_ok, model_logprobs, run_stages
+from tests.conftest import invoke_ok, model_logprobs, run_stages
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +151,7 @@ def test_bf16_train_runs_deepspeed_bf16_and_exports_bf16(normalized_run, one_ran
     cfg["model"]["dtype"] = "bfloat16"
     (run / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     set_train(run, zero_stage=2)
-    gndpo("train", run, "--round", 0)
+    run_stages(run, "train")
     commit = open_run(str(run)).records(0, "train").done("update")
     model_dir = run / commit.numbers["model_dir"]
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:

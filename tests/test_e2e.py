@@ -15,7 +15,7 @@ import yaml
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import EVAL_UNIT, STAGES
-from tests.conftest import assert_one_line_error, committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, tiny_config_dict
+from tests.conftest import assert_one_line_error, committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, run_log, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 PROMPTS, N = 16, 2
@@ -30,7 +30,7 @@ def run_dir(tmp_path_factory, tiny_assets):
     # runs below, without it, must still match this run bit for bit.
     config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets, logging={"backends": ["tensorboard"]})))
     run = folder / "run"
-    gndpo("init", run, "--config", config)
+    invoke_ok("init", run, "--config", config)
     for stage in STAGES:
         # rollout and score write every progress line (no interval), to show progress inside a unit
         proc = gndpo(stage, run, "--round", 0, env={"GNDPO_PROGRESS_INTERVAL": "0"} if stage in ("rollout", "score") else None)
@@ -82,7 +82,7 @@ def test_status_phases_account_for_each_stage_and_its_bytes(run_dir):
         metrics = rec.manifest().metrics
         for name in {n for c in commits for n in c.numbers["phases"]}:
             assert metrics[f"phase_{name}_bytes"] == sum(c.numbers["phases"].get(name, {"bytes": 0})["bytes"] for c in commits)
-    table = gndpo("status", run_dir, "--phases").stdout
+    table = invoke_ok("status", run_dir, "--phases").stdout
     assert "export MB" in table and table.count("train") == 2
 
     # What `gndpo init` estimated for a round (gndpo.apps.round_size): the weights file to 1%,
@@ -114,7 +114,8 @@ def kept_runs(tmp_path_factory, tiny_assets):
     kept, crashed = folder / "kept", folder / "crashed"
     for run in (kept, crashed):
         invoke_ok("init", run, "--config", config)
-    log = gndpo("run", kept, "--rounds", 2).stderr
+    invoke_ok("run", kept, "--rounds", 2)  # one call keeps its engines, in this process as in its own
+    log = run_log(kept)
     # Round 0 takes 2 optimizer steps, so the 3rd pass of train.step is round 1's first.
     crash_log = folder / "crash.log"
     code = gndpo_killed("run", crashed, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.step", "GNDPO_CRASH_AFTER": "2"}, log=crash_log)
@@ -246,48 +247,49 @@ def test_status_and_sql_commands(run_dir):
     assert row["rows"] == PROMPTS * N and row["heldout"] == rec.manifest().metrics["heldout_accuracy"]
     wall = max(c["committed_at"] for c in commits) - min(c["claimed_at"] for c in claims)
     assert row["seconds"] == pytest.approx(wall, abs=0.051) and wall > sum(c["seconds"] for c in commits)
-    out = gndpo("sql", run_dir, "SELECT round, count(*) AS n FROM rollouts GROUP BY round ORDER BY round", "--format", "csv").stdout
+    out = invoke_ok("sql", run_dir, "SELECT round, count(*) AS n FROM rollouts GROUP BY round ORDER BY round", "--format", "csv").stdout
     assert out.strip().splitlines() == ["round,n", f"0,{PROMPTS * N}", f"1,{PROMPTS * N}"]
-    out = gndpo("sql", run_dir, "SELECT value FROM stats WHERE name = 'token_count' AND round = 0", "--format", "csv").stdout
+    out = invoke_ok("sql", run_dir, "SELECT value FROM stats WHERE name = 'token_count' AND round = 0", "--format", "csv").stdout
     assert float(out.splitlines()[1]) > 0
 
 
 def test_gc_keep_rounds_frees_old_policies_and_keeps_what_readers_need(run_dir, tmp_path):
     """`gndpo gc --keep-rounds 1` on a two-round run removes round 0's exported student and optimizer
     state (and says how much: the bytes on disk), keeps round 1's and every rollout and score; a fork
-    from round 1, whose rollouts round 0's export sampled, is refused in one line."""
+    from round 1, whose rollouts round 0's export sampled, is refused in one line. (The commands run in
+    this process: what they print is gndpo's own lines.)"""
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     train0 = run / "rounds" / "r0000" / "train" / "data" / "update" / "a001"
     on_disk = sum(f.stat().st_size for d in ("model", "optimizer") for f in (train0 / d).rglob("*") if f.is_file())
-    dry = gndpo("gc", run, "--keep-rounds", "1", "--dry-run").stdout
+    dry = invoke_ok("gc", run, "--keep-rounds", "1", "--dry-run").stdout
     assert f"would remove round 0: rounds/r0000/train/data/update/a001/model, rounds/r0000/train/data/update/a001/optimizer ({on_disk / 1e9:.2f} GB)" in dry
     assert (train0 / "model").is_dir()
-    rows_before = gndpo("sql", run, "SELECT count(*) FROM rollouts", "--format", "csv").stdout
-    out = gndpo("gc", run, "--keep-rounds", "1").stdout
+    rows_before = invoke_ok("sql", run, "SELECT count(*) FROM rollouts", "--format", "csv").stdout
+    out = invoke_ok("gc", run, "--keep-rounds", "1").stdout
     assert f"1 round(s) pruned, {on_disk / 1e9:.2f} GB freed" in out
     assert not (train0 / "model").exists() and not (train0 / "optimizer").exists()
     assert (run / "rounds" / "r0001" / "train" / "data" / "update" / "a001" / "model" / "model.safetensors").is_file()
-    assert gndpo("sql", run, "SELECT count(*) FROM rollouts", "--format", "csv").stdout == rows_before
-    assert gndpo("status", run).stdout.count("committed") == 8
+    assert invoke_ok("sql", run, "SELECT count(*) FROM rollouts", "--format", "csv").stdout == rows_before
+    assert invoke_ok("status", run).stdout.count("committed") == 8
     invoke_ok("report", run, "--out", tmp_path / "report")  # the report reads metrics and rollouts, not policies
     assert (tmp_path / "report" / "report.html").is_file()
-    refused = gndpo("fork", run, tmp_path / "fork", "--from-round", "1", check=False)
-    assert refused.returncode == 1 and "removed by `gndpo gc --keep-rounds`" in refused.stderr and not (tmp_path / "fork").exists()
-    again = gndpo("gc", run, "--keep-rounds", "1").stdout  # nothing left to prune
+    refused = invoke("fork", run, tmp_path / "fork", "--from-round", "1")
+    assert refused.exit_code == 1 and "removed by `gndpo gc --keep-rounds`" in refused.stderr and not (tmp_path / "fork").exists()
+    again = invoke_ok("gc", run, "--keep-rounds", "1").stdout  # nothing left to prune
     assert "0 round(s) pruned" in again
     # A prune stopped after marking the round (its folders partly there) is finished by the next one.
     train0.joinpath("optimizer").mkdir()
     train0.joinpath("optimizer", "left.pt").write_bytes(b"x")
-    finished = gndpo("gc", run, "--keep-rounds", "1").stdout
+    finished = invoke_ok("gc", run, "--keep-rounds", "1").stdout
     assert "removed round 0: rounds/r0000/train/data/update/a001/optimizer" in finished and not (train0 / "optimizer").exists()
     # A bad --keep-rounds is refused before anything is removed, garbage folders included.
     stray = run / "rounds" / "r0000" / "score" / "data" / "u00000" / "a009"
     stray.mkdir(parents=True)
-    bad = gndpo("gc", run, "--keep-rounds", "0", check=False)
-    assert bad.returncode == 1 and "--keep-rounds must be at least 1" in bad.stderr and stray.is_dir()
+    bad = invoke("gc", run, "--keep-rounds", "0")
+    assert bad.exit_code == 1 and "--keep-rounds must be at least 1" in bad.stderr and stray.is_dir()
 
 
 def test_docs_first_run_works_as_written(tmp_path, tiny_assets):

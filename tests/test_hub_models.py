@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from gndpo.storage.hub import is_hub_id, split_hub_id
-from tests.conftest import assert_one_line_error, gndpo, invoke, invoke_ok, tiny_config_dict, write_config
+from tests.conftest import assert_one_line_error, gndpo, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
 
 
 def add_snapshot(hub: Path, repo: str, model: Path, commit_seed: str, refs: tuple[str, ...] = ()) -> str:
@@ -93,8 +93,8 @@ def test_existing_folder_is_not_a_hub_id(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_hub_models_run_a_round_at_the_recorded_commit(tmp_path, tiny_assets, hub_cache):
     """init resolves both ids once (the teacher at its tag, the student at main) and records the commits;
-    after refs/main moves to a commit holding other weights, a stage run in a new process still loads
-    the recorded commit: score's forward of the student reproduces the sampler's log-probs (fp32), which
+    after refs/main moves to a commit holding other weights, a stage run in a new process (score) still
+    loads the recorded commit: its forward of the student reproduces the sampler's log-probs (fp32), which
     the other commit's weights (the teacher's) would not."""
     hub, commits = hub_cache
     run_dir = tmp_path / "run"
@@ -104,11 +104,11 @@ def test_hub_models_run_a_round_at_the_recorded_commit(tmp_path, tiny_assets, hu
         "acme/toy-student": {"id": "acme/toy-student", "revision": "main", "commit": commits["student"]},
         "acme/toy-teacher@v1": {"id": "acme/toy-teacher", "revision": "v1", "commit": commits["teacher_v1"]},
     }
-    gndpo("rollout", run_dir, "--round", 0)
+    run_stages(run_dir, "rollout")  # before the refs move: its process is not the point
     point_ref(hub, "acme/toy-student", "main", commits["student_next"])
     point_ref(hub, "acme/toy-teacher", "v1", commits["teacher_main"])
-    for stage in ("score", "normalize", "train"):
-        gndpo(stage, run_dir, "--round", 0)
+    gndpo("score", run_dir, "--round", 0)  # a new process after the move, reading the student and the teacher
+    run_stages(run_dir, "normalize", "train")  # the round completes on the hub-id student
     score = json.loads((run_dir / "rounds/r0000/score/_MANIFEST.json").read_text())["metrics"]
     assert score["rollout_logprob_diff_max"] < 1e-3, score
     assert (run_dir / "rounds/r0000/train/_MANIFEST.json").exists()

@@ -3,9 +3,10 @@ toy runs whose rounds train adapters only.
 
 The merge is checked against ``W + alpha / rank * B @ A`` computed here from the adapter tensors, the
 adapters against PEFT's own loader. The runs: one `gndpo run` of 2 rounds in this process (its
-DeepSpeed engine kept between rounds), and the same run made by two processes, the second continuing
-from round 0's exported adapters and optimizer state: both must export the same weights, byte for
-byte, and leave every tensor outside the adapters' layers as the initial student had it.
+DeepSpeed engine kept between rounds), and the same run made by two calls, the second a new process
+continuing from round 0's exported adapters and optimizer state, killed after an in-round checkpoint and
+rerun: both must export the same weights, byte for byte, and leave every tensor outside the adapters'
+layers as the initial student had it.
 """
 
 import json
@@ -28,11 +29,11 @@ from gndpo.stages.models.vllm_engine import AdapterEngine, adapter_request, forc
 from tests.conftest import (
     assert_one_line_error,
     committed_rows,
-    gndpo,
     gndpo_killed,
     invoke,
     invoke_ok,
     model_logprobs,
+    run_log,
     run_stages,
     tiny_config_dict,
     write_config,
@@ -151,12 +152,17 @@ def new_run(folder, assets, train: dict | None = None, serve: str = "adapters", 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, tiny_assets):
     """(2 rounds in this process with the kept engine, the same 2 rounds split: round 0 in this process,
-    round 1 in a new process that continues from round 0's files)."""
+    round 1 in a new process that continues from round 0's files, checkpoints after its first step and
+    is killed in its second, then rerun here from the checkpoint)."""
     kept = new_run(tmp_path_factory.mktemp("kept"), tiny_assets)
     invoke_ok("run", kept, "--rounds", 2)
-    split = new_run(tmp_path_factory.mktemp("split"), tiny_assets)
+    folder = tmp_path_factory.mktemp("split")
+    split = new_run(folder, tiny_assets, train={"lr": 1e-2, "checkpoint_every": 1})
     invoke_ok("run", split, "--rounds", 1)
-    gndpo("run", split, "--rounds", 2)
+    # Killed after step 2 of 2: the checkpoint after step 1 is there (none is taken after the last step).
+    crash = {"GNDPO_CRASH_AT": "train.step", "GNDPO_CRASH_AFTER": "1"}
+    assert gndpo_killed("run", split, "--rounds", 2, env=crash, log=folder / "crash.log") == -9
+    invoke_ok("run", split, "--rounds", 2)
     return kept, split
 
 
@@ -166,8 +172,14 @@ def export_dir(run, round_idx: int):
 
 @pytest.mark.slow
 def test_lora_rounds_train_the_adapters_only_and_continue_them_from_their_files(lora_runs, tiny_assets):
+    """The split run's round 1 (a new process from round 0's files, killed after an in-round checkpoint,
+    which DeepSpeed writes without the frozen base, and resumed from it) exports the kept run's merged
+    weights and adapters byte for byte; only the adapted layers moved."""
     kept, split = lora_runs
     initial = load_file(str(tiny_assets / "student" / "model.safetensors"))
+    resumed = open_run(str(split)).records(1, "train").manifest().units[0]
+    assert resumed.attempt == 2 and resumed.numbers["resumed_after_step"] == 1
+    assert "resuming after step 1 from a checkpoint" in run_log(split)
     for round_idx in range(2):
         got, want = (load_file(str(export_dir(r, round_idx) / "model.safetensors")) for r in (split, kept))
         assert got.keys() == want.keys() == initial.keys()
@@ -175,7 +187,8 @@ def test_lora_rounds_train_the_adapters_only_and_continue_them_from_their_files(
             np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")
         changed = {n for n in want if not np.array_equal(want[n], initial[n])}
         assert changed and all(n.endswith("_proj.weight") for n in changed), sorted(changed)
-        assert (export_dir(kept, round_idx) / "adapter" / "adapter_model.safetensors").is_file()
+        adapters = [(export_dir(r, round_idx) / "adapter" / "adapter_model.safetensors").read_bytes() for r in (split, kept)]
+        assert adapters[0] == adapters[1]
     # The carried state is the adapters' (and their moments): a fraction of the exported policy.
     commit = open_run(str(split)).records(0, "train").manifest().units[0]
     state = commit.numbers["optimizer_state"]
@@ -243,25 +256,6 @@ def test_lora_under_zero_3_exports_the_zero_0_weights(lora_runs, tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_a_lora_train_killed_after_a_checkpoint_resumes_to_the_same_adapters(lora_runs, tmp_path, tiny_assets):
-    """Round 0's train killed after an in-round checkpoint (taken every step, which DeepSpeed writes
-    without the frozen base) and rerun: the retry loads the adapters and their moments
-    from the checkpoint and exports the uninterrupted run's weights and adapters, byte for byte."""
-    kept, _ = lora_runs
-    run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "checkpoint_every": 1})
-    # Killed after step 2 of 2: the checkpoint after step 1 is there (none is taken after the last step).
-    crash = {"GNDPO_CRASH_AT": "train.step", "GNDPO_CRASH_AFTER": "1"}
-    assert gndpo_killed("run", run, "--rounds", 1, env=crash, log=tmp_path / "crash.log") == -9
-    log = gndpo("run", run, "--rounds", 1).stderr
-    assert "resuming after step 1 from a checkpoint" in log, log[-3000:]
-    for file in ("model.safetensors", "adapter/adapter_model.safetensors"):
-        got, want = (load_file(str(export_dir(r, 0) / file)) for r in (run, kept))
-        assert got.keys() == want.keys()
-        for name in want:
-            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{file} {name}")
-
-
-@pytest.mark.slow
 def test_the_engine_serving_the_adapters_gives_the_merged_models_logprobs(lora_runs, tiny_assets):
     """vLLM with round 0's adapters on the initial student (what round 1's rollout runs), read as the
     probe reads it (one-token generations restricted to each token), against a transformers forward of
@@ -290,13 +284,14 @@ def test_the_engine_serving_the_adapters_gives_the_merged_models_logprobs(lora_r
 
 @pytest.mark.slow
 def test_a_lora_state_not_written_is_replayed_to_the_same_adapters(lora_runs, tmp_path, tiny_assets):
-    """train.state_every 2: round 0 keeps its adapters' optimizer state in memory only, and a new
-    process trains round 1. It replays round 0 from fresh seeded adapters, checks the replay ends on
+    """train.state_every 2: round 0 keeps its adapters' optimizer state in memory only, and a second
+    `gndpo run` trains round 1. It replays round 0 from fresh seeded adapters, checks the replay ends on
     round 0's merged export byte for byte, and exports the kept run's round-1 weights exactly."""
     kept, _ = lora_runs
     run = new_run(tmp_path, tiny_assets, train={"lr": 1e-2, "state_every": 2})
     invoke_ok("run", run, "--rounds", 1)  # round 0 here; its state leaves with this call's kept engine
-    log = gndpo("run", run, "--rounds", 2).stderr
+    invoke_ok("run", run, "--rounds", 2)  # a new call: its models (made by this call) never held the state
+    log = run_log(run)
     assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
     got, want = (load_file(str(export_dir(r, 1) / "model.safetensors")) for r in (run, kept))
     for name in want:

@@ -23,7 +23,7 @@ import yaml
 
 from gndpo.pipeline.exec.units import lease_state
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import invoke, invoke_ok, tiny_config_dict
+from tests.conftest import invoke, invoke_ok, run_stages, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 NOBODY = 65534
@@ -141,11 +141,13 @@ def test_ctrl_c_stops_a_rollout_while_its_engine_runs(tmp_path, tiny_assets):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_a_schedulers_stop_signal_stops_a_stage_cleanly(rolled_out, tmp_path, signum):
-    """SIGTERM (kill, scancel, Slurm's pre-emption) and SIGUSR1 (sbatch --signal=USR1@...) on a score
-    stage (a fork of the shared rolled-out round, so no engine starts) held before its first commit."""
+    """SIGTERM (kill, scancel, Slurm's pre-emption) and SIGUSR1 (sbatch --signal=USR1@...) on a normalize
+    stage held before its commit: a fork of the shared rolled-out round, scored in this process, so the
+    signalled process imports neither torch nor a model (the Ctrl-C test signals one that has both)."""
     run = tmp_path / "run"
     invoke_ok("fork", rolled_out, run, "--from-round", 0)
-    stop_and_check(run, "score", "units.before_commit", signum)
+    run_stages(run, "score")
+    stop_and_check(run, "normalize", "units.before_commit", signum)
 
 
 def engine_descendants(pid: int) -> list[psutil.Process]:

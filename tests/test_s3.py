@@ -13,7 +13,7 @@ import fsspec.config
 import pytest
 import yaml
 
-from tests.conftest import free_ports, gndpo, invoke_ok, missing_component, tiny_config_dict
+from tests.conftest import free_ports, gndpo, invoke, invoke_ok, missing_component, tiny_config_dict
 from tests.s3_server import MOTO_SERVER, start_moto_server
 
 pytestmark = pytest.mark.slow
@@ -129,8 +129,10 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
     run = f"s3://{BUCKET}/runs/r1"
-    gndpo("init", run, "--config", config, env=s3_endpoint)
-    gndpo("run", run, "--rounds", "1", env=s3_endpoint)
+    # The commands that import torch, vLLM or DeepSpeed run in this process (the fixture pointed fsspec at
+    # the server here as well); status and sql, which do not, show that a new process finds it too.
+    invoke_ok("init", run, "--config", config)
+    invoke_ok("run", run, "--rounds", "1")
     status = gndpo("status", run, env=s3_endpoint).stdout
     assert status.count("committed") == 4
     out = gndpo("sql", run, "SELECT count(*) AS n, count(DISTINCT rollout_id) AS ids FROM rollouts", "--format", "csv", env=s3_endpoint).stdout
@@ -146,7 +148,7 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     assert trained_weights(run) == trained_weights(str(tmp_path / "local"))
     # The exported student lives on S3; eval downloads it, serves it with vLLM, and writes its
     # per-prompt results back to S3.
-    result = gndpo("eval", run, "--out", f"{run}-eval", env=s3_endpoint).stdout
+    result = invoke_ok("eval", run, "--out", f"{run}-eval").stdout
     assert "policy_version=1" in result and "pass@1=" in result
     with fsspec.open(f"{run}-eval/summary.json") as f:
         assert json.load(f)["policy_version"] == 1
@@ -156,8 +158,8 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
 
     model_dir = open_run(run).records(0, "train").manifest().metrics["model_dir"]
     local = tmp_path / "student"
-    gndpo("export", run, local, env=s3_endpoint)
-    gndpo("export", run, f"{run}-student", env=s3_endpoint)
+    invoke_ok("export", run, local)
+    invoke_ok("export", run, f"{run}-student")
     assert {p.name for p in local.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
     assert not (local / "gndpo_probe.json").exists()
     fs = fsspec.filesystem("s3")
@@ -165,13 +167,13 @@ def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
     for folder in (f"{run}/{model_dir}", f"{run}-student"):
         with fsspec.open(f"{folder}/model.safetensors", "rb") as f:
             assert f.read() == (local / "model.safetensors").read_bytes()
-    refused = gndpo("export", run, tmp_path / "adapters", "--adapters", check=False, env=s3_endpoint)
-    assert refused.returncode == 1 and "has no adapters (model.lora was off)" in refused.stderr
+    refused = invoke("export", run, tmp_path / "adapters", "--adapters")
+    assert refused.exit_code == 1 and "has no adapters (model.lora was off)" in refused.stderr
     # Another run with this run's policy as its teacher (teacher: run:s3://...): resolved at init against
     # the commit record on S3, and read through a local download with the same bytes.
     child_config = tmp_path / "child.yaml"
     child_config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets, teacher=f"run:{run}")))
-    gndpo("init", f"{run}-child", "--config", child_config, env=s3_endpoint)
+    invoke_ok("init", f"{run}-child", "--config", child_config)
     child = open_run(f"{run}-child")
     assert child.teacher_runs[f"run:{run}"]["policy"] == 1
     folder = child.teacher_models(0)[f"run:{run}"]

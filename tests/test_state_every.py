@@ -3,8 +3,8 @@ train starts without it.
 
 Two toy runs of 3 rounds with ``state_every: 3`` (rounds 0 and 1 write no optimizer state, round 2
 does). The first is one `gndpo run --rounds 3` (in the test's process), whose kept DeepSpeed engine carries the
-state in memory. The second stops after 2 rounds and a new process goes on to round 3, as after a crash: its round-2
-train starts without the state and rebuilds it by replaying rounds 0 and 1 from their committed rows.
+state in memory. The second stops after 2 rounds and a second `gndpo run` goes on to round 3, as after a crash: its
+round-2 train starts without the state and rebuilds it by replaying rounds 0 and 1 from their committed rows.
 Both must commit the same rows and the same weights, byte for byte.
 """
 
@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.records import Commit
-from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke_ok, tiny_config_dict, write_config
+from tests.conftest import committed_rows, gndpo_killed, invoke_ok, run_log, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
 ROUNDS = 3
@@ -33,14 +33,15 @@ def new_run(folder, assets):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_assets):
     """(the uninterrupted run, the run continued by a new process after round 1, its second log)."""
-    # In this process, each run's rounds with one kept DeepSpeed engine, as `gndpo run` keeps it; only
-    # the resumed run's last round needs a process of its own (one that never held the state).
+    # In this process, each run's rounds with one kept DeepSpeed engine, as `gndpo run` keeps it; the
+    # resumed run's last round is a call of its own, whose models (made and closed by that call) never
+    # held the state.
     whole = new_run(tmp_path_factory.mktemp("whole"), tiny_assets)
     invoke_ok("run", whole, "--rounds", ROUNDS)
     resumed = new_run(tmp_path_factory.mktemp("resumed"), tiny_assets)
     invoke_ok("run", resumed, "--rounds", ROUNDS - 1)
-    log = gndpo("run", resumed, "--rounds", ROUNDS).stderr
-    return whole, resumed, log
+    invoke_ok("run", resumed, "--rounds", ROUNDS)  # a new call: its kept engine never held the state
+    return whole, resumed, run_log(resumed)
 
 
 def weights(run, round_idx: int) -> dict:
@@ -95,7 +96,8 @@ def test_a_crash_before_a_deferred_state_is_recorded_costs_a_replay_not_a_wrong_
     invoke_ok("init", run, "--config", config)
     assert gndpo_killed("run", run, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.state_write"}, log=tmp_path / "crash.log") == -9
     assert train_commit(run, 0).numbers["optimizer_state"]["pending"] and not (run / train_commit(run, 0).numbers["optimizer_state"]["pending"]).exists()
-    log = gndpo("run", run, "--rounds", 2).stderr
+    invoke_ok("run", run, "--rounds", 2)  # the rerun, in this process
+    log = run_log(run)
     assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
     for round_idx in range(2):
         for stage in ("rollout", "score"):

@@ -1,11 +1,12 @@
 """score.backend: server against vLLM's OpenAI-compatible server on loopback (toy models, fp32).
 
-Four real servers start once for the module: two replicas of the toy teacher (the pool), the toy
-student served under the teacher's name (other weights), and a model with another tokenizer under the
-teacher's name. The rounds scored through them equal the HF backend's rows within 1e-4; a replica
-killed mid-score costs retries, not rows; each way a server can be the wrong teacher, fail, hang or
-want a key is one line, with nothing written. A forwarding stub in front of a real server stands in
-for the error, hang and key shapes only."""
+Three real servers start once for the module: the toy teacher, the toy student served under the
+teacher's name (other weights), and a model with another tokenizer under the teacher's name. The
+teacher's second replica (the pool) is a process forwarding to its server: one vLLM start fewer, and
+the pool sees two replicas of the same weights, as it would. The rounds scored through them equal the
+HF backend's rows within 1e-4; a replica killed mid-score costs retries, not rows; each way a server can
+be the wrong teacher, fail, hang or want a key is one line, with nothing written. A forwarding stub in
+front of a real server stands in for the error, hang and key shapes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models import teacher_server
 from gndpo.stages.teachers.registry import check_teacher_backend
 from tests.conftest import assert_one_line_error, assert_teacher_columns_agree, committed_rows, invoke, invoke_ok, run_stages
-from tests.teacher_servers import StubServer, self_signed_certificate, start_servers
+from tests.teacher_servers import ForwardingReplica, StubServer, self_signed_certificate, start_servers
 
 pytestmark = pytest.mark.slow
 NAME = "toy-teacher"
@@ -29,12 +30,12 @@ NAME = "toy-teacher"
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_assets, other_tokenizer_teacher):
-    """{"a", "b": the teacher's replicas, "student": other weights, "tokenizer": another tokenizer}, all
-    serving under the teacher's name."""
+    """{"a", "b": the teacher's replicas (b a process forwarding to a), "student": other weights,
+    "tokenizer": another tokenizer}, all serving under the teacher's name."""
     folder = tmp_path_factory.mktemp("teacher-servers")
-    specs = {"a": tiny_assets / "teacher", "b": tiny_assets / "teacher", "student": tiny_assets / "student",
-             "tokenizer": other_tokenizer_teacher}
+    specs = {"a": tiny_assets / "teacher", "student": tiny_assets / "student", "tokenizer": other_tokenizer_teacher}
     started = dict(zip(specs, start_servers([(model, NAME) for model in specs.values()], folder)))
+    started["b"] = ForwardingReplica(started["a"].url)
     yield started
     for server in started.values():
         server.kill()

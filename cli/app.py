@@ -144,7 +144,7 @@ def exit_without_teardown(code: int) -> NoReturn:
     """End the process with ``code`` as the interpreter would, less its last step. The interpreter waits
     for non-daemon threads, runs the exit handlers (logging's shutdown, W&B's finish, vLLM's engine
     shutdown, multiprocessing's children), flushes stdout and stderr, and then tears every module down
-    one by one: with torch, vLLM and DeepSpeed loaded that last step alone takes 1.5 to 4 s of a
+    one by one: with torch, vLLM and DeepSpeed loaded that last step alone takes about 3 s of a
     stage process's life, and nothing depends on it (a command returns only after what it wrote is
     closed and committed). So this does the first three and skips the fourth."""
     threading._shutdown()  # what the interpreter does first at exit: join non-daemon threads, stop executors

@@ -83,13 +83,29 @@ def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0, overlap: str | N
                                 "(run.overlap on, or gndpo run --learner-gpus K on a GPU node, to overlap)")
 
 
-def may_start(run: Run, order: RoundOrder, round_idx: int, stage: str, started: set[tuple[int, str]], committed=None) -> bool:
+class CommittedStages:
+    """``committed(round, stage)``: whether that stage's manifest exists (round -1's always does), read
+    from the run folder until seen once: a manifest, once there, stays."""
+
+    def __init__(self, run: Run):
+        self.run, self.known = run, set()
+
+    def __call__(self, round_idx: int, stage: str) -> bool:
+        if round_idx < 0 or (round_idx, stage) in self.known:
+            return True
+        if self.run.records(round_idx, stage).manifest() is None:
+            return False
+        self.known.add((round_idx, stage))
+        return True
+
+
+def may_start(run: Run, order: RoundOrder, round_idx: int, stage: str, started: set[tuple[int, str]],
+              committed: CommittedStages | None = None) -> bool:
     """Whether ``stage`` of ``round_idx`` may start now: its previous round has committed, and so has
     everything its class declares it reads (``reads``: a per-unit read, where score streams, once that
     stage has started here or committed); rollout also waits for train of round k-1-ahead, the order's
-    own bound. ``committed(round, stage)``: whether that stage's manifest exists (default: read it)."""
-    if committed is None:
-        committed = lambda r, s: r < 0 or run.records(r, s).manifest() is not None  # noqa: E731
+    own bound. ``committed``: the scheduler's record of what has committed (default: a new one)."""
+    committed = committed or CommittedStages(run)
     if not committed(round_idx - 1, stage):
         return False
     if stage == "rollout" and not committed(round_idx - 1 - order.rollout_ahead, "train"):
@@ -132,15 +148,7 @@ def run_scheduled(url: str, rounds: int, gpus: int, order: RoundOrder, learner_g
     todo = [(r, stage) for r in range(rounds) for stage in STAGES if run.records(r, stage).manifest() is None]
     started: set[tuple[int, str]] = set()
     running: dict[str, StageGroup] = {}  # stage -> the round of it that runs now
-    known: set[tuple[int, str]] = set()  # stages seen committed: a manifest, once there, stays
-
-    def committed(r: int, stage: str) -> bool:
-        if r < 0 or (r, stage) in known:
-            return True
-        if run.records(r, stage).manifest() is None:
-            return False
-        known.add((r, stage))
-        return True
+    committed = CommittedStages(run)
 
     with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages", draw=False) as bar:
         bar.advance(rounds * len(STAGES) - len(todo))

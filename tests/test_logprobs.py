@@ -174,7 +174,7 @@ def test_memory_does_not_grow_with_vocabulary_times_length(realistic_pair):
     under 0.5 GB, where unchunked logits would add 1,792 x V x 4 B x 2 = 2.2 GB per model."""
     short = peak_memory(realistic_pair, 256, 256)
     long = peak_memory(realistic_pair, 2048, 256)
-    print("peak RSS (GiB):", json.dumps({"256": short, "2048": long}))
+    print("peak above each phase's start (GiB):", json.dumps({"256": short, "2048": long}))
     assert long["finite"] and short["finite"]
     assert long["score_extra_gib"] < 2.0 and long["train_extra_gib"] < 3.5
     assert long["score_extra_gib"] - short["score_extra_gib"] < 0.5

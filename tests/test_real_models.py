@@ -12,13 +12,13 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from tests.conftest import USER_CACHE, committed_rows, gndpo, missing_component, model_logprobs, run_stages
+from tests.tiny_gguf import write_tiny_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.real]
 
@@ -87,69 +87,11 @@ def greedy_batch(model, prompts: list[list[int]], pad_id: int, new_tokens: int =
     return out[:, width:].tolist()
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def write_tiny_gguf(path: Path, hidden: int = 64, heads: int = 4, kv_heads: int = 2, ff: int = 128) -> Path:
-    """A llama GGUF shaped like the packaged SmolLM2 file, in about 0.1 MB: a byte-level BPE tokenizer
-    (three ChatML special tokens, the 256 byte characters, two merges: 261 tokens), one layer of hidden
-    size 64 whose matrices are Q8_0-quantized (so transformers really dequantizes), tied embeddings (no
-    ``output.weight``), BOS/EOS/pad ids and a ChatML chat template. Random weights from a fixed seed."""
-    import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tokens = special + list(bytes_to_unicode().values()) + ["Ġt", "he"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny")
-    w.add_context_length(128)
-    w.add_embedding_length(hidden)
-    w.add_block_count(1)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(hidden // heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL] * len(special) + [gguf.TokenType.NORMAL] * (len(tokens) - len(special)))
-    w.add_token_merges(["Ġ t", "h e"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
-    rng = np.random.default_rng(0)
-
-    def weight(*shape):
-        return (0.02 * rng.standard_normal(shape)).astype(np.float32)
-
-    w.add_tensor("token_embd.weight", weight(len(tokens), hidden))  # also the output layer: tied
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    w.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, np.float32))
-    w.add_tensor("blk.0.ffn_norm.weight", np.ones(hidden, np.float32))
-    kv = hidden // heads * kv_heads
-    matrices = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden), "attn_output": (hidden, hidden),
-                "ffn_gate": (ff, hidden), "ffn_up": (ff, hidden), "ffn_down": (hidden, ff)}
-    for name, shape in matrices.items():
-        q8 = gguf.quants.quantize(weight(*shape), gguf.GGMLQuantizationType.Q8_0)
-        w.add_tensor(f"blk.0.{name}.weight", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_convert_prints_only_the_folder_on_stdout(tmp_path):
     """`M=$(gndpo convert FILE.gguf OUT)` captures the folder and nothing else: what libraries print
     while converting (DeepSpeed's accelerator warning when transformers imports it) goes to stderr.
     The claim is about a real process's file descriptor 1, so `gndpo convert` runs as one, on a tiny
-    GGUF written here (:func:`write_tiny_gguf`) through the same import and dequantizing path as the
+    GGUF written here (:func:`tests.tiny_gguf.write_tiny_gguf`) through the same import and dequantizing path as the
     packaged models, whose conversion the fixtures above run in this process. The staged folder the
     conversion writes beside OUT is gone afterwards."""
     if importlib.util.find_spec("gguf") is None:
@@ -161,13 +103,13 @@ def test_convert_prints_only_the_folder_on_stdout(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
 
 
-def reading_each_gguf_once(monkeypatch) -> dict:
+def reading_each_gguf_once(monkeypatch) -> None:
     """Make ``gguf.GGUFReader(path)`` return one reader per file (by real path) while ``monkeypatch``
     holds: the readers are the original class's, built on the first call. transformers'
     ``from_pretrained(gguf_file=...)`` builds a reader twice, for the config and then for the weights,
     and each parses the file's metadata in Python (3 s for SmolLM2, 10-14 s for Gemma's 262,144-token
     vocabulary); its loader reads tensors and fields only, and imports GGUFReader from gguf at call time,
-    so it gets this one. The dequantizing is still transformers' own. Returns the readers built."""
+    so it gets this one. The dequantizing is still transformers' own."""
     import gguf
 
     original, readers = gguf.GGUFReader, {}
@@ -179,7 +121,6 @@ def reading_each_gguf_once(monkeypatch) -> dict:
         return readers[key]
 
     monkeypatch.setattr(gguf, "GGUFReader", shared_reader)
-    return readers
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])

@@ -253,6 +253,10 @@ MUTATIONS = [
         "        old = logp.detach()\n",
         ("tests/test_overlap.py", "tests/test_methods.py"),
     ),
+    # Issue 71, points 1-3 and 9: the teacher servers' outage clock and retries, URL checks, strict config types.
+    # Issue 71, points 4, 5, 10 and 11: resume across world sizes, the self-teacher and the rows at staleness 1.
+    # Issue 71, points 6-8: stage CPUs, the held-out split's boundary, the kept server pool's re-check.
+    # Issue 71: more of the code added since f025f0f (scheduler, per-unit reads, staleness, validator).
 ]
 
 
@@ -340,9 +344,17 @@ def check(mutations: list[Mutation], timeout_s: int) -> dict:
 
 def merged(old: dict | None, new: dict) -> dict:
     """``new``'s mutations in place of ``old``'s of the same name (a rerun of some with ``--only``), in
-    the order of MUTATIONS; the baselines of both runs."""
-    if old is None or old.get("machine") != new["machine"]:
+    the order of MUTATIONS; the baselines of both runs. Each mutation keeps the machine and date it ran
+    on, so a rerun of some on another CPU type keeps the others' results, labelled with theirs."""
+    if old is None:
         return new
+    for data in (old, new):
+        for m in data["mutations"]:
+            m.setdefault("machine", data["machine"])
+            m.setdefault("date", data["date"])
+        for b in data["baselines"]:
+            b.setdefault("machine", data["machine"])
+            b.setdefault("date", data["date"])
     by_name = {m["name"]: m for m in old["mutations"]} | {m["name"]: m for m in new["mutations"]}
     order = [m.name for m in MUTATIONS if m.name in by_name]
     return {**new, "baselines": [*old["baselines"], *new["baselines"]], "mutations": [by_name[n] for n in order]}
@@ -350,18 +362,20 @@ def merged(old: dict | None, new: dict) -> dict:
 
 def markdown(data: dict) -> str:
     rows = [
-        "| mutation | what changes | file | tests run | result | failing tests |",
-        "|---|---|---|---|---|---|",
+        "| mutation | what changes | file | tests run | result | failing tests | run on |",
+        "|---|---|---|---|---|---|---|",
     ]
     for m in data["mutations"]:
         tests = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m["tests"])
         failing = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m["failed"][:3]) or "none"
-        rows.append(f"| `{m['name']}` | {m['what']} | `{m['path']}` | {tests} | **{m['verdict']}** ({m['summary']}, {m['seconds']} s) | {failing} |")
+        where = f"{m.get('date', data['date'])}, {m.get('machine', data['machine'])}"
+        rows.append(f"| `{m['name']}` | {m['what']} | `{m['path']}` | {tests} | **{m['verdict']}** ({m['summary']}, {m['seconds']} s) | {failing} | {where} |")
     killed = sum(m["verdict"] == "killed" for m in data["mutations"])
-    baselines = "; ".join(f"{b['summary']} in {b['seconds']} s" for b in data["baselines"])
+    baselines = "; ".join(f"{b['summary']} in {b['seconds']} s ({b.get('date', data['date'])}, {b.get('machine', data['machine'])})"
+                          for b in data["baselines"])
     return "\n".join([
-        f"{killed} of {len(data['mutations'])} mutations killed ({data['date']}, {data['machine']}). The tests run first on "
-        f"the unchanged copy: {baselines}. Each mutant's run stops at its first failure (`-x`).",
+        f"{killed} of {len(data['mutations'])} mutations killed. Each row names the day and machine its tests ran on. The tests "
+        f"run first on the unchanged copy: {baselines}. Each mutant's run stops at its first failure (`-x`).",
         "",
         *rows,
         "",

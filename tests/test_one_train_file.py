@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
 from pathlib import Path
 
@@ -27,13 +28,16 @@ def table_of(prompts: list[str]) -> pl.DataFrame:
     return pl.DataFrame({"prompt_id": [hashlib.sha1(p.encode()).hexdigest()[:16] for p in prompts], "prompt": prompts})
 
 
+def rank_by_hand(prompt: str) -> float:
+    """A prompt's held-out rank re-derived: the first 15 hex digits of sha256("heldout:" + its id) / 16^15."""
+    return int(hashlib.sha256(f"heldout:{hashlib.sha1(prompt.encode()).hexdigest()[:16]}".encode()).hexdigest()[:15], 16) / 16**15
+
+
 def held_by_hand(prompts: list[str], share: float, most: int) -> set[str]:
-    """The held-out prompts re-derived: rank = the first 15 hex digits of sha256("heldout:" + id) / 16^15;
-    those below ``share``, the lowest ``most`` of them, or the lowest one where none is."""
-    ids = {hashlib.sha1(p.encode()).hexdigest()[:16]: p for p in prompts}
-    rank = {i: int(hashlib.sha256(f"heldout:{i}".encode()).hexdigest()[:15], 16) / 16**15 for i in ids}
-    below = sorted((r, i) for i, r in rank.items() if r < share)[:most] or [min((r, i) for i, r in rank.items())]
-    return {ids[i] for _, i in below}
+    """The held-out prompts re-derived: those whose rank is below ``share``, the lowest ``most`` of them,
+    or the lowest one where none is."""
+    below = sorted((rank_by_hand(p), p) for p in prompts if rank_by_hand(p) < share)[:most] or [min((rank_by_hand(p), p) for p in prompts)]
+    return {p for _, p in below}
 
 
 def test_the_split_is_the_hash_rule_whatever_the_order():
@@ -63,6 +67,19 @@ def test_repeats_stay_together_and_the_bounds_hold():
     assert set(few["prompt"]) == held_by_hand(prompts[:5], 0.001, 256) and few.height == 1  # at least one
     nothing = split_heldout(table_of(prompts), DataConfig(heldout_share=0.0))
     assert nothing[0].height == 300 and nothing[1].height == 0
+
+
+def test_a_prompt_ranked_exactly_at_the_share_is_trained_on():
+    """The split holds out the prompts ranked *below* data.heldout_share: a share equal to a prompt's rank
+    (a float init can be given) leaves that prompt in train, and the next float above it holds it out."""
+    prompts = [f"q{i}" for i in range(50)]
+    ranked = sorted(prompts, key=rank_by_hand)
+    boundary = ranked[9]  # not the lowest: that one is held out whatever the share
+    share = rank_by_hand(boundary)
+    train, held = split_heldout(table_of(prompts), DataConfig(heldout_share=share))
+    assert set(held["prompt"]) == set(ranked[:9]) and boundary in set(train["prompt"])
+    above = split_heldout(table_of(prompts), DataConfig(heldout_share=math.nextafter(share, 1)))[1]
+    assert set(above["prompt"]) == set(ranked[:10])
 
 
 def single_file_config(folder: Path, tiny_assets: Path, answers: bool = True, **sections) -> Path:

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from gndpo.apps.init import init_run
 from gndpo.cli.app import app, register
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.keys import describe_type
 from gndpo.pipeline.config.load import config_from_dict, config_to_yaml, load_config
 from gndpo.pipeline.methods import METHODS, validate
 from gndpo.pipeline.run.run import open_run
@@ -121,19 +122,24 @@ def test_fork_refuses_in_one_line_before_writing(tmp_path, tiny_assets, override
     assert not (tmp_path / "new").exists()
 
 
-def literal_settings():
-    """(dotted key, choices) of every setting declared with its choices, walking the schema."""
+def declared_settings() -> list[tuple[str, object]]:
+    """(dotted key, declared type without its range) of every setting, walking the schema."""
     found = []
 
     def walk(cls, where):
         for name, typ in typing.get_type_hints(cls).items():
             if dataclasses.is_dataclass(typ):
                 walk(typ, f"{where}{name}.")
-            elif typing.get_origin(typ) is typing.Literal:
-                found.append((f"{where}{name}", typing.get_args(typ)))
+            else:
+                found.append((f"{where}{name}", typ))
 
     walk(Config, "")
     return found
+
+
+def literal_settings():
+    """(dotted key, choices) of every setting declared with its choices."""
+    return [(key, typing.get_args(typ)) for key, typ in declared_settings() if typing.get_origin(typ) is typing.Literal]
 
 
 def nested(key: str, value) -> dict:
@@ -167,6 +173,30 @@ def test_every_declared_choice_is_accepted_and_nothing_else():
             config_from_dict(nested(key, "not-a-choice"))
     for name in METHODS:
         validate(config_from_dict({"method": {"name": name}}).method)
+
+
+# For each scalar type, values YAML reads as another type that a lax validator would convert (1 ->
+# True, "no" -> False, "3" -> 3, 2.0 -> 2, True -> 1 or 1.0, True -> "True"): each must be refused.
+NOT_OF_TYPE = {bool: [1, 0, 1.0, "1", "true", "false", "yes", "no", "on", "off"], int: ["3", 2.0, True, False],
+               float: [True, False], str: [True, False]}
+
+
+def test_every_bool_int_float_and_str_setting_refuses_a_value_of_another_type():
+    """Strict types across the schema, found by walking it (a setting added later is covered): every
+    bool setting (and one that is a bool or a choice) refuses 1, 0, "yes", "no" and their kin; every int
+    (a count, a bound) refuses "3", 2.0 and True; a float refuses True; a string refuses True. Each is
+    one line naming the key and the value."""
+    typed = [(key, typ) for key, typ in declared_settings() if typ in NOT_OF_TYPE or bool in typing.get_args(typ)]
+    kinds = [typ for _, typ in typed]
+    assert kinds.count(bool) >= 15 and kinds.count(int) >= 30 and kinds.count(float) >= 35 and kinds.count(str) >= 15, kinds
+    assert "train.gradient_checkpointing" in dict(typed)  # bool | Literal["auto"]
+    for key, typ in typed:
+        for value in NOT_OF_TYPE.get(typ, NOT_OF_TYPE[bool]):
+            with pytest.raises(GndpoError) as refused:
+                config_from_dict(nested(key, value))
+            line = str(refused.value)
+            what = typ.__name__ if typ in NOT_OF_TYPE else describe_type(typ)
+            assert line == f"config key {key} must be {what}, got {value!r}", line
 
 
 def test_defaults_pass_the_schema_and_a_config_reads_back_with_its_fingerprint():

@@ -1,12 +1,16 @@
 """The teacher-server pool under outage, against dead ports and fake teachers (no vLLM, no model): a
-pool-wide outage fails in bounded time (``score.server_outage_s`` after the last answer, plus at most
-one request's timeout), with one line and progress lines while it waits; a dead replica of two costs
-retries, not the batch; a failed server gets no request during its cooldown and one on probation; the
-client's own errors are one line naming the server; every URL is parsed when the config is read."""
+pool-wide outage fails in bounded time (``score.server_outage_s`` after the later of the last answer
+and the last server's first failure, plus at most one request's timeout), with one line and progress
+lines while it waits; the outage clock itself, read on a clock the test sets; a request that fails
+while other servers answer is sent exactly 1 + ``score.server_retries`` times; a dead replica of two
+costs retries, not the batch; a failed server gets no request during its cooldown and one on
+probation; the client's own errors are one line naming the server; every URL is parsed when the config
+is read, its port 1-65535."""
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
@@ -33,8 +37,19 @@ def fakes():
         server.close()
 
 
-def pool_of(*urls: str, **settings) -> ServerPool:
-    return ServerPool(ServerSettings(tuple(urls), "fake-teacher", **{"timeout_s": 2.0, "retries": 5, "in_flight": 4, **settings}))
+def pool_of(*urls: str, clock=time.monotonic, **settings) -> ServerPool:
+    return ServerPool(ServerSettings(tuple(urls), "fake-teacher", **{"timeout_s": 2.0, "retries": 5, "in_flight": 4, **settings}), clock=clock)
+
+
+class SetClock:
+    """A pool's clock that reads ``now`` (the test sets it), or real time plus ``skipped`` once set going:
+    what a request lasted on the pool's clock without the test waiting for it."""
+
+    def __init__(self, now: float | None = None):
+        self.now, self.skipped = now, 0.0
+
+    def __call__(self) -> float:
+        return self.now if self.now is not None else time.monotonic() + self.skipped
 
 
 def dead_url() -> str:
@@ -57,6 +72,89 @@ def test_a_total_outage_fails_within_the_deadline_plus_one_timeout(caplog):
     assert sum("out of the pool for 1s" in line for line in lines) == 2, lines  # each server's first cooldown, once
     waiting = [line for line in lines if line.startswith("every teacher server is failing")]
     assert waiting and "the unit fails in" in waiting[0] and len(waiting) <= 2, waiting  # one line every 10 s at most
+
+
+def test_the_outage_clock_starts_when_the_last_server_fails_and_not_again_at_each_failure():
+    """The outage clock, on a clock the test sets: while one server is up there is no outage; it starts
+    when the last server fails, however long before that the last answer came (a 100 s request in
+    flight is no outage), and stays there while servers go on failing (a probation request fails every
+    cooldown); score.server_outage_s after its start the pool fails, in one line naming each server's
+    last error; an answer stops it. A clock restarted at each failure would never run out."""
+    clock = SetClock(now=1000.0)
+    pool = pool_of("http://a:1", "http://b:1", outage_s=60.0, clock=clock)
+    a, b = pool.servers
+    clock.now = 1100.0  # a's request, sent with the work at 1000, fails after 100 s
+    pool._failed(a, "ReadTimeout")
+    assert pool.failing_since is None and pool._outage_left(1100.0) is None  # b answers
+    clock.now = 1101.0
+    pool._failed(b, "ConnectError")
+    assert pool.last_answer == 1000.0 and pool.failing_since == 1101.0
+    assert pool._outage_left(1101.0) == 60.0  # the whole deadline, not 60 - 101
+    clock.now = 1103.0  # a's probation request, after its 1 s cooldown, fails too
+    pool._failed(a, "ConnectError")
+    assert a.failures == 2 and pool.failing_since == 1101.0
+    assert pool._outage_left(1160.5) == 0.5
+    with pytest.raises(GndpoError) as failure:
+        pool._outage_left(1161.0)
+    assert str(failure.value) == ("every teacher server failed for 60s (score.server_outage_s 60): "
+                                  "http://a:1: ConnectError; http://b:1: ConnectError")
+    clock.now = 1170.0
+    pool._succeeded(b)
+    assert pool.failing_since is None and pool.last_answer == 1170.0 and pool._outage_left(1170.0) is None
+    pool.close()
+
+
+def test_an_outage_after_a_long_request_waits_the_deadline_from_its_failure(fakes):
+    """The pool's only server takes 100 s (on the pool's clock) to answer a request, with a 503: the
+    last answer was 100 s before the outage began, and the pool still waits score.server_outage_s for
+    the server to come back, from that failure on, before it fails (counting from the last answer
+    alone, it would fail at once)."""
+    clock = SetClock()
+    server = fakes[0]
+    answer = server.respond
+
+    def slow_then_failing(path, body, headers):
+        if not server.failing:
+            server.failing = True
+            clock.skipped += 100.0
+        return answer(path, body, headers)
+
+    server.respond = slow_then_failing
+    pool = pool_of(server.url, outage_s=1.5, clock=clock)
+    start = time.monotonic()
+    with pytest.raises(GndpoError) as failure:
+        pool.response_logprobs(PROMPTS[:1], RESPONSES[:1], 4)
+    took = time.monotonic() - start
+    pool.close()
+    assert pool.failing_since - pool.last_answer >= 100.0  # the outage began 100 s after the last answer
+    # Reported at the deadline, at most one request's timeout (and a wake-up) later; never 100 s.
+    down = int(re.match(r"every teacher server failed for (\d+)s ", str(failure.value)).group(1))
+    assert 1 <= down <= 1.5 + 2.0 + 1.0, failure.value
+    assert took >= 1.5, took
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_a_request_failing_while_others_answer_is_sent_once_plus_its_retries(retries, monkeypatch):
+    """score.server_retries N: a request every server fails (a 503 for it alone) while another server is
+    up is sent exactly 1 + N times, then fails in one line; the pool counts N retries. One server more
+    than the sends keeps another up at each failure."""
+    monkeypatch.setattr(teacher_server, "BACKOFF_S", (0.0, 0.0))  # no wait between the sends
+    servers = [FakeTeacher() for _ in range(retries + 2)]
+    try:
+        for server in servers:
+            server.poison = {9}
+        pool = pool_of(*(s.url for s in servers), retries=retries)
+        with pytest.raises(GndpoError) as failure:
+            pool.response_logprobs([[9, 2]], [[3, 4]], 0)
+        pool.close()
+        sends = sum(path == "/v1/completions" for s in servers for _, path, _ in s.received)
+    finally:
+        for server in servers:
+            server.close()
+    assert sends == 1 + retries and pool.retries == retries
+    message = str(failure.value)
+    assert message.startswith(f"a request to the teacher's servers failed {1 + retries} times while they answered others: ")
+    assert "\n" not in message and "cannot answer this one" in message, message
 
 
 def test_a_dead_replica_of_two_costs_retries_not_the_batch(fakes):
@@ -125,6 +223,19 @@ def test_a_malformed_server_url_is_one_line_at_init_and_nothing_is_written(url, 
     assert not (tmp_path / "run").exists()
     with pytest.raises(GndpoError, match="is not a URL"):
         config_from_dict({"score": {"backend": "server", "servers": {"a": ["http://a:1"], "b": [url]}}, "teachers": {"a": "x", "b": "y"}})
+
+
+def test_a_server_port_is_1_to_65535():
+    """The port range's ends are accepted and the numbers just past them refused, in one line (httpx
+    itself takes 65536)."""
+    for port in (1, 65535):
+        url = f"http://127.0.0.1:{port}"
+        assert config_from_dict({"score": {"backend": "server", "servers": [url]}}).score.servers == [url]
+    for port in (0, 65536):
+        url = f"http://127.0.0.1:{port}"
+        with pytest.raises(GndpoError) as refused:
+            config_from_dict({"score": {"backend": "server", "servers": [url]}})
+        assert str(refused.value) == f"score.servers: {url!r} is not a URL (port {port} is not 1-65535): write http://host:port or https://host:port"
 
 
 class ScoringJob(SlowJob):

@@ -14,7 +14,8 @@ the least loaded server after a backoff with jitter, and the server that failed 
 cooldown, then probed back in with one request. Retries are bounded by the pool's state: while another
 server answers, a request has ``score.server_retries`` retries (a request no server can answer fails
 for good); while every server is failing, the pool waits for one to come back until
-``score.server_outage_s`` has passed since the last answer of any server, then fails with one line
+``score.server_outage_s`` has passed since the later of the last answer of any server and the moment
+the last server began failing (a long request in flight is no outage), then fails with one line
 naming each server's last error. Each server's going out and coming back, and the outage's time left,
 are log lines. A 401/403 is one line naming the server, and so is any other error the HTTP client
 raises. Score commits a unit only when every row is scored, so a server's failure costs retries and at
@@ -120,6 +121,9 @@ class ServerPool:
     settings: ServerSettings
     servers: list[Server] = field(init=False)
     _lock: threading.Condition = field(init=False, default_factory=threading.Condition)
+    # What the outage clock, the cooldowns and the states read the time from (a test's own clock); the
+    # waits for a server stay in real time.
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     def __post_init__(self):
         self.servers = [Server(u) for u in self.settings.urls]
@@ -134,14 +138,14 @@ class ServerPool:
         self._batches, self._cancelled = itertools.count(1), set()
         # The outage clock: the last answer of any server (or the start of work after the pool was idle),
         # and since when every server has been failing (None while one is not).
-        self.last_answer, self.failing_since, self._next_notice = time.monotonic(), None, 0.0
+        self.last_answer, self.failing_since, self._next_notice = self.clock(), None, 0.0
         self.retries = self.cooldowns = 0  # for the round's metrics
         self.probe: list[float] | None = None  # the servers' answers to the probe, once checked
 
     def states(self) -> dict[str, str]:
         """{url: :meth:`Server.state`} for `gndpo status` and the logs."""
         with self._lock:
-            now = time.monotonic()
+            now = self.clock()
             return {s.url: s.state(now) for s in self.servers}
 
     def close(self) -> None:
@@ -159,7 +163,7 @@ class ServerPool:
         batch = next(self._batches)
         with self._lock:  # an idle pool (a kept one, between rounds) starts the outage clock with the work
             if not any(s.requests for s in self.servers):
-                self.last_answer = time.monotonic()
+                self.last_answer = self.clock()
         futures = [self._threads.submit(self.prompt_logprobs, ids, topk, batch=batch) for ids in sequences]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f.exception() for f in done if f.exception() is not None), None)
@@ -197,14 +201,14 @@ class ServerPool:
     def request(self, path: str, payload: dict | None, cost: int = 1, server: Server | None = None, batch: int = 0) -> dict:
         """POST ``payload`` (GET where None) to ``path`` of the least loaded server, retrying elsewhere
         after a retriable failure, or once to ``server`` (the checks). A GndpoError (one line) once the
-        request has failed ``score.server_retries`` times while another server answered, once every
+        request has failed 1 + ``score.server_retries`` times while another server answered, once every
         server has failed for ``score.server_outage_s``, or at once for a refusal no retry mends."""
         if server is not None:
             return self._request_from(server, path, payload, cost)
         failures = 0  # of this request while another server was up or answered: the request itself may be what fails
         for attempt in itertools.count():
             chosen = self._acquire(cost, batch)
-            sent = time.monotonic()
+            sent = self.clock()
             try:
                 answer = self._send(chosen, path, payload)
                 self._succeeded(chosen)
@@ -268,7 +272,7 @@ class ServerPool:
             while True:
                 if batch in self._cancelled:
                     raise GndpoError("another request of the batch failed")
-                now = time.monotonic()
+                now = self.clock()
                 left = self._outage_left(now)
                 free = [s for s in self.servers if s.requests < s.capacity(self.settings.in_flight, now)]
                 if free:
@@ -312,7 +316,7 @@ class ServerPool:
 
     def _succeeded(self, server: Server) -> None:
         with self._lock:
-            self.last_answer = time.monotonic()
+            self.last_answer = self.clock()
             if server.failures:
                 log.info(f"teacher server {server.url} answers again after {server.failures} failures: back in the pool")
             server.failures, self.failing_since = 0, None
@@ -323,7 +327,7 @@ class ServerPool:
         Returns whether another server is up (its last request answered): then the failure is the request's."""
         with self._lock:
             server.last_error = error
-            now = time.monotonic()
+            now = self.clock()
             if now >= server.down_until:
                 server.failures += 1
                 cooldown = min(COOLDOWN_S[1], COOLDOWN_S[0] * 2 ** (server.failures - 1))

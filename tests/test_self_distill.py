@@ -21,6 +21,7 @@ from gndpo.pipeline.settings.schema import SelfTeacherConfig
 from gndpo.stages.text.teacher_context import TeacherPrompts, other_problem_partners
 from gndpo.stages.training.ema import EmaWeights
 from tests.conftest import assert_one_line_error, committed_rows, invoke, invoke_ok, run_stages
+from tests.fabricated_runs import committed_train, fabricated_run
 
 # The toy tokenizer knows digits, "+" and "=": the teacher reads the answer, then the question.
 CONTEXT = [{"role": "user", "content": "{answer}={prompt}"}]
@@ -128,6 +129,23 @@ def test_pointwise_clip_clamps_each_bucket_before_the_sum(kind, form):
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
     unclipped = topk_divergence(kind, s_top, t_top, beta, form=form, teacher_rest_logp=(1 - t_top.exp().sum(-1)).log())
     assert (unclipped > got).any()
+
+
+@pytest.mark.parametrize("weights", ["live", "ema"])
+def test_a_self_teacher_that_follows_the_student_is_the_policy_that_sampled_the_round(tmp_path, weights):
+    """With live or EMA weights, round k's self-teacher is what train exported with the policy that
+    sampled the round (version k - run.max_staleness, Run.sampling_version), not the newest policy:
+    at staleness 1 the two differ from round 2 on (round 1 is sampled, and taught, by the student)."""
+    student, folder = str(tmp_path / "student"), {"live": "model", "ema": "ema"}[weights]
+    for staleness in (0, 1):
+        run = fabricated_run(tmp_path / f"staleness-{staleness}", student=student, teacher="self", self_teacher={"weights": weights},
+                             run={"max_staleness": staleness}, method={"policy_loss": "ppo"})
+        for k in range(3):  # rounds 0-2 trained: policies 1-3 exported, the newest before every round
+            committed_train(run, k, {"model_dir": f"model/v{k + 1}", "ema_dir": f"ema/v{k + 1}"})
+        for k in range(4):
+            version = max(k - staleness, 0)
+            expected = student if version == 0 else str(tmp_path / f"staleness-{staleness}" / folder / f"v{version}")
+            assert run.teacher_models(k) == {f"self/{weights}": expected}, (staleness, k)
 
 
 # -- slow: through the stages ----------------------------------------------------------------------

@@ -7,13 +7,15 @@ compute is round K's score: the same responses scored again with another teacher
 normalization. The lineage (RUN's URL, K, RUN's config fingerprint) is recorded in NEW's run.yaml.
 
 What round K's rollouts were sampled with cannot change (the student, data, rollout and engine
-sections), and every reward NEW uses must be one RUN recorded per response; both are refused in one
-line. The rest is validated as ``gndpo init`` validates it.
+sections, and the policy version ``run.max_staleness`` names for round K), and every reward NEW uses
+must be one RUN recorded per response; both are refused in one line. The rest is validated as ``gndpo
+init`` validates it.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import yaml
 
@@ -54,6 +56,12 @@ def fork_refusal(parent_url: str, from_round: int, cfg: Config) -> str | None:
     for section in ROLLOUT_SECTIONS:
         if getattr(cfg, section) != getattr(parent.cfg, section):
             return f"fork: {section} cannot change: round {from_round}'s rollouts were sampled with {parent_url}'s {section}"
+    # Round K's score takes the student's column (train's behaviour log-probs) from the policy the fork's
+    # run.max_staleness says sampled K: it must be the one that did, or every ratio divides by another policy.
+    sampled, version = parent.sampling_version(from_round), replace(parent, cfg=cfg).sampling_version(from_round)
+    if version != sampled:
+        return (f"fork: run.max_staleness {cfg.run.max_staleness} would score round {from_round} as sampled by policy {version}, "
+                f"but {parent_url}'s rollouts of it were sampled by policy {sampled} (run.max_staleness {parent.cfg.run.max_staleness})")
     recorded = set(run_rewards(parent.cfg))
     missing = [name for name in (cfg.reward, *cfg.method.outcome.rewards) if name not in recorded]
     if missing:

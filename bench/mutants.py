@@ -304,8 +304,8 @@ MUTATIONS = [
         "resume-ignores-world-size", "train continues after an in-round checkpoint written by another number of ranks (whose "
         "ZeRO partitions it cannot load: the update goes on from the round's initial weights, the steps taken skipped)",
         "stages/training/checkpoint.py",
-        'if checkpoint is not None and checkpoint.get("world", 1) == dist.world:',
-        "if checkpoint is not None:",
+        '                    if meta.get("world", 1) != dist.world:\n                        continue\n',
+        "",
         ("tests/test_resume_world_size.py",),
     ),
     Mutation(

@@ -33,13 +33,13 @@ class Engine:
         self.loads += 1
 
 
-def left_checkpoint(run, round_idx: int, world: int) -> dict:
-    """Attempt 1 of the round's update claimed it and left a checkpoint after :data:`STEPS_TAKEN`
+def left_checkpoint(run, round_idx: int, world: int, attempt: int = 1, steps: int = STEPS_TAKEN) -> dict:
+    """Attempt ``attempt`` of the round's update claimed it and left a checkpoint after ``steps``
     steps, written by ``world`` ranks; its record (what resume_point reads), without state files."""
     records = run.records(round_idx, "train")
-    assert records.create_claim(UNIT, 1, {"worker": "killed"})
-    record = {"step": STEPS_TAKEN, "history": [{"loss": 1.0}] * STEPS_TAKEN, "world": world, "files": []}
-    assert run.fs.create_json(f"{records.checkpoint_dir(UNIT, 1)}/step-{STEPS_TAKEN:05d}.json", record)
+    assert records.create_claim(UNIT, attempt, {"worker": "killed"})
+    record = {"step": steps, "history": [{"loss": 1.0}] * steps, "world": world, "files": []}
+    assert run.fs.create_json(f"{records.checkpoint_dir(UNIT, attempt)}/step-{steps:05d}.json", record)
     return record
 
 
@@ -70,3 +70,13 @@ def test_a_carried_optimizer_state_of_another_number_of_ranks_starts_a_fresh_one
     start = start_at(ResumePoint("carried", {"world": 2, "files": []}), engine, run, 1, 1, None, log=said.append)
     assert start == Start([], 0, False) and engine.loads == 0
     assert said == ["train r1: optimizer state of round 0 was written by 2 ranks; starting a fresh one"]
+
+
+def test_a_newer_checkpoint_of_another_number_of_ranks_does_not_hide_this_numbers(tmp_path):
+    """Attempt 1 (one rank) checkpointed after 2 steps, attempt 2 (two ranks) after 3: one rank resuming
+    continues after attempt 1's step 2, not the whole round again."""
+    run = fabricated_run(tmp_path)
+    committed_train(run, 0, optimizer_state=CARRIED)
+    ours = left_checkpoint(run, 1, world=1, attempt=1, steps=STEPS_TAKEN)
+    left_checkpoint(run, 1, world=2, attempt=2, steps=STEPS_TAKEN + 1)
+    assert resume_point(run, 1, Dist(), kept=False) == ResumePoint("checkpoint", ours)

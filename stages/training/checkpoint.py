@@ -129,7 +129,9 @@ def save_checkpoint(engine, fs, out_dir: str, history: list[dict], dist: Dist, e
 
 
 def newest_checkpoint(run: Run, round_idx: int, dist: Dist) -> dict | None:
-    """The record of the newest checkpoint an earlier attempt of this round left (None: none). Rank 0
+    """The record of the newest checkpoint an earlier attempt of this round left with this number of
+    ranks (None: none). ZeRO partitions are per rank, so another world size's checkpoint cannot be
+    continued, and a newer one of another world size must not hide an older one of this. Rank 0
     chooses it and tells the others, so every rank loads the same one."""
     best = [None]
     if dist.main:
@@ -139,6 +141,8 @@ def newest_checkpoint(run: Run, round_idx: int, dist: Dist) -> dict | None:
             for name in run.fs.listdir(ckpt):
                 if name.endswith(".json"):
                     meta = run.fs.read_json(f"{ckpt}/{name}")
+                    if meta.get("world", 1) != dist.world:
+                        continue
                     if best[0] is None or meta["step"] > best[0]["step"]:
                         best[0] = meta
     if dist.world > 1:
@@ -179,7 +183,7 @@ def resume_point(run: Run, round_idx: int, dist: Dist, kept: bool) -> ResumePoin
        ``train.state_async`` write that never finished), the train stages since then run again.
     Every rank gets the same answer (rank 0 chooses the checkpoint)."""
     checkpoint = newest_checkpoint(run, round_idx, dist)
-    if checkpoint is not None and checkpoint.get("world", 1) == dist.world:
+    if checkpoint is not None:
         return ResumePoint("checkpoint", checkpoint)
     if kept:
         return ResumePoint("kept")

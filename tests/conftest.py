@@ -176,6 +176,44 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
     return sorted((r for f in files for r in pq.read_table(Path(run_dir) / f["path"]).to_pylist()), key=lambda r: r["rollout_id"])
 
 
+EPS32 = float(np.finfo(np.float32).eps)  # 2**-23 = 1.19e-7: float32's spacing at 1.0, twice its rounding error
+
+
+def float32_sum_tol(n_terms: int, magnitude: float) -> dict[str, float]:
+    """``rtol`` and ``atol`` (as np.testing.assert_allclose and torch.testing.assert_close take them) for
+    two float32 computations of the same numbers whose sums add in other orders (other chunks, batch
+    shapes or padding, another CPU's SIMD width or BLAS blocking, an engine's kernels): ``n_terms`` the
+    roundings on the longest chain of sums behind a number, ``magnitude`` the size of its terms.
+    Rounded in another order, n roundings of at most EPS32/2 each add like a random walk: about
+    sqrt(n) * EPS32 of the terms' size apart (Higham & Mary, SIAM J. Sci. Comput. 2019; n * EPS32 only
+    if every rounding went one way). So much of each number (rtol), and of ``magnitude`` where terms
+    of that size cancel to a number near zero (atol)."""
+    rel = float(np.sqrt(n_terms)) * EPS32
+    return {"rtol": rel, "atol": rel * magnitude}
+
+
+def forward_terms(config, context: int) -> int:
+    """The roundings on a logit's longest chain of sums in one forward of a decoder over ``context``
+    positions: per layer its two norms and its q/k/v, output and gate/up projections (hidden terms
+    each), the attention scores (head_dim) and their weighted sum over the context, the down
+    projection (intermediate); then the final norm and the head (hidden) and the log-softmax's sum
+    over the vocabulary. A gradient's chain runs through the same sums backwards."""
+    cfg = getattr(config, "text_config", None) or config
+    hidden = cfg.hidden_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    return cfg.num_hidden_layers * (5 * hidden + head_dim + context + cfg.intermediate_size) + 2 * hidden + cfg.vocab_size
+
+
+def logprob_tol(model, prompt, response) -> dict[str, float]:
+    """float32_sum_tol for a float32 model's log-probs of ``response`` after ``prompt`` computed twice:
+    the chain of :func:`forward_terms`, the magnitude the largest |log-prob| over the whole vocabulary
+    at those positions (the logits, bias-free heads' of both signs, and the log-sum-exp the
+    log-softmax subtracts from them are no larger)."""
+    model = causal_lm(model)
+    logp = response_log_softmax(model, prompt, response)
+    return float32_sum_tol(forward_terms(model.config, len(prompt) + len(response)), float(logp.abs().max()))
+
+
 def assert_teacher_columns_agree(reference: list[dict], other: list[dict], atol: float, topk: bool) -> None:
     """Two scorings of the same rollouts (score rows sorted by rollout id): the teacher's sampled-token
     log-probs within ``atol``, the student's identical and, with ``topk``, the teacher's top-k
@@ -205,15 +243,24 @@ def assert_teacher_columns_agree(reference: list[dict], other: list[dict], atol:
 def model_logprobs(model, prompt, response):
     """log p(response_t | prompt, response_<t) of one HF model (a module, or the folder to load it
     from), written out here: the reference the stored log-probs are checked against."""
+    logp = response_log_softmax(causal_lm(model), prompt, response)
+    return logp[torch.arange(len(response)), torch.tensor(response)].numpy()
+
+
+def causal_lm(model):
+    """``model`` itself, or the HF causal LM in the folder it names."""
     from transformers import AutoModelForCausalLM
 
-    if isinstance(model, (str, Path)):
-        model = AutoModelForCausalLM.from_pretrained(str(model))
+    return AutoModelForCausalLM.from_pretrained(str(model)) if isinstance(model, (str, Path)) else model
+
+
+def response_log_softmax(model, prompt, response) -> torch.Tensor:
+    """[len(response), V] float64: the log-softmax rows of one forward of prompt + response that
+    predict the response's tokens."""
     ids = torch.tensor([list(prompt) + list(response)])
     with torch.no_grad():
-        logp = torch.log_softmax(model.eval()(input_ids=ids).logits[0].double(), -1)
-    positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
-    return logp[positions, torch.tensor(response)].numpy()
+        logits = model.eval()(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) + len(response) - 1]
+    return torch.log_softmax(logits.double(), -1)
 
 
 def in_ci() -> bool:

@@ -59,8 +59,18 @@ def run_stage(
 ) -> Manifest | None:
     """Run (or join, with ``worker``) one stage; returns its manifest, or None if other workers still
     hold units when this worker runs out of work. ``live``: the engines and models to compute with
-    (:class:`gndpo.stages.models.live.LiveModels`; default: built for this stage alone). ``follow``:
-    stream behind the stage it reads unit by unit, taking each unit once its input unit commits."""
+    (:class:`gndpo.stages.models.live.LiveModels`; default: built for this stage alone and released
+    when it returns, as a user's process calling it would want). ``follow``: stream behind the stage
+    it reads unit by unit, taking each unit once its input unit commits."""
+    if live is None:
+        # Imported here: it imports torch, which registering the commands must not (cli/stages.py imports this module).
+        from gndpo.stages.models.live import LiveModels
+
+        own = LiveModels(log=log)
+        try:
+            return run_stage(url, stage, round_idx, worker, lease_ttl, log, own, follow)
+        finally:
+            own.close()
     run = open_run(url)
     check_round(run, round_idx, stage, follow)
     if lease_ttl <= 0:
@@ -80,7 +90,7 @@ def run_stage(
             manifest = Worker(records, job, ttl=lease_ttl, log=log, on_manifest=committed).run(wait_for_others=not worker)
         if manifest is not None and dist.main:
             write_metrics_jsonl(run)
-        if manifest is not None and stage == "train" and live is not None:
+        if manifest is not None and stage == "train":
             live.train_committed()
     return manifest
 

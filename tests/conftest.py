@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from gndpo.storage.cache import cache_root  # noqa: E402
+from tests.process_memory import pytest_runtest_logreport, pytest_runtest_makereport, pytest_terminal_summary  # noqa: E402, F401  (the bound on what a test leaves resident)
 
 TINY = dict(digits=2, n_train_prompts=96, n_heldout=24)
 # The user's cache, read before the fixtures point GNDPO_CACHE at a temporary folder: what is
@@ -197,11 +198,21 @@ def forward_terms(config, context: int) -> int:
     positions: per layer its two norms and its q/k/v, output and gate/up projections (hidden terms
     each), the attention scores (head_dim) and their weighted sum over the context, the down
     projection (intermediate); then the final norm and the head (hidden) and the log-softmax's sum
-    over the vocabulary. A gradient's chain runs through the same sums backwards."""
+    over the vocabulary. A gradient's chain runs through the same sums backwards. A vision-language
+    model's image tokens come from its tower first: the patch embedding, its layers (as above, over at
+    most 4 patches per context position: 2x2 patches make one token in both families here), and a
+    connector over 4 patches' features."""
     cfg = getattr(config, "text_config", None) or config
     hidden = cfg.hidden_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
-    return cfg.num_hidden_layers * (5 * hidden + head_dim + context + cfg.intermediate_size) + 2 * hidden + cfg.vocab_size
+    terms = cfg.num_hidden_layers * (5 * hidden + head_dim + context + cfg.intermediate_size) + 2 * hidden + cfg.vocab_size
+    vision = getattr(config, "vision_config", None)
+    if vision is not None:
+        layers, heads = getattr(vision, "num_hidden_layers", None) or vision.depth, getattr(vision, "num_attention_heads", None) or vision.num_heads
+        patch = 3 * vision.patch_size**2 * getattr(vision, "temporal_patch_size", 1)
+        width = vision.hidden_size
+        terms += patch + layers * (5 * width + width // heads + 4 * context + vision.intermediate_size) + 2 * 4 * width
+    return terms
 
 
 def logprob_tol(model, prompt, response) -> dict[str, float]:
@@ -214,27 +225,50 @@ def logprob_tol(model, prompt, response) -> dict[str, float]:
     return float32_sum_tol(forward_terms(model.config, len(prompt) + len(response)), float(logp.abs().max()))
 
 
-def assert_teacher_columns_agree(reference: list[dict], other: list[dict], atol: float, topk: bool) -> None:
+def model_logprob_tol(*models) -> dict[str, float]:
+    """float32_sum_tol for log-probs of any of these Llama-like models (modules or folders; the
+    language model of a vision-language one) computed twice anywhere in their context, as stored rows
+    are compared: the chain of :func:`forward_terms` over max_position_embeddings, and a magnitude
+    none of their log-probs, logits or log-sum-exps exceeds. A head without bias reading the RMS-normed
+    state x/rms(x) (norm sqrt(hidden)) scaled by gamma gives |logit_v| <= sqrt(hidden) * ||gamma * W_v||
+    =: M (Cauchy-Schwarz), so |log-sum-exp| <= M + log V and |log-prob| <= 2M + log V."""
+    n_terms, size = 0, 0.0
+    for model in map(causal_lm, models):
+        cfg = getattr(model.config, "text_config", None) or model.config
+        text = next((getattr(model.model, name) for name in ("text_model", "language_model") if hasattr(model.model, name)), model.model)
+        scaled = model.get_output_embeddings().weight.detach() * text.norm.weight.detach()
+        bound = float(np.sqrt(cfg.hidden_size)) * float(scaled.norm(dim=-1).max())
+        n_terms = max(n_terms, forward_terms(model.config, cfg.max_position_embeddings))
+        size = max(size, 2 * bound + float(np.log(cfg.vocab_size)))
+    return float32_sum_tol(n_terms, size)
+
+
+def assert_teacher_columns_agree(reference: list[dict], other: list[dict], tol: dict[str, float], topk: bool) -> None:
     """Two scorings of the same rollouts (score rows sorted by rollout id): the teacher's sampled-token
-    log-probs within ``atol``, the student's identical and, with ``topk``, the teacher's top-k
-    log-probs within ``atol``, its ids identical wherever the values are not tied, and its rest mass
-    beside the top-k, exp(teacher_rest_logprob), within ``atol``: top-k log-probs ``atol`` apart move
-    the rest by at most sum_k p_k * atol <= atol (engine backends compute it as 1 - sum of the top-k p,
-    the HF backend from its whole softmax)."""
+    log-probs within ``tol`` (rtol and atol, from :func:`model_logprob_tol`, atol the larger for the
+    log-probs compared), the student's identical and, with ``topk``, the teacher's top-k log-probs
+    within ``tol``, its ids identical wherever the values are not tied, and its rest mass beside the
+    top-k, exp(teacher_rest_logprob), within twice atol and the rounding of a sum of k probabilities:
+    top-k log-probs each within atol + rtol * |lp| <= 2 * atol move the rest by at most sum_k p_k * 2 *
+    atol (engine backends compute it as 1 - sum of the top-k p, the HF backend from its whole softmax)."""
     assert [r["rollout_id"] for r in reference] == [r["rollout_id"] for r in other] and reference
     compared = 0
     for ref, got in zip(reference, other):
-        np.testing.assert_allclose(got["teacher_logprobs"], ref["teacher_logprobs"], rtol=0, atol=atol)
+        np.testing.assert_allclose(got["teacher_logprobs"], ref["teacher_logprobs"], **tol)
         assert got["student_logprobs"] == ref["student_logprobs"]
         if not topk:
             continue
+        k = len(ref["teacher_topk_ids"][0])
         np.testing.assert_allclose(np.exp(np.asarray(got["teacher_rest_logprob"], np.float64)),
-                                   np.exp(np.asarray(ref["teacher_rest_logprob"], np.float64)), rtol=0, atol=atol + 1e-6)
+                                   np.exp(np.asarray(ref["teacher_rest_logprob"], np.float64)), rtol=0,
+                                   atol=2 * tol["atol"] + float32_sum_tol(k, 1.0)["atol"])
         for ids_r, lp_r, ids_o, lp_o in zip(ref["teacher_topk_ids"], ref["teacher_topk_logprobs"], got["teacher_topk_ids"], got["teacher_topk_logprobs"]):
-            np.testing.assert_allclose(lp_o, lp_r, rtol=0, atol=atol)
+            np.testing.assert_allclose(lp_o, lp_r, **tol)
             gaps = np.diff(lp_r)  # descending: a position's id is fixed when it differs from both neighbours
+            # Two values each within atol + rtol * |lp| of the reference's swap places only across a smaller gap than twice that.
+            tie = 2 * (tol["atol"] + tol["rtol"] * float(np.abs(lp_r).max()))
             for j in range(len(ids_r)):
-                if not ((j > 0 and abs(gaps[j - 1]) < atol) or (j < len(gaps) and abs(gaps[j]) < atol)):
+                if not ((j > 0 and abs(gaps[j - 1]) < tie) or (j < len(gaps) and abs(gaps[j]) < tie)):
                     assert ids_r[j] == ids_o[j]
                     compared += 1
     assert compared > 100 or not topk
@@ -248,10 +282,14 @@ def model_logprobs(model, prompt, response):
 
 
 def causal_lm(model):
-    """``model`` itself, or the HF causal LM in the folder it names."""
-    from transformers import AutoModelForCausalLM
+    """``model`` itself, or the HF model in the folder it names (an image-text one where its config has
+    a vision tower)."""
+    if not isinstance(model, (str, Path)):
+        return model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(str(model)) if isinstance(model, (str, Path)) else model
+    vision = hasattr(AutoConfig.from_pretrained(str(model)), "vision_config")
+    return (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(str(model))
 
 
 def response_log_softmax(model, prompt, response) -> torch.Tensor:

@@ -8,7 +8,17 @@ import pytest
 import yaml
 
 from gndpo.pipeline.run.run import open_run
-from tests.conftest import assert_one_line_error, committed_rows, invoke, invoke_ok, model_logprobs, run_stages, tiny_config_dict, write_config
+from tests.conftest import (
+    assert_one_line_error,
+    committed_rows,
+    invoke,
+    invoke_ok,
+    model_logprob_tol,
+    model_logprobs,
+    run_stages,
+    tiny_config_dict,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +57,12 @@ def test_a_reference_resolves_to_the_policy_and_records_its_files(parent, tiny_a
     # Round 0 of the child, scored: the teacher's log-probs are the parent's policy v1, recomputed here.
     run_stages(child, "rollout", "score")
     rollouts = {r["rollout_id"]: r for r in committed_rows(child)}
+    tol = model_logprob_tol(export_dir(parent, 1))  # two float32 forwards of it (tests/conftest.py)
     for s in committed_rows(child, "score")[:4]:
         r = rollouts[s["rollout_id"]]
         assert s["teacher"] == f"run:{parent}@1"
         want = model_logprobs(export_dir(parent, 1), r["prompt_token_ids"], r["response_token_ids"])
-        assert max(abs(a - b) for a, b in zip(s["teacher_logprobs"], want)) < 1e-5
+        assert list(s["teacher_logprobs"]) == pytest.approx(list(want), rel=tol["rtol"], abs=tol["atol"])
 
 
 def test_the_newest_policy_stays_the_teacher_when_the_parent_trains_on(parent, tiny_assets, tmp_path):

@@ -80,7 +80,11 @@ def check_forward(family: str, device: torch.device, dtype: torch.dtype, rows: i
     (``share_prompts``: the prompts' pass, left-padded, then the responses' on its cache) and through the
     model's own forward (row by row, unpadded, given what its processor gives it: for Qwen2.5-VL the
     token types from which it builds its image-aware M-RoPE positions), and a backward with the vision
-    tower frozen. Returns the largest difference and what the backward reached."""
+    tower frozen. Returns the two (``logprobs``, ``reference``), their largest difference, the tolerance
+    of two float32 forwards of the model (tests/conftest.py's model_logprob_tol) and what the backward
+    reached."""
+    from tests.conftest import model_logprob_tol
+
     model, tok, processor = FAMILIES[family]()
     model = model.to(device=device, dtype=dtype)
     images = [[im] for im in pictures(rows)]
@@ -105,6 +109,9 @@ def check_forward(family: str, device: torch.device, dtype: torch.dtype, rows: i
             want.append(full[start - 1 : -1].gather(-1, ids[0, start:, None])[:, 0])
     grads = {name: p.grad is not None and bool(p.grad.abs().sum() > 0) for name, p in model.named_parameters()}
     return {
+        "logprobs": logp.detach().float().cpu().numpy(),
+        "reference": torch.cat(want).cpu().numpy(),
+        "tolerance": model_logprob_tol(model),
         "max_diff": float((logp.detach().float() - torch.cat(want)).abs().max()),
         "frozen_parameters": frozen,
         "language_model_grads": any(v for k, v in grads.items() if "language_model" in k or "text_model" in k),

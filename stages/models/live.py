@@ -31,6 +31,7 @@ import gc
 import json
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -102,6 +103,8 @@ class LiveModels:
     _adapter_ids: dict = field(default_factory=dict)  # adapter folder -> its vLLM LoRA id (adapter_engine)
     _calibrated: dict = field(default_factory=dict)  # engine key -> probe tolerance a fresh engine's gap set
     _pools: dict = field(default_factory=dict)  # ServerSettings -> ServerPool (score.backend server)
+    _unkept: list = field(default_factory=list)  # the vLLM engines built here without keeping them, for close()
+    _trainers: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # the DeepSpeed engines built here, not yet released
 
     # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
     def student_engine(self, policy: str, cfg: EngineConfig, seed: int, images: int = 0, exported: str | None = None):
@@ -118,7 +121,7 @@ class LiveModels:
         it is measured (``self.probe``) and a reloaded engine beyond the tolerance is replaced by a
         fresh one, with a warning."""
         if not self.keep:
-            llm = make_llm(policy, cfg, seed=seed, images=images)
+            llm = self._unkept_engine(make_llm(policy, cfg, seed=seed, images=images))
             self.probe = self._measure_probe(llm, policy, reloaded=False)
             return llm
         self.free_device_for_engine()
@@ -194,6 +197,8 @@ class LiveModels:
             llm = make_llm(base, cfg, seed=seed, sleep_mode=self.keep and cuda_available(), lora_rank=rank)
             if self.keep:
                 self._engine = _Engine(llm, key, base)
+            else:
+                self._unkept_engine(llm)
         else:
             llm = live.llm
         folder = Path(policy) / ADAPTER_DIR
@@ -269,6 +274,13 @@ class LiveModels:
                 live.llm.sleep(level=1)
                 live.asleep = True
 
+    def _unkept_engine(self, llm):
+        """``llm``, built for one stage (``keep=False``): shut down by :meth:`close`, when the command that
+        made this set ends (:func:`gndpo.apps.rounds.run_stage`), not whenever the garbage collector
+        gets to it."""
+        self._unkept.append(llm)
+        return llm
+
     def close_engine(self) -> None:
         if self._engine is not None:
             self._shut_down(self._engine)
@@ -295,7 +307,7 @@ class LiveModels:
         started once per run (the teacher never changes) and sleeps on a GPU while other stages run; the
         student's engine sleeps while it scores."""
         if not self.keep:
-            return make_llm(path, cfg, max_logprobs=max_logprobs, images=images)
+            return self._unkept_engine(make_llm(path, cfg, max_logprobs=max_logprobs, images=images))
         self.free_device_for_engine()
         key = (path, repr(cfg), max_logprobs, images)
         live = self._teacher_engine = self._alive(self._teacher_engine, "the teacher's engine")
@@ -369,13 +381,28 @@ class LiveModels:
         # engine holds reference cycles (hooks, optimizer and parameters), so dropping the name frees
         # nothing until the cycle collector runs.
         del live
+        self._release_trainers()
         gc.collect()
         if cuda_available():
             import torch
 
             torch.cuda.empty_cache()
         engine, _ = build(cfg, policy, world, base)
+        self._trainers.add(engine)
         return engine, False
+
+    def _release_trainers(self) -> None:
+        """End the life of every DeepSpeed engine built here (one process trains with one engine at a
+        time, so a new one, or the end of this set, ends the others'): ``DeepSpeedEngine.destroy``
+        removes what the engine registered outside itself. Under ZeRO 1 and 2 that is a gradient hook
+        on every parameter, held by autograd, whose closure holds the optimizer: a cycle through C++
+        that the garbage collector cannot see, so a dropped engine kept its model, gradients and
+        optimizer state for the life of the process (2 GiB per SmolLM2 135M train)."""
+        for engine in list(self._trainers):
+            self._trainers.discard(engine)
+            destroy = getattr(engine, "destroy", None)
+            if destroy is not None:
+                destroy()
 
     def _trained_weights(self, exported: str | None) -> dict | None:
         """{checkpoint name: tensor} of the kept DeepSpeed engine if it exported exactly ``exported``
@@ -404,15 +431,19 @@ class LiveModels:
             self._trainer.pending.release()
 
     def drop_trainer(self) -> None:
-        """Forget the kept DeepSpeed engine, once its pending state write (if any) has finished."""
+        """Forget the kept DeepSpeed engine, once its pending state write (if any) has finished, and
+        release it (:meth:`_release_trainers`)."""
         if self._trainer is not None:
             self._trainer.settled()
         self._trainer = None
+        self._release_trainers()
 
     def close(self) -> None:
         self.drop_trainer()  # first: an in-process engine's shutdown destroys the groups the write may use
         while (live := self._engine or self._teacher_engine) is not None:
             self._shut_down(live)
+        while self._unkept:
+            shutdown_llm(self._unkept.pop())
         self._modules.clear()
         for pool in self._pools.values():
             pool.close()

@@ -56,3 +56,13 @@ class GndpoWorker:
         # kernel holding its own packed copy of the matrix).
         head.quant_method.process_weights_after_loading(head)
         return 1
+
+    def forget_reload_records(self) -> int:
+        """Drop what vLLM recorded of this model's layers to reload them (vllm 0.32's ``LAYERWISE_INFO``,
+        weak-keyed by layer); returns how many records went. After a reload each record holds weight
+        loaders wrapped in a closure over its layer, so it keeps its own key, and with it the whole
+        model, alive after the engine has gone (0.85 GiB per SmolLM2 135M engine): for an engine in the
+        caller's process, called as it shuts down (:func:`gndpo.stages.models.vllm_engine.shutdown_llm`)."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        return sum(LAYERWISE_INFO.pop(layer, None) is not None for layer in self.model_runner.get_model().modules())

@@ -1,0 +1,57 @@
+"""What an in-process command loads it releases when it returns: a process that calls gndpo's functions
+(a script, a notebook, a pytest worker) gets its engines and models back, not a resident set that grows
+with every command (a pytest worker held 13 GiB after the real-model tests).
+
+Three things kept them before: the traceback of an import error vLLM keeps in a module global, whose
+frames held the callers of the process's first ``import vllm`` (the first engine among their locals);
+vLLM's reload records, which keep a reloaded model alive after its engine is gone; and ZeRO 1 and 2's
+gradient hooks, held by autograd, which keep a dropped DeepSpeed engine alive. The test counts the
+objects that hold the memory (engines and models), not the resident set, which the allocator decides.
+"""
+
+import gc
+from collections import Counter
+
+import pytest
+import torch
+
+from gndpo.pipeline.run.run import open_run
+from tests.conftest import invoke_ok, run_stages
+
+pytestmark = pytest.mark.slow
+
+
+def engines_and_models() -> Counter:
+    """{kind: how many are alive} of vLLM engines, DeepSpeed engines and vLLM's model modules, once
+    the garbage collector has run."""
+    gc.collect()
+    alive = Counter()
+    for obj in gc.get_objects():
+        kind = type(obj)
+        if kind.__name__ in ("LLM", "DeepSpeedEngine"):
+            alive[kind.__name__] += 1
+        elif kind.__module__.startswith("vllm.model_executor") and isinstance(obj, torch.nn.Module):
+            alive["vLLM model module"] += 1
+    return alive
+
+
+def test_stage_commands_and_a_closed_kept_set_leave_no_engine_or_model_alive(rolled_out, tmp_path):
+    """Round 0 re-scored and trained under ZeRO 2 by stage commands in this process (each with its
+    own set of engines), then round 1's rollout on a kept engine that loads the trained weights into
+    itself: once the commands have returned and the kept set is closed, no engine and no model is
+    left alive that was not before."""
+    from gndpo.stages.models.live import LiveModels
+
+    before = engines_and_models()
+    url = tmp_path / "zero2"
+    invoke_ok("fork", rolled_out, url, "--from-round", "0", "train.zero_stage=2")
+    run_stages(url, "score", "normalize", "train")
+    run = open_run(str(url))
+    live = LiveModels(keep=True, log=lambda *_: None)
+    try:
+        live.student_engine(run.policy_path(0), run.cfg.engine, seed=run.cfg.rollout.seed)
+        run_stages(url, "rollout", round_idx=1, live=live)
+        assert live.probe["engine_reloaded"] == 1, live.probe  # the kept engine took round 1's weights
+    finally:
+        live.close()
+    assert engines_and_models() == before

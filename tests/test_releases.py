@@ -30,7 +30,7 @@ def engines_and_models() -> Counter:
         kind = type(obj)
         if kind.__name__ in ("LLM", "DeepSpeedEngine"):
             alive[kind.__name__] += 1
-        elif kind.__module__.startswith("vllm.model_executor") and isinstance(obj, torch.nn.Module):
+        elif isinstance(obj, torch.nn.Module) and kind.__module__.startswith("vllm.model_executor"):  # a type's own __module__ may be a descriptor
             alive["vLLM model module"] += 1
     return alive
 

@@ -457,6 +457,14 @@ MUTATIONS = [
         "        return [f for unit in self.units for f in unit.files]\n",
         ("tests/test_schedule.py::test_the_rollouts_a_stage_reads_are_the_response_shards_not_the_evaluation_units_files",),
     ),
+    # Issue 71, what to build 1: what the fast tier and the servers showed under other kernel paths.
+    Mutation(
+        "server-topk-by-reported-rank", "a served or engine teacher's top-k taken by the rank vLLM reports (a miscounted one lets the sampled token in)",
+        "stages/models/prompt_logprobs.py",
+        "ranked = sorted((-lp, tid) for tid, (rank, lp) in entry.items() if rank is not None)[:topk]",
+        "ranked = [(-lp, tid) for _, tid, lp in sorted((rank, tid, lp) for tid, (rank, lp) in entry.items() if rank is not None and rank <= topk)][:topk]",
+        ("tests/test_exact_tails.py::test_a_servers_top_k_is_its_largest_log_probs_whatever_rank_it_reports",),
+    ),
 ]
 
 

@@ -13,6 +13,7 @@ import torch
 
 from gndpo.pipeline.methods.losses import LOGP_FLOOR, DivergenceTerm, combined_token_losses, rest_logprob, topk_divergence
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats
+from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
 from gndpo.stages.teachers.engine import rest_logprob_from_topk
 from tests.conftest import float32_sum_tol, forward_terms
 
@@ -113,6 +114,20 @@ def test_vllm_fallback_is_one_minus_the_top_k_mass_in_float64():
     assert got[2] == pytest.approx(np.log(1e-12), rel=1e-6)  # more than all of it: the floor
     # from float32 values (what vLLM returns) a rest of 1e-9 is lost in their rounding: the limitation
     assert abs(float(rest_logprob_from_topk(lp[3:].astype(np.float32))[0]) - np.log(1e-9)) > 1.0
+
+
+def test_a_servers_top_k_is_its_largest_log_probs_whatever_rank_it_reports():
+    """A position as vLLM's CPU server answered it under ATEN_CPU_CAPABILITY=avx2 (on an AVX-512
+    machine): the top 8 and the prompt's token 9, which has eight larger log-probs beside it but came
+    with rank 6. The stored top-k is the 8 largest, in order, and its rest the mass beside them."""
+    answer = {4: (1, -1.8974), 3: (2, -2.0068), 2: (3, -2.1207), 11: (4, -2.6637), 6: (5, -2.7402), 9: (6, -2.9975),
+              10: (6, -2.8874), 8: (7, -2.9072), 5: (8, -2.9856)}
+    got = flat_response_logprobs([[{}, answer]], [[9]], 8)
+    assert got["logprobs"].tolist() == [np.float32(-2.9975)]
+    assert got["topk_ids"].tolist() == [[4, 3, 2, 11, 6, 10, 8, 5]]
+    want = [-1.8974, -2.0068, -2.1207, -2.6637, -2.7402, -2.8874, -2.9072, -2.9856]
+    assert got["topk_logprobs"].tolist() == [np.float32(want).tolist()]
+    assert float(rest_logprob_from_topk(got["topk_logprobs"])[0]) == pytest.approx(np.log1p(-np.exp(want).sum()), rel=1e-6)
 
 
 # -- the student's rest: float32 gradients as float64 ones ---------------------------------------------

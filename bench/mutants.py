@@ -457,6 +457,43 @@ MUTATIONS = [
         "        return [f for unit in self.units for f in unit.files]\n",
         ("tests/test_schedule.py::test_the_rollouts_a_stage_reads_are_the_response_shards_not_the_evaluation_units_files",),
     ),
+    # Issue 71, what to build 4: what an in-process command releases when it returns.
+    Mutation(
+        "vllm-import-traceback-kept", "make_llm leaves vLLM's stored import error (torchcodec's) its traceback: the frames of the process's "
+        "first `import vllm`, with the first engine among their locals, stay for the life of the process",
+        "stages/models/vllm_engine.py",
+        "    _drop_import_tracebacks()\n    in_process = runs_in_process(kwargs)\n",
+        "    in_process = runs_in_process(kwargs)\n",
+        ("tests/test_releases.py::test_no_import_error_vllm_keeps_holds_the_frames_of_its_importers",),
+    ),
+    Mutation(
+        "reload-records-kept", "an in-process engine shut down without forgetting vLLM's reload records: a reloaded model stays alive",
+        "stages/models/vllm_engine.py",
+        '        core.collective_rpc("forget_reload_records")\n',
+        "        pass\n",
+        ("tests/test_releases.py::test_stage_commands_and_a_closed_kept_set_leave_no_engine_or_model_alive",),
+    ),
+    Mutation(
+        "trainer-not-destroyed", "a DeepSpeed engine whose life ends is dropped without DeepSpeedEngine.destroy (its ZeRO gradient hooks keep it)",
+        "stages/models/live.py",
+        "            if destroy is not None:\n                destroy()\n",
+        "",
+        ("tests/test_releases.py::test_stage_commands_and_a_closed_kept_set_leave_no_engine_or_model_alive",),
+    ),
+    Mutation(
+        "zero3-module-left-on-stack", "a released ZeRO-3 engine's model left on DeepSpeed's FWD_MODULE_STACK (it keeps the engine)",
+        "stages/models/live.py",
+        "            _forget_zero3_module(engine)\n",
+        "",
+        ("tests/test_releases.py::test_stage_commands_and_a_closed_kept_set_leave_no_engine_or_model_alive",),
+    ),
+    Mutation(
+        "stage-set-not-closed", "run_stage called without engines leaves the set it built open: the stage's engines are never released",
+        "apps/rounds.py",
+        "        finally:\n            own.close()\n",
+        "        finally:\n            pass\n",
+        ("tests/test_releases.py::test_stage_commands_and_a_closed_kept_set_leave_no_engine_or_model_alive",),
+    ),
     # Issue 71, what to build 1: what the fast tier and the servers showed under other kernel paths.
     Mutation(
         "server-topk-by-reported-rank", "a served or engine teacher's top-k taken by the rank vLLM reports (a miscounted one lets the sampled token in)",

@@ -2,20 +2,23 @@
 (a script, a notebook, a pytest worker) gets its engines and models back, not a resident set that grows
 with every command (a pytest worker held 13 GiB after the real-model tests).
 
-Three things kept them before: the traceback of an import error vLLM keeps in a module global, whose
+Four things kept them before: the traceback of an import error vLLM keeps in a module global, whose
 frames held the callers of the process's first ``import vllm`` (the first engine among their locals);
-vLLM's reload records, which keep a reloaded model alive after its engine is gone; and ZeRO 1 and 2's
-gradient hooks, held by autograd, which keep a dropped DeepSpeed engine alive. The test counts the
-objects that hold the memory (engines and models), not the resident set, which the allocator decides.
+vLLM's reload records, which keep a reloaded model alive after its engine is gone; the gradient hooks
+ZeRO registers, held by autograd, which keep a dropped DeepSpeed engine alive; and the module-level
+stack ZeRO-3 leaves its model on. The tests count the objects that hold the memory (engines and
+models), not the resident set, which the allocator decides.
 """
 
 import gc
+import sys
 from collections import Counter
 
 import pytest
 import torch
 
 from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import EngineConfig
 from tests.conftest import invoke_ok, run_stages
 
 pytestmark = pytest.mark.slow
@@ -36,15 +39,15 @@ def engines_and_models() -> Counter:
 
 
 def test_stage_commands_and_a_closed_kept_set_leave_no_engine_or_model_alive(rolled_out, tmp_path):
-    """Round 0 re-scored and trained under ZeRO 2 by stage commands in this process (each with its
+    """Round 0 re-scored and trained under ZeRO-3 by stage commands in this process (each with its
     own set of engines), then round 1's rollout on a kept engine that loads the trained weights into
     itself: once the commands have returned and the kept set is closed, no engine and no model is
     left alive that was not before."""
     from gndpo.stages.models.live import LiveModels
 
     before = engines_and_models()
-    url = tmp_path / "zero2"
-    invoke_ok("fork", rolled_out, url, "--from-round", "0", "train.zero_stage=2")
+    url = tmp_path / "zero3"
+    invoke_ok("fork", rolled_out, url, "--from-round", "0", "train.zero_stage=3")
     run_stages(url, "score", "normalize", "train")
     run = open_run(str(url))
     live = LiveModels(keep=True, log=lambda *_: None)
@@ -55,3 +58,23 @@ def test_stage_commands_and_a_closed_kept_set_leave_no_engine_or_model_alive(rol
     finally:
         live.close()
     assert engines_and_models() == before
+
+
+def test_no_import_error_vllm_keeps_holds_the_frames_of_its_importers(tiny_assets, monkeypatch):
+    """vLLM keeps the error of an optional import in a module global (torchcodec's, where it is not
+    installed), and its traceback holds the frames of the process's first ``import vllm`` with every
+    caller's locals; once make_llm has imported vLLM, no error vLLM keeps has its traceback."""
+    import vllm
+    import vllm.multimodal.media.audio  # noqa: F401  (a module that keeps its import error)
+
+    from gndpo.stages.models import vllm_engine
+
+    class FakeLLM:  # the engine itself is not the point
+        def __init__(self, **_):
+            pass
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM, raising=False)
+    vllm_engine.make_llm(str(tiny_assets / "student"), EngineConfig(max_model_len=32, in_process=False))
+    kept = [f"{name}.{key}" for name, module in list(sys.modules.items()) if name.split(".")[0] == "vllm"
+            for key, value in list(vars(module).items()) if isinstance(value, BaseException) and value.__traceback__ is not None]
+    assert kept == []

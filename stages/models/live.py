@@ -31,6 +31,7 @@ import gc
 import json
 import logging
 import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -403,6 +404,7 @@ class LiveModels:
             destroy = getattr(engine, "destroy", None)
             if destroy is not None:
                 destroy()
+            _forget_zero3_module(engine)
 
     def _trained_weights(self, exported: str | None) -> dict | None:
         """{checkpoint name: tensor} of the kept DeepSpeed engine if it exported exactly ``exported``
@@ -448,6 +450,17 @@ class LiveModels:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def _forget_zero3_module(engine) -> None:
+    """Take ``engine``'s model off the module-level stack DeepSpeed's ZeRO-3 pushes it on when it builds
+    the engine and never pops (``deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK``, 0.19.7;
+    ``destroy`` leaves it there): through the engine's hooks on it, the model would keep the whole
+    engine for the life of the process."""
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")  # loaded only where ZeRO-3 ran
+    stack, module = getattr(offload, "FWD_MODULE_STACK", None), getattr(engine, "module", None)
+    if stack is not None and module is not None:
+        stack[:] = [m for m in stack if m is not module]
 
 
 # Config entries that fix the shapes of a model's weights: equal ones load into a running engine.

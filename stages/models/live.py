@@ -104,7 +104,7 @@ class LiveModels:
     _adapter_ids: dict = field(default_factory=dict)  # adapter folder -> its vLLM LoRA id (adapter_engine)
     _calibrated: dict = field(default_factory=dict)  # engine key -> probe tolerance a fresh engine's gap set
     _pools: dict = field(default_factory=dict)  # ServerSettings -> ServerPool (score.backend server)
-    _unkept: list = field(default_factory=list)  # the vLLM engines built here without keeping them, for close()
+    _unkept: list = field(default_factory=list)  # weak references to the vLLM engines built here without keeping them, for close()
     _trainers: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # the DeepSpeed engines built here, not yet released
 
     # -- rollout, eval: the student's vLLM engine ----------------------------------------------------
@@ -277,9 +277,9 @@ class LiveModels:
 
     def _unkept_engine(self, llm):
         """``llm``, built for one stage (``keep=False``): shut down by :meth:`close`, when the command that
-        made this set ends (:func:`gndpo.apps.rounds.run_stage`), not whenever the garbage collector
-        gets to it."""
-        self._unkept.append(llm)
+        made this set ends (:func:`gndpo.apps.rounds.run_stage`), if its user has not dropped it before
+        (a weak reference: this set does not make it live longer)."""
+        self._unkept.append(weakref.ref(llm))
         return llm
 
     def close_engine(self) -> None:

@@ -29,6 +29,7 @@ from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.pipeline.settings.schema import Config
 from gndpo.pipeline.tasks.rewards import run_rewards
 from gndpo.stages.models.loading import read_once
+from gndpo.stages.samplers.registry import check_rollout_backend
 from gndpo.stages.teachers.registry import backend_of, check_teacher_backend
 from gndpo.stages.teachers.served import served_models, teacher_server_settings
 from gndpo.storage.runfs import RunFS
@@ -88,6 +89,7 @@ def fork_run(parent_url: str, url: str, from_round: int, overrides: list[str] = 
         check_models(local)
         check_routes(local, parent.prompts("train"))
         check_images(local, parent.images_per_prompt() > 0)
+        check_rollout_backend(local, parent.images_per_prompt() > 0)
         check_teacher_prompts(local, parent.prompts("train"), RunImages(parent.fs).get)
         probes = backend_of(cfg).check_teachers(cfg, local, parent.images_per_prompt() > 0, kept_probes(parent, cfg))
     lineage = {"parent": _absolute(parent.fs.url), "from_round": from_round, "parent_fingerprint": parent.cfg.fingerprint()}

@@ -38,6 +38,7 @@ from gndpo.stages.models.gpu_memory import check_gpu_memory
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
+from gndpo.stages.samplers.registry import check_rollout_backend
 from gndpo.stages.teachers.registry import backend_of, check_teacher_backend
 from gndpo.stages.text.agent import ToolUse
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids, uses_template
@@ -382,6 +383,7 @@ def checked_prompts(url: str, cfg: Config) -> tuple[dict, dict]:
     splits = {split: with_image_ids(table, images, f"data.{split}") for split, table in prompt_tables(cfg).items()}
     check_prompt_count(cfg, len(splits["train"]), 0 if cfg.data.heldout else len(splits["heldout"]))
     check_images(cfg, bool(images))
+    check_rollout_backend(cfg, bool(images))
     check_round_fits(url, cfg, check_context(cfg, splits, images))
     train = splits["train"].to_dicts()
     check_rewards(cfg, train[0])

@@ -32,13 +32,13 @@ def main(argv=None) -> dict:
 
     import json
 
-    from vllm import SamplingParams
-
     from gndpo.apps.demos.tool_task import ensure_tool_toy_assets
     from gndpo.pipeline.settings.schema import DataConfig, EngineConfig, RolloutConfig
     from gndpo.stages.models.device import set_cpu_threads
     from gndpo.stages.models.loading import load_tokenizer
+    from gndpo.stages.models.sampling import SamplingRequest
     from gndpo.stages.models.vllm_engine import make_llm, shutdown_llm
+    from gndpo.stages.samplers.vllm import VLLMSampler
     from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
     from gndpo.stages.text.chat import render_prompt, stop_token_ids
 
@@ -56,17 +56,18 @@ def main(argv=None) -> dict:
         return out[:count] if count else out
 
     def sampling(seed, max_tokens, extra_stops):
-        return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=0, stop_token_ids=stops,
-                              stop=extra_stops or None, include_stop_str_in_output=bool(extra_stops))
+        return SamplingRequest(seed, max_tokens, 1.0, stop=tuple(extra_stops), keep_stop_text=bool(extra_stops), stop_token_ids=tuple(stops))
 
     t0 = time.time()
-    llm = make_llm(model, EngineConfig(max_model_len=128, kv_cache_gib=1))
+    engine = EngineConfig(max_model_len=128, kv_cache_gib=1)
+    llm = make_llm(model, engine)
+    sampler = VLLMSampler(llm, engine)
     start_s = time.time() - t0
 
     def timed(batches):
         t = time.time()
         for batch in batches:
-            run_conversations(llm, tok, batch, data, tool_use, rc.max_tokens, sampling)
+            run_conversations(sampler, tok, batch, data, tool_use, rc.max_tokens, sampling)
         seconds = time.time() - t
         done = [c for batch in batches for c in batch]
         student = sum(sum(c.loss_mask) for c in done)
@@ -76,7 +77,7 @@ def main(argv=None) -> dict:
             "tool_share_of_tokens": 1 - student / sum(len(c.loss_mask) for c in done),
         }
 
-    run_conversations(llm, tok, conversations(8), data, tool_use, rc.max_tokens, sampling)  # warm-up
+    run_conversations(sampler, tok, conversations(8), data, tool_use, rc.max_tokens, sampling)  # warm-up
     batched, batched_stats = timed([conversations()])
     single, single_stats = timed([[c] for c in conversations(a.baseline_conversations)])
     same = sum(x.response_ids == y.response_ids for x, y in zip(batched, single))

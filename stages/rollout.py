@@ -1,4 +1,5 @@
-"""Rollout: the round's student samples n responses per prompt with vLLM.
+"""Rollout: the round's student samples n responses per prompt, on the sampler ``rollout.backend`` opens
+(vLLM by default, or the student's own module: :mod:`gndpo.stages.samplers`).
 
 Units are fixed slices of the round's prompt list. Every request carries its own seed derived from
 (run seed, round, prompt_id, sample index), never from a worker, so a retried unit reproduces its rows.
@@ -25,11 +26,11 @@ from gndpo.pipeline.run.images import RunImages
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.run.seeds import derived_seed
 from gndpo.pipeline.tasks.rewards import get_reward, run_rewards, score_response
-from gndpo.stages.models.device import DTYPES, local_device
+from gndpo.stages.models.device import local_device
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import check_same_tokenizer, load_tokenizer, unsampleable
-from gndpo.stages.models.lora import served_as_adapters
-from gndpo.stages.models.vllm_engine import cuda_available, engine_dtype
+from gndpo.stages.models.sampling import SamplingRequest
+from gndpo.stages.samplers.registry import rollout_backend
 from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, conversation_metrics, run_conversations
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.text.guide import TeacherGuide
@@ -67,7 +68,7 @@ def round_prompt_ids(prompt_ids: list[str], round_idx: int, count: int, seed: in
 
 class RolloutJob:
     """The rollout stage: each unit samples ``rollout.n`` responses for its prompts with the round's
-    policy in vLLM (tool turns included), rewards them, and writes one rollout shard."""
+    policy on its sampler (tool turns included), rewards them, and writes one rollout shard."""
 
     stage = "rollout"
     # The train that exported the sampling policy: round k-1's, or k-1-s with run.max_staleness s
@@ -78,7 +79,7 @@ class RolloutJob:
         self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
         self.inputs = StageInputs(run, round_idx, self.reads)
         self.live = live or LiveModels()
-        self.llm = self.tok = None
+        self.sampler = self.tok = None
         self.version = run.sampling_version(round_idx)  # the policy that samples: stored in every row
 
     def plan(self):
@@ -96,20 +97,12 @@ class RolloutJob:
         return units, {"policy_version": self.version, "prompts": len(ids), "n": rollout_cfg.n}
 
     def setup(self):
-        """The round's policy on a vLLM engine (kept or fresh; a LoRA student's adapters on its base where
-        vLLM serves them), its tokenizer, stops, tools and rewards."""
+        """The round's policy on its sampler (``rollout.backend``: a vLLM engine, kept or fresh, or the
+        student's module), its tokenizer, stops, tools and rewards."""
         policy = self.run.policy_path(self.version)
         self.tok = load_tokenizer(policy)
         self.images = RunImages(self.run.fs)
-        exported = self.run.policy_dir(self.version)
-        lora_cfg = self.cfg.model.lora
-        if served_as_adapters(lora_cfg, cuda_available()) and not self.run.images_per_prompt():  # a VLM's engine loads the merged weights
-            self.llm = self.live.adapter_engine(policy, self.cfg.engine, self.cfg.rollout.seed, self.run.policy_path(0), lora_cfg.rank)
-        else:
-            self.llm = self.live.student_engine(policy, self.cfg.engine, seed=self.cfg.rollout.seed, images=self.run.images_per_prompt(),
-                                                exported=exported and self.run.fs.uri(exported))
-        # Recorded for score, whose student_logprobs auto trusts the sampler's log-probs from fp32 engines only.
-        self.engine_bits = DTYPES[engine_dtype(self.cfg.engine)].itemsize * 8
+        self.sampler = rollout_backend(self.cfg).open(self.run, self.version, self.live)
         # Without answers only the rewards that read none are computed, and the run's reward may be None.
         self.rewards = run_rewards(self.cfg, self.run.has_answers("train"))
         self.stop_ids = stop_token_ids(self.tok, self.cfg.data)
@@ -131,17 +124,13 @@ class RolloutJob:
         u = sample_seed(rollout_cfg.seed, self.round, f"guide:{prompt_id}", 0) / 2**32
         return u < rollout_cfg.guided_fraction
 
-    def sampling(self, seed: int, max_tokens: int, extra_stops: list[str], temperature: float | None = None):
-        """One student turn's SamplingParams: the run's sampling settings with this turn's seed (and
+    def sampling(self, seed: int, max_tokens: int, extra_stops: list[str], temperature: float | None = None) -> SamplingRequest:
+        """One student turn's request: the run's sampling settings with this turn's seed (and
         ``temperature`` where given: 0 for a greedy held-out response)."""
-        from vllm import SamplingParams
-
         rollout_cfg = self.cfg.rollout
-        return SamplingParams(
-            n=1, temperature=rollout_cfg.temperature if temperature is None else temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
-            max_tokens=max_tokens, seed=seed, logprobs=0,
-            logit_bias=self.banned,
-            stop_token_ids=self.stop_ids, stop=list(rollout_cfg.stop) + extra_stops or None, include_stop_str_in_output=bool(extra_stops),
+        return SamplingRequest(
+            seed, max_tokens, rollout_cfg.temperature if temperature is None else temperature, rollout_cfg.top_p, rollout_cfg.top_k,
+            stop=(*rollout_cfg.stop, *extra_stops), keep_stop_text=bool(extra_stops), stop_token_ids=tuple(self.stop_ids), banned=self.banned,
         )
 
     def run_unit(self, unit, out_dir):
@@ -171,13 +160,13 @@ class RolloutJob:
         return [record], {
             "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r.response_token_ids) for r in rows),
             **({"reward_sum": sum(rewarded)} if rewarded else {}),
-            **conversation_counts(rows), **(self.live.probe or {}), "engine_dtype_bits": self.engine_bits,
+            **conversation_counts(rows), **(self.live.probe or {}), "engine_dtype_bits": self.sampler.dtype_bits,
         }
 
     def generate(self, conversations: list[Conversation], label: str, sampling) -> None:
         """Write ``conversations`` to their ends on the engine (``sampling``: :meth:`sampling` or a
         variant), with a progress bar: a unit can take minutes, so its own progress moves as responses
-        finish inside vLLM's loop; with tools a generation ends a turn, not a response, and those count
+        finish inside the sampler's loop; with tools a generation ends a turn, not a response, and those count
         when their conversation ends."""
         with progress.task(label, total=len(conversations), unit="responses", transient=True) as bar:
             def turn_done(ended: list) -> None:
@@ -185,7 +174,7 @@ class RolloutJob:
                     bar.advance(len(ended))
                 bar.show(tokens=sum(len(c.response_ids) for c in conversations))
 
-            run_conversations(self.llm, self.tok, conversations, self.cfg.data, self.tool_use, self.cfg.rollout.max_tokens, sampling,
+            run_conversations(self.sampler, self.tok, conversations, self.cfg.data, self.tool_use, self.cfg.rollout.max_tokens, sampling,
                               on_turn=turn_done, on_finished=None if self.tool_use is not None else bar.advance)
 
     def row(self, c: Conversation, prompt_text: str, sample_idx: int, rewards: dict | None = None) -> RolloutRow:
@@ -215,7 +204,7 @@ class RolloutJob:
         if self.run.heldout_measure() == "label_free":
             return self._label_free_eval_unit(out_dir)
         task = HeldoutTask(self.run.prompts("heldout"), get_reward(self.cfg.reward), self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use, self.images)
-        result = greedy_eval(self.llm, self.tok, task)
+        result = greedy_eval(self.sampler, self.tok, task)
         record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"))
         record["kind"] = "eval"
         return [record], {"eval": result}

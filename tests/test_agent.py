@@ -8,8 +8,7 @@ import pytest
 
 from gndpo.apps.demos.tool_task import CALL_CLOSE, END_OF_TURN, build_tokenizer, call_text, task_row
 from gndpo.pipeline.settings.schema import DataConfig, RolloutConfig
-from gndpo.stages.models.vllm_engine import Generation
-from gndpo.stages.text import agent
+from gndpo.stages.models.sampling import Generation, SamplingRequest
 from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations, turn_seed
 
 
@@ -19,43 +18,44 @@ def tok():
 
 
 class ScriptedStudent:
-    """Stands in for ``generate``: each request gets the next turn of its conversation's script (by
+    """Stands in for the sampler: each request gets the next turn of its conversation's script (by
     the request's seed, whose turn is read off ``turn_seed``). A turn that ends in a call stops there,
     as vLLM's stop string does; any other turn ends with the end-of-turn token."""
 
     def __init__(self, tok, scripts: dict[int, list[str]]):
         self.tok, self.scripts, self.requests = tok, scripts, []
 
-    def __call__(self, llm, prompts, params, on_finished=None, images=None):
+    dtype_bits = 32
+
+    def generate(self, prompts, params, on_finished=None, images=None):
         out = []
         for ids, p in zip(prompts, params):
             self.requests.append((list(ids), p))
-            seed, turn = next((s, t) for s in self.scripts for t in range(8) if turn_seed(s, t) == p["seed"])
+            seed, turn = next((s, t) for s in self.scripts for t in range(8) if turn_seed(s, t) == p.seed)
             text = self.scripts[seed][turn]
             token_ids = self.tok(text, add_special_tokens=False)["input_ids"]
             called = text.endswith(CALL_CLOSE)
             if not called:
                 token_ids = token_ids + [self.tok.convert_tokens_to_ids(END_OF_TURN)]
             finish = "stop"
-            if len(token_ids) > p["max_tokens"]:
-                token_ids, finish, called = token_ids[: p["max_tokens"]], "length", False
+            if len(token_ids) > p.max_tokens:
+                token_ids, finish, called = token_ids[: p.max_tokens], "length", False
             logprobs = [-0.5] * len(token_ids)
             out.append(Generation(token_ids, logprobs, finish, CALL_CLOSE if called else None))
         return out
 
 
 def sampling(seed, max_tokens, extra_stops):
-    return {"seed": seed, "max_tokens": max_tokens, "stop": extra_stops}
+    return SamplingRequest(seed, max_tokens, stop=tuple(extra_stops), keep_stop_text=True)
 
 
-def converse(tok, monkeypatch, scripts, tools=("calculator",), max_turns=4, budget=200, max_tokens=120, timeout_s=5.0, rows=None):
+def converse(tok, scripts, tools=("calculator",), max_turns=4, budget=200, max_tokens=120, timeout_s=5.0, rows=None):
     student = ScriptedStudent(tok, scripts)
-    monkeypatch.setattr(agent, "generate", student)
     rc = RolloutConfig(tools=list(tools), max_turns=max_turns, max_tool_response_tokens=budget, tool_timeout_s=timeout_s)
     tool_use = ToolUse.from_config(rc)
     rows = rows or [task_row(37, 41)] * len(scripts)
     convs = [Conversation(row, [1, 2, 3], seed) for row, seed in zip(rows, scripts)]
-    run_conversations(None, tok, convs, DataConfig(), tool_use, max_tokens, sampling)
+    run_conversations(student, tok, convs, DataConfig(), tool_use, max_tokens, sampling)
     return convs, student
 
 
@@ -72,8 +72,8 @@ def tool_turn_text(tok, c: Conversation, index: int) -> str:
     return tok.decode(c.response_ids[a:b])
 
 
-def test_a_good_call_then_an_answer(tok, monkeypatch):
-    (c,), student = converse(tok, monkeypatch, {11: [call_text("37*41"), "1517"]})
+def test_a_good_call_then_an_answer(tok):
+    (c,), student = converse(tok, {11: [call_text("37*41"), "1517"]})
     assert c.finish_reason == "stop" and c.num_turns == 2
     assert c.tool_calls == [{"turn": 0, "name": "calculator", "arguments": json.dumps({"expression": "37*41"}), "ok": True, "result": "1517"}]
     assert tool_turn_text(tok, c, 0) == "<|end|><|tool|>1517<|end|><|assistant|>"
@@ -81,12 +81,12 @@ def test_a_good_call_then_an_answer(tok, monkeypatch):
     # The second request continues from the whole conversation so far, with the turn's own seed.
     (first_ids, first), (second_ids, second) = student.requests
     assert second_ids == [1, 2, 3] + c.response_ids[: c.turn_spans[1][0]]
-    assert first["seed"] == 11 and second["seed"] == turn_seed(11, 1) != 11
-    assert first["stop"] == [CALL_CLOSE]
+    assert first.seed == 11 and second.seed == turn_seed(11, 1) != 11
+    assert first.stop == (CALL_CLOSE,)
 
 
-def test_the_mask_is_one_exactly_on_student_tokens(tok, monkeypatch):
-    (c,), _ = converse(tok, monkeypatch, {5: [call_text("12*3"), call_text("36+1"), "37"]})
+def test_the_mask_is_one_exactly_on_student_tokens(tok):
+    (c,), _ = converse(tok, {5: [call_text("12*3"), call_text("36+1"), "37"]})
     written = set()
     for a, b in c.turn_spans:
         written |= set(range(a, b))
@@ -109,49 +109,49 @@ def test_the_mask_is_one_exactly_on_student_tokens(tok, monkeypatch):
     ],
     ids=["tool-raises", "bad-json", "unknown-tool", "user-tool-raises", "timeout", "close-without-open"],
 )
-def test_a_failing_call_becomes_an_error_turn_and_the_student_goes_on(tok, monkeypatch, turn, tools, fragment):
-    (c,), _ = converse(tok, monkeypatch, {3: [turn, "42"]}, tools=tools, timeout_s=0.2)
+def test_a_failing_call_becomes_an_error_turn_and_the_student_goes_on(tok, turn, tools, fragment):
+    (c,), _ = converse(tok, {3: [turn, "42"]}, tools=tools, timeout_s=0.2)
     assert c.finish_reason == "stop" and c.num_turns == 2
     assert fragment in tool_turn_text(tok, c, 0)
     assert c.tool_calls[0]["ok"] is False and fragment in c.tool_calls[0]["result"]
     assert c.student_text(tok).endswith("\n42")
 
 
-def test_a_call_in_the_last_allowed_turn_ends_the_conversation(tok, monkeypatch):
-    (c,), student = converse(tok, monkeypatch, {9: [call_text("1*1")] * 5}, max_turns=3)
+def test_a_call_in_the_last_allowed_turn_ends_the_conversation(tok):
+    (c,), student = converse(tok, {9: [call_text("1*1")] * 5}, max_turns=3)
     assert c.finish_reason == "max_turns" and c.num_turns == 3 and len(student.requests) == 3
     assert [t["ok"] for t in c.tool_calls] == [True, True, False]
     assert c.tool_calls[-1]["result"] is None and c.tool_calls[-1]["name"] == "calculator"
     assert c.loss_mask[-1] == 1  # nothing follows the last call
 
 
-def test_the_length_budget_caps_the_whole_conversation(tok, monkeypatch):
+def test_the_length_budget_caps_the_whole_conversation(tok):
     # This call is 7 tokens and its tool turn 5: the second tool turn is cut at the budget.
-    (c,), student = converse(tok, monkeypatch, {4: [call_text("2*3")] * 4}, budget=20)
+    (c,), student = converse(tok, {4: [call_text("2*3")] * 4}, budget=20)
     assert len(c.response_ids) == 20 and c.finish_reason == "length" and c.num_turns == 2
     # A student turn is also capped by what the budget leaves.
-    (d,), student = converse(tok, monkeypatch, {4: [call_text("2*3"), "1" * 50]}, budget=30)
-    assert student.requests[1][1]["max_tokens"] == 30 - 12
+    (d,), student = converse(tok, {4: [call_text("2*3"), "1" * 50]}, budget=30)
+    assert student.requests[1][1].max_tokens == 30 - 12
     assert len(d.response_ids) == 30 and d.finish_reason == "length"
 
 
-def test_conversations_advance_together_and_stay_their_own(tok, monkeypatch):
+def test_conversations_advance_together_and_stay_their_own(tok):
     scripts = {1: ["5"], 2: [call_text("6*7"), "42"], 3: [call_text("2*2"), call_text("4*4"), "16"]}
-    convs, student = converse(tok, monkeypatch, scripts, rows=[task_row(10, 10)] * 3)
+    convs, student = converse(tok, scripts, rows=[task_row(10, 10)] * 3)
     assert [c.num_turns for c in convs] == [1, 2, 3]
     # One generate call per turn, over the conversations still open: 3 + 2 + 1 requests.
     assert len(student.requests) == 6
     assert [c.student_text(tok).split("\n")[-1] for c in convs] == ["5", "42", "16"]
 
 
-def test_without_tools_a_conversation_is_one_turn(tok, monkeypatch):
+def test_without_tools_a_conversation_is_one_turn(tok):
     student = ScriptedStudent(tok, {7: [call_text("1*2")]})
-    monkeypatch.setattr(agent, "generate", student)
     c = Conversation(task_row(1, 2), [1], 7)
     c.add_prefix([5, 6], ended=False)
-    run_conversations(None, tok, [c], DataConfig(), None, 8, sampling)
+    run_conversations(student, tok, [c], DataConfig(), None, 8, sampling)
     assert c.num_turns == 1 and c.finish_reason == "length" and c.tool_calls == []
-    assert student.requests[0][1] == {"seed": 7, "max_tokens": 6, "stop": []}  # the prefix counts in max_tokens
+    request = student.requests[0][1]
+    assert (request.seed, request.max_tokens, request.stop) == (7, 6, ())  # the prefix counts in max_tokens
     assert c.loss_mask == [0, 0] + [1] * 6
 
 
@@ -194,11 +194,11 @@ def test_prompt_files_keep_their_tool_columns_as_json(tmp_path):
     assert run_tool_call(call, TOOLS, got[1], 1.0).text == "Paris"
 
 
-def test_the_calls_of_a_turn_run_at_once(tok, monkeypatch):
+def test_the_calls_of_a_turn_run_at_once(tok):
     import time
 
     call = '<tool_call>{"name": "tests.custom_tools:nap", "arguments": {}}</tool_call>'
     t0 = time.monotonic()
-    convs, _ = converse(tok, monkeypatch, {s: [call, "ok"] for s in range(6)}, tools=("tests.custom_tools:nap",), timeout_s=5)
+    convs, _ = converse(tok, {s: [call, "ok"] for s in range(6)}, tools=("tests.custom_tools:nap",), timeout_s=5)
     assert time.monotonic() - t0 < 2.0  # six 0.5 s calls, not 3 s
     assert all(c.tool_calls[0]["result"] == "rested" for c in convs)

@@ -35,7 +35,7 @@ FORBIDDEN = {0: ("torch", "transformers", "vllm", "deepspeed")}
 # stages/score.py) sits above them all.
 SUB_FLOORS = {
     "gndpo.pipeline": ("settings", "tasks", "methods", "config", "run", "observe", "exec"),
-    "gndpo.stages": ("models", "text", "scoring", "training", "teachers"),
+    "gndpo.stages": ("models", "samplers", "text", "scoring", "training", "teachers"),
 }
 MODULE_STRING = re.compile(r"gndpo(\.[A-Za-z_]\w*)+\.?(:\w+)?")
 

@@ -483,11 +483,12 @@ def test_a_tool_conversation_shows_its_picture_on_every_turn(vision_pair, tmp_pa
     expanded prompt, with the picture, and the whole conversation so far; the stored prompt is the
     processor's expansion."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
     from gndpo.pipeline.settings.schema import DataConfig, EngineConfig, RolloutConfig
+    from gndpo.stages.models.sampling import SamplingRequest
     from gndpo.stages.models.vllm_engine import make_llm, shutdown_llm
+    from gndpo.stages.samplers.vllm import VLLMSampler
     from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
     from gndpo.stages.text.chat import render_prompt
 
@@ -499,17 +500,25 @@ def test_a_tool_conversation_shows_its_picture_on_every_turn(vision_pair, tmp_pa
     rendered = render_prompt(processor.tokenizer, row, data)
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
 
+    class CallingFirst(VLLMSampler):
+        """The engine's sampler, its first turn (seed 5) constrained to the call."""
+
+        def params(self, request):
+            params = super().params(request)
+            if request.seed == 5:
+                params.structured_outputs = StructuredOutputsParams(regex=call.replace("+", r"\+").replace("{", r"\{").replace("}", r"\}"))
+            return params
+
     def sampling(seed, max_tokens, extra_stops):
-        forced = StructuredOutputsParams(regex=call.replace("+", r"\+").replace("{", r"\{").replace("}", r"\}")) if seed == 5 else None
-        return SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed, logprobs=0, stop=extra_stops,
-                              include_stop_str_in_output=True, structured_outputs=forced,
-                              logit_bias={processor.tokenizer.convert_tokens_to_ids("<image>"): -1e4})
+        return SamplingRequest(seed, max_tokens, 1.0, stop=tuple(extra_stops), keep_stop_text=True,
+                               banned={processor.tokenizer.convert_tokens_to_ids("<image>"): -1e4})
 
     conversation = Conversation(row, rendered.token_ids, 5, [shown])
     tools = ToolUse.from_config(RolloutConfig(tools=["calculator"], max_turns=2, max_tool_response_tokens=200))
-    llm = make_llm(str(student), EngineConfig(max_model_len=256), images=1)
+    engine = EngineConfig(max_model_len=256)
+    llm = make_llm(str(student), engine, images=1)
     try:
-        run_conversations(llm, processor.tokenizer, [conversation], data, tools, 100, sampling)
+        run_conversations(CallingFirst(llm, engine), processor.tokenizer, [conversation], data, tools, 100, sampling)
     finally:
         shutdown_llm(llm)
     assert conversation.tool_calls[0]["ok"] and conversation.tool_calls[0]["result"] == "5"

@@ -255,6 +255,10 @@ class RolloutConfig:
     top_k: Annotated[int, Range(ge=-1)] = -1  # -1 = off
     max_tokens: Count = 8  # the most tokens of a response (of each student turn, with tools)
     seed: NonNegativeInt = 0  # the sampling seed (which prompts each round draws, and the engine's)
+    # What samples: vllm (an engine, kept between rounds) or hf (the student's own module decoding in
+    # batches: no engine start, any device torch runs on; text prompts only). docs/how-to/rollout-backends.md.
+    backend: Literal["vllm", "hf"] = "vllm"
+    hf_batch: Count = 64  # backend hf: responses decoded together (their keys and values held at once)
     eval_heldout: bool = True  # also log the policy's greedy held-out accuracy with the same engine
     # Off-policy guidance (TrOPD, section 6): for this fraction of prompts the teacher writes the first
     # guide_prefix_tokens tokens and the student continues; prefix tokens are not trained by policy
@@ -537,8 +541,11 @@ class Config:
     def fingerprint(self) -> str:
         """The run's identity: every setting that changes what is computed (``logging``, where plugins
         are found and ``run.overlap`` are left out; ``run`` only where its staleness is not 0, so runs
-        made before the section existed keep their identity)."""
+        made before the section existed keep their identity; likewise ``rollout.backend`` and
+        ``rollout.hf_batch`` only where the backend is not vllm)."""
         settings = {k: v for k, v in self.to_dict().items() if k not in ("logging", "plugin_dirs", "run")}
+        if self.rollout.backend == "vllm":
+            settings["rollout"] = {k: v for k, v in settings["rollout"].items() if k not in ("backend", "hf_batch")}
         if self.run.max_staleness:
             settings["run"] = {"max_staleness": self.run.max_staleness}
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]

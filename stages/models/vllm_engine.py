@@ -29,7 +29,6 @@ import sys
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -43,6 +42,7 @@ from gndpo.pipeline.settings.schema import EngineConfig
 from gndpo.stages.models.device import dtype_name, resolve_dtype
 from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
 from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
+from gndpo.stages.models.sampling import Generation, SamplingRequest
 
 GIB = 1 << 30
 # vLLM's CPU platform lets this legacy variable (GiB), when set, replace an engine's kv_cache_memory_bytes.
@@ -283,18 +283,6 @@ def shutdown_llm(llm) -> None:
     core.shutdown()
 
 
-@dataclass
-class Generation:
-    """One sampled response: its token ids, the sampler's log-probs, why it ended, and the prompt ids
-    the model read."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # the sampler's log-prob of each generated token
-    finish_reason: str
-    stop_reason: int | str | None = None  # the stop string or stop token that ended it, if one did
-    prompt_ids: list[int] | None = None  # the prompt as the model read it: with images, each one's tokens expanded
-
-
 class _FinishedRequests:
     """The progress-bar object vLLM's offline loop updates as requests finish (``use_tqdm`` given a
     factory): each update goes to ``on_finished(count)``; vLLM's own speed line (its postfix) is not shown."""
@@ -358,6 +346,17 @@ def token_prompt(ids: list[int], images: list | None = None):
     if images:
         return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": images})
     return TokensPrompt(prompt_token_ids=ids)
+
+
+def sampling_params(request: SamplingRequest):
+    """vLLM's ``SamplingParams`` for one request, returning the raw log-prob of each sampled token."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, max_tokens=request.max_tokens,
+        seed=request.seed, logprobs=0, logit_bias=request.banned, stop_token_ids=list(request.stop_token_ids),
+        stop=list(request.stop) or None, include_stop_str_in_output=request.keep_stop_text,
+    )
 
 
 def generate(llm, prompt_token_ids: list[list[int]], params: list, on_finished: Callable[[int], None] | None = None,

@@ -5,9 +5,9 @@ one student turn, exactly the single ``generate`` call it always was. With tools
 each student turn also stops at ``</tool_call>``; the first call of the turn is executed
 (:func:`gndpo.pipeline.tasks.tools.run_tool_calls`: all calls of a turn at once, never raising), its result is rendered as a tool
 turn through the chat template (:func:`gndpo.stages.text.chat.tool_turn_ids`) and appended, and the student
-continues from the whole conversation so far. All conversations of a batch advance together, one vLLM
-``generate`` per turn over the ones still open, so the engine batches them and its prefix cache
-reuses each conversation's earlier turns.
+continues from the whole conversation so far. All conversations of a batch advance together, one
+``generate`` per turn over the ones still open, so the sampler batches them (and vLLM's prefix cache
+reuses each conversation's earlier turns).
 
 A conversation is one token sequence after the prompt with a loss mask: 1 for tokens the student
 sampled, 0 for tool turns and the template's tokens around them (and for a guided teacher prefix).
@@ -28,7 +28,8 @@ from gndpo.faults import crash_point
 from gndpo.pipeline.run.seeds import derived_seed
 from gndpo.pipeline.settings.schema import DataConfig, RolloutConfig
 from gndpo.pipeline.tasks.tools import Tool, ToolResult, get_tool, parse_tool_call, run_tool_calls
-from gndpo.stages.models.vllm_engine import generate
+from gndpo.stages.models.sampling import SamplingRequest
+from gndpo.stages.samplers.base import Sampler
 from gndpo.stages.text.chat import tool_turn_ids
 from gndpo.storage.rows import RolloutRow
 
@@ -119,14 +120,14 @@ def _called_tool(g) -> bool:
 
 
 def run_conversations(
-    llm, tok, conversations: list[Conversation], data: DataConfig, tool_use: ToolUse | None, max_tokens: int,
-    sampling: Callable[[int, int, list[str]], object], on_turn: Callable[[list[Conversation]], None] | None = None,
+    sampler: Sampler, tok, conversations: list[Conversation], data: DataConfig, tool_use: ToolUse | None, max_tokens: int,
+    sampling: Callable[[int, int, list[str]], SamplingRequest], on_turn: Callable[[list[Conversation]], None] | None = None,
     on_finished: Callable[[int], None] | None = None,
 ) -> None:
     """Write every open conversation to its end, in place. ``max_tokens`` caps each student turn and,
     without tools, the whole response (a guided prefix included); ``sampling(seed, max_tokens,
-    extra_stops)`` makes a turn's vLLM SamplingParams (the caller's temperature, stops and log-prob
-    settings; ``extra_stops`` are the stop strings tool use adds, to be kept in the output).
+    extra_stops)`` makes a turn's request (the caller's temperature and stops; ``extra_stops`` are the
+    stop strings tool use adds, to be kept in the output).
     ``on_turn`` is called after each turn with the conversations that ended in it, ``on_finished(count)``
     as a turn's generations finish inside it (both for progress)."""
     budget = tool_use.max_response_tokens if tool_use else max_tokens
@@ -138,7 +139,7 @@ def run_conversations(
             break
         # At least one token per request: a conversation with no room left was ended below.
         params = [sampling(turn_seed(c.seed, turn), max(min(max_tokens, budget - len(c.response_ids)), 1), extra_stops) for c in active]
-        gens = generate(llm, [c.engine_prompt_ids + c.response_ids for c in active], params, on_finished, [c.images for c in active])
+        gens = sampler.generate([c.engine_prompt_ids + c.response_ids for c in active], params, on_finished, [c.images for c in active])
         calling = []
         for c, g in zip(active, gens):
             if c.images:  # score and train read the prompt as vLLM expanded it (the response so far follows it)

@@ -21,7 +21,10 @@ from gndpo.pipeline.run.seeds import derived_seed
 from gndpo.pipeline.settings.schema import DataConfig, EngineConfig
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer, unsampleable
+from gndpo.stages.models.sampling import SamplingRequest
 from gndpo.stages.models.vllm_engine import shutdown_llm
+from gndpo.stages.samplers.base import Sampler
+from gndpo.stages.samplers.vllm import VLLMSampler
 from gndpo.stages.text.agent import Conversation, ToolUse, run_conversations
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 
@@ -44,12 +47,10 @@ class HeldoutTask:
     images: RunImages | None = None
 
 
-def _responses(llm, tok, task: HeldoutTask, rendered: list, samples: int, temperature: float) -> list[Conversation]:
+def _responses(sampler: Sampler, tok, task: HeldoutTask, rendered: list, samples: int, temperature: float) -> list[Conversation]:
     """``samples`` finished conversations per row of ``task`` (``rendered``: its :func:`render_prompt`),
     row by row: stopped as rollout does, with the task's tools when it has them; greedy (temperature 0)
     or seeded per prompt and sample."""
-    from vllm import SamplingParams
-
     images = task.images
     stops = stop_token_ids(tok, task.data)
     banned = unsampleable(tok.name_or_path) if images else None  # the model folder's image placeholders
@@ -59,23 +60,23 @@ def _responses(llm, tok, task: HeldoutTask, rendered: list, samples: int, temper
     ]
 
     def sampling(seed: int, turn_max: int, extra_stops: list[str]):
-        return SamplingParams(temperature=temperature, max_tokens=turn_max, seed=seed, stop_token_ids=stops, logit_bias=banned,
-                              stop=extra_stops or None, include_stop_str_in_output=bool(extra_stops))
+        return SamplingRequest(seed, turn_max, temperature, stop=tuple(extra_stops), keep_stop_text=bool(extra_stops),
+                               stop_token_ids=tuple(stops), banned=banned)
 
     label = "eval greedy" if temperature == 0 else f"eval {samples} samples per prompt"
     with progress.task(label, total=len(conversations), unit="responses") as bar:
-        run_conversations(llm, tok, conversations, task.data, task.tool_use, task.max_tokens, sampling,
+        run_conversations(sampler, tok, conversations, task.data, task.tool_use, task.max_tokens, sampling,
                           on_turn=lambda ended: bar.advance(len(ended), tokens=sum(len(c.response_ids) for c in ended)))
     return conversations
 
 
-def greedy_eval(llm, tok, task: HeldoutTask) -> dict:
+def greedy_eval(sampler: Sampler, tok, task: HeldoutTask) -> dict:
     """Greedy pass@1 over ``task``'s rows: {"accuracy", "n", "table"}; ``table`` holds one row per
     prompt (the rendered prompt, the response and its reward). With tools each response is a
     conversation with them and the reward reads the student's turns."""
     out = []
     rendered = [render_prompt(tok, r, task.data) for r in task.rows]
-    for r, p, c in zip(task.rows, rendered, _responses(llm, tok, task, rendered, 1, 0.0)):
+    for r, p, c in zip(task.rows, rendered, _responses(sampler, tok, task, rendered, 1, 0.0)):
         text = c.student_text(tok)
         shown = text if task.tool_use is None else tok.decode(c.response_ids)
         out.append({
@@ -94,10 +95,10 @@ def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def sample_correct(llm, tok, task: HeldoutTask, n: int) -> list[int]:
+def sample_correct(sampler: Sampler, tok, task: HeldoutTask, n: int) -> list[int]:
     """Per prompt of ``task``, how many of ``n`` temperature-1 samples get a reward > 0."""
     rendered = [render_prompt(tok, r, task.data) for r in task.rows]
-    conversations = _responses(llm, tok, task, rendered, n, 1.0)
+    conversations = _responses(sampler, tok, task, rendered, n, 1.0)
     return [sum(task.reward(c.student_text(tok), r) > 0 for c in conversations[i * n : (i + 1) * n]) for i, r in enumerate(task.rows)]
 
 
@@ -112,11 +113,12 @@ def evaluate_model(model_path: str, task: HeldoutTask, engine: EngineConfig, k: 
     live = live or LiveModels()
     per_prompt_images = max((len(image_ids(r)) for r in task.rows), default=0) if task.images else 0
     llm = live.student_engine(model_path, engine, seed=0, images=per_prompt_images)
-    greedy = greedy_eval(llm, tok, task)
+    sampler = VLLMSampler(llm, engine)
+    greedy = greedy_eval(sampler, tok, task)
     table = greedy["table"].rename_columns(["prompt_id", "prompt", "answer", "greedy_response", "greedy_reward"])
     summary = {"model": model_path, "prompts": greedy["n"], "pass@1": greedy["accuracy"]}
     if k > 1:
-        correct = sample_correct(llm, tok, task, n)
+        correct = sample_correct(sampler, tok, task, n)
         per_prompt = [unbiased_pass_at_k(n, c, k) for c in correct]
         summary.update({"samples_per_prompt": n, f"pass@{k}": sum(per_prompt) / max(len(per_prompt), 1)})
         table = table.append_column("samples", pa.array([n] * len(task.rows), pa.int32()))

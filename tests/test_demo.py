@@ -96,3 +96,20 @@ def test_the_demo(tmp_path):
         for column, want in zip(("heldout_acc", "reward_mean", "kl_est"), readme_row):
             if want is not None:  # README rounds to 3 decimals, the demo prints 4
                 assert table[model][column] == pytest.approx(want, abs=6e-4), (model, column, out)
+
+
+def test_the_demo_task_learns_with_the_hf_rollout_backend(tmp_path, monkeypatch):
+    """`gndpo demo` with rollout.backend hf (the student's own module samples; no vLLM engine), on a
+    quarter of the demo's round (512 prompts, 16 optimizer steps): after each of its 3 rounds the
+    student's greedy held-out exact match is at least the demo's GAIN above the start's. In this
+    process, after test_the_demo (the same file and worker), so the toy it built is cached."""
+    monkeypatch.setenv("GNDPO_CACHE", str(USER_CACHE))
+    out = invoke_ok("demo", tmp_path / "demo", "rollout.backend=hf", "rollout.prompts_per_round=512", "train.optimizer_steps=16").stdout
+    table = printed_table(out)
+    heldout = [table[model]["heldout_acc"] for model in list(table)[1:]]
+    assert len(heldout) == 4 and all(after - heldout[0] >= GAIN for after in heldout[1:]), out
+    run = open_run(str(tmp_path / "demo" / "run"))
+    assert run.cfg.rollout.backend == "hf"
+    for round_idx in range(3):
+        metrics = run.records(round_idx, "rollout").manifest().metrics
+        assert metrics["engine_dtype_bits"] == 32 and "engine_probe_gap_max" not in metrics  # sampled without an engine

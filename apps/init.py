@@ -38,7 +38,7 @@ from gndpo.stages.models.gpu_memory import check_gpu_memory
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
-from gndpo.stages.samplers.registry import check_rollout_backend
+from gndpo.stages.samplers.registry import check_rollout_backend, rollout_backend
 from gndpo.stages.teachers.registry import backend_of, check_teacher_backend
 from gndpo.stages.text.agent import ToolUse
 from gndpo.stages.text.chat import render_prompt, tool_turn_ids, uses_template
@@ -329,7 +329,7 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
     models = resolve_models(cfg)
     with read_once():  # the checks read the same models' tokenizers and configs many times
         splits, images = checked_prompts(url, models.local)
-        check_gpu_memory(models.local, gpu_bytes or gpu_memory(), backend_of(cfg).capabilities)
+        check_gpu_memory(models.local, gpu_bytes or gpu_memory(), backend_of(cfg).capabilities, rollout_backend(cfg).capabilities)
         probes = backend_of(cfg).check_teachers(cfg, models.local, bool(images))
     say_held_out(cfg, splits)
     store_images(fs, images)

@@ -298,6 +298,34 @@ def test_gpu_round_bench_config_passes_init(tmp_path, monkeypatch):
     assert cfg["train"]["zero_stage"] == 2 and cfg["model"]["dtype"] == "auto" and cfg["rollout"]["max_tokens"] == 1024
 
 
+def test_gpu_round_bench_rehearses_the_hf_job_on_the_cpu(tmp_path, monkeypatch):
+    """bench/gpu_round.py --backend hf --rounds 2 --rehearse: the job for a GPU machine without vLLM
+    (rollout.backend hf, score.backend hf, DeepSpeed train, init's estimate for an 80 GiB GPU, one `gndpo
+    run` of 2 rounds), on small shapes on the CPU, its commands in this process: every stage of both
+    rounds is timed from the commit before it, beside init's estimate of its peak."""
+    script = ROOT / "bench" / "gpu_round.py"
+    spec = importlib.util.spec_from_file_location("gpu_round", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def here(*args, env=None, log=None):
+        result = invoke(*args)
+        return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+    monkeypatch.setattr(bench, "gndpo", here)
+    results = tmp_path / "r.json"
+    bench.main(["--backend", "hf", "--rounds", "2", "--rehearse", "--out", str(tmp_path / "bench"), "--prompts", "8", "--n", "2",
+                "--max-tokens", "16", "--results", str(results)])
+    got = json.loads(results.read_text())
+    assert got["config"]["rollout"]["backend"] == got["config"]["score"]["backend"] == "hf" and got["round"]["rehearsal"]
+    assert got["init_estimate"]["gpu_gib"] == 80.0 and set(got["init_estimate"]["stages"]) == {"rollout", "score", "train"}
+    stages = got["stages"]
+    assert list(stages) == [f"r{r}/{s}" for r in range(2) for s in ("rollout", "score", "normalize", "train")]
+    assert all(entry["seconds"] > 0 for entry in stages.values()) and stages["r1/rollout"]["rows"] == 16
+    assert stages["r0/train"]["estimate_mib"] > 0 and stages["r1/rollout"]["metrics"]["policy_version"] == 1
+    assert sum(entry["seconds"] for entry in stages.values()) <= got["total_seconds"]
+
+
 def test_shutting_down_an_in_process_engine_drops_what_shared_its_process_groups(monkeypatch):
     """A kept in-process engine that is replaced takes the process's torch.distributed groups with it:
     the kept teacher engine (in-process too) and the kept DeepSpeed engine are dropped with it, to be

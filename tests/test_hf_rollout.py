@@ -22,7 +22,7 @@ from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.settings.schema import DataConfig, RolloutConfig
 from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
 from gndpo.stages.models.sampling import SamplingRequest
-from gndpo.stages.samplers.hf import HFSampler, processed_logits
+from gndpo.stages.samplers.hf import HFSampler, draw, processed_logits
 from gndpo.stages.samplers.registry import ROLLOUT_BACKENDS, check_rollout_backend
 from gndpo.stages.text.chat import render_prompt
 from tests.conftest import (
@@ -133,6 +133,25 @@ def test_the_processed_distribution_is_the_one_defined(student):
     np.testing.assert_array_equal(np.isinf(got.numpy()), np.isinf(want))
     np.testing.assert_allclose(got.numpy()[keep], want[keep], rtol=1e-15)
     assert processed_logits(raw, SamplingRequest(seed=0, max_tokens=1, temperature=0.0)).equal(raw)
+
+
+def test_draws_follow_the_processed_distribution():
+    """4,000 rows, each with its own seeded generator, drawn at once from the same processed distribution
+    (top-k 12 of 30 at temperature 0.9): each token's count within 5 standard deviations of its binomial
+    expectation, and no token outside the top-k ever drawn; at temperature 0 every row takes the largest."""
+    generator = torch.Generator().manual_seed(1)
+    raw = torch.log_softmax(torch.randn(30, generator=generator) * 1.5, -1)
+    request = SamplingRequest(seed=0, max_tokens=1, temperature=0.9, top_k=12)
+    rows = 4000
+    counts = np.bincount(draw(raw.expand(rows, -1), [request] * rows, [torch.Generator().manual_seed(i) for i in range(rows)]), minlength=30)
+    z = raw.double().numpy() / 0.9
+    kept = np.argsort(-z)[:12]
+    p = np.zeros(30)
+    p[kept] = np.exp(z[kept] - np.logaddexp.reduce(z[kept]))
+    assert counts[p == 0].sum() == 0
+    assert np.all(np.abs(counts - rows * p) <= 5 * np.sqrt(rows * p * (1 - p)) + 1), (counts, rows * p)
+    greedy = SamplingRequest(seed=0, max_tokens=1, temperature=0.0)
+    assert draw(raw.expand(3, -1), [greedy] * 3, [torch.Generator()] * 3) == [int(raw.argmax())] * 3
 
 
 def test_the_backends_are_the_schemas_choices_and_init_refuses_what_hf_cannot_do(tiny_assets):

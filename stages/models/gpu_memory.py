@@ -17,7 +17,9 @@ Qwen3-1.7B-shaped student, ZeRO-0, sdpa), scaled by the model's shape:
 * score holds both models' weights and, per model, at most two logits buffers of
   ``model.logits_budget_mib``; its no-grad forward one layer's activations for its batch;
 * rollout's vLLM engine takes ``engine.gpu_memory_utilization`` of the GPU by design, and must fit the
-  student's weights in it.
+  student's weights in it; ``rollout.backend: hf`` holds the student's weights, the keys and values of
+  ``rollout.hf_batch`` sequences of the engine's context length (at most), a prefill's activations and
+  three float32 [batch, V] buffers of the last position's log-probs.
 
 ``SLACK`` covers the short-lived buffers measured beside each peak. A stage above ``LIMIT`` of the GPU
 is refused (the caching allocator held 6-12 GiB above the measured peaks, and CUDA's context 1.3 GiB);
@@ -50,17 +52,31 @@ MIN_KV_CACHE = 1 * GIB  # vLLM needs room for some KV cache beside the weights
 
 @dataclass(frozen=True)
 class Shape:
-    """What the estimate needs of a model: its parameters, hidden size and layers."""
+    """What the estimate needs of a model: its parameters, hidden size and layers; for a rollout on its
+    own module, the width of a layer's keys (and of its values: key-value heads x head size), its
+    vocabulary and its context."""
 
     parameters: int
     hidden: int
     layers: int
+    kv_width: int = 0
+    vocab: int = 0
+    context: int = 0
 
     @classmethod
     def of(cls, path: str) -> Shape:
         config = model_config(path)
         text = config.get("text_config") or config
-        return cls(architecture_parameter_count(path), int(text["hidden_size"]), int(text["num_hidden_layers"]))
+        hidden, heads = int(text["hidden_size"]), int(text.get("num_attention_heads") or 1)
+        kv_width = int(text.get("num_key_value_heads") or heads) * int(text.get("head_dim") or hidden // heads)
+        return cls(architecture_parameter_count(path), hidden, int(text["num_hidden_layers"]), kv_width,
+                   int(text.get("vocab_size") or 0), int(text.get("max_position_embeddings") or 0))
+
+
+class RolloutPlace(Protocol):
+    """How rollout samples (a rollout backend's capabilities say it)."""
+
+    engine: bool  # a vLLM engine, which takes engine.gpu_memory_utilization of the GPU
 
 
 class TeacherPlace(Protocol):
@@ -137,8 +153,16 @@ def score_peak(cfg: Config, student: Shape, teachers: list[Shape], gpu: int, whe
                      (", or score.engine.gpu_memory_utilization" if engine else ""))
 
 
-def rollout_peak(cfg: Config, student: Shape, gpu: int) -> StagePeak:
-    """Rollout's vLLM engine: its share of the GPU, which must hold the student's weights and some KV cache."""
+def rollout_peak(cfg: Config, student: Shape, gpu: int, sampler: RolloutPlace) -> StagePeak:
+    """Rollout's peak: a vLLM engine's share of the GPU, which must hold the student's weights and some
+    KV cache; or the student's module decoding ``rollout.hf_batch`` sequences of at most the engine's
+    context (engine.max_model_len, else the model's)."""
+    if not sampler.engine:
+        rows, positions = cfg.rollout.hf_batch, cfg.engine.max_model_len or student.context
+        kv_cache = 2 * student.layers * student.kv_width * 2 * rows * positions
+        logprobs = 3 * 4 * rows * student.vocab
+        total = 2 * student.parameters + kv_cache + rows * positions * student.hidden * ACTIVATION_BYTES + logprobs + SLACK
+        return StagePeak("rollout", total, "lower rollout.hf_batch or engine.max_model_len")
     share = cfg.engine.gpu_memory_utilization * gpu
     if 2 * student.parameters + MIN_KV_CACHE > share:
         raise GndpoError(f"rollout: the student's weights ({2 * student.parameters / GIB:.1f} GiB in bf16) leave no room for a KV cache "
@@ -147,29 +171,30 @@ def rollout_peak(cfg: Config, student: Shape, gpu: int) -> StagePeak:
     return StagePeak("rollout", share, "lower engine.gpu_memory_utilization")
 
 
-def estimate_stages(cfg: Config, gpu: int, where: TeacherPlace) -> list[StagePeak]:
+def estimate_stages(cfg: Config, gpu: int, where: TeacherPlace, sampler: RolloutPlace) -> list[StagePeak]:
     """Rollout's, score's and train's peaks for ``cfg`` (models as local folders) on a GPU of ``gpu``
-    bytes, the teacher in score's process as ``where`` says."""
+    bytes, the teacher in score's process as ``where`` says, rollout sampling as ``sampler`` says."""
     student = Shape.of(cfg.student)
     teachers = [student] if cfg.teacher == SELF_TEACHER else [Shape.of(p) for p in cfg.teacher_models().values()]
     checkpointing = uses_checkpointing(cfg, cfg.student, gpu)
-    return [rollout_peak(cfg, student, gpu), score_peak(cfg, student, teachers, gpu, where), train_peak(cfg, student, gpu, checkpointing)]
+    return [rollout_peak(cfg, student, gpu, sampler), score_peak(cfg, student, teachers, gpu, where), train_peak(cfg, student, gpu, checkpointing)]
 
 
-def check_gpu_memory(cfg: Config, gpu: int | None, where: TeacherPlace) -> list[StagePeak]:
+def check_gpu_memory(cfg: Config, gpu: int | None, where: TeacherPlace, sampler: RolloutPlace) -> list[StagePeak]:
     """Estimate every stage on a GPU of ``gpu`` bytes (None: no GPU known here, nothing checked), the
-    teacher in score's process as ``where`` says (its backend's capabilities): one
+    teacher in score's process as ``where`` says (its backend's capabilities), rollout as ``sampler``
+    says (its backend's): one
     line of the estimates, a one-line refusal naming the stage that does not fit and what to change, a
     warning for one above ``WARN`` of the GPU."""
     if gpu is None:
         return []
-    peaks = estimate_stages(cfg, gpu, where)
+    peaks = estimate_stages(cfg, gpu, where, sampler)
     line = ", ".join(f"{p.stage}{p.how} {p.bytes / GIB:.1f}" for p in peaks)
     for peak in peaks:
-        if peak.stage != "rollout" and peak.bytes > LIMIT * gpu:
+        if (peak.stage != "rollout" or not sampler.engine) and peak.bytes > LIMIT * gpu:
             raise GndpoError(f"{peak.stage} needs about {peak.bytes / GIB:.1f} GiB of the GPU's {gpu / GIB:.1f} GiB (estimated per stage: {line} GiB; "
                              f"at most {LIMIT:.0%} fits beside the allocator's cache): {peak.knobs}")
-        if peak.stage != "rollout" and peak.bytes > WARN * gpu:
+        if (peak.stage != "rollout" or not sampler.engine) and peak.bytes > WARN * gpu:
             logging.getLogger("gndpo").warning(f"{peak.stage} needs about {peak.bytes / GIB:.1f} GiB of the GPU's {gpu / GIB:.1f} GiB: {peak.knobs}")
     logging.getLogger("gndpo").info(f"GPU memory per stage, estimated for a {gpu / GIB:.1f} GiB GPU: {line} GiB")
     return peaks

@@ -20,7 +20,7 @@ class SamplerCapabilities:
     tools: bool  # multi-turn tool use (rollout.tools): turns that stop at a string and continue
     images: bool  # prompts with pictures (a VLM student)
     lora_adapters: bool  # a LoRA student's adapters applied on its base (model.lora)
-    kept_engine: bool  # an engine kept between rounds, reloading each round's weights (engine.keep)
+    engine: bool  # a vLLM engine: kept between rounds where the run keeps engines; takes engine.gpu_memory_utilization of a GPU
 
 
 class Sampler(Protocol):

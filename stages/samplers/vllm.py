@@ -20,7 +20,7 @@ class VLLMBackend(RolloutBackend):
     """The round's policy on a vLLM engine: the kept one, reloaded with the round's weights, where the
     run keeps engines; a LoRA student's adapters on its base where vLLM serves them (CUDA)."""
 
-    capabilities = SamplerCapabilities(tools=True, images=True, lora_adapters=True, kept_engine=True)
+    capabilities = SamplerCapabilities(tools=True, images=True, lora_adapters=True, engine=True)
 
     @classmethod
     def open(cls, run: Run, version: int, live: LiveModels) -> "VLLMSampler":

@@ -28,7 +28,9 @@ def export_dir(run, version: int):
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_assets):
     path = tmp_path_factory.mktemp("base") / "base.yaml"
-    path.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
+    # The student's own module samples (rollout.backend hf): a recipe's stages and their resumption do not
+    # depend on the sampler, and each killed recipe process then starts no vLLM engine.
+    path.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets, rollout={"backend": "hf"})))
     return path
 
 

@@ -23,9 +23,14 @@ pytestmark = pytest.mark.slow
 ROUNDS = 3
 
 
+# The student's own module samples (rollout.backend hf): what is tested is train's optimizer state, and
+# the killed `gndpo run` process then starts no vLLM engine.
+ROLLOUT = {"eval_heldout": False, "backend": "hf"}
+
+
 def new_run(folder, assets):
     run = folder / "run"
-    config = write_config(folder, tiny_config_dict(assets, train={"state_every": 3}, rollout={"eval_heldout": False}))
+    config = write_config(folder, tiny_config_dict(assets, train={"state_every": 3}, rollout=ROLLOUT))
     invoke_ok("init", run, "--config", config)
     return run
 
@@ -92,7 +97,7 @@ def test_a_crash_before_a_deferred_state_is_recorded_costs_a_replay_not_a_wrong_
     rows and weights, byte for byte."""
     whole = runs[0]
     run = tmp_path / "run"
-    config = write_config(tmp_path, tiny_config_dict(tiny_assets, train={"state_every": 1}, rollout={"eval_heldout": False}))
+    config = write_config(tmp_path, tiny_config_dict(tiny_assets, train={"state_every": 1}, rollout=ROLLOUT))
     invoke_ok("init", run, "--config", config)
     assert gndpo_killed("run", run, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.state_write"}, log=tmp_path / "crash.log") == -9
     assert train_commit(run, 0).numbers["optimizer_state"]["pending"] and not (run / train_commit(run, 0).numbers["optimizer_state"]["pending"]).exists()

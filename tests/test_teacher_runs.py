@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 def init(folder, assets, **sections):
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config_dict(assets, rollout={"eval_heldout": False}, **sections)
+    # The student's own module samples (rollout.backend hf): a teacher run's resolution does not depend on it.
+    cfg = tiny_config_dict(assets, rollout={"eval_heldout": False, "backend": "hf"}, **sections)
     return invoke(*("init", folder / "run", "--config", write_config(folder, cfg)))
 
 

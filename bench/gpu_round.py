@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -50,6 +49,10 @@ from pathlib import Path
 import yaml
 
 from gndpo.pipeline.run.run import open_run
+from gndpo.stages.models.device import gpu_memory as this_gpu_memory
+from gndpo.stages.models.gpu_memory import GIB, estimate_stages, parse_memory
+from gndpo.stages.samplers.registry import rollout_backend
+from gndpo.stages.teachers.registry import backend_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.realistic
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_round.json"
@@ -219,13 +222,15 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
-def init_estimate(log: str) -> dict | None:
-    """Init's estimate of each stage's peak, as its log line gives it: {"gpu_gib", "stages": {stage: GiB}}."""
-    match = re.search(r"GPU memory per stage, estimated for a ([0-9.]+) GiB GPU: (.*) GiB", log)
-    if match is None:
+def init_estimate(run: Path, gpu_memory: str | None) -> dict | None:
+    """Init's estimate of each stage's peak for the run's config, on a GPU of ``gpu_memory`` (default:
+    this machine's; None without one): {"gpu_gib", "stages": {stage: GiB}}, as `gndpo init` logs it."""
+    cfg = open_run(str(run)).cfg
+    gpu = parse_memory(gpu_memory) if gpu_memory else this_gpu_memory()
+    if gpu is None:
         return None
-    stages = {part.rsplit(" ", 1)[0].split(" ")[0]: float(part.rsplit(" ", 1)[1]) for part in match[2].split(", ")}
-    return {"gpu_gib": float(match[1]), "stages": stages}
+    peaks = estimate_stages(cfg, gpu, backend_of(cfg).capabilities, rollout_backend(cfg).capabilities)
+    return {"gpu_gib": round(gpu / GIB, 1), "stages": {p.stage: round(p.bytes / GIB, 2) for p in peaks}}
 
 
 def stage_processes(run: Path, gpu: str, env: dict, out: Path, result: dict, args) -> None:
@@ -319,7 +324,7 @@ def main(argv=None) -> None:
                   "rounds": args.rounds, "backend": args.backend, "rehearsal": args.rehearse},
         "config": yaml.safe_load(config.read_text()),
         "overrides": args.set,
-        "init_estimate": init_estimate(init.stderr + init.stdout),
+        "init_estimate": init_estimate(run, gpu_memory),
         "stages": {},
     }
     if args.rounds > 1:

@@ -30,6 +30,7 @@ from tests.conftest import (
     gndpo_killed,
     invoke_ok,
     logprob_tol,
+    model_logprob_tol,
     model_logprobs,
     response_log_softmax,
     run_stages,
@@ -167,8 +168,11 @@ def test_the_backends_are_the_schemas_choices_and_init_refuses_what_hf_cannot_do
 def test_a_rollout_killed_mid_generation_resumes_to_the_same_rows(tiny_assets, tmp_path):
     """Round 0's rollout with rollout.backend hf in 4 units plus the held-out one: one run straight
     through, one killed (SIGKILL, its own process) while generating its second unit and rerun; the
-    committed rows are the same, bit for bit, and so is the held-out figure."""
-    cfg = write_config(tmp_path, tiny_config_dict(tiny_assets, rollout={"backend": "hf", "prompts_per_unit": 4, "hf_batch": 8}))
+    committed rows are the same, bit for bit, and so is the held-out figure. The straight run then
+    scores with the sampler's log-probs as the student's column and trains one step: its importance
+    ratio is 1 within what two float32 forwards of the student differ by."""
+    cfg = write_config(tmp_path, tiny_config_dict(tiny_assets, rollout={"backend": "hf", "prompts_per_unit": 4, "hf_batch": 8},
+                                                  score={"student_logprobs": "engine"}, train={"optimizer_steps": 1}))
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     for run in (straight, killed):
         invoke_ok("init", run, "--config", cfg)
@@ -181,3 +185,8 @@ def test_a_rollout_killed_mid_generation_resumes_to_the_same_rows(tiny_assets, t
     assert committed_rows(killed) == committed_rows(straight) and len(committed_rows(straight)) == 16 * 2
     metrics = [open_run(str(r)).records(0, "rollout").manifest().metrics for r in (straight, killed)]
     assert metrics[0]["heldout_accuracy"] == metrics[1]["heldout_accuracy"] and metrics[0]["engine_dtype_bits"] == 32
+    run_stages(straight, "score", "normalize", "train")
+    opened = open_run(str(straight))
+    assert opened.records(0, "score").manifest().metrics["student_logprobs_from_engine"] == 1
+    ratio = opened.records(0, "train").manifest().metrics["ratio_mean"]
+    assert ratio == pytest.approx(1.0, abs=2 * model_logprob_tol(tiny_assets / "student")["atol"])  # exp(d) - 1 ~ d for each token's d

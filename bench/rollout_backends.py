@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -106,6 +107,10 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     root = Path(a.out or tempfile.mkdtemp(prefix="rollout-backends-"))
     data = {"machine": machine(), "date": datetime.date.today().isoformat(), "workloads": {}}
+    saved = RESULTS / "rollout_backends.json"
+    if saved.exists() and json.loads(saved.read_text())["machine"] == data["machine"]:
+        # The workloads not run this time keep their figures from the same CPU type.
+        data["workloads"] = json.loads(saved.read_text())["workloads"]
     for name in a.workloads:
         cfg = WORKLOADS[name](root / name)
         data["workloads"][name] = {backend: one_round(cfg, backend, root / name / backend) for backend in BACKENDS}

@@ -102,7 +102,7 @@ class RolloutJob:
         policy = self.run.policy_path(self.version)
         self.tok = load_tokenizer(policy)
         self.images = RunImages(self.run.fs)
-        self.sampler = rollout_backend(self.cfg).open(self.run, self.version, self.live)
+        self.sampler = rollout_backend(self.cfg).open(self.run, self.version, self.live, self.tok)
         # Without answers only the rewards that read none are computed, and the run's reward may be None.
         self.rewards = run_rewards(self.cfg, self.run.has_answers("train"))
         self.stop_ids = stop_token_ids(self.tok, self.cfg.data)

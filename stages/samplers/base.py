@@ -41,5 +41,6 @@ class RolloutBackend(ABC):
 
     @classmethod
     @abstractmethod
-    def open(cls, run: Run, version: int, live: LiveModels) -> Sampler:
-        """A sampler of policy ``version`` of ``run`` (from ``live``'s kept models where they serve)."""
+    def open(cls, run: Run, version: int, live: LiveModels, tok) -> Sampler:
+        """A sampler of policy ``version`` of ``run`` (from ``live``'s kept models where they serve);
+        ``tok``: the policy's tokenizer, loaded once by the caller (Gemma's takes seconds)."""

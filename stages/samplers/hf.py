@@ -23,7 +23,6 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.device import local_device
 from gndpo.stages.models.live import LiveModels
-from gndpo.stages.models.loading import load_tokenizer
 from gndpo.stages.models.logprobs import backbone, head_logprobs
 from gndpo.stages.models.sampling import Generation, SamplingRequest
 from gndpo.stages.samplers.base import RolloutBackend, SamplerCapabilities
@@ -36,10 +35,10 @@ class HFBackend(RolloutBackend):
     capabilities = SamplerCapabilities(tools=True, images=False, lora_adapters=True, engine=False)
 
     @classmethod
-    def open(cls, run: Run, version: int, live: LiveModels) -> "HFSampler":
+    def open(cls, run: Run, version: int, live: LiveModels, tok) -> "HFSampler":
         # A LoRA student is its base plus the round's adapters, computed unmerged as train computes it.
         model = live.causal_lm(run.policy_path(version), run.cfg.model, local_device(), fixed=False, base=run.lora_base())
-        return HFSampler(model, load_tokenizer(run.policy_path(version)), run.cfg.rollout.hf_batch)
+        return HFSampler(model, tok, run.cfg.rollout.hf_batch)
 
 
 class HFSampler:

@@ -23,7 +23,7 @@ class VLLMBackend(RolloutBackend):
     capabilities = SamplerCapabilities(tools=True, images=True, lora_adapters=True, engine=True)
 
     @classmethod
-    def open(cls, run: Run, version: int, live: LiveModels) -> "VLLMSampler":
+    def open(cls, run: Run, version: int, live: LiveModels, tok) -> "VLLMSampler":
         cfg, policy = run.cfg, run.policy_path(version)
         if served_as_adapters(cfg.model.lora, cuda_available()) and not run.images_per_prompt():  # a VLM's engine loads the merged weights
             llm = live.adapter_engine(policy, cfg.engine, cfg.rollout.seed, run.policy_path(0), cfg.model.lora.rank)

@@ -88,15 +88,16 @@ def one_round(cfg: dict, backend: str, folder: Path) -> dict:
 
 def markdown(data: dict) -> str:
     lines = [f"### rollout.backend vllm and hf ({data['machine']}, {data['date']})", "",
-             "One round as its own process (`gndpo run --rounds 1`), both backends in the same invocation. Set-up: vLLM's "
-             "engine start, or the module's load; tokens per second of rollout's compute.", "",
-             "| workload | backend | round s | rollout set-up s | rollout compute s | tokens | tokens/s | round / vllm's |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "One round as its own process (`gndpo run --rounds 1`), a workload's two backends one after the other in the same "
+             "invocation. Set-up: vLLM's engine start, or the module's load; tokens per second of rollout's compute; peak: the "
+             "process tree's summed PSS.", "",
+             "| workload | backend | round s | rollout set-up s | rollout compute s | tokens | tokens/s | peak GiB | round / vllm's |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, by in data["workloads"].items():
         for backend, r in by.items():
             ratio = r["round_wall_s"] / by["vllm"]["round_wall_s"]
             lines.append(f"| {name} | {backend} | {r['round_wall_s']} | {r['rollout_setup_s']} | {r['rollout_compute_s']} | {r['tokens']} | "
-                         f"{r['tokens_per_s']} | {ratio:.2f} |")
+                         f"{r['tokens_per_s']} | {r['peak_tree_pss_gib']} | {ratio:.2f} |")
     return "\n".join(lines) + "\n"
 
 

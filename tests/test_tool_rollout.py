@@ -12,11 +12,24 @@ import signal
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from gndpo.apps.demos.arithmetic import ModelSpec
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.tasks.rewards import math_answer, tool_correctness, tool_format
-from tests.conftest import assert_one_line_error, committed_rows, float32_sum_tol, forward_terms, gndpo_killed, invoke, invoke_ok, run_stages, write_config
+from tests.conftest import (
+    assert_one_line_error,
+    committed_rows,
+    float32_sum_tol,
+    forward_terms,
+    gndpo_killed,
+    invoke,
+    invoke_ok,
+    logprob_tol,
+    model_logprobs,
+    run_stages,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 ROUND = ("--round", "0")
@@ -103,6 +116,29 @@ def test_rows_masks_and_turns(reference, tok):
     assert metrics["num_turns/mean"] == pytest.approx(sum(r["num_turns"] for r in rows) / 48)
     assert metrics["num_turns/max"] == max(r["num_turns"] for r in rows)
     assert "heldout_accuracy" in metrics
+
+
+def test_the_hf_rollout_backend_calls_the_calculator_and_masks_its_turns(tool_assets, tok, tmp_path):
+    """rollout.backend hf on the same config: the student's module stops each turn at the call's closing
+    tag, the calculator answers, the student continues; every tool turn is masked with log-prob 0, and
+    every student token's stored log-prob is a full forward's over the whole conversation before it."""
+    config = tool_config(tmp_path, tool_assets)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["rollout"]["backend"] = "hf"
+    config.write_text(yaml.safe_dump(cfg))
+    invoke_ok("init", tmp_path / "run", "--config", config)
+    run_stages(tmp_path / "run", "rollout")
+    rows = committed_rows(tmp_path / "run")
+    called = [r for r in rows if any(c["result"] is not None for c in r["tool_calls"])]
+    assert len(rows) == 48 and called, "the small student should call the calculator in some of 48 samples"
+    student = str(tool_assets / "student")
+    for r in called[:4]:
+        ids, mask, lps = r["response_token_ids"], r["loss_mask"], r["sampler_logprobs"]
+        assert len(mask_zero_stretches(mask)) == sum(c["result"] is not None for c in r["tool_calls"])
+        assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m)
+        want = model_logprobs(student, r["prompt_token_ids"], ids)
+        got = np.asarray(lps)[np.asarray(mask) == 1]
+        np.testing.assert_allclose(got, want[np.asarray(mask) == 1], **logprob_tol(student, r["prompt_token_ids"], ids))
 
 
 def test_rewards_read_the_students_turns(reference, tok):

@@ -128,8 +128,9 @@ class HFSampler:
             return "stop", None
         if request.stop:
             # Only text the last token can have completed: a tail long enough for the longest string.
-            tail = self.tok.decode(tokens[-(max(map(len, request.stop)) + 8):], skip_special_tokens=False)
-            previous = self.tok.decode(tokens[-(max(map(len, request.stop)) + 8):-1], skip_special_tokens=False)
+            window = tokens[-(max(map(len, request.stop)) + 8):]
+            tail = self.tok.decode(window, skip_special_tokens=False)
+            previous = self.tok.decode(window[:-1], skip_special_tokens=False)
             for s in request.stop:
                 if s in tail and s not in previous:
                     return "stop", s
@@ -147,6 +148,8 @@ def draw(raw: torch.Tensor, requests: list[SamplingRequest], generators: list[to
     settings = {(r.temperature, r.top_k, r.top_p, tuple(sorted((r.banned or {}).items()))) for r in requests}
     logits = processed_logits(raw, requests[0]) if len(settings) == 1 else torch.stack([processed_logits(x, r) for x, r in zip(raw, requests)])
     greedy = torch.tensor([r.temperature == 0 for r in requests], device=raw.device)
+    if bool(greedy.all()):  # the held-out evaluation: no distribution to invert, no draw to make
+        return logits.argmax(-1).tolist()
     cdf = logits.softmax(-1).double().cumsum(-1)
     u = torch.stack([torch.rand((), generator=g, device=raw.device, dtype=torch.float64) for g in generators]) * cdf[:, -1]
     drawn = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp(max=raw.shape[-1] - 1)

@@ -25,7 +25,8 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.gc import prune_rounds
 from gndpo.pipeline.methods import get_method
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
+from gndpo.pipeline.observe.metrics import collect_metrics, round_metrics
+from gndpo.pipeline.run.products import POLICY
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.live import LiveModels
 
@@ -45,19 +46,15 @@ def round_rows(run) -> tuple[list[dict], list[float]]:
     reward and KL(student||teacher) estimate, and for a trained round its optimizer steps' stability
     figures (:func:`stability`) and advantage range; and the pre-clip gradient norms of every step of
     every round, in order."""
-    by = {(m["round"], m["stage"]): m for m in collect_metrics(run)}
     rows, all_norms = [], []
-    for r in range(committed_rounds(run)):
-        if (r, "rollout") not in by:
-            break
-        row = {"round": r, "heldout_start": by[(r, "rollout")].get("heldout_accuracy"),
-               "heldout_kl_start": by.get((r, "score"), {}).get("heldout_reverse_kl"),  # prompts without answers
-               "reward_mean": by.get((r, "normalize"), {}).get("reward_mean"),
-               "kl_estimate": by.get((r, "normalize"), {}).get("reverse_kl_estimate")}
-        if (r, "train") in by:
-            update = run.records(r, "train").done("update").numbers
-            norms = [s["grad_norm"] for s in update["steps"]]
-            row.update(stability(norms, run.cfg.train.grad_clip), adv_min=update.get("adv_min"), adv_max=update.get("adv_max"))
+    for m in round_metrics(collect_metrics(run)):
+        row = {"round": m.round, "heldout_start": m.rollouts.get("heldout_accuracy"),
+               "heldout_kl_start": m.scores.get("heldout_reverse_kl"),  # prompts without answers
+               "reward_mean": m.statistics.get("reward_mean"), "kl_estimate": m.statistics.get("reverse_kl_estimate")}
+        if m.trained:
+            update = run.records(m.round, POLICY).require_manifest().only().numbers
+            norms = [s["grad_norm"] for s in update.steps]
+            row.update(stability(norms, run.cfg.train.grad_clip), adv_min=update.adv_min, adv_max=update.adv_max)
             all_norms += norms
         rows.append(row)
     return rows, all_norms

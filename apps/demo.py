@@ -22,7 +22,7 @@ from gndpo.apps.loop import run_loop
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import build_config
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.observe.metrics import collect_metrics
+from gndpo.pipeline.observe.metrics import collect_metrics, round_metrics
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.settings.schema import SELF_TEACHER
 from gndpo.stages.models.live import LiveModels
@@ -82,27 +82,22 @@ def write_demo_config(folder: Path, assets: Path, config: Path = DEFAULT_CONFIG,
 
 def demo_table(metrics: list[dict], final_accuracy: float, teacher_accuracy: float) -> list[dict]:
     """One row per policy version: held-out accuracy, and what the round that produced it measured."""
-    by = {(m["round"], m["stage"]): m for m in metrics}
+    rounds = round_metrics(metrics)
     rows = [{"model": "teacher", "heldout_acc": teacher_accuracy}]
-    r = 0
-    while (r, "rollout") in by:
-        acc = by[(r, "rollout")].get("heldout_accuracy")
-        label = "student (start)" if r == 0 else f"student after round {r}"
-        rows.append({"model": label, "heldout_acc": acc})
-        r += 1
-    if (r - 1, "train") in by:
-        rows.append({"model": f"student after round {r}", "heldout_acc": final_accuracy})
-    for row, r in zip(rows[1:], range(r + 1)):
-        if (r, "normalize") in by:
-            row["reward_mean"] = by[(r, "normalize")]["reward_mean"]
-            row["kl_est"] = by[(r, "normalize")]["reverse_kl_estimate"]
-        if (r, "train") in by:
-            row["grad_norm_max"] = by[(r, "train")]["grad_norm_max"]
-        rollout = by.get((r, "rollout"), {})
-        if rollout.get("tool_calls/per_response"):  # the tool task: how the student used the tool
-            row["tool_calls"] = rollout["tool_calls/per_response"]
-            row["turns"] = rollout["num_turns/mean"]
-            row["tool_token_share"] = rollout["tool_mask/tool_ratio"]
+    for m in rounds:
+        rows.append({"model": "student (start)" if m.round == 0 else f"student after round {m.round}", "heldout_acc": m.rollouts.get("heldout_accuracy")})
+    if rounds and rounds[-1].trained:
+        rows.append({"model": f"student after round {len(rounds)}", "heldout_acc": final_accuracy})
+    for row, m in zip(rows[1:], rounds):
+        if m.statistics:
+            row["reward_mean"] = m.statistics["reward_mean"]
+            row["kl_est"] = m.statistics["reverse_kl_estimate"]
+        if m.trained:
+            row["grad_norm_max"] = m.policy["grad_norm_max"]
+        if m.rollouts.get("tool_calls/per_response"):  # the tool task: how the student used the tool
+            row["tool_calls"] = m.rollouts["tool_calls/per_response"]
+            row["turns"] = m.rollouts["num_turns/mean"]
+            row["tool_token_share"] = m.rollouts["tool_mask/tool_ratio"]
     return rows
 
 

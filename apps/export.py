@@ -27,15 +27,15 @@ def export_policy(run_url: str, out: str, version: int | None = None, adapters: 
     policy = run.committed_policy(version)
     adapter_dir = f"{policy.model_dir}/{ADAPTER_DIR}"
     if adapters:
-        files = [f for f in policy.files if f["path"].startswith(f"{adapter_dir}/")]
+        files = [f for f in policy.files if f.under(adapter_dir)]
         if not files:
             raise GndpoError(f"policy v{policy.version} of {run_url} has no adapters (model.lora was off); export it without --adapters")
         prefix = adapter_dir
     else:
         probe = f"{policy.model_dir}/{PROBE_FILE}"
-        files = [f for f in policy.files if not f["path"].startswith(f"{adapter_dir}/") and f["path"] != probe]
+        files = [f for f in policy.files if not f.under(adapter_dir) and f.path != probe]
         prefix = policy.model_dir
     # The run's storage options (an S3 endpoint, credentials) serve an OUT on the same kind of storage.
     same_kind = out.partition("://")[0] == run_url.partition("://")[0] and "://" in out
     written = export_files(policy.records.run, files, prefix, out, run.fs.storage_options if same_kind else None)
-    return {"version": policy.version, "files": len(written), "bytes": sum(f["bytes"] for f in written)}
+    return {"version": policy.version, "files": len(written), "bytes": sum(f.bytes for f in written)}

@@ -25,6 +25,7 @@ from gndpo.pipeline.config.checks import check_staleness
 from gndpo.pipeline.config.load import apply_overrides, config_from_dict
 from gndpo.pipeline.methods import validate as validate_method
 from gndpo.pipeline.run.images import RunImages, copy_images
+from gndpo.pipeline.run.products import POLICY, ROLLOUTS
 from gndpo.pipeline.run.run import PROMPT_SPLITS, Run, open_run
 from gndpo.pipeline.settings.schema import Config
 from gndpo.pipeline.tasks.rewards import run_rewards
@@ -49,9 +50,9 @@ def fork_refusal(parent_url: str, from_round: int, cfg: Config) -> str | None:
     the settings allow and otherwise starts afresh (``gndpo compare``'s methods after the first). A
     parent that is not a run folder is not a reason: it raises, as it would from :func:`fork_run`."""
     parent = open_run(parent_url)
-    if from_round < 0 or parent.records(from_round, "rollout").manifest() is None:
+    if from_round < 0 or parent.records(from_round, ROLLOUTS).manifest() is None:
         return f"cannot fork {parent_url} at round {from_round}: its rollout of round {from_round} is not committed"
-    if from_round > 0 and parent.records(from_round - 1, "train").pruned() is not None:
+    if from_round > 0 and parent.records(from_round - 1, POLICY).pruned() is not None:
         return (f"cannot fork {parent_url} at round {from_round}: the policy that sampled it (round {from_round - 1}'s export) "
                 "was removed by `gndpo gc --keep-rounds`")
     for section in ROLLOUT_SECTIONS:

@@ -185,7 +185,7 @@ def check_context(cfg: Config, splits: dict, images: dict[str, bytes]) -> int:
             f"engine.max_model_len {max_len} exceeds the student's context length {own} (max_position_embeddings); "
             f"set engine.max_model_len <= {own}, or 0 for the model's own"
         )
-    names = [s for s in PROMPT_SPLITS if (s == "train" or cfg.rollout.eval_heldout) and splits[s].height]
+    names = [split for split in PROMPT_SPLITS if (split == "train" or cfg.rollout.eval_heldout) and splits[split].height]
     (longest, row), where = max((longest_prompt(cfg.student, splits[s].to_dicts(), cfg.data, images), s) for s in names)
     total = longest + cfg.rollout.response_tokens
     if total > max_len:

@@ -27,6 +27,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.status import phase_rows, stage_rows
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.images import RunImages, image_ids
+from gndpo.pipeline.run.products import POLICY, ROLLOUTS, ROUND, SCORES
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.loading import load_tokenizer
 from gndpo.storage.duck import connect, parquet_source
@@ -49,7 +50,7 @@ CURVES = [
      [("rollout", "engine_probe_gap_max", " max"), ("rollout", "engine_probe_gap_mean", " mean")]),
     ("entropy", "Entropy of sampled tokens", "nats", [("score", "student_entropy_mean", " student"), ("score", "teacher_entropy_mean", " teacher")]),
 ]
-STAGE_ORDER = ("rollout", "score", "normalize", "train")
+STAGE_ORDER = tuple(product.stage for product in ROUND)
 TOKEN_VIEW_ROWS = 4
 RATIO_SCALE = 3.0  # |lpT - lpS| at which a token's colour is fully saturated
 
@@ -74,8 +75,8 @@ class Series:
             x, per_member = self._member_values(stage, metric)
             return x, [float(np.mean(v)) for v in per_member]
         points = [(r, m[metric]) for (r, s), m in sorted(self.by.items()) if s == stage and isinstance(m.get(metric), (int, float))]
-        if stage == "rollout" and metric == "heldout_accuracy" and self.final_accuracy is not None and points:
-            points.append((max(r for r, s in self.by if s == "train") + 1, self.final_accuracy))
+        if stage == ROLLOUTS.stage and metric == "heldout_accuracy" and self.final_accuracy is not None and points:
+            points.append((max(r for r, s in self.by if s == POLICY.stage) + 1, self.final_accuracy))
         return [p[0] for p in points], [float(p[1]) for p in points]
 
     def spread(self, stage: str, metric: str) -> tuple[list[int], list[float], list[float]]:
@@ -203,7 +204,7 @@ def token_view(url: str, rows: int = TOKEN_VIEW_ROWS) -> str:
     responses with the lowest summed log-ratio (where the student strays most from the teacher), and the
     one with the highest. Tokens outside the loss mask (tool turns, template) are grey."""
     run = open_run(url)
-    r = max((k for k in range(committed_rounds(run)) if run.records(k, "score").manifest() is not None), default=None)
+    r = max((k for k in range(committed_rounds(run)) if run.records(k, SCORES).manifest() is not None), default=None)
     if r is None:
         return "<p>No scored round yet.</p>"
     picked = strayed_rollouts(run, r, rows)
@@ -234,8 +235,8 @@ def strayed_rollouts(run, round_idx: int, rows: int) -> list[tuple]:
     loss mask, teacher log-probs, student log-probs, prompt_id). DuckDB ranks the round's responses
     over the shards; only the chosen ones are read into Python."""
     con = connect(run.fs)
-    rollouts = parquet_source(run.fs, run.records(round_idx, "rollout").require_manifest().response_shards())
-    scores = parquet_source(run.fs, run.records(round_idx, "score").require_manifest().files())
+    rollouts = parquet_source(run.fs, run.records(round_idx, ROLLOUTS).require_manifest().row_files())
+    scores = parquet_source(run.fs, run.records(round_idx, SCORES).require_manifest().row_files())
     con.sql(f"""CREATE VIEW ranked AS
         SELECT r.rollout_id, list_sum(list_transform(list_zip(s.teacher_logprobs, s.student_logprobs, r.loss_mask),
                                                      lambda x: (x[1] - x[2]) * x[3])) AS total

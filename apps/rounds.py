@@ -31,15 +31,16 @@ from gndpo.dist import Dist, usable_cpus
 from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.inputs import StageInputs
 from gndpo.pipeline.exec.signals import STAGE_OF_RUN_ENV, die_with_parent
+from gndpo.pipeline.exec.stage import StageContext, StageJob
 from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info, worker_file
 from gndpo.pipeline.observe.metrics import publish_metrics, write_metrics_jsonl
 from gndpo.pipeline.run.run import open_run
 from gndpo.pipeline.settings.schema import Config
-from gndpo.stages import job_class
+from gndpo.stages.registry import job_class, stage_names
 from gndpo.storage.cache import cache_root
-from gndpo.storage.records import STAGES, Manifest
+from gndpo.storage.products import Manifest
 from gndpo.storage.runfs import RunFS
 
 
@@ -48,10 +49,11 @@ def check_round(run, round_idx: int, stage: str, follow: bool = False) -> None:
     that reads another unit by unit (score) may start while that one runs."""
     if round_idx < 0:
         raise GndpoError(f"round must be >= 0, got {round_idx}")
-    reads = job_class(stage).reads
-    if follow and not any(read.per_unit for read in reads):
-        raise GndpoError(f"--follow streams a stage behind the one it reads unit by unit; {stage} reads none that way (score does)")
-    StageInputs(run, round_idx, reads, follow=follow).require(stage)
+    job = job_class(stage)
+    if follow and not job.streams():
+        streaming = ", ".join(s for s in stage_names() if job_class(s).streams())
+        raise GndpoError(f"--follow streams a stage behind the one it reads unit by unit; {stage} reads none that way ({streaming} does)")
+    StageInputs(run, round_idx, job.reads, follow=follow).require(stage)
 
 
 def run_stage(
@@ -75,23 +77,23 @@ def run_stage(
     check_round(run, round_idx, stage, follow)
     if lease_ttl <= 0:
         raise GndpoError("--lease-ttl must be positive")
-    records = run.records(round_idx, stage)
     # The log file first: the stage's modules import vLLM, which sets up its logging when imported.
     with worker_log(url, f"r{round_idx:04d}-{stage}"):
-        job = job_class(stage)(run, round_idx, log=log, live=live, **({"follow": True} if follow else {}))
+        dist = Dist.from_env()
+        job: StageJob = job_class(stage)(run, round_idx, StageContext(log=log, live=live, follow=follow, dist=dist))
+        records = run.records(round_idx, job.makes)
 
         def committed(manifest: Manifest) -> None:  # by the one worker whose manifest write succeeded
             publish_metrics(run, manifest, worker_log_dir(url))
 
-        dist = Dist.from_env()
-        if stage == "train" and dist.world > 1:
+        if job.launch.collective and dist.world > 1:
             manifest = run_collective(records, job, ttl=lease_ttl, log=log, on_manifest=committed)
         else:
             manifest = Worker(records, job, ttl=lease_ttl, log=log, on_manifest=committed).run(wait_for_others=not worker)
         if manifest is not None and dist.main:
             write_metrics_jsonl(run)
-        if manifest is not None and stage == "train":
-            live.train_committed()
+        if manifest is not None:
+            job.committed(manifest)
     return manifest
 
 
@@ -99,7 +101,7 @@ def stage_command(url: str, stage: str, round_idx: int, num_processes: int = 1, 
     """The command line that runs one stage in a fresh process (train under torchrun for >1 rank;
     ``follow``: streaming behind the stage it reads unit by unit)."""
     tail = ["-m", "gndpo", stage, url, "--round", str(round_idx), *(["--follow"] if follow else [])]
-    if stage == "train" and num_processes > 1:
+    if job_class(stage).launch.collective and num_processes > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}", *tail]
     return [sys.executable, *tail]
 
@@ -171,7 +173,7 @@ class DeviceSets:
         return self.rollout != self.learner
 
     def of_stage(self, stage: str) -> list[str]:
-        return self.rollout if stage == "rollout" else self.learner
+        return self.rollout if job_class(stage).launch.actor else self.learner
 
 
 def stage_cpus(spec: str | None = None) -> dict[str, tuple[int, ...]]:
@@ -186,8 +188,8 @@ def stage_cpus(spec: str | None = None) -> dict[str, tuple[int, ...]]:
             pinned[stage] = tuple(int(c) for c in cpus.split(","))
         except ValueError:
             pinned[stage] = ()
-        if stage not in STAGES or not pinned[stage]:
-            raise GndpoError(f"GNDPO_STAGE_CPUS entry {entry!r} is not STAGE=CPU[,CPU...] with STAGE one of {', '.join(STAGES)}")
+        if stage not in stage_names() or not pinned[stage]:
+            raise GndpoError(f"GNDPO_STAGE_CPUS entry {entry!r} is not STAGE=CPU[,CPU...] with STAGE one of {', '.join(stage_names())}")
     return pinned
 
 
@@ -198,12 +200,12 @@ def stage_processes(
     """The processes that run ``stage`` of ``round_idx`` on a node with ``gpus`` GPUs (``devices``: the
     ids of those this stage uses, default the first ``gpus``; :class:`DeviceSets`).
 
-    * rollout, score with gpus >= 1: one ``--worker`` per ``gpus_per_worker`` GPUs (rollout: the engine's
-      tensor-parallel size; score: 1), pinned with CUDA_VISIBLE_DEVICES, output to
-      ``<log_dir>/r0003-score-gpu1.log``;
-    * train: one process, under torchrun with ``num_processes`` ranks if > 0, else one per GPU (pinned
-      to ``devices`` where they are a subset);
-    * normalize, and every stage with gpus == 0: one process, output inherited (as before GPUs counted).
+    * a stage launched per GPU (rollout, score; :class:`gndpo.pipeline.exec.stage.Launch`) with gpus >= 1:
+      one ``--worker`` per ``gpus_per_worker`` GPUs (rollout: the engine's tensor-parallel size; score:
+      1), pinned with CUDA_VISIBLE_DEVICES, output to ``<log_dir>/r0003-score-gpu1.log``;
+    * a collective stage (train): one process, under torchrun with ``num_processes`` ranks if > 0, else
+      one per GPU (pinned to ``devices`` where they are a subset);
+    * any other stage (normalize), and every stage with gpus == 0: one process, output inherited.
 
     Where several processes share the node (workers, train's ranks), each gets its share of the CPUs
     (``GNDPO_THREADS``): each would otherwise start a torch thread per CPU, and 8 workers on a node
@@ -214,11 +216,12 @@ def stage_processes(
         raise GndpoError(f"--gpus must be >= 0, got {gpus}")
     subset = devices is not None and len(devices) < gpus
     gpus, ids = (len(devices), devices) if devices is not None else (gpus, None)
-    if stage == "train":
+    launch = job_class(stage).launch
+    if launch.collective:
         nproc = num_processes if num_processes > 0 else max(gpus, 1)
         env = {**(cpu_share(nproc) if nproc > 1 else {}), **({"CUDA_VISIBLE_DEVICES": ",".join(ids)} if subset else {})}
         return [StageProcess(stage_command(url, stage, round_idx, nproc), env, None, cpus=cpus)]
-    if gpus == 0 or stage not in ("rollout", "score"):
+    if gpus == 0 or not launch.per_gpu:
         return [StageProcess(stage_command(url, stage, round_idx, follow=follow), {}, None, cpus=cpus)]
     per = max(gpus_per_worker, 1)
     if per > gpus:
@@ -338,9 +341,10 @@ def run_rounds(url: str, rounds: int, live, log=info) -> None:
     executor exactly as a stage process would, on the same vLLM engine, teacher and DeepSpeed engine.
     Stages in processes of their own, one after another or overlapped: :mod:`gndpo.apps.schedule`."""
     run = open_run(url)
-    with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages") as bar:
+    stages = stage_names()
+    with worker_log(url, "run"), progress.task("rounds", total=rounds * len(stages), unit="stages") as bar:
         for r in range(rounds):
-            for stage in STAGES:
+            for stage in stages:
                 if run.records(r, stage).manifest() is not None:
                     bar.advance(1)
                     continue

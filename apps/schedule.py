@@ -24,11 +24,11 @@ from gndpo.apps.rounds import DeviceSets, StageGroup, StageProcess, stage_comman
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.run.products import POLICY
 from gndpo.pipeline.run.run import Run, open_run
 from gndpo.pipeline.settings.schema import Config
-from gndpo.stages import job_class
+from gndpo.stages.registry import job_class, stage_names
 from gndpo.stages.teachers.registry import backend_of
-from gndpo.storage.records import STAGES
 
 POLL_S = 0.5  # seconds between looks at the running stages and the committed manifests
 
@@ -103,17 +103,19 @@ def may_start(run: Run, order: RoundOrder, round_idx: int, stage: str, started: 
               committed: CommittedStages | None = None) -> bool:
     """Whether ``stage`` of ``round_idx`` may start now: its previous round has committed, and so has
     everything its class declares it reads (``reads``: a per-unit read, where score streams, once that
-    stage has started here or committed); rollout also waits for train of round k-1-ahead, the order's
-    own bound. ``committed``: the scheduler's record of what has committed (default: a new one)."""
+    stage has started here or committed); the actor (rollout) also waits for train of round
+    k-1-ahead, the order's own bound. ``committed``: the scheduler's record of what has committed
+    (default: a new one)."""
     committed = committed or CommittedStages(run)
+    job = job_class(stage)
     if not committed(round_idx - 1, stage):
         return False
-    if stage == "rollout" and not committed(round_idx - 1 - order.rollout_ahead, "train"):
+    if job.launch.actor and not committed(round_idx - 1 - order.rollout_ahead, POLICY.stage):
         return False
-    for read in job_class(stage).reads:
-        r = read.round_of(run, round_idx)
-        streams = read.per_unit and order.stream_score and (r, read.stage) in started
-        if not (streams or committed(r, read.stage)):
+    for read in job.reads:
+        r, read_stage = read.round_of(run, round_idx), read.product.stage
+        streams = read.per_unit and order.stream_score and (r, read_stage) in started
+        if not (streams or committed(r, read_stage)):
             return False
     return True
 
@@ -121,14 +123,16 @@ def may_start(run: Run, order: RoundOrder, round_idx: int, stage: str, started: 
 def stage_group(url: str, run: Run, stage: str, round_idx: int, gpus: int, devices: DeviceSets, order: RoundOrder,
                 cpus: tuple[int, ...] = (), log=info) -> StageGroup:
     """Start the processes of ``stage`` of ``round_idx`` on its device set, pinned to ``cpus``."""
-    per = run.cfg.engine.tensor_parallel_size if stage == "rollout" else 1
-    follow = stage == "score" and order.stream_score
+    job = job_class(stage)
+    per = run.cfg.engine.tensor_parallel_size if job.launch.tensor_parallel else 1
+    follow = job.streams() and order.stream_score
     procs = stage_processes(url, stage, round_idx, gpus, run.cfg.train.num_processes, gpus_per_worker=per,
                             devices=devices.of_stage(stage) if devices.split else None, follow=follow,
                             cpus=cpus)
     workers = [p for p in procs if p.log_path]
     where = f" on {len(workers)} workers (logs: {Path(workers[0].log_path).parent}/)" if workers else ""
-    log(f"round {round_idx}: {stage}{where}{' (streaming behind rollout)' if follow else ''} ...")
+    behind = ", ".join(read.product.stage for read in job.reads if read.per_unit)
+    log(f"round {round_idx}: {stage}{where}{f' (streaming behind {behind})' if follow else ''} ...")
     return StageGroup(procs, stage, round_idx)
 
 
@@ -145,13 +149,14 @@ def run_scheduled(url: str, rounds: int, gpus: int, order: RoundOrder, learner_g
     skipping committed stages; the first stage that fails stops every other and the loop."""
     run = open_run(url)
     devices, cpus = DeviceSets.of(gpus, learner_gpus), stage_cpus()  # both refused in one line before anything starts
-    todo = [(r, stage) for r in range(rounds) for stage in STAGES if run.records(r, stage).manifest() is None]
+    stages = stage_names()
+    todo = [(r, stage) for r in range(rounds) for stage in stages if run.records(r, stage).manifest() is None]
     started: set[tuple[int, str]] = set()
     running: dict[str, StageGroup] = {}  # stage -> the round of it that runs now
     committed = CommittedStages(run)
 
-    with worker_log(url, "run"), progress.task("rounds", total=rounds * len(STAGES), unit="stages", draw=False) as bar:
-        bar.advance(rounds * len(STAGES) - len(todo))
+    with worker_log(url, "run"), progress.task("rounds", total=rounds * len(stages), unit="stages", draw=False) as bar:
+        bar.advance(rounds * len(stages) - len(todo))
         try:
             while todo or running:
                 looked: set[str] = set()

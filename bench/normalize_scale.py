@@ -34,7 +34,10 @@ import pyarrow as pa
 from gndpo.apps.demos.arithmetic import ModelSpec, ToySpec, ensure_toy_assets
 from gndpo.apps.init import init_run
 from gndpo.pipeline.config.load import load_config
+from gndpo.pipeline.exec.inputs import StageInputs
+from gndpo.pipeline.exec.stage import StageJob
 from gndpo.pipeline.exec.units import Worker
+from gndpo.storage.products import Unit, UnitNumbers
 from gndpo.storage.records import StageRecords
 from gndpo.storage.shards import ROLLOUTS, scores_schema, write_shard
 
@@ -49,20 +52,23 @@ def list_array(flat: np.ndarray, length: int, rows: int, typ) -> pa.Array:
     return pa.ListArray.from_arrays(offsets, pa.array(flat, type=typ))
 
 
-class SyntheticStage:
+class Synthetic(UnitNumbers):
+    responses: int = 0
+    tokens: int = 0
+
+
+class SyntheticStage(StageJob):
     """Round 0's rollout or score stage with synthetic rows: unit u holds responses [u*R, (u+1)*R)."""
 
     def __init__(self, fs, stage: str, units: int, rows: int, length: int):
         self.fs, self.stage, self.units, self.rows, self.length = fs, stage, units, rows, length
+        self.inputs = StageInputs(None, 0, ())  # it reads nothing
 
     def plan(self):
-        return [{"unit": f"u{u:05d}"} for u in range(self.units)], {"synthetic": True}
-
-    def setup(self):
-        pass
+        return [Unit(f"u{u:05d}") for u in range(self.units)], {"synthetic": True}
 
     def run_unit(self, unit, out_dir):
-        u = int(unit["unit"][1:])
+        u = int(unit.id[1:])
         rng = np.random.default_rng(u)
         n, L = self.rows, self.length
         ids = pa.array([f"r0000-p{u:05d}{i:07d}-000" for i in range(n)])
@@ -70,7 +76,7 @@ class SyntheticStage:
             table = self._rollouts(ids, rng, n, L)
         else:
             table = self._scores(ids, rng, n, L)
-        return [write_shard(self.fs, f"{out_dir}/part-00000.parquet", table)], {"responses": n, "tokens": n * L}
+        return [write_shard(self.fs, f"{out_dir}/part-00000.parquet", table)], Synthetic(responses=n, tokens=n * L)
 
     def _rollouts(self, ids, rng, n, L):
         const = lambda v, t: pa.array([v] * n, type=t)  # noqa: E731
@@ -108,7 +114,7 @@ class SyntheticStage:
         return pa.table(cols, schema=schema)
 
     def summarize(self, commits):
-        return {"responses": sum(c.numbers["responses"] for c in commits), "tokens": sum(c.numbers["tokens"] for c in commits)}
+        return {"responses": sum(c.numbers.responses for c in commits), "tokens": sum(c.numbers.tokens for c in commits)}
 
 
 def make_run(folder: Path, tokens: int, length: int, shard_tokens: int) -> Path:
@@ -125,7 +131,7 @@ def make_run(folder: Path, tokens: int, length: int, shard_tokens: int) -> Path:
     units = -(-tokens // (rows_per_shard * length))
     for stage in ("rollout", "score"):
         job = SyntheticStage(run.fs, stage, units, rows_per_shard, length)
-        Worker(StageRecords(run.fs, 0, stage), job, log=lambda *_: None).run()
+        Worker(StageRecords(run.fs, 0, stage, Synthetic), job, log=lambda *_: None).run()
     return folder / "run"
 
 

@@ -66,8 +66,9 @@ def rollout_units(run) -> list:
     from gndpo.stages.score import ScoreJob
     from gndpo.storage.shards import read_shard
 
-    units, _ = ScoreJob(run, 0).plan()
-    return [pa.concat_tables([read_shard(run.fs, f) for f in u["rollout_files"]]) for u in units]
+    job = ScoreJob(run, 0)
+    units, _ = job.plan()
+    return [pa.concat_tables([read_shard(run.fs, f) for f in job.rollout_files(u)]) for u in units]
 
 
 def score_batches(table, cfg, pad_id: int) -> list:

@@ -1,16 +1,11 @@
-"""The four stage commands: rollout, score, normalize, train. Each runs one stage of one round."""
+"""The stage commands, one per registered stage (rollout, score, normalize, train): each runs one stage
+of one round."""
 
 import typer
 
 from gndpo.apps.rounds import run_stage
 from gndpo.cli.common import stdout_kept_for_data, user_errors
-
-HELP = {
-    "rollout": "The round's student samples responses with vLLM.",
-    "score": "Teacher and recomputed student log-probs of every sampled token.",
-    "normalize": "DuckDB statistics of the round over the committed score shards.",
-    "train": "DeepSpeed update of the student; exports the next round's student.",
-}
+from gndpo.stages.registry import STAGE_REGISTRY
 
 
 def _stage_command(stage: str):
@@ -29,9 +24,9 @@ def _stage_command(stage: str):
         else:
             typer.echo(f"{stage} r{round}: committed, {manifest.rows} rows")
 
-    command.__doc__ = HELP[stage]
+    command.__doc__ = STAGE_REGISTRY[stage].help
     return command
 
 
 # stage -> its command; cli.app registers them
-STAGE_COMMANDS = {stage: _stage_command(stage) for stage in HELP}
+STAGE_COMMANDS = {stage: _stage_command(stage) for stage in STAGE_REGISTRY}

@@ -277,7 +277,7 @@ def shards_page() -> str:
 # -- metrics -------------------------------------------------------------------------------------------------------
 def metrics_page() -> str:
     from gndpo.pipeline.observe.metrics import METRICS, PHASES
-    from gndpo.storage.records import STAGES
+    from gndpo.stages.registry import STAGE_REGISTRY as STAGES
 
     out = [header("METRICS in gndpo/pipeline/observe/metrics.py"), "# Metrics\n\n",
            "What each stage's manifest (`rounds/rNNNN/STAGE/_MANIFEST.json`, its `metrics`) carries: the figures `gndpo status`, "

@@ -12,45 +12,37 @@ with :func:`gndpo.pipeline.run.stats.round_stats`.
 
 from __future__ import annotations
 
-from gndpo.pipeline.exec.inputs import Read, StageInputs
+from gndpo.pipeline.exec.inputs import Read
+from gndpo.pipeline.exec.stage import StageJob
 from gndpo.pipeline.methods import StatsQuery, gndpo_stats_from_sums, method_statistics, score_needs
 from gndpo.pipeline.methods.base import TEACHER_SCOPE
-from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.run.run import Run
+from gndpo.pipeline.run.products import ROLLOUTS, SCORES, STATISTICS, StatsNumbers
 from gndpo.pipeline.settings.schema import Config
 from gndpo.storage.duck import connect, parquet_source
-from gndpo.storage.records import Commit
+from gndpo.storage.products import Commit, Unit
 from gndpo.storage.rows import StatRow, rows_table
 from gndpo.storage.shards import STATS, verify_shards, write_shard
 
 
-class NormalizeJob:
+class NormalizeJob(StageJob):
     """The normalize stage: one unit that computes the round's statistics with DuckDB over the
-    committed score shards (what the run's method asks for) and writes them as one shard."""
+    committed score shards (what the run's method asks for) and writes them as one shard. It needs no
+    model: DuckDB opens per unit."""
 
-    stage = "normalize"
-    reads = (Read("rollout"), Read("score"))
-
-    def __init__(self, run: Run, round_idx: int, log=info, live=None):
-        # ``live`` (kept engines and models) is accepted like every stage's; normalize needs none.
-        self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
-        self.inputs = StageInputs(run, round_idx, self.reads)
+    makes = STATISTICS
+    reads = (Read(ROLLOUTS), Read(SCORES))
 
     def plan(self):
         """One unit, "stats", reading the committed score and rollout manifests."""
-        scores, rollouts = self.inputs.manifest("score"), self.inputs.manifest("rollout")
+        scores, rollouts = self.inputs.manifest(SCORES), self.inputs.manifest(ROLLOUTS)
         inputs = {"score_manifest_finished_at": scores.finished_at, "rollout_manifest_finished_at": rollouts.finished_at}
-        return [{"unit": "stats"}], inputs
-
-    def setup(self):
-        """Nothing to load: DuckDB opens per unit."""
-        pass
+        return [Unit("stats")], inputs
 
     def run_unit(self, unit, out_dir):
         """The round's statistics: the score moments every method gets, the logged figures, then what
         the run's method asks for (global and per scope), written as one long-format shard."""
         fs = self.run.fs
-        score_files, rollout_files = self.inputs.files("score"), self.inputs.files("rollout")
+        score_files, rollout_files = self.inputs.files(SCORES), self.inputs.files(ROLLOUTS)
         # DuckDB reads the files directly; check them against their commit records first.
         verify_shards(fs, score_files + rollout_files)
         con = connect(fs, threads=1)  # statistics with the same bits on every rerun
@@ -66,12 +58,12 @@ class NormalizeJob:
 
         record = write_shard(fs, f"{out_dir}/stats.parquet", rows_table(stats_rows(self.round, stats, groups), STATS))
         summary = {k: (float(v) if v is not None else None) for k, v in stats.items()}
-        return [record], {"stats": summary, "groups": len(groups)}
+        return [record], StatsNumbers(stats=summary, groups=len(groups))
 
-    def summarize(self, commits: list[Commit]) -> dict:
+    def summarize(self, commits: list[Commit[StatsNumbers]]) -> dict:
         """The manifest's metrics: the round's statistics and the unit's speed."""
-        unit = commits[0].numbers
-        seconds, stats = unit["seconds"], unit["stats"]
+        (unit,) = commits
+        seconds, stats = unit.numbers.seconds, unit.numbers.stats
         return {**stats, "seconds": seconds, "tokens_per_s": (stats["token_count"] or 0) / max(seconds, 1e-9)}
 
 

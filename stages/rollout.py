@@ -19,10 +19,11 @@ import random
 from functools import partial
 
 from gndpo.faults import crash_point
-from gndpo.pipeline.exec.inputs import Read, StageInputs
+from gndpo.pipeline.exec.inputs import Read
+from gndpo.pipeline.exec.stage import Launch, StageContext, StageJob
 from gndpo.pipeline.observe import progress
-from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.images import RunImages
+from gndpo.pipeline.run.products import POLICY, ROLLOUTS, HeldoutFigures, RolloutNumbers
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.run.seeds import derived_seed
 from gndpo.pipeline.tasks.rewards import get_reward, run_rewards, score_response
@@ -35,9 +36,13 @@ from gndpo.stages.text.agent import Conversation, ToolUse, conversation_counts, 
 from gndpo.stages.text.chat import render_prompt, stop_token_ids
 from gndpo.stages.text.guide import TeacherGuide
 from gndpo.stages.text.heldout_eval import HeldoutTask, greedy_eval
-from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS, Commit
+from gndpo.storage.products import Commit, FileKind, Unit, UnitKind
 from gndpo.storage.rows import RolloutRow, rows_table
-from gndpo.storage.shards import ROLLOUTS, write_shard
+from gndpo.storage.shards import ROLLOUTS as ROLLOUT_SCHEMA
+from gndpo.storage.shards import write_shard
+
+# The held-out evaluation's unit: the same policy's greedy held-out responses, on the same sampler.
+HELDOUT_UNIT = Unit("eval-heldout", UnitKind.HELDOUT_EVAL)
 
 
 def sample_seed(base: int, round_idx: int, prompt_id: str, sample_idx: int) -> int:
@@ -66,19 +71,20 @@ def round_prompt_ids(prompt_ids: list[str], round_idx: int, count: int, seed: in
     return out
 
 
-class RolloutJob:
+class RolloutJob(StageJob):
     """The rollout stage: each unit samples ``rollout.n`` responses for its prompts with the round's
     policy on its sampler (tool turns included), rewards them, and writes one rollout shard."""
 
-    stage = "rollout"
-    # The train that exported the sampling policy: round k-1's, or k-1-s with run.max_staleness s
+    makes = ROLLOUTS
+    # The policy that samples: exported by round k-1's train, or k-1-s's with run.max_staleness s
     # (version 0, the config's student, has none).
-    reads = (Read("train", sampling_policy=True),)
+    reads = (Read(POLICY, sampling_policy=True),)
+    # A worker per engine (engine.tensor_parallel_size GPUs each); the actor's GPUs with --learner-gpus.
+    launch = Launch(per_gpu=True, tensor_parallel=True, actor=True)
 
-    def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None):
-        self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
-        self.inputs = StageInputs(run, round_idx, self.reads)
-        self.live = live or LiveModels()
+    def __init__(self, run: Run, round_idx: int, context: StageContext | None = None):
+        super().__init__(run, round_idx, context)
+        self.live = self.context.live or LiveModels()
         self.sampler = self.tok = None
         self.version = run.sampling_version(round_idx)  # the policy that samples: stored in every row
 
@@ -89,11 +95,11 @@ class RolloutJob:
         prompts = self.run.prompts("train")
         ids = round_prompt_ids([p["prompt_id"] for p in prompts], self.round, rollout_cfg.prompts_per_round, rollout_cfg.seed)
         units = [
-            {"unit": f"u{i // rollout_cfg.prompts_per_unit:05d}", "prompt_ids": ids[i : i + rollout_cfg.prompts_per_unit]}
+            Unit(f"u{i // rollout_cfg.prompts_per_unit:05d}", prompt_ids=tuple(ids[i : i + rollout_cfg.prompts_per_unit]))
             for i in range(0, len(ids), rollout_cfg.prompts_per_unit)
         ]
         if rollout_cfg.eval_heldout and self.run.heldout_measure() != "none":
-            units.append({"unit": EVAL_UNIT})
+            units.append(HELDOUT_UNIT)
         return units, {"policy_version": self.version, "prompts": len(ids), "n": rollout_cfg.n}
 
     def setup(self):
@@ -136,12 +142,12 @@ class RolloutJob:
     def run_unit(self, unit, out_dir):
         """``rollout.n`` rewarded responses (conversations, with tools) per prompt of ``unit``, as one
         rollout shard; the evaluation unit decodes the held-out prompts greedily instead."""
-        if unit["unit"] == EVAL_UNIT:
+        if not unit.is_work:
             return self._eval_unit(out_dir)
         rollout_cfg = self.cfg.rollout
         by_id = {p["prompt_id"]: p for p in self.run.prompts("train")}
         conversations, meta = [], []
-        for pid in unit["prompt_ids"]:
+        for pid in unit.prompt_ids:
             prompt = by_id[pid]
             rendered = render_prompt(self.tok, prompt, self.cfg.data)
             guided = self.guide is not None and self.is_guided(pid)
@@ -152,16 +158,16 @@ class RolloutJob:
                     c.add_prefix(*self.guide.prefix(prompt, rendered.token_ids, c.seed))
                 conversations.append(c)
                 meta.append((rendered.text, s))
-        self.generate(conversations, f"rollout r{self.round} {unit['unit']}", self.sampling)
+        self.generate(conversations, f"rollout r{self.round} {unit.id}", self.sampling)
         crash_point("rollout.generate")
         rows = [self.row(c, text, s) for c, (text, s) in zip(conversations, meta)]
-        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", rows_table(rows, ROLLOUTS))
+        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", rows_table(rows, ROLLOUT_SCHEMA))
         rewarded = [r.reward for r in rows if r.reward is not None]
-        return [record], {
-            "prompts": len(unit["prompt_ids"]), "responses": len(rows), "tokens": sum(len(r.response_token_ids) for r in rows),
+        return [record], RolloutNumbers(
+            prompts=len(unit.prompt_ids), responses=len(rows), tokens=sum(len(r.response_token_ids) for r in rows),
             **({"reward_sum": sum(rewarded)} if rewarded else {}),
-            **conversation_counts(rows), **(self.live.probe or {}), "engine_dtype_bits": self.sampler.dtype_bits,
-        }
+            **conversation_counts(rows), **(self.live.probe or {}), engine_dtype_bits=self.sampler.dtype_bits,
+        )
 
     def generate(self, conversations: list[Conversation], label: str, sampling) -> None:
         """Write ``conversations`` to their ends on the engine (``sampling``: :meth:`sampling` or a
@@ -205,9 +211,8 @@ class RolloutJob:
             return self._label_free_eval_unit(out_dir)
         task = HeldoutTask(self.run.prompts("heldout"), get_reward(self.cfg.reward), self.cfg.rollout.max_tokens, self.cfg.data, self.tool_use, self.images)
         result = greedy_eval(self.sampler, self.tok, task)
-        record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"))
-        record["kind"] = "eval"
-        return [record], {"eval": result}
+        record = write_shard(self.run.fs, f"{out_dir}/eval.parquet", result.pop("table"), kind=FileKind.HELDOUT_ACCURACY)
+        return [record], RolloutNumbers(eval=HeldoutFigures(**result))
 
     def _label_free_eval_unit(self, out_dir):
         """Held-out prompts without answers: each prompt's greedy response (sample 0) and one sampled at
@@ -221,32 +226,32 @@ class RolloutJob:
                              for prompt, r in zip(heldout, rendered)]
             self.generate(conversations, f"rollout r{self.round} held-out", partial(self.sampling, temperature=temperature))
             rows += [dataclasses.replace(self.row(c, r.text, sample_idx, answer_free), temperature=temperature) for c, r in zip(conversations, rendered)]
-        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", rows_table(rows, ROLLOUTS))
-        record["kind"] = HELDOUT_ROLLOUTS
-        return [record], {"eval": {"label_free": True, "n": len(heldout)}}
+        record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", rows_table(rows, ROLLOUT_SCHEMA), kind=FileKind.HELDOUT_ROLLOUTS)
+        return [record], RolloutNumbers(eval=HeldoutFigures(label_free=True, n=len(heldout)))
 
-    def summarize(self, commits: list[Commit]) -> dict:
+    def summarize(self, commits: list[Commit[RolloutNumbers]]) -> dict:
         """The manifest's metrics: responses, tokens, rewards, speed, the held-out score, tool use."""
-        gen = [c.numbers for c in commits if c.unit != EVAL_UNIT]  # each sampling unit's own numbers
-        responses = sum(c["responses"] for c in gen)
+        gen = [c.numbers for c in commits if c.is_work]  # each sampling unit's own numbers
+        responses = sum(c.responses for c in gen)
         metrics = {
             "policy_version": self.version,
             "staleness": self.round - self.version,  # rounds the sampling policy is behind the round's
             "responses": responses,
-            "tokens": sum(c["tokens"] for c in gen),
-            "reward_mean": sum(c["reward_sum"] for c in gen) / max(responses, 1) if all("reward_sum" in c for c in gen) else None,
-            "seconds": sum(c.numbers["seconds"] for c in commits),
+            "tokens": sum(c.tokens for c in gen),
+            "reward_mean": sum(c.reward_sum for c in gen) / max(responses, 1) if all(c.reward_sum is not None for c in gen) else None,
+            "seconds": sum(c.numbers.seconds for c in commits),
             **conversation_metrics(gen, responses),
         }
-        metrics["tokens_per_s"] = metrics["tokens"] / max(sum(c["seconds"] for c in gen), 1e-9)
+        metrics["tokens_per_s"] = metrics["tokens"] / max(sum(c.seconds for c in gen), 1e-9)
         # The engine probe (gndpo.stages.models.probe): the worst gap of any worker's engine this round;
         # the engine's precision: the least precise of any worker's.
-        if any("engine_dtype_bits" in c for c in gen):
-            metrics["engine_dtype_bits"] = min(c["engine_dtype_bits"] for c in gen if "engine_dtype_bits" in c)
+        if any(c.engine_dtype_bits is not None for c in gen):
+            metrics["engine_dtype_bits"] = min(c.engine_dtype_bits for c in gen if c.engine_dtype_bits is not None)
         for key in ("engine_probe_gap_max", "engine_probe_gap_mean", "engine_reloaded", "engine_restarted", "engine_adapters"):
-            if any(key in c for c in gen):
-                metrics[key] = max(c.get(key, 0) for c in gen)
+            measured = [getattr(c, key) for c in gen if getattr(c, key) is not None]
+            if measured:
+                metrics[key] = max(measured)
         for c in commits:
-            if c.unit == EVAL_UNIT and "accuracy" in c.numbers["eval"]:
-                metrics["heldout_accuracy"] = c.numbers["eval"]["accuracy"]
+            if not c.is_work and c.numbers.eval.accuracy is not None:
+                metrics["heldout_accuracy"] = c.numbers.eval.accuracy
         return metrics

@@ -21,10 +21,11 @@ import pyarrow as pa
 import torch
 
 from gndpo.pipeline.config.checks import engine_logprob_blockers
-from gndpo.pipeline.exec.inputs import Read, StageInputs
+from gndpo.pipeline.exec.inputs import Read
+from gndpo.pipeline.exec.stage import Launch, StageContext, StageJob
 from gndpo.pipeline.methods import score_needs
 from gndpo.pipeline.methods.base import TOPK
-from gndpo.pipeline.observe.logs import info
+from gndpo.pipeline.run.products import ROLLOUTS, SCORES, HeldoutFigures, ScoreNumbers
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
@@ -35,23 +36,23 @@ from gndpo.stages.scoring.shard import refuse_non_finite, score_shard
 from gndpo.stages.teachers.base import TeacherBackend
 from gndpo.stages.teachers.registry import build_teacher
 from gndpo.stages.teachers.setup import ScoreSetup
-from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS, Commit
+from gndpo.storage.products import Commit, FileKind, FileRecord, Unit
 from gndpo.storage.shards import read_shard, write_shard
 
 
-class ScoreJob:
+class ScoreJob(StageJob):
     """The score stage: each unit scores a committed rollout shard's responses with every teacher (and
     the student's recomputed log-probs where the method needs them) and writes one score shard."""
 
-    stage = "score"
-    reads = (Read("rollout", per_unit=True),)  # unit u scores rollout's unit u, once that one is committed
+    makes = SCORES
+    # Unit u scores rollout's unit u, once that one is committed: with ``follow`` (the context's), while
+    # rollout still runs; otherwise rollout must be committed first.
+    reads = (Read(ROLLOUTS, per_unit=True),)
+    launch = Launch(per_gpu=True)
 
-    def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None, follow: bool = False):
-        """``follow``: stream behind a rollout still running, each unit starting once its rollout unit
-        commits; otherwise rollout must be committed first."""
-        self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
-        self.inputs = StageInputs(run, round_idx, self.reads, follow=follow)
-        self.live = live or LiveModels()
+    def __init__(self, run: Run, round_idx: int, context: StageContext | None = None):
+        super().__init__(run, round_idx, context)
+        self.live = self.context.live or LiveModels()
         self.backend: TeacherBackend | None = None  # the teacher backend, once setup made it
 
     def plan(self):
@@ -60,20 +61,21 @@ class ScoreJob:
         (prompts without answers). Rollout's plan is enough: a unit's rollout files are read when it
         runs, so the plan is the same whether rollout has committed or is still running."""
         waiting = lambda: self.log(f"score r{self.round}: waiting for rollout of round {self.round} to plan its units")  # noqa: E731
-        rollout_units = [u["unit"] for u in self.inputs.plan_units("rollout", on_wait=waiting)]
-        units = [{"unit": u} for u in rollout_units if u != EVAL_UNIT]
-        if EVAL_UNIT in rollout_units and self.run.heldout_measure() == "label_free":
-            units.append({"unit": EVAL_UNIT})
+        rollout_units = self.inputs.plan_units(ROLLOUTS, on_wait=waiting)
+        units = [Unit(u.id) for u in rollout_units if u.is_work]
+        # Rollout's held-out responses: scored where they are rollout rows (prompts without answers).
+        if self.run.heldout_measure() == "label_free":
+            units += [u for u in rollout_units if not u.is_work]
         extras = sorted(score_needs(self.cfg.method))
         teacher = self.cfg.teachers or self.cfg.teacher
         return units, {"rollout_round": self.round, "teacher": teacher, "extras": extras}
 
-    def rollout_files(self, unit: str) -> list[dict]:
-        """The rollout files unit ``unit`` scores: its rollout unit's shard, or for the evaluation unit the
+    def rollout_files(self, unit: Unit) -> list[FileRecord]:
+        """The rollout files ``unit`` scores: its rollout unit's shard, or for the held-out evaluation the
         held-out responses (not the accuracy table)."""
-        files = self.inputs.unit_commit("rollout", unit).files
-        if unit == EVAL_UNIT:
-            return [f for f in files if f.get("kind") == HELDOUT_ROLLOUTS]
+        files = self.inputs.unit_commit(ROLLOUTS, unit.id).files
+        if not unit.is_work:
+            return [f for f in files if f.kind is FileKind.HELDOUT_ROLLOUTS]
         return files
 
     def setup(self):
@@ -111,31 +113,31 @@ class ScoreJob:
             return mode == "engine"
         # The rollout units committed so far (at least the one this worker claimed): a stage streaming
         # behind rollout decides before the rest exist; every worker of a node samples in one precision.
-        commits = self.inputs.committed_units("rollout")
-        bits = min((c.numbers["engine_dtype_bits"] for c in commits if "engine_dtype_bits" in c.numbers), default=None)
+        commits = self.inputs.committed_units(ROLLOUTS)
+        bits = min((c.numbers.engine_dtype_bits for c in commits if c.numbers.engine_dtype_bits is not None), default=None)
         return bits == 32 and not engine_logprob_blockers(self.cfg) and not self.cfg.logging.entropy_metrics
 
     @torch.no_grad()
     def run_unit(self, unit, out_dir):
         """Every teacher's (and, where the method needs it, the student's) per-token values for the
         rollout shard's responses, refused if any is not finite, as one score shard."""
-        if unit["unit"] == EVAL_UNIT:
-            return [], self.heldout_measure(self.rollout_files(EVAL_UNIT))
-        rows = UnitRows.read(self.run.fs, self.rollout_files(unit["unit"]))
+        if not unit.is_work:
+            return [], ScoreNumbers(eval=self.heldout_measure(self.rollout_files(unit)))
+        rows = UnitRows.read(self.run.fs, self.rollout_files(unit))
         before = self.backend.counts()
         scored = self.teacher.score(rows, self.topk)
         refuse_non_finite(scored.per_token, rows, self.round)
         table, counts = score_shard(rows, scored, self.cfg, self.from_engine)
         counts.update({key: value - before[key] for key, value in self.backend.counts().items()})
         record = write_shard(self.run.fs, f"{out_dir}/part-00000.parquet", table)
-        return [record], counts
+        return [record], ScoreNumbers(**counts)
 
     def live_state(self) -> dict:
         """What `gndpo status` shows of this worker while it holds a unit: its teacher's state (each
         teacher server's), once setup has made it."""
         return self.backend.live_state() if self.backend is not None else {}
 
-    def heldout_measure(self, files: list[dict]) -> dict:
+    def heldout_measure(self, files: list[FileRecord]) -> HeldoutFigures:
         """The label-free held-out measure of the round's policy (prompts without answers): the
         reverse-KL estimate, mean over the sampled responses' tokens of student minus teacher log-prob,
         and the teacher's mean log-prob per token of the greedy responses (rollout's held-out rows:
@@ -152,36 +154,36 @@ class ScoreJob:
         sampled = rows.loss_masks.astype(bool)
         teacher, student = per_token["teacher_logprobs"].astype(np.float64), per_token["student_logprobs"].astype(np.float64)
         greedy, drawn = sampled & (sample == 0), sampled & (sample == 1)
-        return {"eval": {"reverse_kl": float(np.mean(student[drawn] - teacher[drawn])) if drawn.any() else None,
-                            "teacher_logprob": float(np.mean(teacher[greedy])) if greedy.any() else None,
-                            "prompts": int((sample_of_row == 0).sum())}}
+        return HeldoutFigures(reverse_kl=float(np.mean(student[drawn] - teacher[drawn])) if drawn.any() else None,
+                              teacher_logprob=float(np.mean(teacher[greedy])) if greedy.any() else None,
+                              prompts=int((sample_of_row == 0).sum()))
 
-    def summarize(self, commits: list[Commit]) -> dict:
+    def summarize(self, commits: list[Commit[ScoreNumbers]]) -> dict:
         """The manifest's metrics: tokens, speed, and the student's columns against the sampler's."""
-        heldout = [c.numbers["eval"] for c in commits if c.unit == EVAL_UNIT]
-        commits = [c.numbers for c in commits if c.unit != EVAL_UNIT]  # each scoring unit's own numbers
-        total = lambda key: sum(c.get(key, 0.0) for c in commits)  # noqa: E731
+        heldout = [c.numbers.eval for c in commits if not c.is_work]
+        units = [c.numbers for c in commits if c.is_work]  # each scoring unit's own numbers
+        total = lambda field: sum(getattr(u, field) or 0 for u in units)  # noqa: E731
         seconds, student_tokens = total("seconds"), total("student_tokens")
         metrics = {"tokens": total("tokens"), "seconds": seconds, "tokens_per_s": total("tokens") / max(seconds, 1e-9)}
         # 1: the student's column is the rollout engine's sampler log-probs (score.student_logprobs).
-        metrics["student_logprobs_from_engine"] = int(max((c.get("student_from_engine", 0) for c in commits), default=0))
+        metrics["student_logprobs_from_engine"] = int(max((u.student_from_engine for u in units), default=0))
         # Named after verl's actor/entropy and training/rollout_probs_diff_{max,mean} (in log-probs here).
-        if all("student_entropy_sum" in c for c in commits):
+        if all(u.student_entropy_sum is not None for u in units):
             metrics["student_entropy_mean"] = total("student_entropy_sum") / max(student_tokens, 1)
-        if all("teacher_entropy_sum" in c for c in commits):
+        if all(u.teacher_entropy_sum is not None for u in units):
             metrics["teacher_entropy_mean"] = total("teacher_entropy_sum") / max(student_tokens, 1)
-        if all("logprob_diff_sum" in c for c in commits):
-            metrics["rollout_logprob_diff_max"] = max(c["logprob_diff_max"] for c in commits)
+        if all(u.logprob_diff_sum is not None for u in units):
+            metrics["rollout_logprob_diff_max"] = max(u.logprob_diff_max for u in units)
             metrics["rollout_logprob_diff_mean"] = total("logprob_diff_sum") / max(student_tokens, 1)
         if self.cfg.score.cross_tokenizer:
-            unaligned = sum(c["unaligned_tokens"] for c in commits)
+            unaligned = int(total("unaligned_tokens"))
             metrics["cross_tokenizer/unaligned_tokens"] = unaligned
             metrics["cross_tokenizer/unaligned_fraction"] = unaligned / max(unaligned + metrics["tokens"], 1)
             # Tokens whose teacher value is a share of a span of several student tokens (stages/text/align.py).
-            metrics["cross_tokenizer/split_span_fraction"] = sum(c.get("split_span_tokens", 0) for c in commits) / max(metrics["tokens"], 1)
-        if any("server_retries" in c for c in commits):  # score.backend server: what the servers' failures cost
+            metrics["cross_tokenizer/split_span_fraction"] = total("split_span_tokens") / max(metrics["tokens"], 1)
+        if any(u.server_retries is not None for u in units):  # score.backend server: what the servers' failures cost
             metrics["server_retries"] = int(total("server_retries"))
             metrics["server_cooldowns"] = int(total("server_cooldowns"))
         for figures in heldout:  # the label-free held-out measure of the round's policy (rollout's prompts)
-            metrics.update({"heldout_reverse_kl": figures["reverse_kl"], "heldout_teacher_logprob": figures["teacher_logprob"]})
+            metrics.update({"heldout_reverse_kl": figures.reverse_kl, "heldout_teacher_logprob": figures.teacher_logprob})
         return metrics

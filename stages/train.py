@@ -35,6 +35,7 @@ import torch
 from gndpo.dist import Dist
 from gndpo.faults import crash_point
 from gndpo.pipeline.exec.inputs import Read, StageInputs
+from gndpo.pipeline.exec.stage import Launch, StageContext, StageJob
 from gndpo.pipeline.methods import divergence_of, policy_settings, score_needs
 from gndpo.pipeline.methods.base import TOPK
 from gndpo.pipeline.methods.losses import (
@@ -47,7 +48,8 @@ from gndpo.pipeline.methods.losses import (
     combined_token_losses,
 )
 from gndpo.pipeline.observe import progress
-from gndpo.pipeline.observe.logs import adopt_library_loggers, info
+from gndpo.pipeline.observe.logs import adopt_library_loggers
+from gndpo.pipeline.run.products import POLICY, ROLLOUTS, SCORES, STATISTICS, CarriedState, TrainNumbers
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.stages.models.device import local_device, set_cpu_threads
@@ -58,6 +60,7 @@ from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.text.vocabulary import match_vocabularies
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
 from gndpo.stages.training.checkpoint import (
+    UNIT,
     DeferredState,
     ResumePoint,
     Start,
@@ -71,7 +74,7 @@ from gndpo.stages.training.deepspeed_engine import build_engine, init_distribute
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.stages.training.export import export_ema, export_student, save_hf_folder
 from gndpo.storage.meter import phase
-from gndpo.storage.records import Commit
+from gndpo.storage.products import Commit, FileRecord, Manifest, Unit
 
 
 def all_reduce(values: np.ndarray, op: str = "sum") -> np.ndarray:
@@ -347,20 +350,21 @@ class Update:
     start: Start  # what resume found: the steps already taken, whether optimizer state continues
 
 
-class TrainJob:
+class TrainJob(StageJob):
     """The train stage: one unit (or one per rank, collectively) that joins the round's rollouts,
     scores and statistics, takes the round's optimizer steps with DeepSpeed (checkpointed within the
     round for resume) and exports the next round's policy."""
 
-    stage = "train"
+    makes = POLICY
     # The policy it updates (round k-1's train exported it), then the round's data and statistics.
-    reads = (Read("train", previous_round=True), Read("rollout"), Read("score"), Read("normalize"))
+    reads = (Read(POLICY, previous_round=True), Read(ROLLOUTS), Read(SCORES), Read(STATISTICS))
+    # Every rank of the process group (train.num_processes, under torchrun) computes the one unit.
+    launch = Launch(collective=True)
 
-    def __init__(self, run: Run, round_idx: int, log=info, live: LiveModels | None = None, dist: Dist | None = None):
-        self.run, self.round, self.cfg, self.log = run, round_idx, run.cfg, log
-        self.inputs = StageInputs(run, round_idx, self.reads)
-        self.live = live or LiveModels()
-        self.dist = dist or Dist.from_env()
+    def __init__(self, run: Run, round_idx: int, context: StageContext | None = None):
+        super().__init__(run, round_idx, context)
+        self.live = self.context.live or LiveModels()
+        self.dist = self.context.dist or Dist.from_env()
 
     @property
     def base(self) -> str:
@@ -369,8 +373,8 @@ class TrainJob:
 
     def plan(self):
         """One unit, "update", after the round's committed normalize."""
-        normalize = self.inputs.manifest("normalize")
-        return [{"unit": "update"}], {"normalize_manifest_finished_at": normalize.finished_at, "method": self.cfg.method.name}
+        normalize = self.inputs.manifest(STATISTICS)
+        return [Unit(UNIT)], {"normalize_manifest_finished_at": normalize.finished_at, "method": self.cfg.method.name}
 
     def setup(self):
         """Join the process group this process trains in (once per process)."""
@@ -393,8 +397,8 @@ class TrainJob:
 
     def prepare_update(self) -> Update:
         """Everything the round's update runs on, built in the order it needs: the engine, resumed
-        where :func:`resume_point` says (the one place that decides), then the round's schedule, whose
-        output-layer chunk depends on the model."""
+        where :func:`resume_point` says (the one place that decides) by :meth:`resume` (the one place
+        that carries it out), then the round's schedule, whose output-layer chunk depends on the model."""
         cfg, dist = self.cfg, self.dist
         policy = self.run.policy_path(self.round)
         self.live.release_engine()
@@ -402,24 +406,29 @@ class TrainJob:
         # By URL, not run-relative: an engine kept across runs (`gndpo compare`) must not pass for this run's.
         exported = self.run.policy_dir(self.round)
         engine, kept = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world, self.base, build=build_engine)
-        point = resume_point(self.run, self.round, dist, kept)
-        if point.source == "replay":
-            del engine  # freed before the replay builds its own
-            engine, point = self.replayed_engine(point, policy)
-        # With an EMA self-teacher, the average the previous round exported (the initial student in
-        # round 0), continued from a checkpoint when the update resumes from one.
-        ema = self._start_ema(engine.module)
-        # A retried attempt continues from the newest checkpoint of an earlier attempt, so optimizer
-        # steps already taken are not repeated (the mini-batch order is seeded by round, not attempt).
-        start = start_at(point, engine, self.run, self.round, dist.world, ema, self.log)
-        share, steps, objective = self.round_work(self.round, engine, policy)
+        engine, ema, start = self.resume(resume_point(self.run, self.round, dist, kept), engine, policy)
+        share, steps, objective = self.round_work(self.inputs, engine, policy)
         return Update(policy, share, engine, steps, objective, ema, start)
 
-    def round_work(self, round_idx: int, engine, policy: str) -> tuple[RoundShare, list[Step], Objective]:
-        """Round ``round_idx``'s rows for this rank, its optimizer steps and its loss, for ``engine``
-        on ``policy`` (the round's starting weights)."""
-        cfg, dist = self.cfg, self.dist
-        share = load_share(self.run, round_idx, dist.rank, dist.world)
+    def resume(self, point: ResumePoint, engine, policy: str) -> tuple[object, EmaWeights | None, Start]:
+        """(engine, EMA average, start) of the update from ``point``: the engine the round was given,
+        or for ``replay`` the one the replay ends on (:meth:`replayed_engine`); with an EMA self-teacher
+        the average the previous round exported (the initial student in round 0); and ``point``'s
+        state loaded into both (:func:`start_at`). A retried attempt continues after the newest
+        checkpoint of an earlier one, so optimizer steps already taken are not repeated (the mini-batch
+        order is seeded by round, not attempt)."""
+        if point.source == "replay":
+            del engine  # freed before the replay builds its own
+            engine, continues = self.replayed_engine(point, policy)
+            return engine, self._start_ema(engine.module), Start([], 0, continues)
+        ema = self._start_ema(engine.module)
+        return engine, ema, start_at(point, engine, self.run, self.round, self.dist.world, ema, self.log)
+
+    def round_work(self, inputs: StageInputs, engine, policy: str) -> tuple[RoundShare, list[Step], Objective]:
+        """The rows for this rank of the round ``inputs`` reads, its optimizer steps and its loss, for
+        ``engine`` on ``policy`` (the round's starting weights)."""
+        cfg, dist, round_idx = self.cfg, self.dist, inputs.round
+        share = load_share(inputs, dist.rank, dist.world)
         # Positions per output-layer chunk: model.logits_budget_mib over the vocabulary.
         steps = schedule_steps(share, cfg.train, logits_chunk(engine.module, cfg.model))
         torch.manual_seed(cfg.train.seed)
@@ -444,13 +453,12 @@ class TrainJob:
             out[name] = ~np.pad(matched[:vocabulary], (0, max(0, vocabulary - len(matched))))
         return out
 
-    def replayed_engine(self, point: ResumePoint, policy: str) -> tuple[object, ResumePoint]:
-        """(the engine this round starts from, where: ``kept``, its optimizer state continuing, or
-        ``fresh``), rebuilt where the previous round did not write its state: from the newest written
-        state (``point``; or round 0's start), the train stages since then run again from their
-        committed rows, as they ran. The replay must end on the weights the previous round exported,
-        byte for byte; otherwise (or where the state was written by another number of ranks) the round
-        starts a fresh optimizer on ``policy``."""
+    def replayed_engine(self, point: ResumePoint, policy: str) -> tuple[object, bool]:
+        """(the engine this round starts from, whether its optimizer state continues), rebuilt where the
+        previous round did not write its state: from the newest written state (``point``; or round 0's
+        start), the train stages since then run again from their committed rows, as they ran. The replay
+        must end on the weights the previous round exported, byte for byte; otherwise (or where the
+        state was written by another number of ranks) the round starts a fresh optimizer on ``policy``."""
         cfg, dist = self.cfg, self.dist
         base, state = point.replay_from, point.state
         start = self.run.policy_path(base + 1)
@@ -458,7 +466,7 @@ class TrainJob:
         if state is None or load_state(engine, self.run.fs, state, dist.world):
             with phase("replay"):
                 for round_idx in range(base + 1, self.round):
-                    share, steps, objective = self.round_work(round_idx, engine, start)
+                    share, steps, objective = self.round_work(StageInputs(self.run, round_idx, self.reads), engine, start)
                     try:
                         for i in range(len(steps)):
                             take_step(engine, objective, share, steps, i, cfg.train, round_idx, dist.world)
@@ -467,12 +475,12 @@ class TrainJob:
                     start = self.run.policy_path(round_idx + 1)
             if self.exports_equal(engine, start):
                 self.log(f"train r{self.round}: optimizer state replayed from round {base + 1} to round {self.round - 1}")
-                return engine, ResumePoint("kept")
+                return engine, True
             self.log(f"train r{self.round}: the replayed rounds did not end on round {self.round - 1}'s export; starting a fresh optimizer")
         else:
-            self.log(f"train r{self.round}: round {base}'s optimizer state was written by {state['world']} ranks; starting a fresh optimizer")
+            self.log(f"train r{self.round}: round {base}'s optimizer state was written by {state.world} ranks; starting a fresh optimizer")
         del engine
-        return self.live.train_engine(cfg, policy, None, dist.world, self.base, build=build_engine)[0], ResumePoint("fresh")
+        return self.live.train_engine(cfg, policy, None, dist.world, self.base, build=build_engine)[0], False
 
     def exports_equal(self, engine, policy: str) -> bool:
         """Whether ``engine``'s weights, exported as train exports them, are byte for byte the weight
@@ -511,67 +519,66 @@ class TrainJob:
                         save_checkpoint(update.engine, self.run.fs, out_dir, history, self.dist, update.ema)
         return history
 
-    def finish(self, update: Update, history: list[dict], out_dir: str) -> tuple[list[dict], dict]:
-        """(files, commit summary): the updated student exported (and the EMA teacher), the optimizer
-        state carried to the next round."""
+    def finish(self, update: Update, history: list[dict], out_dir: str) -> tuple[list[FileRecord], TrainNumbers]:
+        """(files, the update's numbers): the updated student exported (and the EMA teacher), the
+        optimizer state carried to the next round."""
         train_cfg, dist = self.cfg.train, self.dist
-        summary = {
-            "steps": history,
-            "responses": int(sum(update.share.step_sizes)),
-            "tokens": int(sum(s.n_tokens for s in update.steps)),
-            **advantage_range(update.share),
-            "divergence": update.objective.divergence,
-            "model_dir": f"{out_dir}/model",
-            "optimizer_state_resumed": update.start.optimizer_state,
-            "resumed_after_step": update.start.after_step,
-        }
+        numbers = TrainNumbers(
+            steps=history, responses=int(sum(update.share.step_sizes)), tokens=int(sum(s.n_tokens for s in update.steps)),
+            **advantage_range(update.share), divergence=update.objective.divergence, model_dir=f"{out_dir}/model",
+            optimizer_state_resumed=update.start.optimizer_state, resumed_after_step=update.start.after_step,
+        )
         with phase("export"):
             files = export_student(update.engine, update.policy, self.run.fs, out_dir, train_cfg.zero_stage, dist, update.objective.pad_id)
             if update.ema is not None and dist.main:  # the next round's EMA teacher
                 files += export_ema(update.ema, update.engine.module, update.policy, self.run.fs, out_dir)
-                summary["ema_dir"] = f"{out_dir}/ema"
+                numbers.ema_dir = f"{out_dir}/ema"
         pending = None
         if train_cfg.carry_optimizer_state:
             # Not due: kept in memory only, and a train that starts without it replays.
             due = (self.round + 1) % train_cfg.state_every == 0
             if due and train_cfg.state_async and self.live.keeps_trainer(dist.world):
                 pending = DeferredState(update.engine, self.run.fs, out_dir, self.log)
-                summary["optimizer_state"] = {"pending": pending.record}
+                numbers.optimizer_state = CarriedState(pending=pending.record)
             elif due:
                 with phase("state"):
                     state = carry_state(update.engine, self.run.fs, out_dir, dist)
                 if dist.main:
-                    files += state["files"]
-                    summary["optimizer_state"] = state
+                    files += state.file_records()
+                    numbers.optimizer_state = state
             # Without the carry the next round starts a fresh optimizer, so the engine is not kept.
-            self.live.trained(update.engine, self.cfg, dist.world, self.run.fs.uri(summary["model_dir"]), pending)
-        return files, summary
+            self.live.trained(update.engine, self.cfg, dist.world, self.run.fs.uri(numbers.model_dir), pending)
+        return files, numbers
 
-    def summarize(self, commits: list[Commit]) -> dict:
+    def committed(self, manifest: Manifest) -> None:
+        """The round's policy is committed: the kept engine may now carry it into the next round."""
+        self.live.train_committed()
+
+    def summarize(self, commits: list[Commit[TrainNumbers]]) -> dict:
         """The manifest's metrics: the new policy version and folder, the steps' losses and gradient norms."""
-        c = commits[0].numbers
-        steps = c["steps"]
-        norms = np.array([s["grad_norm"] for s in steps])
+        (update,) = commits
+        c = update.numbers
+        norms = np.array([s["grad_norm"] for s in c.steps])
         return {
             "policy_version": self.round + 1,
             # Rounds between the policy that sampled the data (its rows' policy_version) and the one updated.
             "staleness": self.round - self.run.sampling_version(self.round),
-            "model_dir": c["model_dir"],
-            **({"ema_dir": c["ema_dir"]} if c.get("ema_dir") else {}),
-            "loss_mean": float(np.mean([s["loss"] for s in steps])),
+            "model_dir": c.model_dir,
+            **({"ema_dir": c.ema_dir} if c.ema_dir else {}),
+            "loss_mean": float(np.mean([s["loss"] for s in c.steps])),
             "grad_norm_mean": float(norms.mean()),
             "grad_norm_max": float(norms.max()),
             "grad_norm_std": float(norms.std()),
             # Fraction of loss tokens whose ratio the policy loss clipped (verl's actor/pg_clipfrac).
-            "clip_fraction": float(np.mean([s["clip_fraction"] for s in steps])),
-            "ratio_mean": float(np.mean([s["ratio_mean"] for s in steps])),
-            "optimizer_steps": len(steps),
-            "adv_min": c["adv_min"],
-            "adv_max": c["adv_max"],
-            "adv_mean": c.get("adv_mean"),
-            "adv_std": c.get("adv_std"),
-            "divergence": c.get("divergence"),
-            "tokens": c.get("tokens"),
-            "seconds": c["seconds"],
-            "tokens_per_s": c.get("tokens", 0) / max(c["seconds"], 1e-9),
+            "clip_fraction": float(np.mean([s["clip_fraction"] for s in c.steps])),
+            "ratio_mean": float(np.mean([s["ratio_mean"] for s in c.steps])),
+            "optimizer_steps": len(c.steps),
+            "adv_min": c.adv_min,
+            "adv_max": c.adv_max,
+            "adv_mean": c.adv_mean,
+            "adv_std": c.adv_std,
+            "divergence": c.divergence,
+            "tokens": c.tokens,
+            "seconds": c.seconds,
+            "tokens_per_s": c.tokens / max(c.seconds, 1e-9),
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import duckdb
 
+from gndpo.storage.products import FileRecord
 from gndpo.storage.runfs import RunFS
 
 
@@ -34,17 +35,22 @@ def lock(con: duckdb.DuckDBPyConnection, readable: list[str] | None) -> None:
     con.execute("SET lock_configuration = true")
 
 
-def record_uris(run: RunFS, records: list[dict]) -> list[str]:
+def record_uris(run: RunFS, records: list[FileRecord]) -> list[str]:
     """The URLs DuckDB opens the given file records at (a forked run's inherited ones in its parent)."""
-    return [run.holding(r).uri(r["path"]) for r in records]
+    return [run.holding(r).uri(r.path) for r in records]
 
 
-def parquet_source(run: RunFS, records: list[dict]) -> str:
+def parquet_source(run: RunFS, records: list[FileRecord]) -> str:
     """A ``read_parquet([...])`` expression over the given file records (union by column name)."""
-    return f"read_parquet({_sql_list(record_uris(run, records))}, union_by_name = true)"
+    return uris_source(record_uris(run, records))
 
 
-def create_view(con: duckdb.DuckDBPyConnection, run: RunFS, name: str, records: list[dict], empty_sql: str) -> None:
+def uris_source(uris: list[str]) -> str:
+    """A ``read_parquet([...])`` expression over the Parquet files at ``uris`` (union by column name)."""
+    return f"read_parquet({_sql_list(uris)}, union_by_name = true)"
+
+
+def create_view(con: duckdb.DuckDBPyConnection, run: RunFS, name: str, records: list[FileRecord], empty_sql: str) -> None:
     """A view ``name`` over ``records``; ``empty_sql`` (a typed empty SELECT) when there are none yet."""
     body = f"SELECT * FROM {parquet_source(run, records)}" if records else empty_sql
     con.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")

@@ -15,6 +15,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 COMPUTE, WRITE = "compute", "write"
+# {phase: {"seconds": s, "bytes": b}}: where a unit's time went and what each phase wrote.
+Phases = dict[str, dict[str, float]]
 
 
 class PhaseClock:
@@ -34,7 +36,7 @@ class PhaseClock:
         if name == WRITE:
             self.seconds[WRITE] += seconds
 
-    def breakdown(self) -> dict:
+    def breakdown(self) -> Phases:
         """``{phase: {"seconds": s, "bytes": b}}`` since the clock started; ``compute`` is the time no
         other phase took (it writes nothing of its own)."""
         seconds = dict(self.seconds)

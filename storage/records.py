@@ -17,105 +17,40 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from typing import Generic
 
 from gndpo.errors import GndpoError
+from gndpo.storage.products import Commit, FileRecord, Manifest, N, Plan, Unit, UnitNumbers
 from gndpo.storage.runfs import RunFS
-
-STAGES = ("rollout", "score", "normalize", "train")
-CHECKPOINTS = "ckpt"  # an attempt's folder of the checkpoints it writes while it computes (train's engine states)
-# The rollout stage's extra unit that measures held-out accuracy; its file is not a rollout shard.
-EVAL_UNIT = "eval-heldout"
-# The kind of an evaluation unit's file that holds held-out responses as rollout rows (prompts without
-# answers: score's teacher reads them for the label-free held-out measure).
-HELDOUT_ROLLOUTS = "heldout_rollouts"
 
 
 def round_prefix(round_idx: int) -> str:
     return f"rounds/r{round_idx:04d}"
 
 
-# -- the committed records, typed -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Commit:
-    """A committed unit (``done/<unit>.json``): its files' records (path, bytes, sha256, rows; ``kind``
-    for an evaluation unit's), and the numbers its stage summed for the manifest (``numbers``: the
-    stage's own, by name)."""
+class StageRecords(Generic[N]):
+    """Read and create the records of ``stage`` in round ``round_idx`` of a run; its units' numbers read
+    as ``numbers`` (the stage's own type; the executor's fields alone by default)."""
 
-    unit: str
-    attempt: int
-    files: list[dict]
-    rows: int
-    bytes: int
-    committed_at: float
-    numbers: dict = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, record: dict) -> Commit:
-        fixed = {"unit", "attempt", "files", "rows", "bytes", "committed_at"}
-        return cls(record["unit"], record["attempt"], record["files"], record["rows"], record["bytes"], record["committed_at"],
-                   {k: v for k, v in record.items() if k not in fixed})
-
-    def to_json(self) -> dict:
-        """The commit as its record reads (the stage's numbers beside the fixed fields)."""
-        return {"unit": self.unit, "attempt": self.attempt, "files": self.files, "rows": self.rows, "bytes": self.bytes,
-                "committed_at": self.committed_at, **self.numbers}
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A committed stage (``_MANIFEST.json``): its units' commits in plan order, what it was planned
-    from, its metrics, and when the last worker wrote it."""
-
-    round: int
-    stage: str
-    units: list[Commit]
-    inputs: dict  # what the plan was made from
-    metrics: dict  # the stage's own figures, by name (docs/reference/metrics.md)
-    rows: int
-    bytes: int
-    finished_at: float
-
-    @classmethod
-    def of(cls, record: dict) -> Manifest:
-        units = [Commit.of(u) for u in record["units"]]
-        return cls(record["round"], record["stage"], units, record.get("inputs", {}), record.get("metrics", {}),
-                   record.get("rows", sum(u.rows for u in units)), record.get("bytes", sum(u.bytes for u in units)),
-                   record.get("finished_at", 0.0))
-
-    def files(self) -> list[dict]:
-        """Every unit's file records, in unit order."""
-        return [f for unit in self.units for f in unit.files]
-
-    def response_shards(self) -> list[dict]:
-        """A rollout manifest's response shards: every unit's but the evaluation unit's."""
-        return [f for unit in self.units if unit.unit != EVAL_UNIT for f in unit.files]
-
-    def evaluation(self) -> list[dict]:
-        """The evaluation unit's file records (none where the stage has no such unit)."""
-        return [f for unit in self.units if unit.unit == EVAL_UNIT for f in unit.files]
-
-
-class StageRecords:
-    """Read and create the records of ``stage`` in round ``round_idx`` of a run."""
-
-    def __init__(self, run: RunFS, round_idx: int, stage: str):
+    def __init__(self, run: RunFS, round_idx: int, stage: str, numbers: type[N] = UnitNumbers):
         self.run = run
         self.round = round_idx
         self.stage = stage
+        self.numbers = numbers
         self.prefix = f"{round_prefix(round_idx)}/{stage}"
 
     # -- plan -------------------------------------------------------------------------------------
-    def plan(self) -> dict | None:
+    def plan(self) -> Plan | None:
         """The stage's plan (units and the inputs they read), or None before a worker wrote it."""
-        return self.run.read_json_or_none(f"{self.prefix}/plan.json")
+        record = self.run.read_json_or_none(f"{self.prefix}/plan.json")
+        return None if record is None else Plan.of(record)
 
-    def create_plan(self, units: list[dict], inputs: dict) -> dict:
+    def create_plan(self, units: list[Unit], inputs: dict) -> Plan:
         """Write the plan once; if another worker won the race, return theirs (it must agree)."""
-        plan = {"round": self.round, "stage": self.stage, "units": units, "inputs": inputs}
-        if not self.run.create_json(f"{self.prefix}/plan.json", plan):
+        plan = Plan(self.round, self.stage, units, inputs)
+        if not self.run.create_json(f"{self.prefix}/plan.json", plan.to_json()):
             plan = self.plan()
-        if [u["unit"] for u in plan["units"]] != [u["unit"] for u in units]:
+        if plan.ids() != [u.id for u in units]:
             raise GndpoError(f"{self.run.uri(self.prefix)}/plan.json was planned from different inputs")
         return plan
 
@@ -157,37 +92,24 @@ class StageRecords:
     def attempt_dir(self, unit: str, attempt: int) -> str:
         return f"{self.prefix}/data/{unit}/a{attempt:03d}"
 
-    def checkpoint_dir(self, unit: str, attempt: int) -> str:
-        """Where an attempt keeps the checkpoints it writes while it computes (train's engine states): a
-        later attempt of an uncommitted unit resumes from them; a commit never references them."""
-        return f"{self.attempt_dir(unit, attempt)}/{CHECKPOINTS}"
-
     # -- commits ----------------------------------------------------------------------------------
     def _record(self, path: str) -> dict | None:
         """The JSON record at ``path`` under this stage's folder, or None."""
         return self.run.read_json_or_none(f"{self.prefix}/{path}")
 
-    def done(self, unit: str) -> Commit | None:
+    def done(self, unit: str) -> Commit[N] | None:
         """``unit``'s commit (its files' records and the unit's own numbers), or None if not done."""
         record = self._record(f"done/{unit}.json")
-        return None if record is None else Commit.of(record)
+        return None if record is None else Commit.of(record, self.numbers)
 
     def done_units(self) -> set[str]:
         """The ids of the units with a done marker."""
         return {n[: -len(".json")] for n in self.run.listdir(f"{self.prefix}/done") if n.endswith(".json")}
 
-    def commit(self, unit: str, attempt: int, files: list[dict], summary: dict) -> bool:
+    def commit(self, unit: Unit, attempt: int, files: list[FileRecord], numbers: UnitNumbers) -> bool:
         """Make an attempt's files visible. False if another attempt committed the unit first."""
-        record = {
-            "unit": unit,
-            "attempt": attempt,
-            "files": files,
-            "rows": sum(f.get("rows", 0) for f in files),
-            "bytes": sum(f["bytes"] for f in files),
-            "committed_at": time.time(),
-            **summary,
-        }
-        return self.run.create_json(f"{self.prefix}/done/{unit}.json", record)
+        commit = Commit(unit.id, attempt, files, sum(f.rows for f in files), sum(f.bytes for f in files), time.time(), numbers, unit.kind)
+        return self.run.create_json(f"{self.prefix}/done/{unit.id}.json", commit.to_json())
 
     # -- pruning (`gndpo gc --keep-rounds`) --------------------------------------------------------
     def pruned(self) -> dict | None:
@@ -200,19 +122,19 @@ class StageRecords:
         self.run.create_json(f"{self.prefix}/_PRUNED.json", body)
 
     # -- manifest ---------------------------------------------------------------------------------
-    def manifest(self) -> Manifest | None:
+    def manifest(self) -> Manifest[N] | None:
         """The stage's manifest (committed: its files, their records and the stage's metrics), or None."""
         record = self._record("_MANIFEST.json")
-        return None if record is None else Manifest.of(record)
+        return None if record is None else Manifest.of(record, self.numbers)
 
-    def require_manifest(self) -> Manifest:
+    def require_manifest(self) -> Manifest[N]:
         """The manifest; a one-line GndpoError naming the stage and round where it is not committed."""
         m = self.manifest()
         if m is None:
             raise GndpoError(f"stage {self.stage} of round {self.round} is not committed yet ({self.run.uri(self.prefix)})")
         return m
 
-    def create_manifest(self, body: dict) -> tuple[Manifest, bool]:
+    def create_manifest(self, body: dict) -> tuple[Manifest[N], bool]:
         """Write the manifest once; a concurrent writer's identical manifest is accepted. Returns the
         manifest and whether this call wrote it."""
         body = {"round": self.round, "stage": self.stage, **body}
@@ -245,13 +167,3 @@ def _mark(obj, url: str):
         return [_mark(v, url) for v in obj]
     return obj
 
-
-def train_optimizer_state(fs, commit: Commit) -> dict | None:
-    """A train commit's carried optimizer state ({world, files, ...}): the one its commit lists, or the
-    record it names as written after it (``{"pending": path}``, train.state_async); None where it has
-    none, or the named record never appeared (the writing process died first). ``fs``: the storage
-    the commit's paths are relative to."""
-    state = commit.numbers.get("optimizer_state")
-    if state and "pending" in state:
-        state = fs.read_json_or_none(state["pending"])
-    return state if state and "files" in state else None

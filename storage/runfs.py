@@ -30,6 +30,7 @@ import fsspec.asyn
 from gndpo.errors import GndpoError
 from gndpo.faults import crash_point
 from gndpo.storage.meter import charge_write
+from gndpo.storage.products import FileRecord
 
 
 class RunFS:
@@ -64,10 +65,10 @@ class RunFS:
         proto = _protocols(self.fs)[0]
         return f"{proto}://{p}"
 
-    def holding(self, record: dict) -> "RunFS":
+    def holding(self, record: FileRecord) -> "RunFS":
         """The run folder a file record's ``path`` is relative to: this one, or, for a record a forked
         run inherited (it carries ``run``, the parent's URL), the parent's."""
-        url = record.get("run")
+        url = record.run
         if not url or url == self.url:
             return self
         if url not in self._others:
@@ -152,7 +153,7 @@ class RunFS:
     def create_json(self, rel: str, obj: Any) -> bool:
         return self.create(rel, json.dumps(obj, indent=1, sort_keys=True).encode())
 
-    def write_new(self, rel: str, data: bytes) -> dict:
+    def write_new(self, rel: str, data: bytes) -> FileRecord:
         """Write an immutable data file and return its record (path, bytes, sha256).
 
         Locally the bytes go to a temporary name first and are renamed into place, so a crash never
@@ -174,7 +175,7 @@ class RunFS:
         else:
             self.fs.pipe_file(target, data)
         charge_write(len(data), time.perf_counter() - start)
-        return {"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        return FileRecord(rel, len(data), hashlib.sha256(data).hexdigest())
 
     def staging_dir(self, rel: str) -> tempfile.TemporaryDirectory:
         """A temporary local folder to write files into (a model export, an engine's state) that
@@ -188,14 +189,14 @@ class RunFS:
         os.makedirs(parent, exist_ok=True)
         return tempfile.TemporaryDirectory(dir=parent, prefix=f".{os.path.basename(rel)}.staging-")
 
-    def move_dir_in(self, local_dir: str | Path, rel: str) -> list[dict]:
+    def move_dir_in(self, local_dir: str | Path, rel: str) -> list[FileRecord]:
         """Make every file under a local folder an immutable file of the run under ``rel``, moved where
         it can be (:meth:`move_in`); returns their records."""
         local_dir = Path(local_dir)
         files = sorted(p for p in local_dir.rglob("*") if p.is_file())
         return [self.move_in(f"{rel}/{f.relative_to(local_dir).as_posix()}", f) for f in files]
 
-    def move_in(self, rel: str, local: Path) -> dict:
+    def move_in(self, rel: str, local: Path) -> FileRecord:
         """:meth:`write_new` for a file on local disk, never read whole into memory: on a local run's own
         filesystem it is made durable and renamed into place (``local`` is gone after), on another one
         copied, to an object store uploaded. Returns its record (path, bytes, sha256)."""
@@ -214,7 +215,7 @@ class RunFS:
         else:
             self.fs.put_file(str(local), target)
         charge_write(size, time.perf_counter() - start)
-        return {"path": rel, "bytes": size, "sha256": digest}
+        return FileRecord(rel, size, digest)
 
     def local_dir(self, rel: str, cache_root: str | Path) -> str:
         """A local path holding ``rel``: itself for local runs, else a cached download."""
@@ -256,7 +257,7 @@ def file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def export_files(source: RunFS, files: list[dict], prefix: str, dest_url: str, storage_options: dict | None = None) -> list[dict]:
+def export_files(source: RunFS, files: list[FileRecord], prefix: str, dest_url: str, storage_options: dict | None = None) -> list[FileRecord]:
     """Copy committed ``files`` (records: path, bytes, sha256) of ``source`` into the folder ``dest_url``
     (a path or URL that must not exist yet, or be an empty folder), named by their path under
     ``prefix``. Each file is checked against its record's sha256 before anything reaches ``dest_url``;
@@ -273,13 +274,13 @@ def export_files(source: RunFS, files: list[dict], prefix: str, dest_url: str, s
         staged = Path(tmp) / "out"
         written = []
         for record in files:
-            name = record["path"][len(prefix):].lstrip("/")
+            name = record.path[len(prefix):].lstrip("/")
             local = staged / name
             local.parent.mkdir(parents=True, exist_ok=True)
-            source.fs.get_file(source.path(record["path"]), str(local))
-            if file_sha256(local) != record["sha256"]:
-                raise GndpoError(f"{source.uri(record['path'])} differs from its commit record (sha256); nothing was exported")
-            written.append({"path": name, "bytes": record["bytes"], "sha256": record["sha256"]})
+            source.fs.get_file(source.path(record.path), str(local))
+            if file_sha256(local) != record.sha256:
+                raise GndpoError(f"{source.uri(record.path)} differs from its commit record (sha256); nothing was exported")
+            written.append(FileRecord(name, record.bytes, record.sha256))
         if dest.is_local:
             if os.path.isdir(root):
                 os.rmdir(root)  # empty (checked above): the staged folder takes its place

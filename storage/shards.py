@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import io
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gndpo.errors import GndpoError
+from gndpo.storage.products import FileKind, FileRecord
 from gndpo.storage.rows import RolloutRow, ScoreRow, StatRow, arrow_schema
 from gndpo.storage.runfs import RunFS
 
@@ -115,50 +117,48 @@ def to_parquet_bytes(table: pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def write_shard(run: RunFS, rel: str, table: pa.Table, schema: pa.Schema | None = None) -> dict:
-    """Write ``table`` as one immutable Parquet file; the record includes its row count."""
+def write_shard(run: RunFS, rel: str, table: pa.Table, schema: pa.Schema | None = None, kind: FileKind = FileKind.ROWS) -> FileRecord:
+    """Write ``table`` as one immutable Parquet file; its record has its row count and ``kind``."""
     if schema is not None:
         table = table.cast(schema) if table.schema != schema else table
-    record = run.write_new(rel, to_parquet_bytes(table))
-    record["rows"] = table.num_rows
-    return record
+    return replace(run.write_new(rel, to_parquet_bytes(table)), rows=table.num_rows, kind=kind)
 
 
-def verified_bytes(run: RunFS, record: dict) -> bytes:
+def verified_bytes(run: RunFS, record: FileRecord) -> bytes:
     """The bytes of a committed file, refused if they no longer match its commit record."""
     run = run.holding(record)
-    uri = run.uri(record["path"])
+    uri = run.uri(record.path)
     try:
-        data = run.fs.cat_file(run.path(record["path"]))
+        data = run.fs.cat_file(run.path(record.path))
     except FileNotFoundError:
         raise GndpoError(f"shard listed in a commit record is missing: {uri}") from None
-    if len(data) != record["bytes"] or hashlib.sha256(data).hexdigest() != record["sha256"]:
+    if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
         raise GndpoError(f"corrupt shard (checksum mismatch with its commit record): {uri}")
     return data
 
 
-def verify_shards(run: RunFS, records: list[dict]) -> None:
+def verify_shards(run: RunFS, records: list[FileRecord]) -> None:
     """Check files against their commit records before another reader (DuckDB) opens them directly."""
     for record in records:
         verified_bytes(run, record)
 
 
-def read_shard(run: RunFS, record: dict, columns: list[str] | None = None) -> pa.Table:
+def read_shard(run: RunFS, record: FileRecord, columns: list[str] | None = None) -> pa.Table:
     """Read one committed shard, refusing it if it no longer matches its commit record. With
     ``columns``, only those the file has are decoded (an older shard may lack a later column)."""
-    uri = run.holding(record).uri(record["path"])
+    uri = run.holding(record).uri(record.path)
     data = verified_bytes(run, record)
     try:
         parquet = pq.ParquetFile(io.BytesIO(data))
         table = parquet.read(columns=None if columns is None else [c for c in columns if c in parquet.schema_arrow.names])
     except Exception as exc:  # pyarrow raises several types for a damaged file
         raise GndpoError(f"corrupt shard (unreadable Parquet): {uri}: {exc}") from None
-    if table.num_rows != record["rows"]:
-        raise GndpoError(f"corrupt shard (row count {table.num_rows} != {record['rows']}): {uri}")
+    if table.num_rows != record.rows:
+        raise GndpoError(f"corrupt shard (row count {table.num_rows} != {record.rows}): {uri}")
     return table
 
 
-def read_shards(run: RunFS, records: list[dict], schema: pa.Schema | None = None) -> pa.Table:
+def read_shards(run: RunFS, records: list[FileRecord], schema: pa.Schema | None = None) -> pa.Table:
     """Concatenate committed shards in record order (an empty table of ``schema`` when none)."""
     tables = [read_shard(run, r) for r in records]
     if not tables:

@@ -31,3 +31,45 @@ def backend_comparisons(tree: ast.AST) -> list[tuple[int, str]]:
             if any(reads_backend(s) for s in sides) and any(is_name_or_names(s) for s in sides):
                 found.append((node.lineno, ast.unparse(node)))
     return found
+
+
+# -- stage names ---------------------------------------------------------------------------------------
+# Calls that fetch another stage's output or class: a stage's name among their arguments is a lookup by name.
+FETCHES = {"records", "manifest", "files", "plan_units", "unit_commit", "committed_units", "statistics", "job_class"}
+
+
+def holds_name(node: ast.AST, names: set[str]) -> bool:
+    """A string constant that is one of ``names``, or a tuple, list or set holding one."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value in names
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(holds_name(e, names) for e in node.elts)
+
+
+def about_stages(node: ast.AST) -> bool:
+    """Code whose text reads as a stage, or a table keyed by stage (``stage``, ``peak.stage``, ``by``)."""
+    text = ast.unparse(node)
+    return "stage" in text or text in ("by", "s")
+
+
+def stage_name_uses(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """(line, source) of every place in ``tree`` that compares a stage's name or looks a stage up by it:
+    a comparison of a stage-like value with a name (or of a key tuple holding one: ``(r, "train") in
+    by``), a subscript or ``.get`` by such a key, and a fetch (:data:`FETCHES`) given a name. A prompt
+    split that shares a name ("train") is neither: it is not compared with a stage."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = [s for s in sides if holds_name(s, names)]
+            if named and (any(isinstance(s, ast.Tuple) for s in named) or any(about_stages(s) for s in sides if s not in named)):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Subscript):
+            if (isinstance(node.slice, ast.Tuple) and holds_name(node.slice, names)) or (holds_name(node.slice, names) and about_stages(node.value)):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            args = [*node.args, *(k.value for k in node.keywords)]
+            if node.func.attr in FETCHES and any(holds_name(a, names) for a in args):
+                found.append((node.lineno, ast.unparse(node)))
+            elif node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Tuple) and holds_name(node.args[0], names):
+                found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)

@@ -171,10 +171,16 @@ def committed_rows(run_dir: Path, stage: str = "rollout", round_idx: int = 0) ->
 
     from gndpo.pipeline.run.run import open_run
 
-
     m = open_run(str(run_dir)).records(round_idx, stage).manifest()
-    files = m.response_shards() if stage == "rollout" else m.files()
-    return sorted((r for f in files for r in pq.read_table(Path(run_dir) / f["path"]).to_pylist()), key=lambda r: r["rollout_id"])
+    return sorted((r for f in m.row_files() for r in pq.read_table(Path(run_dir) / f.path).to_pylist()), key=lambda r: r["rollout_id"])
+
+
+def round_share(run, round_idx: int, rank: int = 0, world: int = 1):
+    """Rank ``rank``'s share of round ``round_idx``'s rows, as its train stage reads them."""
+    from gndpo.stages.train import TrainJob
+    from gndpo.stages.training.batch import load_share
+
+    return load_share(TrainJob(run, round_idx).inputs, rank, world)
 
 
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23 = 1.19e-7: float32's spacing at 1.0, twice its rounding error

@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from gndpo.pipeline.config.load import config_from_dict
+from gndpo.pipeline.run.products import POLICY, TrainNumbers
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.training.checkpoint import UNIT
-from gndpo.storage.records import Commit
+from gndpo.storage.products import Commit
 from gndpo.storage.runfs import RunFS
 
 
@@ -18,8 +19,11 @@ def fabricated_run(folder: Path, **settings) -> Run:
     return Run(RunFS(str(folder)), config_from_dict(settings))
 
 
-def committed_train(run: Run, round_idx: int, metrics: dict | None = None, **numbers) -> None:
-    """Round ``round_idx``'s train committed: its one unit carrying ``numbers`` (as a train commit's
-    own figures), its manifest ``metrics`` (``model_dir``, ``ema_dir``: where its exports would be)."""
-    commit = Commit(UNIT, 1, [], 0, 0, 0.0, numbers)
-    run.records(round_idx, "train").create_manifest({"units": [commit.to_json()], "metrics": metrics or {}})
+def committed_train(run: Run, round_idx: int, **numbers) -> None:
+    """Round ``round_idx``'s train committed: its one unit carrying ``numbers`` (its
+    :class:`~gndpo.pipeline.run.products.TrainNumbers`: ``model_dir``, ``ema_dir``, where its exports
+    would be; ``optimizer_state``), its manifest's metrics naming the same folders."""
+    update = TrainNumbers.of(numbers)
+    commit = Commit(UNIT, 1, [], 0, 0, 0.0, update)
+    metrics = {"model_dir": update.model_dir, **({"ema_dir": update.ema_dir} if update.ema_dir else {})}
+    run.records(round_idx, POLICY).create_manifest({"units": [commit.to_json()], "metrics": metrics})

@@ -98,7 +98,7 @@ def chat_round(request, tmp_path_factory, chat_assets, chat_rollout):
 
 
 def rollout_rows(run):
-    rows = read_shards(run.fs, run.records(0, "rollout").require_manifest().response_shards()).to_pylist()
+    rows = read_shards(run.fs, run.records(0, "rollout").require_manifest().row_files()).to_pylist()
     assert rows
     return rows
 
@@ -163,8 +163,8 @@ def test_truncated_modes(chat_round):
     in_stats = kept if mode == "drop" else rows
     assert stats["token_count"] == sum(sum(r["loss_mask"]) for r in in_stats)
     assert stats["responses"] == len(in_stats)
-    assert train.numbers["responses"] == (len(rows) if mode == "keep" else len(kept))
-    assert all(np.isfinite(s["loss"]) for s in train.numbers["steps"])
+    assert train.numbers.responses == (len(rows) if mode == "keep" else len(kept))
+    assert all(np.isfinite(s["loss"]) for s in train.numbers.steps)
 
 
 def write_messages(path, rows):

@@ -8,7 +8,7 @@ import torch
 
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.settings.schema import Config
-from gndpo.stages.training.checkpoint import CHECKPOINT_TAG, EMA_FILE, ResumePoint, Start, start_at
+from gndpo.stages.training.checkpoint import CHECKPOINT_TAG, EMA_FILE, CheckpointRecord, ResumePoint, Start, start_at
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.storage.runfs import RunFS
 
@@ -35,8 +35,7 @@ def test_a_retried_update_continues_after_the_checkpoint_with_its_history_and_av
     module = torch.nn.Linear(3, 2)
     history = [{"loss": 1.0, "grad_norm": 2.0}, {"loss": 0.5, "grad_norm": 1.0}]
     saved = averages(module, 0.25)  # the average after the checkpoint's two steps
-    state = {"step": 2, "history": history, "world": 1, "files": [],
-             "ema": run.fs.write_new(f"ckpt/step-00002/{EMA_FILE}", saved.to_bytes())}
+    state = CheckpointRecord(step=2, history=history, world=1, files=[], ema=run.fs.write_new(f"ckpt/step-00002/{EMA_FILE}", saved.to_bytes()).to_json())
     engine, ema, lines = Engine(module), averages(module), []
     start = start_at(ResumePoint("checkpoint", state), engine, run, 0, 1, ema, lines.append)
     assert start == Start(history, 2, True)

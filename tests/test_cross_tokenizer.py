@@ -15,7 +15,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.teachers.registry import check_teacher_backend
-from tests.conftest import committed_rows, float32_sum_tol, forward_terms, invoke_ok, model_logprob_tol, run_stages
+from tests.conftest import committed_rows, float32_sum_tol, forward_terms, invoke_ok, model_logprob_tol, round_share, run_stages
 
 pytestmark = pytest.mark.slow
 CLAMP = 5.0
@@ -117,7 +117,6 @@ def test_every_student_token_gets_its_share_of_its_spans_teacher_log_ratio(cross
 
 def test_statistics_and_loss_leave_unaligned_tokens_out(crossed, rolled_out):
     from gndpo.pipeline.run.stats import round_stats
-    from gndpo.stages.training.batch import load_share
 
     rollouts = {r["rollout_id"]: r for r in committed_rows(rolled_out)}
     c = []
@@ -130,7 +129,7 @@ def test_statistics_and_loss_leave_unaligned_tokens_out(crossed, rolled_out):
     assert got["token_count"] == c.size
     assert got["c_mean"] == pytest.approx(c.mean(), abs=1e-9) and got["c_var"] == pytest.approx(c.var(ddof=1), rel=1e-9)
     scores = {s["rollout_id"]: s for s in committed_rows(crossed, "score")}
-    with load_share(run, 0, 0, 1) as share:
+    with round_share(run, 0) as share:
         rows = share.all_rows()
     for row in rows:
         assert np.all(row.mask[np.asarray(scores[row.rollout_id]["aligned"]) == 0] == 0)
@@ -202,7 +201,7 @@ def test_the_stored_top_k_is_the_teachers_after_the_same_text_in_the_students_vo
         seen["none"] += int((~entries).sum())
         seen["unmatched"] += int((got_ids == UNMATCHED_ID).sum())
     assert min(seen.values()) > 0, seen
-    steps = open_run(str(crossed_topk)).records(0, "train").done("update").numbers["steps"]
+    steps = open_run(str(crossed_topk)).records(0, "train").done("update").numbers.steps
     assert steps and all(np.isfinite(s["loss"]) and s["loss"] > 0 and s["grad_norm"] > 0 for s in steps)
 
 

@@ -39,8 +39,8 @@ def normalized_run(request, tmp_path_factory, rolled_out):
 def trained(run):
     r = open_run(str(run))
     commit = r.records(0, "train").done("update")
-    weights = load_file(str(run / commit.numbers["model_dir"] / "model.safetensors"))
-    return [s["loss"] for s in commit.numbers["steps"]], [s["grad_norm"] for s in commit.numbers["steps"]], weights
+    weights = load_file(str(run / commit.numbers.model_dir / "model.safetensors"))
+    return [s["loss"] for s in commit.numbers.steps], [s["grad_norm"] for s in commit.numbers.steps], weights
 
 
 def torchrun_train(run, ranks: int, env=None) -> subprocess.CompletedProcess:
@@ -104,7 +104,7 @@ def test_zero3_crash_resume_matches_zero0(normalized_run, one_rank, tmp_path):
     proc = torchrun_train(run, 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     commit = open_run(str(run)).records(0, "train").done("update")
-    assert commit.attempt == 2 and commit.numbers["resumed_after_step"] == 1 and len(commit.numbers["steps"]) == 2
+    assert commit.attempt == 2 and commit.numbers.resumed_after_step == 1 and len(commit.numbers.steps) == 2
     loss0, norm0, w0 = trained(one_rank)
     loss, norm, w = trained(run)
     np.testing.assert_allclose(loss, loss0, rtol=1e-5, atol=1e-7)
@@ -112,7 +112,7 @@ def test_zero3_crash_resume_matches_zero0(normalized_run, one_rank, tmp_path):
     assert w.keys() == w0.keys()
     for key in w0:
         np.testing.assert_allclose(w[key], w0[key], rtol=1e-4, atol=1e-5)
-    exported_model_loads_in_transformers_and_vllm(run / commit.numbers["model_dir"], w0)
+    exported_model_loads_in_transformers_and_vllm(run / commit.numbers.model_dir, w0)
 
 
 def exported_model_loads_in_transformers_and_vllm(model_dir, reference_weights):
@@ -153,9 +153,9 @@ def test_bf16_train_runs_deepspeed_bf16_and_exports_bf16(normalized_run, one_ran
     set_train(run, zero_stage=2)
     run_stages(run, "train")
     commit = open_run(str(run)).records(0, "train").done("update")
-    model_dir = run / commit.numbers["model_dir"]
+    model_dir = run / commit.numbers.model_dir
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}
     assert json.loads((model_dir / "config.json").read_text())["dtype"] == "bfloat16"
     loss32, _, _ = trained(one_rank)
-    np.testing.assert_allclose([s["loss"] for s in commit.numbers["steps"]], loss32, rtol=0.05)
+    np.testing.assert_allclose([s["loss"] for s in commit.numbers.steps], loss32, rtol=0.05)

@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gndpo.storage.records import Commit
+from gndpo.pipeline.run.products import RolloutNumbers, ScoreNumbers, StatsNumbers, TrainNumbers
+from gndpo.storage.products import Commit, UnitKind, UnitNumbers
 from tests.conftest import ARTIFACTS, open_in_chromium, tiny_config_dict, write_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -498,12 +499,13 @@ def normalize_metrics(method: dict) -> dict:
     stats = score_moments(con, kept_scores)
     stats.update(rollout_figures(con, "rollout_rows"))
     stats.update(method_statistics(StatsQuery(con), cfg.method, 0)[0])
-    return NormalizeJob.summarize(None, [unit_commit("stats", stats=stats, seconds=1.0)])
+    return NormalizeJob.summarize(None, [unit_commit("stats", StatsNumbers, stats=stats, seconds=1.0)])
 
 
-def unit_commit(unit: str, **numbers) -> Commit:
-    """A committed unit whose own numbers are ``numbers`` (what a stage's summarize reads)."""
-    return Commit(unit, 1, [], 0, 0, 0.0, numbers)
+def unit_commit(unit: str, numbers: type[UnitNumbers], heldout: bool = False, **values) -> Commit:
+    """A committed unit (a held-out evaluation's with ``heldout``) whose own numbers, of type
+    ``numbers``, are ``values`` (what a stage's summarize reads)."""
+    return Commit(unit, 1, [], 0, 0, 0.0, numbers.of(values), UnitKind.HELDOUT_EVAL if heldout else UnitKind.WORK)
 
 
 def every_branch_metrics() -> dict[str, set[str]]:
@@ -513,21 +515,20 @@ def every_branch_metrics() -> dict[str, set[str]]:
     from gndpo.stages.rollout import RolloutJob
     from gndpo.stages.score import ScoreJob
     from gndpo.stages.train import TrainJob
-    from gndpo.storage.records import EVAL_UNIT
-
     conversation = {"llm_tokens": 10, "tool_tokens": 2, "turns_sum": 4, "turns_min": 1, "turns_max": 2, "tool_calls": 1, "tool_errors": 0}
     probe = {"engine_probe_gap_max": 0.0, "engine_probe_gap_mean": 0.0, "engine_reloaded": 1, "engine_restarted": 0, "engine_adapters": 1}
     rollout = RolloutJob.summarize(types.SimpleNamespace(round=0, version=0), [
-        unit_commit("u00000", prompts=2, responses=4, tokens=12, reward_sum=1.0, seconds=1.0, engine_dtype_bits=32, **conversation, **probe),
-        unit_commit(EVAL_UNIT, seconds=1.0, eval={"accuracy": 0.5, "n": 2})])
-    score_commit = unit_commit("u00000", tokens=12, seconds=1.0, student_tokens=10, student_from_engine=0, student_entropy_sum=3.0,
+        unit_commit("u00000", RolloutNumbers, prompts=2, responses=4, tokens=12, reward_sum=1.0, seconds=1.0, engine_dtype_bits=32, **conversation, **probe),
+        unit_commit("eval-heldout", RolloutNumbers, heldout=True, seconds=1.0, eval={"accuracy": 0.5, "n": 2})])
+    score_commit = unit_commit("u00000", ScoreNumbers, tokens=12, seconds=1.0, student_tokens=10, student_from_engine=0, student_entropy_sum=3.0,
                                teacher_entropy_sum=2.0, logprob_diff_sum=0.1, logprob_diff_max=0.05, unaligned_tokens=1, split_span_tokens=1,
                                server_retries=2, server_cooldowns=1)
     score = ScoreJob.summarize(types.SimpleNamespace(cfg=types.SimpleNamespace(score=types.SimpleNamespace(cross_tokenizer=True))), [
-        score_commit, unit_commit(EVAL_UNIT, seconds=1.0, eval={"reverse_kl": 0.1, "teacher_logprob": -1.0, "prompts": 2})])
+        score_commit, unit_commit("eval-heldout", ScoreNumbers, heldout=True, seconds=1.0, eval={"reverse_kl": 0.1, "teacher_logprob": -1.0, "prompts": 2})])
     step = {"loss": 0.1, "grad_norm": 1.0, "clip_fraction": 0.0, "ratio_mean": 1.0, "lr": 1e-3}
     train = TrainJob.summarize(types.SimpleNamespace(round=0, run=types.SimpleNamespace(sampling_version=lambda r: r)), [
-        unit_commit("update", steps=[step, step], model_dir="rounds/r0000/train/data/update/a001/model", ema_dir="rounds/r0000/train/data/update/a001/ema",
+        unit_commit("update", TrainNumbers, steps=[step, step], model_dir="rounds/r0000/train/data/update/a001/model",
+                    ema_dir="rounds/r0000/train/data/update/a001/ema",
                     adv_min=-1.0, adv_max=1.0, adv_mean=0.0, adv_std=1.0, divergence="forward_kl", tokens=12, seconds=2.0)])
     normalize = set().union(*(normalize_metrics(m) for m in method_configs()))
     return {"rollout": set(rollout), "score": set(score), "normalize": normalize, "train": set(train)}
@@ -562,7 +563,7 @@ def test_the_documented_phases_are_the_phases_in_the_code():
 def test_a_toy_round_writes_only_documented_metrics(tmp_path, tiny_assets):
     """A whole toy round (`gndpo run`, in this process): every key of every manifest is on the metrics page."""
     from gndpo.pipeline.run.run import open_run
-    from gndpo.storage.records import STAGES
+    from gndpo.stages.registry import STAGE_REGISTRY
     from tests.conftest import invoke_ok
 
     run = tmp_path / "run"
@@ -570,7 +571,7 @@ def test_a_toy_round_writes_only_documented_metrics(tmp_path, tiny_assets):
     invoke_ok("--quiet", "run", run, "--rounds", 1)
     page = (DOCS / "reference" / "metrics.md").read_text()
     opened = open_run(str(run))
-    for stage in STAGES:
+    for stage in STAGE_REGISTRY:
         metrics = opened.records(0, stage).require_manifest().metrics
         assert metrics and not undocumented(stage, metrics), f"{stage}: {undocumented(stage, metrics)}"
         for key in metrics:

@@ -14,8 +14,10 @@ import yaml
 
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.run import open_run
-from gndpo.storage.records import EVAL_UNIT, STAGES
+from gndpo.stages.registry import STAGE_REGISTRY
 from tests.conftest import assert_one_line_error, committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, run_log, tiny_config_dict
+
+STAGES = tuple(STAGE_REGISTRY)
 
 pytestmark = pytest.mark.slow
 PROMPTS, N = 16, 2
@@ -69,19 +71,19 @@ def test_status_phases_account_for_each_stage_and_its_bytes(run_dir):
     assert rows[(0, "rollout")]["setup s"] > 1.0  # a vLLM engine start
     train = run.records(0, "train")
     commit = train.done("update")
-    on_disk = lambda folder: sum(p.stat().st_size for p in (run_dir / commit.numbers["model_dir"]).parent.joinpath(folder).rglob("*") if p.is_file())  # noqa: E731
+    on_disk = lambda folder: sum(p.stat().st_size for p in (run_dir / commit.numbers.model_dir).parent.joinpath(folder).rglob("*") if p.is_file())  # noqa: E731
     assert rows[(0, "train")]["export MB"] == round(on_disk("model") / 1e6, 3)
     assert rows[(0, "train")]["state MB"] == round(on_disk("optimizer") / 1e6, 3) > 0
     for stage in STAGES:
         rec = run.records(0, stage)
         commits = [rec.done(u) for u in sorted(rec.done_units())]
         for c in commits:
-            spent = sum(p["seconds"] for p in c.numbers["phases"].values())
+            spent = sum(p["seconds"] for p in c.numbers.phases.values())
             unit = c.numbers
             assert unit["seconds"] <= spent + 0.01 and spent - unit["phases"].get("setup", {"seconds": 0})["seconds"] <= unit["seconds"] + 0.01, c
         metrics = rec.manifest().metrics
-        for name in {n for c in commits for n in c.numbers["phases"]}:
-            assert metrics[f"phase_{name}_bytes"] == sum(c.numbers["phases"].get(name, {"bytes": 0})["bytes"] for c in commits)
+        for name in {n for c in commits for n in c.numbers.phases}:
+            assert metrics[f"phase_{name}_bytes"] == sum(c.numbers.phases.get(name, {"bytes": 0})["bytes"] for c in commits)
     table = invoke_ok("status", run_dir, "--phases").stdout
     assert "export MB" in table and table.count("train") == 2
 
@@ -92,7 +94,7 @@ def test_status_phases_account_for_each_stage_and_its_bytes(run_dir):
 
     longest = max(len(r["prompt_token_ids"]) for r in committed_rows(run_dir))
     size = estimate_round(run.cfg, longest)
-    weights_file = (run_dir / commit.numbers["model_dir"] / "model.safetensors").stat().st_size
+    weights_file = (run_dir / commit.numbers.model_dir / "model.safetensors").stat().st_size
     assert size.export_bytes == pytest.approx(weights_file, rel=0.01)
     assert size.state_bytes == pytest.approx(on_disk("optimizer"), rel=0.03)
     shards = sum(u.bytes for s in ("rollout", "score") for u in run.records(0, s).manifest().units if u.unit != "eval-heldout")
@@ -148,7 +150,7 @@ def test_kept_engines_give_the_rows_and_weights_of_fresh_processes(run_dir, kept
         for name in reference:
             np.testing.assert_array_equal(weights[name], reference[name], err_msg=f"{other.name} {name}")
     train = open_run(str(kept)).records(1, "train").manifest().units[0]
-    assert train.numbers["optimizer_state_resumed"] and train.attempt == 1
+    assert train.numbers.optimizer_state_resumed and train.attempt == 1
 
 
 def test_manifests_and_row_counts(run_dir):
@@ -157,14 +159,14 @@ def test_manifests_and_row_counts(run_dir):
         for stage in STAGES:
             assert run.records(r, stage).manifest() is not None, (r, stage)
         rollouts = run.records(r, "rollout").manifest()
-        assert sum(f["rows"] for f in rollouts.response_shards()) == PROMPTS * N
+        assert sum(f.rows for f in rollouts.row_files()) == PROMPTS * N
         assert run.records(r, "score").manifest().rows == PROMPTS * N
         # The held-out accuracy is the mean greedy reward over the eval shard: one row per held-out prompt.
-        evals = [f for u in rollouts.units if u.unit == EVAL_UNIT for f in u.files]
-        greedy = pq.read_table(run_dir / evals[0]["path"]).to_pylist()
+        evals = [f for u in rollouts.units if not u.is_work for f in u.files]
+        greedy = pq.read_table(run_dir / evals[0].path).to_pylist()
         assert len(evals) == 1 and len(greedy) == len(run.prompts("heldout"))
         assert rollouts.metrics["heldout_accuracy"] == pytest.approx(np.mean([float(g["response"].strip() == g["answer"].strip()) for g in greedy]))
-    ids = [pq.read_table(run_dir / f["path"]).column("rollout_id").to_pylist() for f in run.records(0, "rollout").manifest().response_shards()]
+    ids = [pq.read_table(run_dir / f.path).column("rollout_id").to_pylist() for f in run.records(0, "rollout").manifest().row_files()]
     flat = [i for part in ids for i in part]
     assert len(flat) == len(set(flat)) == PROMPTS * N
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -173,13 +175,13 @@ def test_manifests_and_row_counts(run_dir):
 
 def test_score_shards_are_plain_parquet_and_stats_match_numpy(run_dir):
     run = open_run(str(run_dir))
-    files = [str(run_dir / f["path"]) for f in run.records(0, "score").manifest().files()]
+    files = [str(run_dir / f.path) for f in run.records(0, "score").manifest().files()]
     by_pyarrow = pq.read_table(files[0])
     by_polars = pl.read_parquet(files[0])
     by_duckdb = duckdb.sql(f"SELECT count(*) FROM read_parquet({files!r})").fetchall()[0][0]
     assert by_pyarrow.num_rows == by_polars.height and by_duckdb == PROMPTS * N
     # Global statistics from the normalize stage == numpy over every valid token of the round.
-    rollouts = pl.concat([pl.read_parquet(run_dir / f["path"]) for f in run.records(0, "rollout").manifest().response_shards()])
+    rollouts = pl.concat([pl.read_parquet(run_dir / f.path) for f in run.records(0, "rollout").manifest().row_files()])
     scores = pl.concat([pl.read_parquet(f) for f in files]).join(rollouts.select("rollout_id", "loss_mask"), on="rollout_id")
     c = []
     for t, s, m in zip(scores["teacher_logprobs"], scores["student_logprobs"], scores["loss_mask"]):
@@ -195,8 +197,8 @@ def test_student_logprobs_match_the_sampler(run_dir):
     """The recomputed student log-probs of round 0 agree with vLLM's sampler log-probs."""
     run = open_run(str(run_dir))
     con = duckdb.connect()
-    r = [str(run_dir / f["path"]) for f in run.records(0, "rollout").manifest().response_shards()]
-    s = [str(run_dir / f["path"]) for f in run.records(0, "score").manifest().files()]
+    r = [str(run_dir / f.path) for f in run.records(0, "rollout").manifest().row_files()]
+    s = [str(run_dir / f.path) for f in run.records(0, "score").manifest().files()]
     pairs = con.sql(
         f"SELECT r.sampler_logprobs, s.student_logprobs FROM read_parquet({r!r}) r JOIN read_parquet({s!r}) s USING (rollout_id)"
     ).fetchall()
@@ -342,7 +344,7 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
     assert summary["seeds"] == 2 and [(r["method"], r["seed"]) for r in runs] == [("opd", 0), ("opd", 1), ("forward_kl", 0), ("forward_kl", 1)]
     def responses(run_dir):
         run = open_run(str(run_dir))
-        return sorted(tuple(r["response_token_ids"]) for r in read_shards(run.fs, run.records(0, "rollout").require_manifest().response_shards()).to_pylist())
+        return sorted(tuple(r["response_token_ids"]) for r in read_shards(run.fs, run.records(0, "rollout").require_manifest().row_files()).to_pylist())
 
     for seed in (0, 1):
         run_dir = cmp / "00-opd" / f"seed-{seed}" / "run"
@@ -396,8 +398,8 @@ def test_compare_with_seeds(tmp_path, tiny_assets):
 def round_frames(run_dir, r: int) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Round r's rollouts and scores, read straight from the committed shards."""
     run = open_run(str(run_dir))
-    rollouts = pl.concat([pl.read_parquet(run_dir / f["path"]) for f in run.records(r, "rollout").manifest().response_shards()])
-    scores = pl.concat([pl.read_parquet(run_dir / f["path"]) for f in run.records(r, "score").manifest().files()])
+    rollouts = pl.concat([pl.read_parquet(run_dir / f.path) for f in run.records(r, "rollout").manifest().row_files()])
+    scores = pl.concat([pl.read_parquet(run_dir / f.path) for f in run.records(r, "score").manifest().files()])
     return rollouts, scores
 
 

@@ -15,7 +15,7 @@ from gndpo.pipeline.methods.losses import LOGP_FLOOR, DivergenceTerm, combined_t
 from gndpo.stages.models.logprobs import make_batch, pair_token_stats
 from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
 from gndpo.stages.teachers.engine import rest_logprob_from_topk
-from tests.conftest import float32_sum_tol, forward_terms
+from tests.conftest import float32_sum_tol, forward_terms, round_share
 
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 BETA = 0.3
@@ -302,7 +302,6 @@ def test_score_writes_the_rest_and_train_reads_it_or_recomputes_it(rolled_out, t
     rest, and both train."""
     from gndpo.pipeline.run.run import open_run
     from gndpo.stages.scoring import shard as score_shard
-    from gndpo.stages.training.batch import load_share
     from gndpo.storage import shards
     from tests.conftest import committed_rows, invoke_ok, run_stages
 
@@ -331,7 +330,7 @@ def test_score_writes_the_rest_and_train_reads_it_or_recomputes_it(rolled_out, t
 
     for run_dir, stored in ((new, True), (old, False)):
         run_stages(run_dir, "normalize")
-        with load_share(open_run(str(run_dir)), 0, 0, 1) as share:
+        with round_share(open_run(str(run_dir)), 0) as share:
             rows = share.all_rows()
         assert rows and all((r.topk_rest is not None) == stored for r in rows)
         if stored:

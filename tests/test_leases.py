@@ -8,7 +8,11 @@ import time
 
 import pyarrow as pa
 
+from gndpo.pipeline.exec.inputs import StageInputs
+from gndpo.pipeline.exec.stage import StageJob
 from gndpo.pipeline.exec.units import Lease, Worker, lease_state
+from gndpo.pipeline.run.products import Product
+from gndpo.storage.products import Unit, UnitNumbers
 from gndpo.storage.records import StageRecords
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.shards import write_shard
@@ -16,24 +20,22 @@ from gndpo.storage.shards import write_shard
 TTL = 0.4
 
 
-class SlowJob:
+class SlowJob(StageJob):
     """One unit whose compute takes ``seconds`` (longer than the ttl)."""
 
-    stage = "score"
+    makes = Product("score", UnitNumbers)
 
     def __init__(self, fs, seconds: float):
         self.fs, self.seconds, self.computed = fs, seconds, 0
+        self.inputs = StageInputs(None, 0, ())  # it reads nothing
 
     def plan(self):
-        return [{"unit": "u0"}], {}
-
-    def setup(self):
-        pass
+        return [Unit("u0")], {}
 
     def run_unit(self, unit, out_dir):
         time.sleep(self.seconds)
         self.computed += 1
-        return [write_shard(self.fs, f"{out_dir}/part-00000.parquet", pa.table({"i": [1, 2]}))], {}
+        return [write_shard(self.fs, f"{out_dir}/part-00000.parquet", pa.table({"i": [1, 2]}))], UnitNumbers()
 
     def summarize(self, commits):
         return {}
@@ -63,7 +65,7 @@ def test_a_worker_that_cannot_renew_its_lease_abandons_the_unit(tmp_path, monkey
     attempt = first.try_claim("u0")
     assert attempt == 1
     with caplog.at_level(logging.WARNING, logger="gndpo"):
-        assert first.compute({"unit": "u0"}, attempt) is None
+        assert first.compute(Unit("u0"), attempt) is None
     assert job.computed == 1 and len(calls) > 2
     # Nothing committed, and the abandoned attempt's files are gone.
     assert records.done("u0") is None and not fs.exists(records.attempt_dir("u0", 1))
@@ -118,7 +120,7 @@ def test_a_unit_committed_by_a_worker_that_has_exited_is_not_claimed_again(tmp_p
     records = StageRecords(fs, 0, "score")
     a = Worker(records, SlowJob(fs, seconds=0), ttl=60, log=lambda *_: None)
     a.ensure_plan()
-    assert a.compute({"unit": "u0"}, a.try_claim("u0")) is not None
+    assert a.compute(Unit("u0"), a.try_claim("u0")) is not None
     claim = records.read_claim("u0", 1)
     (tmp_path / records.claim_path("u0", 1)).write_text(json.dumps({**claim, "pid": 2**22 + 1}))  # A exited: no such pid
     assert lease_state(records, "u0") == "stale"

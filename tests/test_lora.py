@@ -186,7 +186,7 @@ def test_lora_rounds_train_the_adapters_only_and_continue_them_from_their_files(
     kept, split = lora_runs
     initial = load_file(str(tiny_assets / "student" / "model.safetensors"))
     resumed = open_run(str(split)).records(1, "train").manifest().units[0]
-    assert resumed.attempt == 2 and resumed.numbers["resumed_after_step"] == 1
+    assert resumed.attempt == 2 and resumed.numbers.resumed_after_step == 1
     assert "resuming after step 1 from a checkpoint" in run_log(split)
     for round_idx in range(2):
         got, want = (load_file(str(export_dir(r, round_idx) / "model.safetensors")) for r in (split, kept))
@@ -199,9 +199,9 @@ def test_lora_rounds_train_the_adapters_only_and_continue_them_from_their_files(
         assert adapters[0] == adapters[1]
     # The carried state is the adapters' (and their moments): a fraction of the exported policy.
     commit = open_run(str(split)).records(0, "train").manifest().units[0]
-    state = commit.numbers["optimizer_state"]
+    state = commit.numbers.optimizer_state
     state = json.loads((split / state["pending"]).read_text()) if "pending" in state else state
-    export_bytes = sum(f["bytes"] for f in commit.files if "/model/" in f["path"])
+    export_bytes = sum(f.bytes for f in commit.files if "/model/" in f.path)
     assert 0 < sum(f["bytes"] for f in state["files"]) < 0.5 * export_bytes
     for run in (kept, split):  # round 1's engine: the initial student with round 0's adapters, through vLLM's LoRA
         probe = open_run(str(run)).records(1, "rollout").manifest().metrics

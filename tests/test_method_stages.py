@@ -57,7 +57,7 @@ def method_run(tmp_path_factory, tiny_assets, rollout_dir):
 
 
 def shards(run):
-    rollouts = read_shards(run.fs, run.records(0, "rollout").require_manifest().response_shards()).to_pylist()
+    rollouts = read_shards(run.fs, run.records(0, "rollout").require_manifest().row_files()).to_pylist()
     for r in rollouts:
         r["rewards"] = dict(r["rewards"])  # Arrow maps come back as (key, value) pairs
     scores = {r["rollout_id"]: r for r in read_shards(run.fs, run.records(0, "score").require_manifest().files()).to_pylist()}
@@ -71,8 +71,8 @@ def valid(pairs, fn):
 
 def assert_trained(run):
     commit = run.records(0, "train").done("update")
-    losses = [s["loss"] for s in commit.numbers["steps"]]
-    norms = [s["grad_norm"] for s in commit.numbers["steps"]]
+    losses = [s["loss"] for s in commit.numbers.steps]
+    norms = [s["grad_norm"] for s in commit.numbers.steps]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     assert all(math.isfinite(x) and x > 0 for x in norms), norms
 
@@ -184,9 +184,9 @@ def test_method_trains_end_to_end(method_run, name):
     assert_trained(run)
     commit = run.records(0, "train").done("update")
     if name == "reverse_kl":
-        assert commit.numbers["divergence"] == name and commit.numbers["adv_min"] is None
+        assert commit.numbers.divergence == name and commit.numbers.adv_min is None
     if name == "paced":
-        assert commit.numbers["divergence"] == "forward_kl"  # round 0 of the default fkl-then-rkl schedule
+        assert commit.numbers.divergence == "forward_kl"  # round 0 of the default fkl-then-rkl schedule
 
 
 def test_bfloat16_score_storage(method_run):
@@ -227,7 +227,7 @@ def test_cosine_lr_schedule_over_the_round(tmp_path, tiny_assets, rollout_dir):
         optimizer_lrs = {group["lr"] for group in live._trainer.engine.optimizer.param_groups}
     finally:
         live.close()
-    steps = open_run(str(run)).records(0, "train").done("update").numbers["steps"]
+    steps = open_run(str(run)).records(0, "train").done("update").numbers.steps
     want = [2e-4 + 8e-4 * (1 + math.cos(math.pi * i / 3)) / 2 for i in range(4)]
     assert [s["lr"] for s in steps] == pytest.approx(want, rel=1e-12)
     assert want[0] == pytest.approx(1e-3) and want[-1] == pytest.approx(2e-4)

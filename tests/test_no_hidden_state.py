@@ -9,13 +9,14 @@ from types import SimpleNamespace
 
 from gndpo.pipeline.observe import metrics
 from gndpo.pipeline.settings.schema import Config
+from gndpo.storage.products import FileRecord
 from gndpo.storage.runfs import RunFS
 
 
 def test_a_parent_run_is_opened_with_each_runs_own_storage_options(tmp_path):
     parent = str(tmp_path / "parent")
     (tmp_path / "parent").mkdir()
-    record = {"run": parent, "path": "rounds/r0000/rollout/data/u0/a001/part-00000.parquet"}
+    record = FileRecord("rounds/r0000/rollout/data/u0/a001/part-00000.parquet", 0, "", run=parent)
     a = RunFS(str(tmp_path / "a"), {"auto_mkdir": True})
     b = RunFS(str(tmp_path / "b"), {"auto_mkdir": False})
     held_a, held_b = a.holding(record), b.holding(record)
@@ -24,7 +25,7 @@ def test_a_parent_run_is_opened_with_each_runs_own_storage_options(tmp_path):
     assert held_a.storage_options == {"auto_mkdir": True} and held_b.storage_options == {"auto_mkdir": False}
     assert held_a.fs.auto_mkdir is True and held_b.fs.auto_mkdir is False
     assert a.holding(record) is held_a  # opened once per run
-    assert a.holding({"path": "x"}) is a and a.holding({"run": a.url, "path": "x"}) is a
+    assert a.holding(FileRecord("x", 0, "")) is a and a.holding(FileRecord("x", 0, "", run=a.url)) is a
 
 
 def test_each_run_and_config_logs_to_its_own_wandb_run(tmp_path, monkeypatch):

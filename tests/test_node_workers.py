@@ -15,7 +15,10 @@ from typer.testing import CliRunner
 from gndpo.apps import rounds, schedule
 from gndpo.apps.rounds import StageProcess, run_stage_processes, stage_processes, worker_log_dir
 from gndpo.errors import GndpoError
-from gndpo.storage.records import STAGES
+from gndpo.stages.registry import STAGE_REGISTRY
+
+STAGES = tuple(STAGE_REGISTRY)
+
 
 PY = sys.executable
 

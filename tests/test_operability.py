@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from gndpo.pipeline.observe import logs, metrics, progress
 from gndpo.pipeline.settings.schema import Config, LoggingConfig
-from gndpo.storage.records import Manifest
+from gndpo.storage.products import Manifest
 
 
 def test_lines_mode_writes_a_plain_line_per_interval_and_at_the_end(caplog, monkeypatch):

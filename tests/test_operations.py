@@ -126,7 +126,7 @@ def stop_and_check(run: Path, stage: str, pause_at: str, signum: int) -> None:
         f"stopped by {name}: the run is resumable, committed work is kept; to resume, run: gndpo {stage} {run} --round 0"
     )
     records = open_run(str(run)).records(0, stage)
-    (unit, attempt), = [(u, a) for u in (x["unit"] for x in records.plan()["units"]) for a in records.attempts(u)]
+    (unit, attempt), = [(u, a) for u in (x.id for x in records.plan().units) for a in records.attempts(u)]
     assert records.last_beat(unit, attempt)["released"] and lease_state(records, unit) == "stale"
     assert records.manifest() is None and "stopped" in invoke("status", run).stdout
 

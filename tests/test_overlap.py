@@ -31,10 +31,15 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.exec.status import stage_rows
 from gndpo.pipeline.run.run import open_run
-from gndpo.storage.records import EVAL_UNIT, STAGES, StageRecords
+from gndpo.stages.registry import STAGE_REGISTRY
+from gndpo.stages.rollout import HELDOUT_UNIT
+from gndpo.storage.records import StageRecords
 from gndpo.storage.runfs import RunFS
 
 from .conftest import assert_one_line_error, invoke, invoke_ok, model_logprob_tol, model_logprobs, tiny_config_dict, write_config
+
+STAGES = tuple(STAGE_REGISTRY)
+EVAL_UNIT = HELDOUT_UNIT.id
 
 ROUNDS = 2
 
@@ -98,7 +103,7 @@ def runs(tmp_path_factory, tiny_assets) -> dict:
 def shards(run: Path, round_idx: int, stage: str) -> dict[str, list]:
     """{unit: its committed tables} of a stage, read with pyarrow."""
     manifest = open_run(str(run)).records(round_idx, stage).require_manifest()
-    return {u.unit: [pq.read_table(run / f["path"]) for f in u.files if f["path"].endswith(".parquet")] for u in manifest.units}
+    return {u.unit: [pq.read_table(run / f.path) for f in u.files if f.path.endswith(".parquet")] for u in manifest.units}
 
 
 def commit_times(run: Path, round_idx: int, stage: str) -> dict[str, float]:
@@ -174,7 +179,7 @@ def test_train_ratio_divides_by_the_sampling_policy_log_probs(runs):
             mask = np.array(row["loss_mask"], dtype=bool)
             ratios += list(np.exp(lp1 - lp0)[mask])
             student.append((row["rollout_id"], lp0))
-    steps = run.records(1, "train").done("update").numbers["steps"]
+    steps = run.records(1, "train").done("update").numbers.steps
     expected = float(np.mean(ratios))
     assert abs(expected - 1) > 1e-3  # training moved the policy: a ratio of 1 would be wrong
     # Train's log-probs and score's against these forwards: each within two float32 forwards' rounding,

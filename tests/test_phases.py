@@ -5,7 +5,7 @@ import pytest
 
 from gndpo.pipeline.exec.units import phase_totals
 from gndpo.storage import meter
-from gndpo.storage.records import Commit
+from gndpo.storage.products import Commit, UnitNumbers
 from gndpo.storage.runfs import RunFS
 
 
@@ -49,6 +49,6 @@ def test_nothing_is_measured_outside_a_units_clock(tmp_path):
 def test_a_stage_metrics_sum_its_units_phases():
     numbers = [{"phases": {"setup": {"seconds": 1.5, "bytes": 0}, "write": {"seconds": 0.25, "bytes": 7}}},
                {"phases": {"write": {"seconds": 0.5, "bytes": 3}}}, {}]
-    commits = [Commit(f"u{i}", 1, [], 0, 0, 0.0, unit) for i, unit in enumerate(numbers)]
+    commits = [Commit(f"u{i}", 1, [], 0, 0, 0.0, UnitNumbers.of(unit)) for i, unit in enumerate(numbers)]
     assert phase_totals(commits) == {"phase_setup_bytes": 0, "phase_setup_seconds": 1.5,
                                      "phase_write_bytes": 10, "phase_write_seconds": 0.75}

@@ -18,7 +18,6 @@ from gndpo.pipeline.methods import METHODS, answer_readers
 from gndpo.pipeline.observe.metrics import collect_metrics
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.live import LiveModels
-from gndpo.storage.records import EVAL_UNIT
 from gndpo.storage.shards import read_shard
 from tests.conftest import assert_one_line_error, invoke, invoke_ok, model_logprob_tol, run_stages, tiny_config_dict, write_config
 
@@ -96,7 +95,7 @@ def test_two_rounds_of_gndpo_on_prompts_only(tmp_path, tiny_assets):
         assert np.isfinite(by[(r, "score")]["heldout_reverse_kl"]) and by[(r, "score")]["heldout_teacher_logprob"] < 0
 
     # Round 0's figures from its stored held-out rows: sampler log-probs (fp32 engine) and the teacher.
-    files = [f for u in run.records(0, "rollout").manifest().units if u.unit == EVAL_UNIT for f in u.files]
+    files = [f for u in run.records(0, "rollout").manifest().units if not u.is_work for f in u.files]
     rows = read_shard(run.fs, files[0]).to_pylist()
     assert sorted({r["sample_idx"] for r in rows}) == [0, 1] and len(rows) == 2 * len(run.prompts("heldout"))
     kl, greedy = [], []

@@ -396,7 +396,7 @@ def test_gemma_teaches_smollm2_across_tokenizers(smollm2_round, gemma3, tmp_path
     matched = float((ids[entries] >= 0).mean())
     print(f"Gemma's top-16 entries with a SmolLM2 twin: {matched:.3f} ({int((ids == UNMATCHED_ID).sum())} without)")
     assert matched > 0.5
-    steps = open_run(url).records(0, "train").done("update").numbers["steps"]
+    steps = open_run(url).records(0, "train").done("update").numbers.steps
     assert steps and all(np.isfinite(s["loss"]) and s["grad_norm"] > 0 for s in steps)
     aligned = np.concatenate([s["aligned"] for s in scores])
     assert aligned.all(), f"{int((aligned == 0).sum())} of {aligned.size} student tokens got no teacher value"

@@ -22,6 +22,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.exec.status import stage_rows
+from gndpo.pipeline.exec.units import working_dir
 from gndpo.pipeline.run.run import open_run
 from tests.conftest import committed_rows, gndpo, gndpo_killed, invoke, invoke_ok, run_stages, tiny_config_dict, write_config
 
@@ -93,7 +94,7 @@ def test_crashed_rollout_has_exactly_the_reference_rows(reference, crashed_run):
 def test_crashed_train_resumes_without_repeating_steps(reference, crashed_run):
     run = open_run(str(crashed_run))
     commit = run.records(0, "train").done("update")
-    assert commit.attempt == 2 and commit.numbers["resumed_after_step"] == 1 and len(commit.numbers["steps"]) == 3
+    assert commit.attempt == 2 and commit.numbers.resumed_after_step == 1 and len(commit.numbers.steps) == 3
     ref = open_run(str(reference / "run"))
     got = load_file(str(crashed_run / run.records(0, "train").manifest().metrics["model_dir"] / "model.safetensors"))
     want = load_file(str(reference / "run" / ref.records(0, "train").manifest().metrics["model_dir"] / "model.safetensors"))
@@ -116,7 +117,7 @@ def test_gc_removes_only_unreferenced_attempts(crashed_run):
     # The committed train attempt keeps its export; its in-round checkpoint (after step 2), which only a
     # retry of the uncommitted round would read, goes.
     assert (crashed_run / train.attempt_dir("update", 2) / "model" / "model.safetensors").is_file()
-    assert not (crashed_run / train.checkpoint_dir("update", 2)).exists()
+    assert not (crashed_run / working_dir(train, "update", 2)).exists()
     # rollout u00001's attempt 1 died before writing anything, so the folders to remove are score
     # u00000's attempts 1 and 2, train's attempt 1 and the committed attempt's checkpoints
     assert "4 unreferenced folder(s) removed" in out
@@ -141,7 +142,7 @@ def test_three_workers_commit_every_unit_once(reference, tmp_path):
         _, err = w.communicate(timeout=300)
         assert w.returncode == 0, err[-2000:]
     rec = open_run(str(run)).records(0, "score")
-    units = [u["unit"] for u in rec.plan()["units"]]
+    units = rec.plan().ids()
     assert len(units) == 4 and rec.done_units() == set(units)
     for unit in units:  # exactly one attempt was ever made per unit: no duplicate work, no loser
         assert rec.attempts(unit) == [1]
@@ -181,8 +182,8 @@ def test_stale_lease_is_taken_over_and_the_late_commit_is_rejected(reference, tm
 def test_corrupt_shard_is_refused_by_name(reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(reference / "after-rollout", run)
-    shard = next(f for f in open_run(str(run)).records(0, "rollout").manifest().response_shards())
-    path = run / shard["path"]
+    shard = next(f for f in open_run(str(run)).records(0, "rollout").manifest().row_files())
+    path = run / shard.path
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))

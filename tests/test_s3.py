@@ -111,7 +111,7 @@ def stage_rows(url: str, stage: str) -> list[dict]:
 
     run = open_run(url)
     manifest = run.records(0, stage).require_manifest()
-    files = manifest.response_shards() if stage == "rollout" else manifest.files()
+    files = manifest.row_files()
     rows = read_shards(run.fs, files).to_pylist()
     return sorted(rows, key=lambda r: r["rollout_id"])
 

@@ -10,11 +10,13 @@ from gndpo.apps.schedule import CommittedStages, RoundOrder, may_start
 from gndpo.errors import GndpoError
 from gndpo.pipeline.exec import inputs
 from gndpo.pipeline.exec.inputs import StageInputs
+from gndpo.pipeline.run.products import ROLLOUTS, RolloutNumbers
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.normalize import NormalizeJob
+from gndpo.stages.rollout import HELDOUT_UNIT
 from gndpo.stages.score import ScoreJob
-from gndpo.storage.records import EVAL_UNIT, HELDOUT_ROLLOUTS
+from gndpo.storage.products import FileKind, FileRecord, Unit
 from gndpo.storage.runfs import RunFS
 
 SEQUENTIAL, STREAMED = RoundOrder(False, 0, ""), RoundOrder(True, 0, "")
@@ -49,29 +51,29 @@ def test_a_stage_counts_as_committed_only_once_its_manifest_is_written(tmp_path)
 def test_a_following_score_unit_waits_for_its_own_rollout_unit(tmp_path, monkeypatch):
     monkeypatch.setattr(inputs, "READY_LIST_S", 0.0)  # list the commits on every ask
     run = bare_run(tmp_path)
-    rollout = run.records(0, "rollout")
-    rollout.create_plan([{"unit": "u00000"}, {"unit": "u00001"}], {})
+    rollout = run.records(0, ROLLOUTS)
+    rollout.create_plan([Unit("u00000"), Unit("u00001")], {})
     reads = StageInputs(run, 0, ScoreJob.reads, follow=True)
-    assert reads.plan_units("rollout") == [{"unit": "u00000"}, {"unit": "u00001"}]  # planned from rollout's plan
+    assert reads.plan_units(ROLLOUTS) == [Unit("u00000"), Unit("u00001")]  # planned from rollout's plan
     assert not reads.unit_ready("u00000") and not reads.unit_ready("u00001")
-    rollout.commit("u00001", 0, [], {})
+    rollout.commit(Unit("u00001"), 0, [], RolloutNumbers())
     assert reads.unit_ready("u00001") and not reads.unit_ready("u00000")  # each unit its own input unit
-    assert reads.unit_commit("rollout", "u00001").unit == "u00001"
+    assert reads.unit_commit(ROLLOUTS, "u00001").unit == "u00001"
     with pytest.raises(GndpoError, match="^rollout unit u00000 of round 0 is not committed$"):
-        reads.unit_commit("rollout", "u00000")
-    rollout.commit("u00000", 0, [], {})
+        reads.unit_commit(ROLLOUTS, "u00000")
+    rollout.commit(Unit("u00000"), 0, [], RolloutNumbers())
     assert reads.unit_ready("u00000")
 
 
 def test_the_rollouts_a_stage_reads_are_the_response_shards_not_the_evaluation_units_files(tmp_path):
     run = bare_run(tmp_path)
-    records = run.records(0, "rollout")
-    shard = {"path": "rounds/r0000/rollout/attempts/u00000/a000/part-00000.parquet", "bytes": 10, "sha256": "0", "rows": 4}
+    records = run.records(0, ROLLOUTS)
+    shard = FileRecord("rounds/r0000/rollout/attempts/u00000/a000/part-00000.parquet", 10, "0", 4)
     # The held-out unit's accuracy table, and its held-out responses (rollout rows, for score's label-free measure).
-    accuracy = {**shard, "path": "rounds/r0000/rollout/attempts/eval-heldout/a000/eval.parquet", "kind": "eval"}
-    heldout = {**shard, "path": "rounds/r0000/rollout/attempts/eval-heldout/a000/heldout.parquet", "kind": HELDOUT_ROLLOUTS}
-    records.commit("u00000", 0, [shard], {})
-    records.commit(EVAL_UNIT, 0, [accuracy, heldout], {})
-    records.create_manifest({"units": [records.done(u).to_json() for u in ("u00000", EVAL_UNIT)], "metrics": {}})
-    assert StageInputs(run, 0, NormalizeJob.reads).files("rollout") == [shard]  # never a held-out prompt's response
-    assert records.manifest().evaluation() == [accuracy, heldout]
+    accuracy = FileRecord("rounds/r0000/rollout/attempts/eval-heldout/a000/eval.parquet", 10, "0", 4, FileKind.HELDOUT_ACCURACY)
+    heldout = FileRecord("rounds/r0000/rollout/attempts/eval-heldout/a000/heldout.parquet", 10, "0", 4, FileKind.HELDOUT_ROLLOUTS)
+    records.commit(Unit("u00000"), 0, [shard], RolloutNumbers())
+    records.commit(HELDOUT_UNIT, 0, [accuracy, heldout], RolloutNumbers())
+    records.create_manifest({"units": [records.done(u).to_json() for u in ("u00000", HELDOUT_UNIT.id)], "metrics": {}})
+    assert StageInputs(run, 0, NormalizeJob.reads).files(ROLLOUTS) == [shard]  # never a held-out prompt's response
+    assert records.manifest().heldout().files == [accuracy, heldout]

@@ -31,7 +31,7 @@ def score_in_process(run_dir, name: str, **settings) -> tuple[dict, ScoreJob]:
     job.setup()
     rows = []
     for unit in units:
-        files, _ = job.run_unit(unit, f"{name}/{unit['unit']}")
+        files, _ = job.run_unit(unit, f"{name}/{unit.id}")
         rows += pa.concat_tables([read_shard(run.fs, f) for f in files]).to_pylist()
     return {r["rollout_id"]: r for r in rows}, job
 

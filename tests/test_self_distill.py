@@ -20,7 +20,7 @@ from gndpo.pipeline.methods import METHODS
 from gndpo.pipeline.settings.schema import SelfTeacherConfig
 from gndpo.stages.text.teacher_context import TeacherPrompts, other_problem_partners
 from gndpo.stages.training.ema import EmaWeights
-from tests.conftest import assert_one_line_error, committed_rows, invoke, invoke_ok, model_logprob_tol, run_stages
+from tests.conftest import assert_one_line_error, committed_rows, invoke, invoke_ok, model_logprob_tol, round_share, run_stages
 from tests.fabricated_runs import committed_train, fabricated_run
 
 # The toy tokenizer knows digits, "+" and "=": the teacher reads the answer, then the question.
@@ -141,7 +141,7 @@ def test_a_self_teacher_that_follows_the_student_is_the_policy_that_sampled_the_
         run = fabricated_run(tmp_path / f"staleness-{staleness}", student=student, teacher="self", self_teacher={"weights": weights},
                              run={"max_staleness": staleness}, method={"policy_loss": "ppo"})
         for k in range(3):  # rounds 0-2 trained: policies 1-3 exported, the newest before every round
-            committed_train(run, k, {"model_dir": f"model/v{k + 1}", "ema_dir": f"ema/v{k + 1}"})
+            committed_train(run, k, model_dir=f"model/v{k + 1}", ema_dir=f"ema/v{k + 1}")
         for k in range(4):
             version = max(k - staleness, 0)
             expected = student if version == 0 else str(tmp_path / f"staleness-{staleness}" / folder / f"v{version}")
@@ -260,7 +260,6 @@ def test_every_method_computes_its_targets_on_a_self_distillation_round(rolled_o
     from gndpo.apps.fork import fork_run
     from gndpo.pipeline.run.run import open_run
     from gndpo.stages.models.live import LiveModels
-    from gndpo.stages.training.batch import load_share
 
     live = LiveModels(keep=True, log=lambda *_: None)
     for name in sorted(METHODS):
@@ -271,7 +270,7 @@ def test_every_method_computes_its_targets_on_a_self_distillation_round(rolled_o
             overrides.append("method.outcome.rewards=[exact_match, integer_format]")
         fork_run(str(rolled_out), url, 0, overrides)
         run_stages(url, "score", "normalize", live=live)
-        with load_share(open_run(url), 0, 0, 1) as share:
+        with round_share(open_run(url), 0) as share:
             rows = share.all_rows()
         assert len(rows) == sum(share.step_sizes) > 0, name
         for row in rows:

@@ -254,8 +254,8 @@ def committed_tables(run: Path, stage: str) -> dict:
     """Every committed parquet file's rows of round 0's ``stage``, by unit and file name."""
     manifest = open_run(str(run)).records(0, stage).manifest()
     assert manifest is not None, f"{stage} of round 0 is not committed in {run}"
-    return {(u.unit, Path(f["path"]).name): pq.read_table(run / f["path"]).to_pylist()
-            for u in manifest.units for f in u.files if f["path"].endswith(".parquet")}
+    return {(u.unit, Path(f.path).name): pq.read_table(run / f.path).to_pylist()
+            for u in manifest.units for f in u.files if f.path.endswith(".parquet")}
 
 
 def trained_weights(run: Path) -> dict:

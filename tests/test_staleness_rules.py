@@ -13,6 +13,7 @@ from gndpo.apps.fork import fork_refusal, fork_run
 from gndpo.apps.init import init_run
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
+from gndpo.pipeline.exec.stage import StageContext
 from gndpo.pipeline.run.run import Run, open_run
 from gndpo.pipeline.settings.schema import Config, RoundsConfig
 from gndpo.stages.rollout import RolloutJob
@@ -63,7 +64,7 @@ def test_a_stale_round_rolls_out_on_its_sampling_policy(stale_parent):
     # Round 1 at staleness 1 samples with policy 0 (the student) while round 0 still trains: its engine
     # gets the student's folder, and its rows will say version 0.
     run, engines = open_run(stale_parent), Engines()
-    job = RolloutJob(run, 1, log=lambda *_: None, live=engines)
+    job = RolloutJob(run, 1, StageContext(log=lambda *_: None, live=engines))
     job.setup()
     assert engines.policies == [run.policy_path(0)] and job.version == 0
 

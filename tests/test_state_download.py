@@ -5,7 +5,6 @@ all have loaded. Two gloo ranks in two processes."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -14,12 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gndpo.dist import Dist
+from gndpo.pipeline.run.products import CarriedState
 from gndpo.stages.training import checkpoint
 from gndpo.storage.runfs import RunFS
 from tests.conftest import free_ports
 
 
-def rank_main(rank: int, url: str, state: dict, out: str, port: int) -> None:
+def rank_main(rank: int, url: str, state: CarriedState, out: str, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     download = checkpoint.download_state
 
@@ -40,11 +40,10 @@ def test_one_download_a_node_read_by_every_rank(tmp_path, monkeypatch):
     records = []
     for i in range(3):  # a state's files: the module states and each rank's optimizer partition
         data = f"partition {i}".encode()
-        fs.write_new(f"state/part-{i}.pt", data)
-        records.append({"path": f"state/part-{i}.pt", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        records.append(fs.write_new(f"state/part-{i}.pt", data).to_json())
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(rank_main, args=(fs.url, {"files": records, "world": 2}, str(out), free_ports(1)[0]), nprocs=2)
+    mp.spawn(rank_main, args=(fs.url, CarriedState(files=records, world=2), str(out), free_ports(1)[0]), nprocs=2)
     assert sorted(p.name for p in out.glob("download-by-rank-*")) == ["download-by-rank-0"]
     want = {f"part-{i}.pt": f"partition {i}" for i in range(3)}
     assert all(json.loads((out / f"seen-by-rank-{r}.json").read_text()) == want for r in (0, 1))

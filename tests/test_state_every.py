@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from gndpo.pipeline.run.run import open_run
-from gndpo.storage.records import Commit
+from gndpo.storage.products import Commit
 from tests.conftest import committed_rows, gndpo_killed, invoke_ok, run_log, tiny_config_dict, write_config
 
 pytestmark = pytest.mark.slow
@@ -66,10 +66,10 @@ def test_only_every_third_round_writes_the_optimizer_state(runs):
         for round_idx in range(ROUNDS):
             commit = train_commit(run, round_idx)
             # What a round commits is its export: no more than the policy's bytes; the state comes later.
-            assert not [f for f in commit.files if "/optimizer/" in f["path"]]
-            assert commit.bytes == sum(f["bytes"] for f in commit.files if "/model/" in f["path"])
+            assert not [f for f in commit.files if "/optimizer/" in f.path]
+            assert commit.bytes == sum(f.bytes for f in commit.files if "/model/" in f.path)
             assert ("optimizer_state" in commit.numbers) == (round_idx == 2), (run.name, round_idx)
-        record = json.loads((run / train_commit(run, 2).numbers["optimizer_state"]["pending"]).read_text())
+        record = json.loads((run / train_commit(run, 2).numbers.optimizer_state["pending"]).read_text())
         assert record["world"] == 1 and record["bytes"] == sum(f["bytes"] for f in record["files"]) > 0
         for f in record["files"]:
             assert "/optimizer/" in f["path"] and hashlib.sha256((run / f["path"]).read_bytes()).hexdigest() == f["sha256"]
@@ -78,9 +78,9 @@ def test_only_every_third_round_writes_the_optimizer_state(runs):
 def test_a_replayed_state_gives_the_rows_and_weights_of_the_uninterrupted_run(runs):
     whole, resumed, log = runs
     assert "optimizer state replayed from round 0 to round 1" in log, log[-3000:]
-    assert "replay" in train_commit(resumed, 2).numbers["phases"] and "replay" not in train_commit(whole, 2).numbers["phases"]
+    assert "replay" in train_commit(resumed, 2).numbers.phases and "replay" not in train_commit(whole, 2).numbers.phases
     for run in (whole, resumed):  # the state continued in every round after the first, replayed or kept
-        assert [train_commit(run, r).numbers["optimizer_state_resumed"] for r in range(ROUNDS)] == [False, True, True]
+        assert [train_commit(run, r).numbers.optimizer_state_resumed for r in range(ROUNDS)] == [False, True, True]
     for round_idx in range(ROUNDS):
         for stage in ("rollout", "score"):
             assert committed_rows(resumed, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
@@ -100,7 +100,7 @@ def test_a_crash_before_a_deferred_state_is_recorded_costs_a_replay_not_a_wrong_
     config = write_config(tmp_path, tiny_config_dict(tiny_assets, train={"state_every": 1}, rollout=ROLLOUT))
     invoke_ok("init", run, "--config", config)
     assert gndpo_killed("run", run, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.state_write"}, log=tmp_path / "crash.log") == -9
-    assert train_commit(run, 0).numbers["optimizer_state"]["pending"] and not (run / train_commit(run, 0).numbers["optimizer_state"]["pending"]).exists()
+    assert train_commit(run, 0).numbers.optimizer_state["pending"] and not (run / train_commit(run, 0).numbers.optimizer_state["pending"]).exists()
     invoke_ok("run", run, "--rounds", 2)  # the rerun, in this process
     log = run_log(run)
     assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]

@@ -8,7 +8,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.exec.inputs import StageInputs
+from gndpo.pipeline.exec.stage import StageJob
 from gndpo.pipeline.exec.units import Worker
+from gndpo.pipeline.run.products import Product
+from gndpo.storage.products import FileRecord, Unit, UnitNumbers
 from gndpo.storage.records import StageRecords
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.shards import read_shard, write_shard
@@ -44,8 +48,7 @@ def test_a_staged_folder_is_moved_into_a_local_run_and_copied_elsewhere(tmp_path
         assert not any(p.is_file() for p in Path(staged).rglob("*"))
     assert os.listdir(tmp_path / "run" / "attempt") == ["model"]
     assert (tmp_path / "run" / "attempt" / "model" / "model.safetensors").stat().st_ino == inode
-    want = [{"path": f"attempt/model/{name}", "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            for name, data in sorted(content.items())]
+    want = [FileRecord(f"attempt/model/{name}", len(data), hashlib.sha256(data).hexdigest()) for name, data in sorted(content.items())]
     assert records == want
     if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
         return
@@ -53,7 +56,7 @@ def test_a_staged_folder_is_moved_into_a_local_run_and_copied_elsewhere(tmp_path
         (Path(elsewhere) / "state.pt").write_bytes(b"state")
         record = fs.move_in("attempt/optimizer/state.pt", Path(elsewhere) / "state.pt")
         assert (Path(elsewhere) / "state.pt").read_bytes() == b"state"
-    assert record["sha256"] == hashlib.sha256(b"state").hexdigest() and fs.read_bytes("attempt/optimizer/state.pt") == b"state"
+    assert record.sha256 == hashlib.sha256(b"state").hexdigest() and fs.read_bytes("attempt/optimizer/state.pt") == b"state"
     assert sorted(os.listdir(tmp_path / "run" / "attempt" / "optimizer")) == ["state.pt"]  # no temporary copy left
 
 
@@ -61,7 +64,7 @@ def test_shard_roundtrip_and_corruption_is_named(tmp_path):
     fs = RunFS(str(tmp_path))
     table = pa.table({"x": list(range(100))})
     rec = write_shard(fs, "d/part-00000.parquet", table)
-    assert rec["rows"] == 100
+    assert rec.rows == 100
     assert read_shard(fs, rec).equals(table)
     assert pq.read_table(tmp_path / "d/part-00000.parquet").num_rows == 100  # plain Parquet
     path = tmp_path / "d/part-00000.parquet"
@@ -72,33 +75,39 @@ def test_shard_roundtrip_and_corruption_is_named(tmp_path):
         read_shard(fs, rec)
 
 
-class CountingJob:
-    """A stage that writes one shard of ``n`` rows per unit."""
+class Counted(UnitNumbers):
+    tokens: int = 0
 
-    stage = "rollout"
+
+class CountingJob(StageJob):
+    """A stage that writes one shard of ``n`` rows per unit (unit ``u<i>`` has ``sizes[i]``)."""
+
+    makes = Product("rollout", Counted)
 
     def __init__(self, fs, sizes, fail_on=None):
         self.fs, self.sizes, self.fail_on, self.setups = fs, sizes, fail_on, 0
+        self.inputs = StageInputs(None, 0, ())  # it reads nothing: every unit is ready
 
     def plan(self):
-        return [{"unit": f"u{i}", "n": n} for i, n in enumerate(self.sizes)], {"sizes": self.sizes}
+        return [Unit(f"u{i}") for i in range(len(self.sizes))], {"sizes": self.sizes}
 
     def setup(self):
         self.setups += 1
 
     def run_unit(self, unit, out_dir):
-        if unit["unit"] == self.fail_on:
+        if unit.id == self.fail_on:
             raise RuntimeError("crash")
-        rec = write_shard(self.fs, f"{out_dir}/part-00000.parquet", pa.table({"i": list(range(unit["n"]))}))
-        return [rec], {"tokens": unit["n"]}
+        n = self.sizes[int(unit.id[1:])]
+        rec = write_shard(self.fs, f"{out_dir}/part-00000.parquet", pa.table({"i": list(range(n))}))
+        return [rec], Counted(tokens=n)
 
     def summarize(self, commits):
-        return {"tokens": sum(c.numbers["tokens"] for c in commits)}
+        return {"tokens": sum(c.numbers.tokens for c in commits)}
 
 
 def test_worker_commits_every_unit_once_and_resumes_after_a_crash(tmp_path):
     fs = RunFS(str(tmp_path))
-    records = StageRecords(fs, 0, "rollout")
+    records = StageRecords(fs, 0, "rollout", Counted)
     with pytest.raises(RuntimeError):
         Worker(records, CountingJob(fs, [3, 4, 5], fail_on="u1"), log=lambda *_: None).run()
     assert records.done_units() == {"u0"}
@@ -122,7 +131,7 @@ def test_worker_commits_every_unit_once_and_resumes_after_a_crash(tmp_path):
 
 def test_live_lease_is_not_taken_and_losing_commit_removes_its_attempt(tmp_path):
     fs = RunFS(str(tmp_path))
-    records = StageRecords(fs, 0, "score")
+    records = StageRecords(fs, 0, "score", Counted)
     job = CountingJob(fs, [2])
     first, second = Worker(records, job, log=lambda *_: None), Worker(records, job, log=lambda *_: None)
     first.ensure_plan()
@@ -142,7 +151,7 @@ def test_one_worker_lists_the_commits_a_bounded_number_of_times_not_once_a_unit(
     most every LIST_EVERY_S. Listing after every unit made a stage of N units cost N listings of up to
     N commit records (bench/executor_scale.py measures it at 10,000 units)."""
     fs = RunFS(str(tmp_path))
-    records = StageRecords(fs, 0, "rollout")
+    records = StageRecords(fs, 0, "rollout", Counted)
     listings, list_done = [], records.done_units
     monkeypatch.setattr(records, "done_units", lambda: listings.append(1) or list_done())
     manifest = Worker(records, CountingJob(fs, [1] * 60), log=lambda *_: None).run()

@@ -41,7 +41,7 @@ def whole_round(run, round_idx: int) -> tuple[pa.Table, pa.Table]:
     def read(records):
         return pa.concat_tables([pq.read_table(run.fs.holding(r).path(r["path"])) for r in records], promote_options="default")
 
-    rollouts = read(run.records(round_idx, "rollout").require_manifest().response_shards())
+    rollouts = read(run.records(round_idx, "rollout").require_manifest().row_files())
     scores = read(run.records(round_idx, "score").require_manifest().files())
     row_of = {rid: i for i, rid in enumerate(scores.column("rollout_id").to_pylist())}
     return rollouts, scores.take([row_of[rid] for rid in rollouts.column("rollout_id").to_pylist()])
@@ -69,6 +69,7 @@ def assert_same_row(got, want) -> None:
 def test_a_streamed_share_is_the_whole_round_step_for_step_and_rank_for_rank(rolled_out, tmp_path, monkeypatch, buffer_bytes):
     from gndpo.pipeline.run.run import open_run
     from gndpo.pipeline.run.stats import round_stats
+    from gndpo.stages.train import TrainJob
     from gndpo.stages.training import batch
     from tests.conftest import invoke_ok, run_stages
 
@@ -87,7 +88,7 @@ def test_a_streamed_share_is_the_whole_round_step_for_step_and_rank_for_rank(rol
 
     for world in (1, 2):
         for rank in range(world):
-            with batch.load_share(run, 0, rank, world) as share:
+            with batch.load_share(TrainJob(run, 0).inputs, rank, world) as share:
                 assert (share.step_file_bytes() > 0) == (buffer_bytes is not None)
                 assert share.step_sizes == [len(ids) for ids in steps]
                 for i, ids in enumerate(steps):

@@ -50,7 +50,7 @@ def test_a_reference_resolves_to_the_policy_and_records_its_files(parent, tiny_a
     recorded = yaml.safe_load((child / "run.yaml").read_text())["teacher_runs"][f"run:{parent}@1"]
     commit = open_run(str(parent)).records(0, "train").manifest()
     model_dir = commit.metrics["model_dir"]
-    want = sorted((f["path"][len(model_dir) + 1:], f["sha256"]) for u in commit.units for f in u.files if f["path"].startswith(model_dir + "/"))
+    want = sorted((f.path[len(model_dir) + 1:], f.sha256) for u in commit.units for f in u.files if f.path.startswith(model_dir + "/"))
     assert recorded["policy"] == 1 and recorded["model_dir"] == model_dir
     assert sorted((f["path"], f["sha256"]) for f in recorded["files"]) == want
     assert open_run(str(child)).teacher_models(0) == {f"run:{parent}@1": str(export_dir(parent, 1))}

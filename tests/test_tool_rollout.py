@@ -27,6 +27,7 @@ from tests.conftest import (
     invoke_ok,
     logprob_tol,
     model_logprobs,
+    round_share,
     run_stages,
     write_config,
 )
@@ -259,10 +260,9 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
     from gndpo.pipeline.methods import policy_settings
     from gndpo.stages.models import logprobs
     from gndpo.stages.train import Objective
-    from gndpo.stages.training.batch import load_share
 
     run = open_run(str(reference))
-    with load_share(run, 0, 0, 1) as share:
+    with round_share(run, 0) as share:
         micro = share.all_rows()
     assert any((row.mask == 0).any() for row in micro)
     policy_loss, loss_agg = policy_settings(run.cfg.method)

@@ -20,16 +20,17 @@ from __future__ import annotations
 import time
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.exec.units import lease_state
+from gndpo.pipeline.exec.units import lease_state, working_dir
 from gndpo.pipeline.observe.metrics import committed_rounds
-from gndpo.storage.records import STAGES, Commit, train_optimizer_state
+from gndpo.pipeline.run.products import POLICY, CarriedState, TrainNumbers, carried_state
+from gndpo.storage.products import Commit
 
 
 def collect_garbage(run, dry_run: bool = False) -> list[str]:
     """Remove (or, with ``dry_run``, only list) unreferenced attempt folders; returns their paths."""
     removed, now = [], time.time()
     for r in range(committed_rounds(run) + 1):
-        for stage in STAGES:
+        for stage in run.round_stages(r):
             rec = run.records(r, stage)
             for unit in run.fs.listdir(f"{rec.prefix}/data"):
                 done = rec.done(unit)
@@ -43,8 +44,8 @@ def collect_garbage(run, dry_run: bool = False) -> list[str]:
                         garbage = attempt != max(rec.attempts(unit), default=0) or lease_state(rec, unit, now) == "stale"
                     if garbage:
                         path = rec.attempt_dir(unit, attempt)  # listed just now: it exists
-                    elif done is not None and stage == "train":  # the one stage that writes in-round checkpoints
-                        path = rec.checkpoint_dir(unit, attempt)
+                    elif done is not None:  # a committed attempt's working folder (train's in-round checkpoints)
+                        path = working_dir(rec, unit, attempt)
                         if not run.fs.exists(path):
                             continue
                     else:
@@ -66,22 +67,22 @@ def prune_rounds(run, keep: int, dry_run: bool = False) -> list[dict]:
     one ``{"round", "folders", "bytes"}`` per round pruned, its sizes from the commit records. A round
     an earlier prune marked but did not finish (it was stopped) has what is left of it removed."""
     check_keep_rounds(keep)
-    trained = [r for r in range(committed_rounds(run)) if run.records(r, "train").manifest() is not None]
+    trained = [r for r in range(committed_rounds(run)) if run.records(r, POLICY).manifest() is not None]
     pruned = []
     for r in trained[:-keep]:
-        rec = run.records(r, "train")
-        if run.inherits(r, "train"):  # a fork never removes its parent's files
+        rec = run.records(r, POLICY)
+        if run.inherits(r, POLICY.stage):  # a fork never removes its parent's files
             continue
-        commit = rec.done("update")
-        state = train_optimizer_state(run.fs, commit)
-        folders = exported_folders(commit, state)
+        update = rec.require_manifest().only()
+        state = carried_state(rec)
+        folders = exported_folders(update, state)
         marked = rec.pruned() is not None
         if marked:
             folders = [f for f in folders if run.fs.exists(f)]
             if not folders:
                 continue
-        files = commit.files + [f for f in (state or {}).get("files", []) if f not in commit.files]
-        size = sum(f["bytes"] for f in files if any(f["path"].startswith(d + "/") for d in folders))
+        files = update.files + [f for f in (state.file_records() if state else []) if f not in update.files]
+        size = sum(f.bytes for f in files if any(f.under(d) for d in folders))
         pruned.append({"round": r, "folders": folders, "bytes": size})
         if not dry_run:
             if not marked:
@@ -91,11 +92,11 @@ def prune_rounds(run, keep: int, dry_run: bool = False) -> list[dict]:
     return pruned
 
 
-def exported_folders(commit: Commit, state: dict | None) -> list[str]:
+def exported_folders(update: Commit[TrainNumbers], state: CarriedState | None) -> list[str]:
     """The run-relative folders a train commit exported: the model, its EMA, the optimizer ``state``
-    (:func:`train_optimizer_state`; a deferred one's record with it, so that no record outlives its files)."""
-    exported = commit.numbers
-    folders = [exported["model_dir"], *([exported["ema_dir"]] if exported.get("ema_dir") else [])]
-    folders += sorted({f["path"].rsplit("/", 1)[0] for f in (state or {}).get("files", [])})
-    pending = (exported.get("optimizer_state") or {}).get("pending")
+    (:func:`carried_state`; a deferred one's record with it, so that no record outlives its files)."""
+    exported = update.numbers
+    folders = [exported.model_dir, *([exported.ema_dir] if exported.ema_dir else [])]
+    folders += sorted({f.path.rsplit("/", 1)[0] for f in (state.file_records() if state else [])})
+    pending = exported.optimizer_state.pending if exported.optimizer_state else None
     return folders + ([pending] if state is not None and pending else [])

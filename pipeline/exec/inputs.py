@@ -1,12 +1,13 @@
 """What a stage reads: declared by the stage, resolved by the executor.
 
-A stage class says which committed stages it reads, in the order they run (``reads = (Read("rollout"),
-Read("score"))``; a stage of the previous round with ``previous_round=True``, as train reads the policy
-round k-1's train exported; the train that exported the policy a round samples with, k-1 less the run's
-staleness, with ``sampling_policy=True``). :class:`StageInputs` finds their manifests (a fork's inherited
-ones included), refuses in one line to start a stage whose input is not committed, and hands the stage
-the manifests and their files: no stage looks another up by name, and the order of a round is what
-the stages read, not a list kept apart.
+A stage class says which committed products it reads (:mod:`gndpo.pipeline.run.products`), in the
+order they are made (``reads = (Read(ROLLOUTS), Read(SCORES))``; one of the previous round with
+``previous_round=True``, as train reads the policy round k-1's train exported; the policy a round samples
+with, k-1 less the run's staleness, with ``sampling_policy=True``). :class:`StageInputs` finds their
+manifests (a fork's inherited ones included), refuses in one line to start a stage whose input is not
+committed, and hands the stage what it reads, typed: a product's manifest and row files, the round's
+statistics, the policy to start from and the optimizer state carried to it. It is the only way into
+another stage's output: no stage looks another up by name.
 
 A read with ``per_unit=True`` is of single committed units: unit u of the reading stage reads unit u
 of the read stage, and may start once that one unit is committed (score streaming behind rollout).
@@ -21,8 +22,12 @@ import time
 from dataclasses import dataclass
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.run.run import Run
-from gndpo.storage.records import Commit, Manifest
+from gndpo.pipeline.methods.base import Stats
+from gndpo.pipeline.run.products import POLICY, CarriedState, PolicyExport, Product, carried_state, policy_export
+from gndpo.pipeline.run.run import Run, require_exported
+from gndpo.pipeline.run.stats import statistics
+from gndpo.storage.products import Commit, FileRecord, Manifest, N, Unit
+from gndpo.storage.records import StageRecords
 
 PLAN_POLL_S = 1.0  # seconds between looks for the plan of a stage that is being followed
 READY_LIST_S = 0.5  # the least seconds between two listings of a followed stage's commits
@@ -30,10 +35,10 @@ READY_LIST_S = 0.5  # the least seconds between two listings of a followed stage
 
 @dataclass(frozen=True)
 class Read:
-    """One committed stage a stage reads: of its own round, of the previous one, or the train that
-    exported the round's sampling policy; whole, or unit by unit."""
+    """One committed product a stage reads: of its own round, of the previous one, or the policy the
+    round samples with; whole, or unit by unit."""
 
-    stage: str
+    product: Product
     previous_round: bool = False
     sampling_policy: bool = False
     per_unit: bool = False
@@ -61,42 +66,57 @@ class StageInputs:
             r = read.round_of(self.run, self.round)
             if read.per_unit and self.follow:
                 continue
-            if r >= 0 and self.run.records(r, read.stage).manifest() is None:
-                raise GndpoError(f"cannot run {stage} of round {self.round}: {read.stage} of round {r} is not committed")
+            if r >= 0 and self.run.records(r, read.product).manifest() is None:
+                raise GndpoError(f"cannot run {stage} of round {self.round}: {read.product.stage} of round {r} is not committed")
 
-    def _records(self, stage: str):
-        """The records of the read ``stage`` in the round the read names."""
-        return self.run.records(self._read(stage).round_of(self.run, self.round), stage)
+    def _records(self, product: Product[N]) -> StageRecords[N]:
+        """The records of the read ``product`` in the round the read names."""
+        return self.run.records(self._read(product).round_of(self.run, self.round), product)
 
-    def _read(self, stage: str) -> Read:
-        read = next((r for r in self.reads if r.stage == stage), None)
+    def _read(self, product: Product) -> Read:
+        read = next((r for r in self.reads if r.product == product), None)
         if read is None:
-            raise LookupError(f"{stage} is not among this stage's reads ({', '.join(r.stage for r in self.reads)})")
+            raise LookupError(f"{product.stage} is not among this stage's reads ({', '.join(r.product.stage for r in self.reads)})")
         return read
 
-    def manifest(self, stage: str) -> Manifest:
-        """The committed manifest of the read ``stage`` (a stage the class did not declare is a bug: a
+    def manifest(self, product: Product[N]) -> Manifest[N]:
+        """The committed manifest of the read ``product`` (one the class did not declare is a bug: a
         LookupError, not a user's error)."""
-        if stage not in self._manifests:
-            self._manifests[stage] = self._records(stage).require_manifest()
-        return self._manifests[stage]
+        if product.stage not in self._manifests:
+            self._manifests[product.stage] = self._records(product).require_manifest()
+        return self._manifests[product.stage]
 
-    def files(self, stage: str) -> list[dict]:
-        """The file records of the read ``stage``'s manifest, in unit order; for rollout, its response
-        shards (the evaluation unit's file is not one)."""
-        manifest = self.manifest(stage)
-        return manifest.response_shards() if stage == "rollout" else manifest.files()
+    def files(self, product: Product) -> list[FileRecord]:
+        """The row files of the read ``product``, in unit order (a held-out evaluation's files are not
+        the stage's rows)."""
+        return self.manifest(product).row_files()
+
+    def statistics(self, product: Product) -> Stats:
+        """The statistics the read ``product`` (a normalize stage's) holds."""
+        return statistics(self.run.fs, self.manifest(product))
+
+    # -- the policy ----------------------------------------------------------------------------------
+    def policy_export(self) -> PolicyExport | None:
+        """What the read train stage exported (None before the first round: the config's student)."""
+        if self._read(POLICY).round_of(self.run, self.round) < 0:
+            return None
+        require_exported(self._records(POLICY))
+        return policy_export(self.manifest(POLICY))
+
+    def carried_state(self) -> CarriedState | None:
+        """The optimizer state the read train stage carried to this one (:func:`carried_state`)."""
+        return carried_state(self._records(POLICY))
 
     # -- per-unit reads ------------------------------------------------------------------------------
     def per_unit(self) -> Read | None:
         """The stage's per-unit read, if it has one."""
         return next((r for r in self.reads if r.per_unit), None)
 
-    def plan_units(self, stage: str, on_wait=None) -> list[dict]:
-        """The units of the read ``stage``'s plan, waiting for the plan while following (the stage read
-        may not have started yet; ``on_wait`` is called once if it has not); without following, its
-        committed manifest's."""
-        records = self._records(stage)
+    def plan_units(self, product: Product, on_wait=None) -> list[Unit]:
+        """The units of the plan of the stage that makes the read ``product``, waiting for the plan while
+        following (that stage may not have started yet; ``on_wait`` is called once if it has not);
+        without following, its committed manifest's."""
+        records = self._records(product)
         waited = False
         while self.follow and records.manifest() is None and records.plan() is None:
             if not waited and on_wait is not None:
@@ -104,8 +124,8 @@ class StageInputs:
             waited = True
             time.sleep(PLAN_POLL_S)
         if not self.follow or records.manifest() is not None:
-            return [{"unit": c.unit} for c in self.manifest(stage).units]
-        return records.plan()["units"]
+            return [Unit(c.unit, c.kind) for c in self.manifest(product).units]
+        return records.plan().units
 
     def unit_ready(self, unit: str) -> bool:
         """Whether ``unit``'s input unit (the same-named unit of the per-unit read) is committed; always,
@@ -113,21 +133,21 @@ class StageInputs:
         read = self.per_unit()
         if read is None:
             return True
-        seen = self._ready.setdefault(read.stage, set())
+        seen = self._ready.setdefault(read.product.stage, set())
         # At most one listing per READY_LIST_S: a worker asks of every pending unit in each pass.
         if unit not in seen and time.monotonic() - self._listed_at > READY_LIST_S:
-            seen |= self._records(read.stage).done_units()
+            seen |= self._records(read.product).done_units()
             self._listed_at = time.monotonic()
         return unit in seen
 
-    def committed_units(self, stage: str) -> list[Commit]:
-        """The commit records of the read ``stage``'s units committed so far, in unit order."""
-        records = self._records(stage)
+    def committed_units(self, product: Product[N]) -> list[Commit[N]]:
+        """The commits of the read ``product``'s units committed so far, in unit order."""
+        records = self._records(product)
         return [c for c in (records.done(u) for u in sorted(records.done_units())) if c is not None]
 
-    def unit_commit(self, stage: str, unit: str) -> Commit:
-        """The commit record of ``unit`` of the read ``stage`` (committed: :meth:`unit_ready` said so)."""
-        commit = self._records(stage).done(unit)
+    def unit_commit(self, product: Product[N], unit: str) -> Commit[N]:
+        """The commit of ``unit`` of the read ``product`` (committed: :meth:`unit_ready` said so)."""
+        commit = self._records(product).done(unit)
         if commit is None:
-            raise GndpoError(f"{stage} unit {unit} of round {self.round} is not committed")
+            raise GndpoError(f"{product.stage} unit {unit} of round {self.round} is not committed")
         return commit

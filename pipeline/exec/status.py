@@ -11,7 +11,8 @@ import time
 
 from gndpo.pipeline.exec.units import lease_state, sum_phases
 from gndpo.pipeline.observe.metrics import committed_rounds
-from gndpo.storage.records import STAGES, Commit
+from gndpo.pipeline.run.products import HeldoutFigures
+from gndpo.storage.products import Commit
 
 
 def stage_state(committed: bool, leases: list[str | None]) -> str:
@@ -27,18 +28,18 @@ def stage_rows(run) -> list[dict]:
     tokens, time, the stages it ran beside and the sampling policy's staleness."""
     rows, spans, now = [], {}, time.time()
     for r in range(committed_rounds(run) + 1):
-        for stage in STAGES:
+        for stage in run.round_stages(r):
             rec = run.records(r, stage)
             plan = rec.plan()
             if plan is None:
                 continue
-            units = [u["unit"] for u in plan["units"]]
+            units = plan.ids()
             done = rec.done_units()
             leases = [lease_state(rec, u, now) for u in units if u not in done]
             commits = [rec.done(u) for u in units if u in done]
-            work = [c for c in commits if "eval" not in c.numbers]  # the held-out evaluation is not the stage's data
-            evals = [c.numbers["eval"] for c in commits if "eval" in c.numbers]
-            tokens = sum(c.numbers.get("tokens", 0) for c in work)
+            work = [c for c in commits if c.is_work]  # the held-out evaluation is not the stage's data
+            evals = [heldout_figures(c) for c in commits if not c.is_work]
+            tokens = sum(getattr(c.numbers, "tokens", 0) for c in work)
             # From the first claim (engine start-up and set-up happen under the lease) to the last commit,
             # or to now while units remain (a stage a fork inherited shows its parent's).
             span = spans[(r, stage)] = stage_span(rec, units, commits, finished=len(commits) == len(units), now=now)
@@ -58,15 +59,20 @@ def stage_rows(run) -> list[dict]:
                     "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
                     # The held-out figure: rollout's accuracy, or without answers score's label-free
                     # reverse-KL estimate of the round's policy on held-out prompts.
-                    "heldout": evals[0].get("accuracy") if evals else None,
-                    "heldout_kl": evals[0].get("reverse_kl") if evals else None,
-                    # Rounds the sampling policy is behind: rollout's plan names the policy version it samples with.
-                    "staleness": r - plan["inputs"]["policy_version"] if stage == "rollout" and "policy_version" in plan["inputs"] else None,
+                    "heldout": evals[0].accuracy if evals else None,
+                    "heldout_kl": evals[0].reverse_kl if evals else None,
+                    # Rounds the sampling policy is behind: a plan that samples names the policy version it samples with.
+                    "staleness": r - plan.inputs["policy_version"] if "policy_version" in plan.inputs else None,
                 }
             )
     for row in rows:
         row["beside"] = ", ".join(f"r{r} {stage}" for r, stage in overlapping(spans, (row["round"], row["stage"]))) or None
     return rows
+
+
+def heldout_figures(commit: Commit) -> HeldoutFigures:
+    """A held-out evaluation unit's figures, whichever stage ran it."""
+    return HeldoutFigures.model_validate(getattr(commit.numbers, "eval", None) or {})
 
 
 def stage_span(rec, units: list[str], commits: list[Commit], finished: bool, now: float) -> tuple[float, float] | None:
@@ -91,13 +97,13 @@ def worker_lines(run) -> list[str]:
     each teacher server's state, ``score.backend: server``), in the stages not yet committed."""
     lines, now = [], time.time()
     for r in range(committed_rounds(run) + 1):
-        for stage in STAGES:
+        for stage in run.round_stages(r):
             rec = run.records(r, stage)
             plan = rec.plan()
             if plan is None or rec.manifest() is not None:
                 continue
             done = rec.done_units()
-            for unit in (u["unit"] for u in plan["units"] if u["unit"] not in done):
+            for unit in (u for u in plan.ids() if u not in done):
                 attempts = rec.attempts(unit)
                 if not attempts or lease_state(rec, unit, now) != "claimed":
                     continue
@@ -118,7 +124,7 @@ def phase_rows(run) -> list[dict]:
     units, so units that ran side by side add up) and the MB each phase wrote to the run folder."""
     rows = []
     for r in range(committed_rounds(run) + 1):
-        for stage in STAGES:
+        for stage in run.round_stages(r):
             rec = run.records(r, stage)
             spent = sum_phases([c for c in (rec.done(u) for u in sorted(rec.done_units())) if c is not None])
             if spent:

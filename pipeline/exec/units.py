@@ -24,47 +24,29 @@ import os
 import socket
 import threading
 import time
-from typing import Protocol
 
 from gndpo.errors import GndpoError, first_line
 from gndpo.faults import crash_point
-from gndpo.pipeline.exec.inputs import Read, StageInputs
 from gndpo.pipeline.exec.signals import pid_alive
+from gndpo.pipeline.exec.stage import StageJob
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import FILE_ONLY, info, unit_context
-from gndpo.storage.meter import phase, unit_clock
-from gndpo.storage.records import Commit, Manifest, StageRecords
+from gndpo.storage.meter import Phases, phase, unit_clock
+from gndpo.storage.products import Commit, Manifest, Plan, Unit, UnitNumbers
+from gndpo.storage.records import StageRecords
 
 _units_log = logging.getLogger(__name__)
 # Counts of a unit's commit summary that progress sums and shows with their rate.
 PROGRESS_COUNTS = ("prompts", "responses", "tokens")
 LIST_EVERY_S = 10.0  # seconds between a worker's listings of the commits other workers made
+WORKING = "ckpt"  # an attempt's working folder: what it writes while it computes and its commit never lists
 
 
-class StageJob(Protocol):
-    """What the executor needs of a stage (:class:`Worker` runs any job of this shape): a plan of
-    work units, a setup done only by a worker that gets a unit, the computation of one unit whose
-    result the executor commits, and a summary of the committed units for the stage's manifest."""
-
-    stage: str
-    reads: tuple[Read, ...]  # the committed stages it reads (:mod:`gndpo.pipeline.exec.inputs`)
-    inputs: StageInputs  # their manifests, which the stage reads instead of looking them up by name
-
-    def plan(self) -> tuple[list[dict], dict]:
-        """(units, inputs): each unit is a dict with a stable "unit" id; inputs name what was read."""
-
-    def setup(self) -> None:
-        """Load models or engines; called once, and only if this worker gets a unit to compute."""
-
-    def run_unit(self, unit: dict, out_dir: str) -> tuple[list[dict], dict]:
-        """Compute one unit into files under ``out_dir``; return (file records, summary for the commit)."""
-
-    def summarize(self, commits: list[Commit]) -> dict:
-        """Metrics for the manifest, from all the stage's commits (each unit's own numbers: what
-        ``run_unit`` returned, with its ``seconds``, ``worker`` and ``phases``)."""
-
-    def live_state(self) -> dict:
-        """Optional: what the worker's heartbeats carry while it holds a unit, for `gndpo status` (JSON)."""
+def working_dir(records: StageRecords, unit: str, attempt: int) -> str:
+    """Where an attempt keeps what it writes while it computes (train's in-round checkpoints): a later
+    attempt of the uncommitted unit may resume from it; no commit references it, so `gndpo gc` removes
+    it once the unit is committed."""
+    return f"{records.attempt_dir(unit, attempt)}/{WORKING}"
 
 
 def lease_state(records: StageRecords, unit: str, now: float | None = None) -> str | None:
@@ -148,10 +130,10 @@ class Worker:
         return attempt
 
     def _live_state(self, where: str) -> dict:
-        """What the job says of itself for the heartbeat (``live_state``, optional); {} where it cannot say:
-        a heartbeat is never lost to it."""
+        """What the job says of itself for the heartbeat (``live_state``); {} where it cannot say: a
+        heartbeat is never lost to it."""
         try:
-            return getattr(self.job, "live_state", dict)()
+            return self.job.live_state()
         except Exception as exc:  # noqa: BLE001 - the lease matters more than what status shows
             _units_log.debug("%s: no live state for the heartbeat: %s", where, first_line(exc))
             return {}
@@ -176,7 +158,7 @@ class Worker:
                 return
 
     # -- the loop ---------------------------------------------------------------------------------
-    def ensure_plan(self) -> dict:
+    def ensure_plan(self) -> Plan:
         plan = self.records.plan()
         if plan is None:
             units, inputs = self.job.plan()
@@ -195,12 +177,11 @@ class Worker:
         if manifest is not None:
             return manifest
         plan = self.ensure_plan()
-        units = {u["unit"]: u for u in plan["units"]}
+        units = {u.id: u for u in plan.units}
         # A unit is claimed only once what it reads is committed: at once, but for a stage that streams
         # behind another (:mod:`gndpo.pipeline.exec.inputs`, per-unit reads), whose input units commit
-        # while it runs. A job that declares no inputs reads nothing.
-        inputs = getattr(self.job, "inputs", None)
-        ready = inputs.unit_ready if inputs is not None else (lambda _unit: True)
+        # while it runs.
+        ready = self.job.inputs.unit_ready
         done = self.records.done_units() & units.keys()
         pending = {u: None for u in units if u not in done}  # in plan order; a dict: O(1) removal
         listed_at = time.monotonic()
@@ -209,11 +190,11 @@ class Worker:
             while pending:
                 claimed = next(((u, a) for u in pending if ready(u) and (a := self.try_claim(u)) is not None), None)
                 if claimed is not None:
-                    summary = self.compute(units[claimed[0]], claimed[1])
-                    if summary is not None or self.records.done(claimed[0]) is not None:  # not an abandoned lease
+                    numbers = self.compute(units[claimed[0]], claimed[1])
+                    if numbers is not None or self.records.done(claimed[0]) is not None:  # not an abandoned lease
                         pending.pop(claimed[0])
                         done.add(claimed[0])
-                        bar.advance(1, **{k: summary[k] for k in PROGRESS_COUNTS if k in (summary or {})})
+                        bar.advance(1, **progress_counts(numbers))
                 # Other workers' commits: listed when nothing could be claimed, else at most every
                 # LIST_EVERY_S. A listing is a request on object stores and grows with the units; one
                 # after every unit made a stage of N units cost N listings of up to N records.
@@ -230,20 +211,20 @@ class Worker:
                     time.sleep(self.poll)
         return self.finish(plan)
 
-    def compute(self, unit: dict, attempt: int) -> dict | None:
-        """Compute and commit one claimed unit; returns its commit summary, or None if another attempt
+    def compute(self, unit: Unit, attempt: int) -> UnitNumbers | None:
+        """Compute and commit one claimed unit; returns its committed numbers, or None if another attempt
         committed first or the lease expired (the unit is abandoned). Stopped by an error or a signal at
         any point, the worker releases the lease on its way out. Everything logged meanwhile names the
         unit."""
-        with unit_context(unit["unit"]):
+        with unit_context(unit.id):
             try:
                 return self._compute(unit, attempt)
             except BaseException:  # an error, or a signal (KeyboardInterrupt, Stopped): the unit goes back
-                self._release(unit["unit"], attempt)
+                self._release(unit.id, attempt)
                 raise
 
-    def _compute(self, unit: dict, attempt: int) -> dict | None:
-        uid = unit["unit"]
+    def _compute(self, unit: Unit, attempt: int) -> UnitNumbers | None:
+        uid = unit.id
         out_dir = self.records.attempt_dir(uid, attempt)
         lease = Lease(uid, attempt, self.ttl)
         stop = threading.Event()
@@ -256,21 +237,21 @@ class Worker:
                         self.job.setup()
                     self._is_set_up = True
                 t0 = time.time()
-                files, summary = self.job.run_unit(unit, out_dir)
+                files, numbers = self.job.run_unit(unit, out_dir)
         finally:
             stop.set()
             beat.join()
-        summary = {**summary, "seconds": round(time.time() - t0, 3), "worker": self.worker_id, "phases": clock.breakdown()}
+        numbers = numbers.with_cost(round(time.time() - t0, 3), self.worker_id, clock.breakdown())
         if lease.lost():
             # Another worker may hold the unit now; ours was never visible, so removing it is safe.
             self.records.run.rm(out_dir)
             self.log(f"{self.records.stage} r{self.records.round} {uid}: attempt {attempt} abandoned, its lease expired")
             return None
         crash_point("units.before_commit")
-        if self.records.commit(uid, attempt, files, summary):
+        if self.records.commit(unit, attempt, files, numbers):
             # Per unit: for the worker's log file; the terminal shows the stage's progress instead.
             _units_log.info("%s r%d %s: committed attempt %d", self.records.stage, self.records.round, uid, attempt, extra=FILE_ONLY)
-            return summary
+            return numbers
         # Another attempt committed first; ours was never visible, so removing it is safe.
         self.records.run.rm(out_dir)
         self.log(f"{self.records.stage} r{self.records.round} {uid}: attempt {attempt} lost the commit race")
@@ -287,13 +268,13 @@ class Worker:
             _units_log.warning("%s r%d %s: could not release attempt %d (%s); it frees after its ttl",
                                self.records.stage, self.records.round, uid, attempt, exc)
 
-    def finish(self, plan: dict) -> Manifest:
+    def finish(self, plan: Plan) -> Manifest:
         manifest = self.records.manifest()
         if manifest is not None:
             return manifest
-        commits = [self.records.done(u["unit"]) for u in plan["units"]]
+        commits = [self.records.done(u) for u in plan.ids()]
         body = {
-            "inputs": plan["inputs"],
+            "inputs": plan.inputs,
             "units": [c.to_json() for c in commits],
             "rows": sum(c.rows for c in commits),
             "bytes": sum(c.bytes for c in commits),
@@ -306,12 +287,17 @@ class Worker:
         return manifest
 
 
-def sum_phases(commits: list[Commit]) -> dict[str, dict[str, float]]:
+def progress_counts(numbers: UnitNumbers | None) -> dict[str, int]:
+    """The counts of a unit's numbers that progress sums and shows with their rate (:data:`PROGRESS_COUNTS`)."""
+    return {k: getattr(numbers, k) for k in PROGRESS_COUNTS if getattr(numbers, k, None) is not None}
+
+
+def sum_phases(commits: list[Commit]) -> Phases:
     """``{phase: {"seconds": s, "bytes": b}}`` over ``commits``' units (seconds of work: units that ran
     side by side on several workers add up)."""
-    totals: dict[str, dict[str, float]] = {}
+    totals: Phases = {}
     for commit in commits:
-        for name, spent in commit.numbers.get("phases", {}).items():
+        for name, spent in commit.numbers.phases.items():
             total = totals.setdefault(name, {"seconds": 0.0, "bytes": 0})
             total["seconds"] += spent["seconds"]
             total["bytes"] += spent["bytes"]
@@ -336,19 +322,18 @@ def run_collective(records: StageRecords, job: StageJob, ttl: float = 120.0, log
     decision: list = [None]
     if rank == 0 and records.manifest() is None:
         plan = worker.ensure_plan()
-        (unit,) = plan["units"]
-        if records.done(unit["unit"]) is None:
-            attempt = worker.try_claim(unit["unit"])
-            decision = [{"unit": unit, "attempt": attempt}]
+        (unit,) = plan.units
+        if records.done(unit.id) is None:
+            decision = [(unit, worker.try_claim(unit.id))]
     dist.broadcast_object_list(decision, src=0)
     if decision[0] is not None:
-        unit, attempt = decision[0]["unit"], decision[0]["attempt"]
+        unit, attempt = decision[0]
         if attempt is None:
             raise GndpoError(f"{records.stage} of round {records.round} is held by another live worker")
         if rank == 0:
             worker.compute(unit, attempt)
         else:
-            job.run_unit(unit, records.attempt_dir(unit["unit"], attempt))
+            job.run_unit(unit, records.attempt_dir(unit.id, attempt))
     if rank == 0 and records.manifest() is None:
         worker.finish(records.plan())
     dist.barrier()

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass
 
 from gndpo.errors import first_line
-from gndpo.storage.records import STAGES, Manifest
+from gndpo.pipeline.run.products import POLICY, ROLLOUTS, ROUND, SCORES, STATISTICS
+from gndpo.storage.products import Manifest
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def metric_doc(stage: str, key: str) -> Metric | None:
 def committed_rounds(run) -> int:
     """How many rounds have at least one committed stage."""
     r = 0
-    while any(run.records(r, s).manifest() is not None for s in STAGES):
+    while any(run.records(r, product).manifest() is not None for product in ROUND):
         r += 1
     return r
 
@@ -168,27 +169,51 @@ def collect_metrics(run) -> list[dict]:
     """One row of metrics per committed stage of every round (round, stage and its manifest's metrics)."""
     rows = []
     for r in range(committed_rounds(run)):
-        for stage in STAGES:
+        for stage in run.round_stages(r):
             m = run.records(r, stage).manifest()
             if m is not None:
                 rows.append({"round": r, "stage": stage, **m.metrics})
     return rows
 
 
+@dataclass(frozen=True)
+class RoundMetrics:
+    """One round's metrics, by what its stages committed: each a manifest's metrics by name ({} where
+    that stage has not committed)."""
+
+    round: int
+    rollouts: dict
+    scores: dict
+    statistics: dict
+    policy: dict  # train's: the update and the policy it exported
+
+    @property
+    def trained(self) -> bool:
+        return bool(self.policy)
+
+
+def round_metrics(rows: list[dict]) -> list[RoundMetrics]:
+    """The rounds of :func:`collect_metrics`' rows, in order, while their rollouts are committed."""
+    by = {(m["round"], m["stage"]): m for m in rows}
+    out = []
+    while (len(out), ROLLOUTS.stage) in by:
+        r = len(out)
+        out.append(RoundMetrics(r, *(by.get((r, product.stage), {}) for product in (ROLLOUTS, SCORES, STATISTICS, POLICY))))
+    return out
+
+
 def round_summary(run) -> str:
     """One line on the newest trained round: the held-out score of the policy it started from, what it
     sampled (reward, KL(student||teacher) estimate) and how its update went (loss, largest gradient
     norm), and the policy it produced: what `gndpo run` prints when it ends."""
-    by = {(m["round"], m["stage"]): m for m in collect_metrics(run)}
-    trained = [r for r, stage in by if stage == "train"]
+    trained = [m for m in round_metrics(collect_metrics(run)) if m.trained]
     if not trained:
         return "no round trained yet"
-    r = max(trained)
-    figures = [("held-out", by.get((r, "rollout"), {}).get("heldout_accuracy"), ".3f"),
-               ("held-out KL", by.get((r, "score"), {}).get("heldout_reverse_kl"), ".3f"),
-               ("reward", by.get((r, "normalize"), {}).get("reward_mean"), ".3f"),
-               ("KL estimate", by.get((r, "normalize"), {}).get("reverse_kl_estimate"), ".3f"),
-               ("loss", by[(r, "train")].get("loss_mean"), ".4g"), ("grad-norm max", by[(r, "train")].get("grad_norm_max"), ".3g")]
+    m = trained[-1]
+    r = m.round
+    figures = [("held-out", m.rollouts.get("heldout_accuracy"), ".3f"), ("held-out KL", m.scores.get("heldout_reverse_kl"), ".3f"),
+               ("reward", m.statistics.get("reward_mean"), ".3f"), ("KL estimate", m.statistics.get("reverse_kl_estimate"), ".3f"),
+               ("loss", m.policy.get("loss_mean"), ".4g"), ("grad-norm max", m.policy.get("grad_norm_max"), ".3g")]
     shown = ", ".join(f"{name} {value:{fmt}}" for name, value, fmt in figures if isinstance(value, (int, float)))
     return f"round {r}: {shown}; policy v{r + 1} committed ({r + 1} round{'s' if r else ''} trained)"
 

@@ -16,8 +16,9 @@ import pyarrow as pa
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
+from gndpo.pipeline.run import products
 from gndpo.pipeline.run.run import PROMPT_SPLITS
-from gndpo.storage.duck import connect, create_view, lock, parquet_source, record_uris
+from gndpo.storage.duck import connect, create_view, lock, parquet_source, record_uris, uris_source
 from gndpo.storage.shards import ROLLOUTS, SCORES, STATS
 
 READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -38,18 +39,17 @@ def run_connection(run, allow_files: bool = False) -> duckdb.DuckDBPyConnection:
     """A connection with the run's views, its settings locked and, unless ``allow_files``, no file
     readable but the committed shards the views list (:func:`gndpo.storage.duck.lock`)."""
     con = connect(run.fs)
-    files = {"rollout": [], "score": [], "normalize": []}
-    score_rounds = []
+    rollout_files, score_files, stats_files, score_rounds = [], [], [], []
     for r in range(committed_rounds(run)):
-        for stage in files:
-            m = run.records(r, stage).manifest()
-            if m is not None:
-                files[stage] += m.response_shards() if stage == "rollout" else m.files()
-                if stage == "score":
-                    score_rounds.append(f"SELECT *, {r}::INTEGER AS round FROM {parquet_source(run.fs, m.files())}")
-    for view, stage, schema in (("rollouts", "rollout", ROLLOUTS), ("stats", "normalize", STATS)):
+        rollouts, scores, stats = (run.records(r, product).manifest() for product in (products.ROLLOUTS, products.SCORES, products.STATISTICS))
+        rollout_files += rollouts.row_files() if rollouts is not None else []
+        stats_files += stats.row_files() if stats is not None else []
+        if scores is not None:
+            score_files += scores.row_files()
+            score_rounds.append(f"SELECT *, {r}::INTEGER AS round FROM {parquet_source(run.fs, scores.row_files())}")
+    for view, files, schema in (("rollouts", rollout_files, ROLLOUTS), ("stats", stats_files, STATS)):
         con.register(f"empty_{view}", schema.empty_table())
-        create_view(con, run.fs, view, files[stage], f"SELECT * FROM empty_{view}")
+        create_view(con, run.fs, view, files, f"SELECT * FROM empty_{view}")
     con.register("empty_scores", SCORES.append(pa.field("round", pa.int32())).empty_table())
     con.execute("CREATE VIEW scores AS " + (" UNION ALL BY NAME ".join(score_rounds) or "SELECT * FROM empty_scores"))
     con.execute(f"CREATE VIEW tokens AS {TOKENS_VIEW}")
@@ -59,11 +59,11 @@ def run_connection(run, allow_files: bool = False) -> duckdb.DuckDBPyConnection:
     con.execute("CREATE VIEW metrics AS SELECT * FROM metrics_table")
     # The prompt tables init wrote, read where they are, with a split column: which question, answer
     # and pictures (their ids under RUN/images/) a rollout's prompt_id names.
-    prompt_tables = {split: [{"path": f"prompts/{split}.parquet"}] for split in PROMPT_SPLITS}
+    prompt_tables = {split: run.fs.uri(f"prompts/{split}.parquet") for split in PROMPT_SPLITS}
     con.execute("CREATE VIEW prompts AS " + " UNION ALL BY NAME ".join(
-        f"SELECT *, '{split}' AS split FROM {parquet_source(run.fs, records)}" for split, records in prompt_tables.items()))
-    readable = [*files.values(), *prompt_tables.values()]
-    lock(con, None if allow_files else [u for records in readable for u in record_uris(run.fs, records)])
+        f"SELECT *, '{split}' AS split FROM {uris_source([uri])}" for split, uri in prompt_tables.items()))
+    committed = record_uris(run.fs, rollout_files + score_files + stats_files)
+    lock(con, None if allow_files else [*committed, *prompt_tables.values()])
     return con
 
 

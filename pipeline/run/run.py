@@ -10,12 +10,14 @@ import yaml
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.run.images import image_ids
+from gndpo.pipeline.run.products import POLICY, ROLLOUTS, ROUND, PolicyExport, Product, TrainNumbers, policy_export
 from gndpo.pipeline.run.teacher_runs import is_reference, teacher_folder
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.pipeline.tasks.plugins import use_plugin_dirs
 from gndpo.storage.cache import cache_dir
 from gndpo.storage.hub import hub_snapshot
-from gndpo.storage.records import InheritedRecords, StageRecords
+from gndpo.storage.products import FileRecord, N, UnitNumbers
+from gndpo.storage.records import InheritedRecords, StageRecords, round_prefix
 from gndpo.storage.runfs import RunFS
 from gndpo.storage.tables import read_prompt_table
 
@@ -42,17 +44,27 @@ class Run:
     # score.backend server): every score worker holds the servers to them.
     served_probes: dict | None = None
 
-    def records(self, round_idx: int, stage: str) -> StageRecords:
-        """The records (plan, claims, done markers, manifest) of ``stage`` in round ``round_idx``: the
-        parent's, read where they are, for a round a fork inherits."""
+    def records(self, round_idx: int, product: Product[N] | str) -> StageRecords[N]:
+        """The records (plan, claims, done markers, manifest) of the stage that makes ``product`` in
+        round ``round_idx``, its units' numbers typed (a stage given by its folder's name alone reads the
+        executor's numbers only): the parent's, read where they are, for a round a fork inherits."""
+        stage, numbers = (product.stage, product.numbers) if isinstance(product, Product) else (product, UnitNumbers)
         if self.lineage and self.inherits(round_idx, stage):
-            return InheritedRecords(RunFS(self.lineage["parent"], self.fs.storage_options), round_idx, stage)
-        return StageRecords(self.fs, round_idx, stage)
+            return InheritedRecords(RunFS(self.lineage["parent"], self.fs.storage_options), round_idx, stage, numbers)
+        return StageRecords(self.fs, round_idx, stage, numbers)
+
+    def round_stages(self, round_idx: int) -> list[str]:
+        """The stages of round ``round_idx`` in the order they run: the four of every round
+        (:data:`gndpo.pipeline.run.products.ROUND`), then any other stage the run's folder holds for it
+        (a stage added to the registry), by name."""
+        made = [product.stage for product in ROUND]
+        return made + sorted(set(self.fs.listdir(round_prefix(round_idx))) - set(made))
 
     def inherits(self, round_idx: int, stage: str) -> bool:
-        """Whether this (forked) run takes ``stage`` of ``round_idx`` from its parent."""
+        """Whether this (forked) run takes ``stage`` of ``round_idx`` from its parent: every stage of the
+        rounds before the fork, and the fork's first round's rollouts."""
         k = self.lineage["from_round"] if self.lineage else -1
-        return round_idx < k or (round_idx == k and stage == "rollout")
+        return round_idx < k or (round_idx == k and stage == ROLLOUTS.stage)
 
     def prompts(self, split: str) -> list[dict]:
         """The prompt table init imported for ``split`` ("train" or "heldout"), one dict per row."""
@@ -90,7 +102,7 @@ class Run:
         0, else the model exported by the previous round's train stage (downloaded if remote)."""
         if round_idx == 0:
             return self.model_folder(self.cfg.student, "student")
-        records = self.records(round_idx - 1, "train")  # a forked run's early rounds live in its parent
+        records = self.records(round_idx - 1, POLICY)  # a forked run's early rounds live in its parent
         require_exported(records)
         return records.run.local_dir(self.policy_dir(round_idx), model_cache_dir())
 
@@ -107,7 +119,11 @@ class Run:
         """The run-relative folder of the model exported by round ``round_idx - 1`` (None for round 0)."""
         if round_idx == 0:
             return None
-        return self.records(round_idx - 1, "train").require_manifest().metrics["model_dir"]
+        return self.exported(round_idx).model_dir
+
+    def exported(self, round_idx: int) -> PolicyExport:
+        """What round ``round_idx - 1``'s train exported: the policy round ``round_idx`` starts from."""
+        return policy_export(self.records(round_idx - 1, POLICY).require_manifest())
 
     def teacher_models(self, round_idx: int) -> dict[str, str]:
         """{name recorded per score row: local model folder} of the teachers that score ``round_idx``:
@@ -124,9 +140,9 @@ class Run:
         elif weights == "live":
             path = self.policy_path(version)
         else:
-            records = self.records(version - 1, "train")
+            records = self.records(version - 1, POLICY)
             require_exported(records)
-            path = records.run.local_dir(records.require_manifest().metrics["ema_dir"], model_cache_dir())
+            path = records.run.local_dir(self.exported(version).ema_dir, model_cache_dir())
         return {f"self/{weights}": path}
 
     def model_folder(self, name: str, role: str = "model") -> str:
@@ -153,7 +169,7 @@ class Run:
     def newest_policy_version(self) -> int:
         """The newest committed student's version: how many rounds have trained."""
         version = 0
-        while self.records(version, "train").manifest() is not None:
+        while self.records(version, POLICY).manifest() is not None:
             version += 1
         return version
 
@@ -168,12 +184,9 @@ class Run:
         if not 1 <= version <= newest:
             trained = "v1" if newest == 1 else f"v1 to v{newest}"
             raise GndpoError(f"{self.fs.url} has no policy v{version}; its trained policies are {trained} (v0 is the initial student)")
-        records = self.records(version - 1, "train")
+        records = self.records(version - 1, POLICY)
         require_exported(records)
-        manifest = records.require_manifest()
-        model_dir = manifest.metrics["model_dir"]
-        files = [f for f in manifest.files() if f["path"].startswith(f"{model_dir}/")]
-        return CommittedPolicy(version, records, model_dir, files)
+        return CommittedPolicy(version, records, policy_export(records.require_manifest()))
 
     def latest_policy(self) -> tuple[int, str]:
         """(policy version, local path) of the newest committed student."""
@@ -186,9 +199,16 @@ class CommittedPolicy:
     """A trained policy where its train stage committed it."""
 
     version: int  # the student after this many trained rounds
-    records: StageRecords  # round version - 1's train records, in the run that holds them (a fork's parent's)
-    model_dir: str  # the export's folder, relative to that run
-    files: list[dict]  # the export's files as committed (path, bytes, sha256)
+    records: StageRecords[TrainNumbers]  # round version - 1's train records, in the run that holds them (a fork's parent's)
+    export: PolicyExport  # the export's folder and files, relative to that run
+
+    @property
+    def model_dir(self) -> str:
+        return self.export.model_dir
+
+    @property
+    def files(self) -> list[FileRecord]:
+        return self.export.files
 
 
 def require_exported(records: StageRecords) -> None:

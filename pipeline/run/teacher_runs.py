@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.settings.schema import RUN_TEACHER, split_run_teacher
+from gndpo.storage.products import FileRecord
 from gndpo.storage.runfs import RunFS, file_sha256
 
 
@@ -53,12 +54,12 @@ def resolve_reference(reference: str, parent, cache_root: str) -> dict:
     holder = policy.records.run
     folder = Path(holder.local_dir(policy.model_dir, cache_root))
     start = len(policy.model_dir) + 1
-    files = [{"path": f["path"][start:], "bytes": f["bytes"], "sha256": f["sha256"]} for f in policy.files]
+    files = [FileRecord(f.path[start:], f.bytes, f.sha256) for f in policy.files]
     for record in files:
-        local = folder / record["path"]
-        if not local.is_file() or file_sha256(local) != record["sha256"]:
-            raise GndpoError(f"teacher {reference}: {holder.uri(policy.model_dir)}/{record['path']} differs from its commit record (sha256)")
-    return {"run": holder.url, "policy": policy.version, "model_dir": policy.model_dir, "files": files}
+        local = folder / record.path
+        if not local.is_file() or file_sha256(local) != record.sha256:
+            raise GndpoError(f"teacher {reference}: {holder.uri(policy.model_dir)}/{record.path} differs from its commit record (sha256)")
+    return {"run": holder.url, "policy": policy.version, "model_dir": policy.model_dir, "files": [f.to_json() for f in files]}
 
 
 def teacher_folder(reference: str, resolution: dict, cache_root: str, storage_options: dict | None = None) -> str:
@@ -66,9 +67,9 @@ def teacher_folder(reference: str, resolution: dict, cache_root: str, storage_op
     when it is on a local or shared filesystem, else a cached download), each still of its recorded size."""
     fs = RunFS(resolution["run"], storage_options)
     folder = fs.local_dir(resolution["model_dir"], cache_root)
-    for record in resolution["files"]:
-        path = os.path.join(folder, record["path"])
-        if not os.path.isfile(path) or os.path.getsize(path) != record["bytes"]:
-            raise GndpoError(f"teacher {reference}: {fs.uri(resolution['model_dir'])}/{record['path']} is gone or changed since this run "
+    for record in map(FileRecord.of, resolution["files"]):
+        path = os.path.join(folder, record.path)
+        if not os.path.isfile(path) or os.path.getsize(path) != record.bytes:
+            raise GndpoError(f"teacher {reference}: {fs.uri(resolution['model_dir'])}/{record.path} is gone or changed since this run "
                              f"was created (was `gndpo gc --keep-rounds` run on {resolution['run']}?)")
     return folder

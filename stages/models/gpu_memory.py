@@ -94,6 +94,9 @@ class StagePeak:
     bytes: float
     knobs: str
     how: str = ""  # how the stage runs where that decides its peak: " with gradient checkpointing"
+    # The share an engine reserves up front (vLLM's engine.gpu_memory_utilization), not what the stage
+    # needs: shown, never refused or warned about.
+    reserved: bool = False
 
 
 def parse_memory(text: str) -> int:
@@ -168,7 +171,7 @@ def rollout_peak(cfg: Config, student: Shape, gpu: int, sampler: RolloutPlace) -
         raise GndpoError(f"rollout: the student's weights ({2 * student.parameters / GIB:.1f} GiB in bf16) leave no room for a KV cache "
                          f"in vLLM's share of the GPU ({share / GIB:.1f} GiB, engine.gpu_memory_utilization {cfg.engine.gpu_memory_utilization}): "
                          "raise engine.gpu_memory_utilization, or use a larger GPU")
-    return StagePeak("rollout", share, "lower engine.gpu_memory_utilization")
+    return StagePeak("rollout", share, "lower engine.gpu_memory_utilization", reserved=True)
 
 
 def estimate_stages(cfg: Config, gpu: int, where: TeacherPlace, sampler: RolloutPlace) -> list[StagePeak]:
@@ -191,10 +194,10 @@ def check_gpu_memory(cfg: Config, gpu: int | None, where: TeacherPlace, sampler:
     peaks = estimate_stages(cfg, gpu, where, sampler)
     line = ", ".join(f"{p.stage}{p.how} {p.bytes / GIB:.1f}" for p in peaks)
     for peak in peaks:
-        if (peak.stage != "rollout" or not sampler.engine) and peak.bytes > LIMIT * gpu:
+        if not peak.reserved and peak.bytes > LIMIT * gpu:
             raise GndpoError(f"{peak.stage} needs about {peak.bytes / GIB:.1f} GiB of the GPU's {gpu / GIB:.1f} GiB (estimated per stage: {line} GiB; "
                              f"at most {LIMIT:.0%} fits beside the allocator's cache): {peak.knobs}")
-        if (peak.stage != "rollout" or not sampler.engine) and peak.bytes > WARN * gpu:
+        if not peak.reserved and peak.bytes > WARN * gpu:
             logging.getLogger("gndpo").warning(f"{peak.stage} needs about {peak.bytes / GIB:.1f} GiB of the GPU's {gpu / GIB:.1f} GiB: {peak.knobs}")
     logging.getLogger("gndpo").info(f"GPU memory per stage, estimated for a {gpu / GIB:.1f} GiB GPU: {line} GiB")
     return peaks

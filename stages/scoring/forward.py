@@ -20,6 +20,7 @@ from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_
 from gndpo.pipeline.observe import progress
 from gndpo.stages.models.logprobs import TokenBatch, make_batch, pair_token_stats, token_budget_batches
 from gndpo.stages.models.vision import BatchImages
+from gndpo.storage.products import FileRecord
 from gndpo.storage.shards import flat_values, read_shard
 
 
@@ -48,7 +49,7 @@ class UnitRows:
     offsets: np.ndarray
 
     @classmethod
-    def read(cls, fs, files: list[dict]) -> UnitRows:
+    def read(cls, fs, files: list[FileRecord]) -> UnitRows:
         return cls.of_table(pa.concat_tables([read_shard(fs, f) for f in files]))
 
     @classmethod

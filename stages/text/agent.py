@@ -202,19 +202,21 @@ def conversation_counts(rows: list[RolloutRow]) -> dict:
     }
 
 
-def conversation_metrics(counts: list[dict], responses: int) -> dict:
-    """The round's multi-turn metrics, named as in verl's agent loop: tokens per response the student
-    wrote (``tool_mask/llm_tokens``) and the tool turns added (``tool_mask/tool_tokens``), the tool
-    share of all response tokens, student turns per response, and the calls made and failed."""
-    llm, tool = sum(c["llm_tokens"] for c in counts), sum(c["tool_tokens"] for c in counts)
+def conversation_metrics(counts: list, responses: int) -> dict:
+    """The round's multi-turn metrics from its units' counts (:func:`conversation_counts`, as each
+    unit's :class:`~gndpo.pipeline.run.products.RolloutNumbers` holds them), named as in verl's agent
+    loop: tokens per response the student wrote (``tool_mask/llm_tokens``) and the tool turns added
+    (``tool_mask/tool_tokens``), the tool share of all response tokens, student turns per response, and
+    the calls made and failed."""
+    llm, tool = sum(c.llm_tokens for c in counts), sum(c.tool_tokens for c in counts)
     per = max(responses, 1)
     return {
         "tool_mask/llm_tokens": llm / per,
         "tool_mask/tool_tokens": tool / per,
         "tool_mask/tool_ratio": tool / max(llm + tool, 1),
-        "num_turns/mean": sum(c["turns_sum"] for c in counts) / per,
-        "num_turns/min": min((c["turns_min"] for c in counts), default=0),
-        "num_turns/max": max((c["turns_max"] for c in counts), default=0),
-        "tool_calls/per_response": sum(c["tool_calls"] for c in counts) / per,
-        "tool_calls/errors": sum(c["tool_errors"] for c in counts),
+        "num_turns/mean": sum(c.turns_sum for c in counts) / per,
+        "num_turns/min": min((c.turns_min for c in counts), default=0),
+        "num_turns/max": max((c.turns_max for c in counts), default=0),
+        "tool_calls/per_response": sum(c.tool_calls for c in counts) / per,
+        "tool_calls/errors": sum(c.tool_errors for c in counts),
     }

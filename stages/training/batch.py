@@ -25,11 +25,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gndpo.errors import GndpoError
-from gndpo.pipeline.exec.inputs import Read, StageInputs
+from gndpo.pipeline.exec.inputs import StageInputs
 from gndpo.pipeline.methods import Response, get_method, response_targets, score_needs
 from gndpo.pipeline.methods.base import TOPK, Stats
+from gndpo.pipeline.run.products import ROLLOUTS, SCORES, STATISTICS
 from gndpo.pipeline.run.run import Run
-from gndpo.pipeline.run.stats import round_stats
+from gndpo.storage.products import FileRecord
 from gndpo.storage.shards import flat_values, read_shard
 from gndpo.storage.step_files import StepFiles
 
@@ -175,25 +176,21 @@ def read_step_rows(files: StepFiles, join, step: int) -> list[TrainRow]:
     return [] if table is None else join(*split_rows(table.sort_by(POSITION)))
 
 
-ROUND_ROWS = (Read("rollout"), Read("score"))  # what a round's rows are joined from (train reads them)
-
-
-def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
-    """Rank ``rank``'s share of round ``round_idx``: the round's responses (less those
-    ``rollout.truncated`` keeps out) in ``train.optimizer_steps`` steps, shuffled by the train seed,
-    each step's rows split across the ``world`` ranks, joined with their scores and targets. The round
-    is read one rollout shard at a time and its rows are written to the step files, so memory holds one
-    shard's rows, never the round's."""
-    cfg = run.cfg
-    inputs = StageInputs(run, round_idx, ROUND_ROWS)
-    rollout_files, score_files = inputs.files("rollout"), inputs.files("score")
+def load_share(inputs: StageInputs, rank: int, world: int) -> RoundShare:
+    """Rank ``rank``'s share of the round ``inputs`` reads (its rollouts, scores and statistics): the
+    round's responses (less those ``rollout.truncated`` keeps out) in ``train.optimizer_steps`` steps,
+    shuffled by the train seed, each step's rows split across the ``world`` ranks, joined with their
+    scores and targets. The round is read one rollout shard at a time and its rows are written to the
+    step files, so memory holds one shard's rows, never the round's."""
+    run, round_idx, cfg = inputs.run, inputs.round, inputs.run.cfg
+    rollout_files, score_files = inputs.files(ROLLOUTS), inputs.files(SCORES)
     kept = kept_rollout_ids(run, rollout_files, round_idx)
     score_file_of = score_files_by_rollout(run, score_files, round_idx, kept.total)
     steps = step_order(kept.ids, cfg.train.seed, round_idx, cfg.train.optimizer_steps)
     mine = [ids[rank::world] for ids in steps]
     place = {rid: (i, pos) for i, ids in enumerate(mine) for pos, rid in enumerate(ids)}
     writer = ShareWriter(mine)
-    stats = round_stats(run, round_idx)
+    stats = inputs.statistics(STATISTICS)
     # Another rank's rows, or truncated ones, are left out; with neither, nothing is filtered.
     wanted = pa.array(list(place), pa.string()) if len(place) < kept.total else None
     for rollout_file in rollout_files:
@@ -206,7 +203,7 @@ def load_share(run: Run, round_idx: int, rank: int, world: int) -> RoundShare:
     return writer.share([len(ids) for ids in steps], partial(_join, run=run, round_idx=round_idx, stats=stats))
 
 
-def shard_rows(run: Run, rollout_file: dict, score_files: list[dict], score_file_of: dict[str, int], wanted: pa.Array | None) -> pa.Table:
+def shard_rows(run: Run, rollout_file: FileRecord, score_files: list[FileRecord], score_file_of: dict[str, int], wanted: pa.Array | None) -> pa.Table:
     """One rollout shard's rows (only those whose id is in ``wanted``, where given) with their score
     rows beside them (:func:`beside`), the score columns train reads."""
     rollouts = read_shard(run.fs, rollout_file, ROLLOUT_COLUMNS)
@@ -259,7 +256,7 @@ class KeptIds:
     total: int  # responses in the round, kept or not
 
 
-def kept_rollout_ids(run: Run, rollout_files: list[dict], round_idx: int) -> KeptIds:
+def kept_rollout_ids(run: Run, rollout_files: list[FileRecord], round_idx: int) -> KeptIds:
     """The rollout ids train takes (read without the heavy columns); refuses duplicates, and a round
     whose every response was cut where ``rollout.truncated`` drops them."""
     cfg = run.cfg
@@ -284,7 +281,7 @@ def kept_rollout_ids(run: Run, rollout_files: list[dict], round_idx: int) -> Kep
     return KeptIds(kept, len(ids))
 
 
-def score_files_by_rollout(run: Run, score_files: list[dict], round_idx: int, responses: int) -> dict[str, int]:
+def score_files_by_rollout(run: Run, score_files: list[FileRecord], round_idx: int, responses: int) -> dict[str, int]:
     """{rollout id: index of the score file holding its row}, from the score files' id column alone;
     refuses a round whose score rows are not one per response."""
     out: dict[str, int] = {}

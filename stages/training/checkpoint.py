@@ -33,11 +33,13 @@ from typing import Literal
 
 from gndpo.dist import Dist
 from gndpo.faults import crash_point
+from gndpo.pipeline.exec.units import WORKING, working_dir
+from gndpo.pipeline.run.products import POLICY, CarriedState, carried_state
 from gndpo.pipeline.run.run import Run
 from gndpo.stages.models.lora import has_adapters
 from gndpo.stages.training.ema import EmaWeights
 from gndpo.storage.cache import cache_dir
-from gndpo.storage.records import CHECKPOINTS, train_optimizer_state
+from gndpo.storage.products import FileRecord
 from gndpo.storage.shards import verified_bytes
 
 CHECKPOINT_TAG = "state"
@@ -45,8 +47,17 @@ EMA_FILE = "ema.safetensors"  # the EMA average inside an in-round checkpoint
 UNIT = "update"  # train's one work unit, whose attempts leave the checkpoints
 
 
+class CheckpointRecord(CarriedState):
+    """An in-round checkpoint's record (``ckpt/step-NNNNN.json``): the engine state's files and the
+    ranks that wrote them, the steps taken (``step``) and their figures, and the EMA average's file."""
+
+    step: int
+    history: list[dict] = []
+    ema: dict | None = None
+
+
 # -- an engine's state ------------------------------------------------------------------------------
-def save_state(engine, fs, rel: str, dist: Dist) -> list[dict] | None:
+def save_state(engine, fs, rel: str, dist: Dist) -> list[FileRecord] | None:
     """Write the engine's full state (module, optimizer, its partitions) under ``rel``; collective.
     Returns, on rank 0, the file records of all ranks (None elsewhere)."""
     with fs.staging_dir(rel) as tmp:
@@ -65,12 +76,12 @@ def save_state(engine, fs, rel: str, dist: Dist) -> list[dict] | None:
     return records if dist.main else None
 
 
-def load_state(engine, fs, state: dict, world: int) -> bool:
+def load_state(engine, fs, state: CarriedState, world: int) -> bool:
     """Load a state written by :func:`save_state` after checking every file against its sha256. A state
     written by another number of ranks is skipped (False): ZeRO partitions are per rank. Every rank
     reads all files, as DeepSpeed's ZeRO-1/2 loader reads every rank's optimizer partition, from one
     download per node (:func:`node_state_folder`)."""
-    if state.get("world", 1) != world:
+    if state.world != world:
         return False
     with node_state_folder(fs, state, Dist.from_env()) as root:
         engine.load_checkpoint(root, tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False,
@@ -79,7 +90,7 @@ def load_state(engine, fs, state: dict, world: int) -> bool:
 
 
 @contextmanager
-def node_state_folder(fs, state: dict, dist: Dist) -> Iterator[str]:
+def node_state_folder(fs, state: CarriedState, dist: Dist) -> Iterator[str]:
     """A folder whose ``CHECKPOINT_TAG`` subfolder holds ``state``'s files, each checked against its
     sha256: downloaded once per node, by its first rank (local rank 0), into the node's cache, and read
     by every rank of the node after a barrier (8 ranks each fetching every partition was 8 downloads of
@@ -92,7 +103,7 @@ def node_state_folder(fs, state: dict, dist: Dist) -> Iterator[str]:
     import torch.distributed as torch_dist
 
     # The node and the run in the name: a cache on a filesystem several nodes share gets one folder a node.
-    key = hashlib.sha1(f"{socket.gethostname()}:{fs.url}:{[r['sha256'] for r in state['files']]}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(f"{socket.gethostname()}:{fs.url}:{[r.sha256 for r in state.file_records()]}".encode()).hexdigest()[:16]
     root = cache_dir("states") / key
     if dist.local_rank == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -106,11 +117,11 @@ def node_state_folder(fs, state: dict, dist: Dist) -> Iterator[str]:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def download_state(fs, state: dict, folder: Path) -> None:
+def download_state(fs, state: CarriedState, folder: Path) -> None:
     """``state``'s files into ``folder``, each checked against its commit record."""
     folder.mkdir(parents=True)
-    for record in state["files"]:
-        (folder / Path(record["path"]).name).write_bytes(verified_bytes(fs, record))
+    for record in state.file_records():
+        (folder / Path(record.path).name).write_bytes(verified_bytes(fs, record))
 
 
 # -- within a round ---------------------------------------------------------------------------------
@@ -119,32 +130,32 @@ def save_checkpoint(engine, fs, out_dir: str, history: list[dict], dist: Dist, e
     of the attempt writing to ``out_dir``; collective. Rank 0's JSON record, written last and
     exclusively, is what makes the checkpoint visible to a later attempt."""
     step = len(history)
-    base = f"{out_dir}/{CHECKPOINTS}/step-{step:05d}"
+    base = f"{out_dir}/{WORKING}/step-{step:05d}"  # the attempt's working folder: no commit lists it
     files = save_state(engine, fs, base, dist)
     if dist.main:
-        record = {"step": step, "history": history, "world": dist.world, "files": files}
+        record = CheckpointRecord(step=step, history=history, world=dist.world, files=[f.to_json() for f in files])
         if ema is not None:
-            record["ema"] = fs.write_new(f"{base}/{EMA_FILE}", ema.to_bytes())
-        fs.create_json(f"{base}.json", record)
+            record.ema = fs.write_new(f"{base}/{EMA_FILE}", ema.to_bytes()).to_json()
+        fs.create_json(f"{base}.json", record.to_json())
 
 
-def newest_checkpoint(run: Run, round_idx: int, dist: Dist) -> dict | None:
+def newest_checkpoint(run: Run, round_idx: int, dist: Dist) -> CheckpointRecord | None:
     """The record of the newest checkpoint an earlier attempt of this round left with this number of
     ranks (None: none). ZeRO partitions are per rank, so another world size's checkpoint cannot be
     continued, and a newer one of another world size must not hide an older one of this. Rank 0
     chooses it and tells the others, so every rank loads the same one."""
-    best = [None]
+    best: list[CheckpointRecord | None] = [None]
     if dist.main:
-        records = run.records(round_idx, "train")
+        records = run.records(round_idx, POLICY)
         for attempt in records.attempts(UNIT):
-            ckpt = records.checkpoint_dir(UNIT, attempt)
+            ckpt = working_dir(records, UNIT, attempt)
             for name in run.fs.listdir(ckpt):
                 if name.endswith(".json"):
-                    meta = run.fs.read_json(f"{ckpt}/{name}")
-                    if meta.get("world", 1) != dist.world:
+                    found = CheckpointRecord.model_validate(run.fs.read_json(f"{ckpt}/{name}"))
+                    if found.world != dist.world:
                         continue
-                    if best[0] is None or meta["step"] > best[0]["step"]:
-                        best[0] = meta
+                    if best[0] is None or found.step > best[0].step:
+                        best[0] = found
     if dist.world > 1:
         import torch.distributed as torch_dist
 
@@ -166,7 +177,7 @@ class ResumePoint:
     """Where a round's update continues from (:func:`resume_point`)."""
 
     source: Literal["checkpoint", "kept", "carried", "replay", "fresh"]
-    state: dict | None = None  # the checkpoint's, the carried or the replay's starting state record
+    state: CarriedState | None = None  # the checkpoint's (a CheckpointRecord), the carried or the replay's starting state
     replay_from: int = -1  # replay: the round whose written state it starts from (-1: round 0's start)
 
 
@@ -189,7 +200,7 @@ def resume_point(run: Run, round_idx: int, dist: Dist, kept: bool) -> ResumePoin
         return ResumePoint("kept")
     if round_idx == 0 or not run.cfg.train.carry_optimizer_state:
         return ResumePoint("fresh")
-    state = carried_state(run, round_idx - 1)
+    state = carried_state(run.records(round_idx - 1, POLICY))  # the parent's, for a forked run's first round
     if state is not None:
         return ResumePoint("carried", state)
     base, state = last_carried_state(run, round_idx)
@@ -198,46 +209,41 @@ def resume_point(run: Run, round_idx: int, dist: Dist, kept: bool) -> ResumePoin
 
 def start_at(point: ResumePoint, engine, run: Run, round_idx: int, world: int, ema: EmaWeights | None, log) -> Start:
     """Load ``point``'s state into ``engine`` (and the EMA average), on every rank alike; the update's
-    start. A replay has already run (its engine continues, ``kept``, or starts ``fresh``); a carried
-    state written by another number of ranks is not loaded: ZeRO partitions are per rank."""
+    start (a ``replay`` is :meth:`gndpo.stages.train.TrainJob.resume`'s, which calls this for every
+    other point). A carried state written by another number of ranks is not loaded: ZeRO partitions
+    are per rank."""
+    if point.source == "replay":
+        raise ValueError("a replay starts where it ends (TrainJob.resume), not from a loaded state")
     if point.source == "checkpoint":
         load_state(engine, run.fs, point.state, world)
         if ema is not None:
-            ema.load_bytes(verified_bytes(run.fs, point.state["ema"]))
-        log(f"train r{round_idx}: resuming after step {point.state['step']} from a checkpoint")
-        return Start(list(point.state["history"]), point.state["step"], True)
+            ema.load_bytes(verified_bytes(run.fs, FileRecord.of(point.state.ema)))
+        log(f"train r{round_idx}: resuming after step {point.state.step} from a checkpoint")
+        return Start(list(point.state.history), point.state.step, True)
     if point.source == "carried":
         # The parent's records, for a forked run's first round.
-        if load_state(engine, run.records(round_idx - 1, "train").run, point.state, world):
+        if load_state(engine, run.records(round_idx - 1, POLICY).run, point.state, world):
             return Start([], 0, True)
-        log(f"train r{round_idx}: optimizer state of round {round_idx - 1} was written by {point.state['world']} ranks; starting a fresh one")
+        log(f"train r{round_idx}: optimizer state of round {round_idx - 1} was written by {point.state.world} ranks; starting a fresh one")
     return Start([], 0, point.source == "kept")
 
 
 # -- across rounds ----------------------------------------------------------------------------------
-def carried_state(run: Run, round_idx: int) -> dict | None:
-    """The optimizer state round ``round_idx``'s train carried ({world, files}): in its commit, or
-    written after it (``train.state_async``) and made visible by the record its commit names; None if
-    it wrote none, or that record never appeared (the process died while writing)."""
-    records = run.records(round_idx, "train")  # the parent's, for a forked run's first round
-    return train_optimizer_state(records.run, records.require_manifest().units[0])
-
-
-def last_carried_state(run: Run, round_idx: int) -> tuple[int, dict | None]:
+def last_carried_state(run: Run, round_idx: int) -> tuple[int, CarriedState | None]:
     """(k, state): the newest round before ``round_idx`` whose train wrote its optimizer state
     (``train.state_every``), with that state; (-1, None) if none did, the optimizer having started
     fresh on the initial student in round 0."""
     for k in range(round_idx - 1, -1, -1):
-        if (state := carried_state(run, k)) is not None:
+        if (state := carried_state(run.records(k, POLICY))) is not None:
             return k, state
     return -1, None
 
 
-def carry_state(engine, fs, out_dir: str, dist: Dist) -> dict | None:
+def carry_state(engine, fs, out_dir: str, dist: Dist) -> CarriedState | None:
     """The round's final engine state as ``optimizer/``, for the next round to continue; collective.
-    Returns its record ({world, files}) on rank 0, None elsewhere."""
+    Returns its record on rank 0, None elsewhere."""
     files = save_state(engine, fs, f"{out_dir}/optimizer", dist)
-    return {"world": dist.world, "files": files} if dist.main else None
+    return CarriedState(world=dist.world, files=[f.to_json() for f in files]) if dist.main else None
 
 
 class DeferredState:
@@ -268,10 +274,10 @@ class DeferredState:
         try:
             t0 = time.perf_counter()
             state = carry_state(engine, fs, out_dir, Dist())
-            written = sum(f["bytes"] for f in state["files"])
+            written = sum(f.bytes for f in state.file_records())
             self._released.wait()
             crash_point("train.state_write")
-            fs.create_json(self.record, {**state, "seconds": round(time.perf_counter() - t0, 3), "bytes": written})
+            fs.create_json(self.record, {**state.to_json(), "seconds": round(time.perf_counter() - t0, 3), "bytes": written})
         except BaseException as exc:  # noqa: BLE001 - reported by wait(), on the thread that can act on it
             self._error = exc
 

@@ -15,9 +15,10 @@ from gndpo.stages.models.lora import ADAPTER_DIR, has_adapters, policy_state_dic
 from gndpo.stages.models.probe import probe_logprobs, write_probe
 from gndpo.stages.models.vision import load_processor
 from gndpo.stages.training.ema import EmaWeights
+from gndpo.storage.products import FileRecord
 
 
-def export_student(engine, policy: str, fs, out_dir: str, zero_stage: int, dist: Dist, pad_id: int) -> list[dict]:
+def export_student(engine, policy: str, fs, out_dir: str, zero_stage: int, dist: Dist, pad_id: int) -> list[FileRecord]:
     """``out_dir/model``: the trained student with its probe; collective. Returns the file records on
     rank 0, [] elsewhere."""
     files = []
@@ -71,7 +72,7 @@ def probe_student(model, policy: str, pad_id: int) -> dict:
             module.training = training
 
 
-def export_ema(ema: EmaWeights, module, policy: str, fs, out_dir: str) -> list[dict]:
+def export_ema(ema: EmaWeights, module, policy: str, fs, out_dir: str) -> list[FileRecord]:
     """``out_dir/ema``: the average as a Hugging Face folder, the next round's EMA teacher (rank 0 only)."""
     with fs.staging_dir(f"{out_dir}/ema") as tmp:
         ema.export(module, tmp)

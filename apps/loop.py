@@ -6,13 +6,13 @@ from __future__ import annotations
 from gndpo.apps.rounds import keeps_models, run_rounds
 from gndpo.apps.schedule import choose_order, run_scheduled
 from gndpo.pipeline.observe.logs import info
-from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.run.run import Run, open_run
 from gndpo.stages.models.device import visible_gpus
 from gndpo.stages.models.live import LiveModels
 
 
 def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = True, log=info, live=None, learner_gpus: int = 0,
-             overlap: str | None = None) -> None:
+             overlap: str | None = None) -> Run:
     """Run rounds 0..rounds-1 of ``url``.
 
     ``gpus``: GPUs of this node to use (None: every visible one); ``learner_gpus``: how many of them run
@@ -22,18 +22,19 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     one rollout worker), every stage runs in this process on kept engines: ``live``
     (a caller's set, left open, e.g. for a final evaluation on the same engine) or one made and closed
     here (:func:`gndpo.apps.rounds.run_rounds`); otherwise each stage runs in processes of its own
-    (:func:`gndpo.apps.schedule.run_scheduled`)."""
+    (:func:`gndpo.apps.schedule.run_scheduled`). Returns the run, opened once."""
     gpus = visible_gpus() if gpus is None else gpus
-    cfg = open_run(url).cfg
-    order = choose_order(cfg, gpus, learner_gpus, overlap)
+    run = open_run(url)
+    order = choose_order(run.cfg, gpus, learner_gpus, overlap)
     log(order.line())
-    if not (order.sequential and keep_alive and keeps_models(cfg, gpus)):
+    if not (order.sequential and keep_alive and keeps_models(run.cfg, gpus)):
         run_scheduled(url, rounds, gpus, order, learner_gpus, log=log)
-        return
+        return run
     own = live is None
     live = LiveModels(keep=True, log=log) if own else live
     try:
-        run_rounds(url, rounds, live, log=log)
+        run_rounds(url, rounds, live, log=log, run=run)
     finally:
         if own:
             live.close()
+    return run

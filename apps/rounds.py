@@ -36,7 +36,7 @@ from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info, worker_file
 from gndpo.pipeline.observe.metrics import publish_metrics, write_metrics_jsonl
-from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.run.run import Run, open_run
 from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.registry import job_class, stage_names
 from gndpo.storage.cache import cache_root
@@ -57,23 +57,25 @@ def check_round(run, round_idx: int, stage: str, follow: bool = False) -> None:
 
 
 def run_stage(
-    url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=info, live=None, follow: bool = False
+    url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=info, live=None, follow: bool = False,
+    run: Run | None = None,
 ) -> Manifest | None:
     """Run (or join, with ``worker``) one stage; returns its manifest, or None if other workers still
     hold units when this worker runs out of work. ``live``: the engines and models to compute with
     (:class:`gndpo.stages.models.live.LiveModels`; default: built for this stage alone and released
     when it returns, as a user's process calling it would want). ``follow``: stream behind the stage
-    it reads unit by unit, taking each unit once its input unit commits."""
+    it reads unit by unit, taking each unit once its input unit commits. ``run``: the run at ``url``
+    where the caller has it open (the round loop), else opened here."""
     if live is None:
         # Imported here: it imports torch, which registering the commands must not (cli/stages.py imports this module).
         from gndpo.stages.models.live import LiveModels
 
         own = LiveModels(log=log)
         try:
-            return run_stage(url, stage, round_idx, worker, lease_ttl, log, own, follow)
+            return run_stage(url, stage, round_idx, worker, lease_ttl, log, own, follow, run)
         finally:
             own.close()
-    run = open_run(url)
+    run = run or open_run(url)
     check_round(run, round_idx, stage, follow)
     if lease_ttl <= 0:
         raise GndpoError("--lease-ttl must be positive")
@@ -334,13 +336,14 @@ def keeps_models(cfg: Config, gpus: int) -> bool:
     return gpus <= 1 and cfg.train.num_processes <= 1 and cfg.engine.tensor_parallel_size == 1
 
 
-def run_rounds(url: str, rounds: int, live, log=info) -> None:
+def run_rounds(url: str, rounds: int, live, log=info, run: Run | None = None) -> None:
     """Run rounds 0..rounds-1 one stage at a time in this process, skipping committed stages; a failing
     stage stops the loop. ``live``: kept engines and models (:class:`gndpo.stages.models.live.LiveModels`,
     made by the caller, who decides with :func:`keeps_models`): every stage runs through the work-unit
     executor exactly as a stage process would, on the same vLLM engine, teacher and DeepSpeed engine.
-    Stages in processes of their own, one after another or overlapped: :mod:`gndpo.apps.schedule`."""
-    run = open_run(url)
+    Stages in processes of their own, one after another or overlapped: :mod:`gndpo.apps.schedule`.
+    ``run``: the run at ``url``, where the caller has it open."""
+    run = run or open_run(url)
     stages = stage_names()
     with worker_log(url, "run"), progress.task("rounds", total=rounds * len(stages), unit="stages") as bar:
         for r in range(rounds):
@@ -350,7 +353,7 @@ def run_rounds(url: str, rounds: int, live, log=info) -> None:
                     continue
                 t0 = time.time()
                 log(f"round {r}: {stage} ...")
-                run_stage(url, stage, r, log=log, live=live)
+                run_stage(url, stage, r, log=log, live=live, run=run)
                 if run.records(r, stage).manifest() is None:
                     raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
                 log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")

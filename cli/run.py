@@ -1,3 +1,4 @@
+import typing
 from typing import Optional
 
 import typer
@@ -5,7 +6,7 @@ import typer
 from gndpo.cli.common import rounds_of, stdout_kept_for_data, user_errors
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe.metrics import round_summary
-from gndpo.pipeline.run.run import open_run
+from gndpo.pipeline.settings.schema import RoundsConfig
 
 
 @user_errors(resumable=True)
@@ -46,8 +47,9 @@ def run(
     from gndpo.apps.loop import run_loop  # at call time: torch and transformers load only for this command
 
     rounds = rounds_of(rounds, old_rounds)
-    if overlap not in (None, "auto", "on", "off"):
-        raise GndpoError(f"--overlap must be auto, on or off, got {overlap!r}")
+    choices = typing.get_args(typing.get_type_hints(RoundsConfig)["overlap"])  # the setting's own choices
+    if overlap is not None and overlap not in choices:
+        raise GndpoError(f"--overlap must be {', '.join(choices[:-1])} or {choices[-1]}, got {overlap!r}")
     with stdout_kept_for_data():
-        run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive, learner_gpus=learner_gpus, overlap=overlap)
-    typer.echo(round_summary(open_run(run)))
+        opened = run_loop(run, rounds, gpus=gpus, keep_alive=keep_alive, learner_gpus=learner_gpus, overlap=overlap)
+    typer.echo(round_summary(opened))

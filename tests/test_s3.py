@@ -126,8 +126,10 @@ def trained_weights(url: str) -> bytes:
 
 
 def test_full_round_on_s3(s3_endpoint, tmp_path, tiny_assets):
+    # The round samples on the student's own module (rollout.backend hf): what is claimed here is the
+    # storage's; `gndpo eval` below serves the exported student with vLLM.
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)))
+    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets, rollout={"backend": "hf"})))
     run = f"s3://{BUCKET}/runs/r1"
     # The commands that import torch, vLLM or DeepSpeed run in this process (the fixture pointed fsspec at
     # the server here as well); status and sql, which do not, show that a new process finds it too.

@@ -232,9 +232,11 @@ def slurm(tmp_path_factory):
 
 
 def new_run(folder: Path, tiny_assets: Path) -> Path:
-    """A run created with `gndpo init` from the toy config (3 rollout units: 2 of 8 prompts, held-out eval)."""
+    """A run created with `gndpo init` from the toy config (3 rollout units: 2 of 8 prompts, held-out eval),
+    sampling on the student's own module (rollout.backend hf): the claims here are the job script's, the
+    leases' and the rows', which vLLM's engine start-up in every worker would only slow down."""
     folder.mkdir(parents=True, exist_ok=True)
-    invoke_ok("init", folder / "run", "--config", write_config(folder, tiny_config_dict(tiny_assets)))
+    invoke_ok("init", folder / "run", "--config", write_config(folder, tiny_config_dict(tiny_assets, rollout={"backend": "hf"})))
     return folder / "run"
 
 
@@ -263,22 +265,23 @@ def trained_weights(run: Path) -> dict:
     return load_file(str(run / model_dir / "model.safetensors"))
 
 
-def submit_round(slurm: Slurm, run: Path, out: Path) -> str:
+def submit_round(slurm: Slurm, run: Path, out: Path, env: dict | None = None) -> str:
     """stage-workers.sbatch for round 0 on the CPU node: 2 tasks (2 workers per stage), no GPUs; the
-    command line overrides the script's #SBATCH lines (2 nodes, 8 GPUs and 8 CPUs per task)."""
+    command line overrides the script's #SBATCH lines (2 nodes, 8 GPUs and 8 CPUs per task). ``env``:
+    more of the job's environment."""
     return slurm.submit("--job-name=gndpo-round", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--cpus-per-task=1",
                         "--gpus-per-node=0", f"--output={out}", f"--chdir={out.parent}", SCRIPT, run, 0,
-                        env={**THREADS, "LEASE_TTL": LEASE_TTL})
+                        env={**THREADS, "LEASE_TTL": LEASE_TTL, **(env or {})})
 
 
 def test_cancelled_and_resubmitted_job_commits_the_rows_of_gndpo_run(slurm, reference, tiny_assets, tmp_path):
     run = new_run(tmp_path, tiny_assets)
     rollout = run / "rounds" / "r0000" / "rollout"
 
-    # The first job is cancelled as soon as a rollout worker holds a claim (it is then starting its vLLM
-    # engine, ~20 s before it could commit anything).
+    # The first job is cancelled as soon as a rollout worker holds a claim; its workers wait a minute
+    # after generating each unit (GNDPO_DELAY_AT), so none can commit before the cancel.
     first_out = tmp_path / "first.out"
-    first = submit_round(slurm, run, first_out)
+    first = submit_round(slurm, run, first_out, env={"GNDPO_DELAY_AT": "rollout.generate", "GNDPO_DELAY_S": "60"})
     deadline = time.time() + 300
     while not list(rollout.glob("claims/*/a*.json")):
         state = slurm.job(first)["JobState"]

@@ -21,7 +21,7 @@ import torch
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.run.run import Run
-from gndpo.stages.models.device import local_device
+from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.logprobs import backbone, head_logprobs
 from gndpo.stages.models.sampling import Generation, SamplingRequest
@@ -36,6 +36,9 @@ class HFBackend(RolloutBackend):
 
     @classmethod
     def open(cls, run: Run, version: int, live: LiveModels, tok) -> "HFSampler":
+        # The cores this process was given, as score and train take them: workers sharing a node each
+        # compute on their share, and the rows do not depend on a default thread count.
+        set_cpu_threads()
         # A LoRA student is its base plus the round's adapters, computed unmerged as train computes it.
         model = live.causal_lm(run.policy_path(version), run.cfg.model, local_device(), fixed=False, base=run.lora_base())
         return HFSampler(model, tok, run.cfg.rollout.hf_batch)

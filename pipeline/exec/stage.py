@@ -68,10 +68,6 @@ class StageJob:
         self.inputs = StageInputs(run, round_idx, self.reads, follow=context.follow)
 
     @classmethod
-    def name(cls) -> str:
-        return cls.makes.stage
-
-    @classmethod
     def streams(cls) -> bool:
         """Whether it can start while the stage it reads unit by unit still runs (``--follow``)."""
         return any(read.per_unit for read in cls.reads)

@@ -1,1 +1,3 @@
-"""Settings: the config schema (ranges and choices), loading and overrides, and the checks that need no model."""
+"""Reading and checking a config: a YAML file and ``key=value`` overrides (:mod:`.load`), each value
+against its declaration (:mod:`.validate`), settings against each other (:mod:`.checks`), and the keys
+as the reference lists them (:mod:`.keys`). What the settings are is :mod:`gndpo.pipeline.settings`'s."""

@@ -3,7 +3,7 @@ share kept engines."""
 
 from __future__ import annotations
 
-from gndpo.apps.rounds import keeps_models, run_rounds
+from gndpo.apps.rounds import DeviceSets, keeps_models, run_rounds, stage_cpus
 from gndpo.apps.schedule import choose_order, run_scheduled
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run, open_run
@@ -25,6 +25,9 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     (:func:`gndpo.apps.schedule.run_scheduled`). Returns the run, opened once."""
     gpus = visible_gpus() if gpus is None else gpus
     run = open_run(url)
+    # Refused in one line before anything is said or started, whichever order runs.
+    DeviceSets.of(gpus, learner_gpus)
+    stage_cpus()
     order = choose_order(run.cfg, gpus, learner_gpus, overlap)
     log(order.line())
     if not (order.sequential and keep_alive and keeps_models(run.cfg, gpus)):

@@ -166,8 +166,11 @@ class DeviceSets:
         ids = _device_ids(gpus) if gpus > 0 else []
         if learner_gpus == 0:
             return cls(ids, ids)
+        if gpus == 0:
+            raise GndpoError(f"--learner-gpus {learner_gpus} splits GPUs between rollout and the learner, and this run uses none "
+                             "(no GPU visible, or --gpus 0); leave it out on the CPU")
         if learner_gpus >= gpus:
-            raise GndpoError(f"--learner-gpus {learner_gpus} leaves rollout no GPU of the {gpus} this run uses (--gpus); give it at most {max(gpus - 1, 0)}")
+            raise GndpoError(f"--learner-gpus {learner_gpus} leaves rollout no GPU of the {gpus} this run uses (--gpus); give it at most {gpus - 1}")
         return cls(ids[: gpus - learner_gpus], ids[gpus - learner_gpus :])
 
     @property

@@ -22,13 +22,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from gndpo.apps.report import find_runs, round_table
 from gndpo.apps.rounds import DeviceSets, stage_cpus, stage_processes
 from gndpo.apps.schedule import RoundOrder, choose_order, may_start
 from gndpo.errors import GndpoError
-from gndpo.pipeline.config.load import config_from_dict
+from gndpo.pipeline.config.load import config_from_dict, load_config
 from gndpo.pipeline.exec.status import stage_rows
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.registry import STAGE_REGISTRY
@@ -285,3 +286,27 @@ def test_staleness_is_part_of_the_identity_and_the_order_is_not(tiny_assets):
     base = config_from_dict(tiny_config_dict(tiny_assets))
     assert config_from_dict(tiny_config_dict(tiny_assets, run={"overlap": "on"})).fingerprint() == base.fingerprint()
     assert config_from_dict(tiny_config_dict(tiny_assets, run={"max_staleness": 1})).fingerprint() != base.fingerprint()
+
+
+def test_a_bare_on_or_off_in_yaml_is_the_overlap_it_says(tmp_path, tiny_assets):
+    """YAML 1.1 reads unquoted on and off as booleans: written plainly in a config or as an override,
+    run.overlap is still the choice it names (it was refused as "got True")."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(tiny_config_dict(tiny_assets)) + "run:\n  overlap: on\n")
+    assert load_config(str(config)).run.overlap == "on"
+    assert load_config(str(config), ["run.overlap=off"]).run.overlap == "off"
+    assert config_from_dict({"run": {"overlap": False}}).run.overlap == "off"
+    with pytest.raises(GndpoError, match="must be one of auto, on, off, got 3"):
+        config_from_dict({"run": {"overlap": 3}})
+
+
+@pytest.mark.parametrize("overlap", ["off", "auto"])
+def test_devices_and_pinning_are_refused_before_the_order_line_whatever_the_order(tmp_path, tiny_assets, monkeypatch, overlap):
+    """`gndpo run --learner-gpus 2` without GPUs, and a malformed GNDPO_STAGE_CPUS, are one error line
+    before anything is said or run, in the sequential order too (it once ran a whole round)."""
+    run = created(tmp_path / "run", tiny_config_dict(tiny_assets))
+    refused = invoke("run", run, "--rounds", 1, "--gpus", 0, "--learner-gpus", 2, "--overlap", overlap)
+    assert_one_line_error(refused, "--learner-gpus 2", "uses none")
+    monkeypatch.setenv("GNDPO_STAGE_CPUS", "rollout=x")
+    assert_one_line_error(invoke("run", run, "--rounds", 1, "--gpus", 0, "--overlap", overlap), "GNDPO_STAGE_CPUS entry 'rollout=x'")
+    assert open_run(str(run)).records(0, "rollout").plan() is None

@@ -8,7 +8,8 @@ keys given (unknown keys forbidden) and each declared type's pydantic form, stri
 * an int or a bool is strict: 2.5, "3", 1 for a bool or "yes" are refused (YAML already read each value
   as what it is, so a string here is a mistake, not a number to parse);
 * a float also takes an int, and a string YAML 1.1 leaves unparsed ("1e-4"); never inf or nan;
-* a string also takes a number (a name such as ``7`` YAML read as an int);
+* a string also takes a number (a name such as ``7`` YAML read as an int); a choice of ``on`` and ``off``
+  also takes the bool YAML 1.1 reads a bare ``on`` or ``off`` as;
 * the items of a list or a mapping are checked, never converted: the config holds, and its fingerprint
   hashes, what the file says;
 * ``Annotated[float, Range(...)]`` becomes pydantic's bounds; an empty section (``rollout:``) is its defaults.
@@ -70,6 +71,8 @@ def value_type(typ) -> Any:
         return Annotated[(StrictFloat, BeforeValidator(yaml_float), *bounds)]
     if typ is str:
         return Annotated[StrictStr, BeforeValidator(number_as_text)]
+    if typing.get_origin(typ) is Literal and {"on", "off"} <= set(typing.get_args(typ)):
+        return Annotated[typ, BeforeValidator(yaml_switch)]
     return Annotated[(item_type(typ), *bounds)] if bounds else item_type(typ)
 
 
@@ -100,6 +103,12 @@ def yaml_float(value):
         except ValueError:
             return value
     return value
+
+
+def yaml_switch(value):
+    """YAML 1.1 reads a bare ``on`` or ``off`` (also ``yes``, ``no``) as a bool: for a choice of on and
+    off, the choice it was written as."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 def number_as_text(value):

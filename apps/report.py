@@ -24,7 +24,7 @@ import numpy as np
 
 from gndpo.apps.recipe import recipe_stages
 from gndpo.errors import GndpoError
-from gndpo.pipeline.exec.status import phase_rows, stage_rows
+from gndpo.pipeline.exec.status import phase_rows, round_seconds
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.products import POLICY, ROLLOUTS, ROUND, SCORES
@@ -326,15 +326,14 @@ def heldout_label(series: list[Series]) -> str:
 
 def round_table(series: list[Series]) -> str:
     """The main metrics as an HTML table, one row per (series, round); ``round_seconds`` is the round's
-    wall time, each stage from its first claim to its last commit (of the first run of a series)."""
+    wall time: the union of its stages' spans from first claim to last commit, stages that ran side by
+    side counted once (of the first run of a series)."""
     cols = [("rollout", "heldout_accuracy"), ("rollout", "staleness"), ("score", "heldout_reverse_kl"), ("normalize", "reward_mean"),
             ("normalize", "reverse_kl_estimate"), ("train", "grad_norm_mean"), ("train", "clip_fraction"), ("normalize", "response_length_mean")]
     head = "<tr><th>run</th><th>round</th>" + "".join(f"<th>{html.escape(m)}</th>" for _, m in cols) + "<th>round_seconds</th></tr>"
     body = []
     for s in series:
-        walls = {}
-        for row in stage_rows(open_run(s.url)):
-            walls[row["round"]] = walls.get(row["round"], 0.0) + (row["seconds"] or 0.0)
+        walls = round_seconds(open_run(s.url))
         for r in sorted({r for r, _ in s.by}):
             values = [s.by.get((r, stage), {}).get(m) for stage, m in cols] + [walls.get(r)]
             cells = "".join(f"<td>{v:.4g}</td>" if isinstance(v, (int, float)) else "<td>-</td>" for v in values)

@@ -30,7 +30,7 @@ from gndpo.apps.rounds import DeviceSets, stage_cpus, stage_processes
 from gndpo.apps.schedule import RoundOrder, choose_order, may_start
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict, load_config
-from gndpo.pipeline.exec.status import stage_rows
+from gndpo.pipeline.exec.status import round_seconds, stage_rows, union_length
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.registry import STAGE_REGISTRY
 from gndpo.stages.rollout import HELDOUT_UNIT
@@ -162,6 +162,14 @@ def test_round_1_samples_with_policy_0_and_says_so(runs):
     status = invoke_ok("status", str(runs["overlapped"])).output
     assert "beside" in status and "staleness" in status
     assert "<th>staleness</th>" in round_table(find_runs(str(runs["overlapped"])))  # the report's round table
+    # A round's wall time counts the time its stages ran side by side once: less than their sum here.
+    walls = round_seconds(run)
+    assert walls[0] < sum(row["seconds"] for (r, _), row in rows.items() if r == 0)
+
+
+def test_overlapping_spans_count_once_in_a_rounds_seconds():
+    assert union_length([(0.0, 10.0), (5.0, 12.0), (20.0, 21.0)]) == 13.0
+    assert union_length([(0.0, 10.0), (2.0, 3.0)]) == 10.0 and union_length([]) == 0.0
 
 
 @pytest.mark.slow

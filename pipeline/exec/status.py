@@ -26,6 +26,31 @@ def stage_state(committed: bool, leases: list[str | None]) -> str:
 def stage_rows(run) -> list[dict]:
     """`gndpo status`'s table: per round and stage, units planned / claimed / stale / done, rows,
     tokens, time, the stages it ran beside and the sampling policy's staleness."""
+    return stage_table(run)[0]
+
+
+def round_seconds(run) -> dict[int, float]:
+    """Each round's wall time: the length of the union of its stages' spans, so time two stages ran side
+    by side counts once."""
+    by_round: dict[int, list[tuple[float, float]]] = {}
+    for (r, _stage), span in stage_table(run)[1].items():
+        if span is not None:
+            by_round.setdefault(r, []).append(span)
+    return {r: union_length(spans) for r, spans in sorted(by_round.items())}
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of the intervals ``spans``."""
+    total, end = 0.0, -float("inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def stage_table(run) -> tuple[list[dict], dict[tuple[int, str], tuple[float, float] | None]]:
+    """(:func:`stage_rows`, each stage's span from first claim to last commit, by round and stage)."""
     rows, spans, now = [], {}, time.time()
     for r in range(committed_rounds(run) + 1):
         for stage in run.round_stages(r):
@@ -67,7 +92,7 @@ def stage_rows(run) -> list[dict]:
             )
     for row in rows:
         row["beside"] = ", ".join(f"r{r} {stage}" for r, stage in overlapping(spans, (row["round"], row["stage"]))) or None
-    return rows
+    return rows, spans
 
 
 def heldout_figures(commit: Commit) -> HeldoutFigures:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gndpo.apps.rounds import DeviceSets, keeps_models, run_rounds, stage_cpus
 from gndpo.apps.schedule import choose_order, run_scheduled
+from gndpo.apps.workers import run_with_workers
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import Run, open_run
 from gndpo.stages.models.device import visible_gpus
@@ -21,8 +22,10 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     Sequentially, where ``keep_alive`` and :func:`keeps_models` allow (at most one GPU, one train rank,
     one rollout worker), every stage runs in this process on kept engines: ``live``
     (a caller's set, left open, e.g. for a final evaluation on the same engine) or one made and closed
-    here (:func:`gndpo.apps.rounds.run_rounds`); otherwise each stage runs in processes of its own
-    (:func:`gndpo.apps.schedule.run_scheduled`). Returns the run, opened once."""
+    here (:func:`gndpo.apps.rounds.run_rounds`). Overlapped, each stage runs in workers that stay for the
+    whole run (:func:`gndpo.apps.workers.run_with_workers`). Otherwise (or with ``keep_alive`` off) each
+    stage of each round runs in processes of its own (:func:`gndpo.apps.schedule.run_scheduled`).
+    Returns the run, opened once."""
     gpus = visible_gpus() if gpus is None else gpus
     run = open_run(url)
     # Refused in one line before anything is said or started, whichever order runs.
@@ -30,6 +33,9 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     stage_cpus()
     order = choose_order(run.cfg, gpus, learner_gpus, overlap)
     log(order.line())
+    if not order.sequential and keep_alive:
+        run_with_workers(url, rounds, gpus, order, learner_gpus, log=log)
+        return run
     if not (order.sequential and keep_alive and keeps_models(run.cfg, gpus)):
         run_scheduled(url, rounds, gpus, order, learner_gpus, log=log)
         return run

@@ -91,7 +91,8 @@ def run_stage(
         if job.launch.collective and dist.world > 1:
             manifest = run_collective(records, job, ttl=lease_ttl, log=log, on_manifest=committed)
         else:
-            manifest = Worker(records, job, ttl=lease_ttl, log=log, on_manifest=committed).run(wait_for_others=not worker)
+            worker_of = Worker(records, job, ttl=lease_ttl, poll=run.cfg.run.poll_seconds, log=log, on_manifest=committed)
+            manifest = worker_of.run(wait_for_others=not worker)
         if manifest is not None and dist.main:
             write_metrics_jsonl(run)
         if manifest is not None:
@@ -99,10 +100,27 @@ def run_stage(
     return manifest
 
 
-def stage_command(url: str, stage: str, round_idx: int, num_processes: int = 1, follow: bool = False) -> list[str]:
-    """The command line that runs one stage in a fresh process (train under torchrun for >1 rank;
-    ``follow``: streaming behind the stage it reads unit by unit)."""
-    tail = ["-m", "gndpo", stage, url, "--round", str(round_idx), *(["--follow"] if follow else [])]
+@dataclass(frozen=True)
+class Stay:
+    """A worker that stays: it works its stage in every round up to ``rounds``, the actor at most
+    ``ahead`` rounds before the learner (:func:`gndpo.apps.workers.work_rounds`)."""
+
+    rounds: int
+    ahead: int = 0
+
+
+def round_args(rounds: int | Stay) -> list[str]:
+    """A stage command's options for one round, or for a worker that stays."""
+    if isinstance(rounds, Stay):
+        return ["--rounds", str(rounds.rounds), "--ahead", str(rounds.ahead)]
+    return ["--round", str(rounds)]
+
+
+def stage_command(url: str, stage: str, rounds: int | Stay, num_processes: int = 1, follow: bool = False) -> list[str]:
+    """The command line that runs one stage in a fresh process, for one round or staying for all
+    (:class:`Stay`) (train under torchrun for >1 rank; ``follow``: streaming behind the stage it reads
+    unit by unit)."""
+    tail = ["-m", "gndpo", stage, url, *round_args(rounds), *(["--follow"] if follow else [])]
     if job_class(stage).launch.collective and num_processes > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}", *tail]
     return [sys.executable, *tail]
@@ -199,11 +217,12 @@ def stage_cpus(spec: str | None = None) -> dict[str, tuple[int, ...]]:
 
 
 def stage_processes(
-    url: str, stage: str, round_idx: int, gpus: int, num_processes: int = 0, gpus_per_worker: int = 1, log_dir: str | None = None,
+    url: str, stage: str, round_idx: int | Stay, gpus: int, num_processes: int = 0, gpus_per_worker: int = 1, log_dir: str | None = None,
     devices: list[str] | None = None, follow: bool = False, cpus: tuple[int, ...] = (),
 ) -> list[StageProcess]:
-    """The processes that run ``stage`` of ``round_idx`` on a node with ``gpus`` GPUs (``devices``: the
-    ids of those this stage uses, default the first ``gpus``; :class:`DeviceSets`).
+    """The processes that run ``stage`` of ``round_idx`` (or of every round, staying: :class:`Stay`) on a
+    node with ``gpus`` GPUs (``devices``: the ids of those this stage uses, default the first ``gpus``;
+    :class:`DeviceSets`).
 
     * a stage launched per GPU (rollout, score; :class:`gndpo.pipeline.exec.stage.Launch`) with gpus >= 1:
       one ``--worker`` per ``gpus_per_worker`` GPUs (rollout: the engine's tensor-parallel size; score:
@@ -242,7 +261,7 @@ def stage_processes(
             StageProcess(
                 [*stage_command(url, stage, round_idx, follow=follow), "--worker"],
                 {"CUDA_VISIBLE_DEVICES": ",".join(group), "LOCAL_RANK": "0", **threads},
-                f"{log_dir}/r{round_idx:04d}-{stage}-{name}.log",
+                f"{log_dir}/{stage if isinstance(round_idx, Stay) else f'r{round_idx:04d}-{stage}'}-{name}.log",
                 name,
                 cpus,
             )
@@ -267,10 +286,13 @@ class StageGroup:
     """The running processes of one stage of one round, started together (a ``preexec_fn`` makes each
     die with this process and keep to its cores). :meth:`wait` blocks; :meth:`exited` polls."""
 
-    def __init__(self, procs: list[StageProcess], stage: str, round_idx: int, started_at: float | None = None, finishing: bool = False):
+    def __init__(self, procs: list[StageProcess], stage: str, round_idx: int, started_at: float | None = None, finishing: bool = False,
+                 label: str | None = None):
         """``finishing``: the one process started after the stage's first ones exited without committing
-        it (``started_at``: when those started)."""
+        it (``started_at``: when those started). ``label``: what its errors call it (default: the stage
+        and round)."""
         self.procs, self.stage, self.round, self.finishing = procs, stage, round_idx, finishing
+        self.label = label or f"{stage} of round {round_idx}"
         self.started_at = time.time() if started_at is None else started_at
         self.running: list[tuple[StageProcess, subprocess.Popen]] = []
         try:
@@ -309,12 +331,9 @@ class StageGroup:
             return
         p, code = failed[0]
         if p.log_path is None:
-            raise GndpoError(f"{self.stage} of round {self.round} failed (exit code {code}); rerun to resume")
+            raise GndpoError(f"{self.label} failed (exit code {code}); rerun to resume")
         more = f" ({len(failed) - 1} more workers failed)" if len(failed) > 1 else ""
-        raise GndpoError(
-            f"{self.stage} of round {self.round} failed: worker {p.name} exited with code {code}{more}; "
-            f"log: {p.log_path}; rerun to resume"
-        )
+        raise GndpoError(f"{self.label} failed: worker {p.name} exited with code {code}{more}; log: {p.log_path}; rerun to resume")
 
     def terminate(self) -> None:
         """Stop the processes still running (SIGTERM, then SIGKILL after 30 s)."""

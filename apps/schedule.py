@@ -107,15 +107,20 @@ def may_start(run: Run, order: RoundOrder, round_idx: int, stage: str, started: 
     k-1-ahead, the order's own bound. ``committed``: the scheduler's record of what has committed
     (default: a new one)."""
     committed = committed or CommittedStages(run)
+    streamed = lambda read_stage, r: order.stream_score and (r, read_stage) in started  # noqa: E731
+    return committed(round_idx - 1, stage) and reads_ready(run, stage, round_idx, committed, order.rollout_ahead, streamed)
+
+
+def reads_ready(run: Run, stage: str, round_idx: int, committed: CommittedStages, ahead: int, streamed) -> bool:
+    """Whether what ``stage`` of ``round_idx`` reads is there: every read committed, a per-unit read also
+    where ``streamed(stage read, round)`` says the reading stage streams behind it; for the actor, train
+    of round k-1-``ahead`` committed too."""
     job = job_class(stage)
-    if not committed(round_idx - 1, stage):
-        return False
-    if job.launch.actor and not committed(round_idx - 1 - order.rollout_ahead, POLICY.stage):
+    if job.launch.actor and not committed(round_idx - 1 - ahead, POLICY.stage):
         return False
     for read in job.reads:
         r, read_stage = read.round_of(run, round_idx), read.product.stage
-        streams = read.per_unit and order.stream_score and (r, read_stage) in started
-        if not (streams or committed(r, read_stage)):
+        if not ((read.per_unit and streamed(read_stage, r)) or committed(r, read_stage)):
             return False
     return True
 

@@ -20,6 +20,7 @@ import time
 from typing import Generic
 
 from gndpo.errors import GndpoError
+from gndpo.storage.bell import CommitBell
 from gndpo.storage.products import Commit, FileRecord, Manifest, N, Plan, Unit, UnitNumbers
 from gndpo.storage.runfs import RunFS
 
@@ -48,7 +49,9 @@ class StageRecords(Generic[N]):
     def create_plan(self, units: list[Unit], inputs: dict) -> Plan:
         """Write the plan once; if another worker won the race, return theirs (it must agree)."""
         plan = Plan(self.round, self.stage, units, inputs)
-        if not self.run.create_json(f"{self.prefix}/plan.json", plan.to_json()):
+        if self.run.create_json(f"{self.prefix}/plan.json", plan.to_json()):
+            CommitBell(self.run).ring()  # a stage that streams behind this one plans from it
+        else:
             plan = self.plan()
         if plan.ids() != [u.id for u in units]:
             raise GndpoError(f"{self.run.uri(self.prefix)}/plan.json was planned from different inputs")
@@ -109,7 +112,10 @@ class StageRecords(Generic[N]):
     def commit(self, unit: Unit, attempt: int, files: list[FileRecord], numbers: UnitNumbers) -> bool:
         """Make an attempt's files visible. False if another attempt committed the unit first."""
         commit = Commit(unit.id, attempt, files, sum(f.rows for f in files), sum(f.bytes for f in files), time.time(), numbers, unit.kind)
-        return self.run.create_json(f"{self.prefix}/done/{unit.id}.json", commit.to_json())
+        created = self.run.create_json(f"{self.prefix}/done/{unit.id}.json", commit.to_json())
+        if created:
+            CommitBell(self.run).ring()  # a stage streaming behind this one may take the unit's successor now
+        return created
 
     # -- pruning (`gndpo gc --keep-rounds`) --------------------------------------------------------
     def pruned(self) -> dict | None:
@@ -139,6 +145,8 @@ class StageRecords(Generic[N]):
         manifest and whether this call wrote it."""
         body = {"round": self.round, "stage": self.stage, **body}
         created = self.run.create_json(f"{self.prefix}/_MANIFEST.json", body)
+        if created:
+            CommitBell(self.run).ring()  # the stages that read this one may start
         return self.manifest(), created
 
 

@@ -209,7 +209,7 @@ def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "visible_gpus", lambda: 0)
     seen = []
 
-    def run_stage(url, stage, r, log=print, live=None):
+    def run_stage(url, stage, r, log=print, live=None, run=None):
         seen.append((stage, live))
         (tmp_path / f"{r}-{stage}").touch()
         return {"rows": 1}

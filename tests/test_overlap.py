@@ -92,13 +92,14 @@ def runs(tmp_path_factory, tiny_assets) -> dict:
             time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGKILL)  # the loop and every stage process it started
         proc.wait()
+    killed_at = time.time()
     in_flight = stages_in_flight(fs)  # read once every process is dead: what the kill left
     # The same command again, in this process, its stage processes started as the killed ones were: the
     # overlapped scheduler's own restart (round 1's rollout again beside round 0's train, dead workers'
     # leases taken over) is what is tested. About 20 s more than `--overlap off` on kept engines, which
     # would only show that the records a kill leaves resume in some order.
     invoke_ok("run", overlapped, "--rounds", ROUNDS)
-    return {"sequential": sequential, "overlapped": overlapped, "killed_in_flight": in_flight}
+    return {"sequential": sequential, "overlapped": overlapped, "killed_in_flight": in_flight, "killed_at": killed_at}
 
 
 def shards(run: Path, round_idx: int, stage: str) -> dict[str, list]:
@@ -127,6 +128,17 @@ def test_killed_with_two_rounds_in_flight_the_rerun_has_the_unkilled_rows_and_we
         exports = [open_run(str(runs[k])).policy_path(r + 1) for k in ("overlapped", "sequential")]
         digests = [{p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(e).glob("*.safetensors")} for e in exports]
         assert digests[0] and digests[0] == digests[1], r
+
+
+@pytest.mark.slow
+def test_the_rerun_works_each_stage_in_one_process_for_every_round(runs):
+    """Overlapped, `gndpo run` starts each stage's worker once for the whole run: every unit the rerun
+    committed, of whichever round, was committed by its stage's one process (the pid in its worker id)."""
+    run = open_run(str(runs["overlapped"]))
+    for stage in STAGES:
+        pids = {c.numbers.worker.split(":")[1] for r in range(ROUNDS) for c in run.records(r, stage).require_manifest().units
+                if c.committed_at > runs["killed_at"]}
+        assert len(pids) == 1, (stage, pids)
 
 
 @pytest.mark.slow

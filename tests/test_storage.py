@@ -1,6 +1,10 @@
 """The storage protocol on a local run folder: exclusive create, verified shards, the unit executor."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,6 +16,7 @@ from gndpo.pipeline.exec.inputs import StageInputs
 from gndpo.pipeline.exec.stage import StageJob
 from gndpo.pipeline.exec.units import Worker
 from gndpo.pipeline.run.products import Product
+from gndpo.storage.bell import BELLS, CommitBell
 from gndpo.storage.products import FileRecord, Unit, UnitNumbers
 from gndpo.storage.records import StageRecords
 from gndpo.storage.runfs import RunFS
@@ -157,3 +162,28 @@ def test_one_worker_lists_the_commits_a_bounded_number_of_times_not_once_a_unit(
     manifest = Worker(records, CountingJob(fs, [1] * 60), log=lambda *_: None).run()
     assert [u.unit for u in manifest.units] == [f"u{i}" for i in range(60)]
     assert len(listings) <= 2, len(listings)
+
+
+def test_a_commit_wakes_a_waiter_on_this_machine_at_once(tmp_path):
+    """The commit bell (storage/bell.py): a worker waiting for another stage's commits wakes when another
+    process commits, not at its next look; rings while nobody waits are not lost, and a pipe whose
+    process is gone is removed by the next ring."""
+    fs = RunFS(str(tmp_path / "run"))
+    bell = CommitBell(fs)
+    start = time.monotonic()
+    bell.wait(0.2)
+    assert time.monotonic() - start >= 0.2  # nothing rang: the full wait
+    ring = "import sys; from gndpo.storage.bell import CommitBell; from gndpo.storage.runfs import RunFS; CommitBell(RunFS(sys.argv[1])).ring()"
+    child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(0.5); {ring}", fs.url])
+    start = time.monotonic()
+    bell.wait(30)
+    assert time.monotonic() - start < 10 and child.wait() == 0  # woken by the other process's commit
+    records = StageRecords(fs, 0, "rollout", Counted)
+    assert records.commit(Unit("u0"), 1, [], Counted(tokens=1))  # every commit rings
+    start = time.monotonic()
+    bell.wait(30)
+    assert time.monotonic() - start < 1
+    bell.close()
+    os.mkfifo(fs.path(f"{BELLS}/424242-gone"))  # a waiter that died without closing
+    CommitBell(fs).ring()
+    assert os.listdir(fs.path(BELLS)) == []

@@ -26,10 +26,10 @@ from gndpo.pipeline.methods.base import Stats
 from gndpo.pipeline.run.products import POLICY, CarriedState, PolicyExport, Product, carried_state, policy_export
 from gndpo.pipeline.run.run import Run, require_exported
 from gndpo.pipeline.run.stats import statistics
+from gndpo.storage.bell import CommitBell
 from gndpo.storage.products import Commit, FileRecord, Manifest, N, Unit
 from gndpo.storage.records import StageRecords
 
-PLAN_POLL_S = 1.0  # seconds between looks for the plan of a stage that is being followed
 READY_LIST_S = 0.5  # the least seconds between two listings of a followed stage's commits
 
 
@@ -117,12 +117,15 @@ class StageInputs:
         following (that stage may not have started yet; ``on_wait`` is called once if it has not);
         without following, its committed manifest's."""
         records = self._records(product)
-        waited = False
-        while self.follow and records.manifest() is None and records.plan() is None:
-            if not waited and on_wait is not None:
-                on_wait()
-            waited = True
-            time.sleep(PLAN_POLL_S)
+        waited, bell = False, CommitBell(self.run.fs)
+        try:
+            while self.follow and records.manifest() is None and records.plan() is None:
+                if not waited and on_wait is not None:
+                    on_wait()
+                waited = True
+                bell.wait(self.run.cfg.run.poll_seconds)
+        finally:
+            bell.close()
         if not self.follow or records.manifest() is not None:
             return [Unit(c.unit, c.kind) for c in self.manifest(product).units]
         return records.plan().units
@@ -139,6 +142,11 @@ class StageInputs:
             seen |= self._records(read.product).done_units()
             self._listed_at = time.monotonic()
         return unit in seen
+
+    def look_again(self) -> None:
+        """The next :meth:`unit_ready` lists the read stage's commits whenever it last did (a commit woke the
+        caller)."""
+        self._listed_at = -float("inf")
 
     def committed_units(self, product: Product[N]) -> list[Commit[N]]:
         """The commits of the read ``product``'s units committed so far, in unit order."""

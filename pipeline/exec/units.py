@@ -31,6 +31,7 @@ from gndpo.pipeline.exec.signals import pid_alive
 from gndpo.pipeline.exec.stage import StageJob
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import FILE_ONLY, info, unit_context
+from gndpo.storage.bell import CommitBell
 from gndpo.storage.meter import Phases, phase, unit_clock
 from gndpo.storage.products import Commit, Manifest, Plan, Unit, UnitNumbers
 from gndpo.storage.records import StageRecords
@@ -98,6 +99,7 @@ class Worker:
         self.job = job
         self.ttl = ttl
         self.poll = poll
+        self._bell: CommitBell | None = None  # made on the first wait
         self.log = log
         self.host = socket.gethostname()
         self.worker_id = f"{self.host}:{os.getpid()}:{int(time.time() * 1000) % 10**9}"
@@ -173,6 +175,14 @@ class Worker:
         With ``wait_for_others`` False the worker returns None once nothing is left for it to claim
         while other workers still hold live leases.
         """
+        try:
+            return self._run(wait_for_others)
+        finally:
+            if self._bell is not None:
+                self._bell.close()
+                self._bell = None
+
+    def _run(self, wait_for_others: bool) -> Manifest | None:
         manifest = self.records.manifest()
         if manifest is not None:
             return manifest
@@ -208,8 +218,18 @@ class Worker:
                 if claimed is None and pending:  # what is left is held by other workers, or not yet readable
                     if not wait_for_others and all(ready(u) for u in pending):
                         return None
-                    time.sleep(self.poll)
+                    self.wait_for_a_commit()
         return self.finish(plan)
+
+    def wait_for_a_commit(self) -> None:
+        """Until another worker commits (on this machine: at once, by the run's bell) or ``poll`` seconds
+        pass; what the stage reads is looked at again after."""
+        if self._bell is None:
+            self._bell = CommitBell(self.records.run)
+        try:
+            self._bell.wait(self.poll)
+        finally:
+            self.job.inputs.look_again()
 
     def compute(self, unit: Unit, attempt: int) -> UnitNumbers | None:
         """Compute and commit one claimed unit; returns its committed numbers, or None if another attempt

@@ -491,8 +491,8 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class RoundsConfig:
-    """How rounds follow each other (docs/concepts/rounds.md). ``overlap`` decides only when stages run,
-    never what they compute, so it is not part of the fingerprint; ``max_staleness`` is."""
+    """How rounds follow each other (docs/concepts/rounds.md). ``overlap`` and ``poll_seconds`` decide only
+    when stages run, never what they compute, so they are not part of the fingerprint; ``max_staleness`` is."""
 
     # Rollout of round k samples with policy max(k - max_staleness, 0): 0 = on-policy (the default); 1 =
     # round k+1 rolls out with policy k while round k scores, normalizes and trains. Always exactly that
@@ -502,6 +502,10 @@ class RoundsConfig:
     # teacher whose student column is the engine's), else one after another; on: every overlap the
     # settings allow, whatever the devices; off: one stage at a time.
     overlap: Literal["auto", "on", "off"] = "auto"
+    # Seconds between a waiting worker's looks at the run folder for the commits it waits for, where a
+    # commit cannot wake it: a worker on another machine, or a run on object storage, where each look
+    # is a listing request. On one machine with a local run folder a commit wakes the waiting workers at once.
+    poll_seconds: Positive = 2.0
 
 
 @dataclass(frozen=True)

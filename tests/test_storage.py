@@ -38,7 +38,6 @@ def test_a_staged_folder_is_moved_into_a_local_run_and_copied_elsewhere(tmp_path
     in: the same inode, no copy, nothing left of the staging folder; the records hash what was written.
     A file on another filesystem (RAM's, where the machine has one) is copied and stays."""
     import hashlib
-    import os
     import tempfile
 
     fs = RunFS(str(tmp_path / "run"))

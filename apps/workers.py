@@ -15,13 +15,16 @@ stops them all when one fails.
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import time
 from pathlib import Path
 
 from gndpo.apps.rounds import DeviceSets, StageGroup, Stay, run_stage, stage_cpus, stage_processes, worker_log, worker_log_dir
 from gndpo.apps.schedule import POLL_S, CommittedStages, RoundOrder, reads_ready
 from gndpo.errors import GndpoError
+from gndpo.pipeline.exec.units import WAIT_HELD, WAIT_INPUT
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import open_run
@@ -41,17 +44,32 @@ def work_rounds(url: str, stage: str, stay: Stay, follow: bool = False, lease_tt
     run = open_run(url)
     committed, bell = CommittedStages(run), CommitBell(run.fs)
     live = LiveModels(keep=True, log=log)
-    streamed = lambda _read_stage, _round: follow  # noqa: E731 - a followed read is awaited by the stage itself
     try:
         for r in range(stay.rounds):
             if committed(r, stage):
                 continue
-            while not (committed(r - 1, stage) and reads_ready(run, stage, r, committed, stay.ahead, streamed)):
-                bell.wait(run.cfg.run.poll_seconds)
+            waited = wait_for_round(run, stage, r, stay, follow, committed, bell)
+            if any(waited.values()):
+                run.records(r, stage).note_wait(f"{socket.gethostname()}:{os.getpid()}:before", waited)
             run_stage(url, stage, r, lease_ttl=lease_ttl, log=log, live=live, follow=follow, run=run)
     finally:
         bell.close()
         live.close()
+
+
+def wait_for_round(run, stage: str, round_idx: int, stay: Stay, follow: bool, committed: CommittedStages, bell: CommitBell) -> dict:
+    """Block until ``stage`` may start ``round_idx`` (:func:`work_rounds`); the seconds it waited, by
+    cause: for its input (:data:`WAIT_INPUT`), or, its reads there, held by the actor's bound ahead of
+    the learner (:data:`WAIT_HELD`)."""
+    streamed = lambda _read_stage, _round: follow  # noqa: E731 - a followed read is awaited by the stage itself
+    waited = {WAIT_INPUT: 0.0, WAIT_HELD: 0.0}
+    while not (committed(round_idx - 1, stage) and reads_ready(run, stage, round_idx, committed, stay.ahead, streamed)):
+        # Held: ready but for the actor's bound (``ahead`` of round_idx lifts it).
+        held = committed(round_idx - 1, stage) and reads_ready(run, stage, round_idx, committed, round_idx, streamed)
+        start = time.monotonic()
+        bell.wait(run.cfg.run.poll_seconds)
+        waited[WAIT_HELD if held else WAIT_INPUT] += time.monotonic() - start
+    return {cause: round(seconds, 3) for cause, seconds in waited.items()}
 
 
 def worker_groups(url: str, rounds: int, gpus: int, order: RoundOrder, learner_gpus: int) -> dict[str, StageGroup]:

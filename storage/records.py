@@ -117,6 +117,15 @@ class StageRecords(Generic[N]):
             CommitBell(self.run).ring()  # a stage streaming behind this one may take the unit's successor now
         return created
 
+    # -- waits ------------------------------------------------------------------------------------
+    def note_wait(self, worker: str, waited: dict[str, float]) -> None:
+        """What one worker of this stage waited, in seconds by cause (``waits/<worker>.json``, written once)."""
+        self.run.create_json(f"{self.prefix}/waits/{worker.replace(':', '-')}.json", {"worker": worker, **waited})
+
+    def waits(self) -> list[dict]:
+        """Every worker's :meth:`note_wait` record of this stage."""
+        return [w for n in self.run.listdir(f"{self.prefix}/waits") if (w := self._record(f"waits/{n}")) is not None]
+
     # -- pruning (`gndpo gc --keep-rounds`) --------------------------------------------------------
     def pruned(self) -> dict | None:
         """What `gndpo gc --keep-rounds` removed of this stage's committed files, or None."""

@@ -174,6 +174,12 @@ def test_round_1_samples_with_policy_0_and_says_so(runs):
     status = invoke_ok("status", str(runs["overlapped"])).output
     assert "beside" in status and "staleness" in status
     assert "<th>staleness</th>" in round_table(find_runs(str(runs["overlapped"])))  # the report's round table
+    # Where the workers that stay waited: for their input (normalize for score, ...), in status --phases
+    # and the metrics; a sequential run in one process waits for nothing.
+    phases = invoke_ok("status", str(runs["overlapped"]), "--phases").output
+    assert "waiting s" in phases, phases
+    assert sum(run.records(r, "normalize").require_manifest().metrics.get("wait_input_seconds", 0.0) for r in range(ROUNDS)) > 0
+    assert "waiting s" not in invoke_ok("status", str(runs["sequential"]), "--phases").output
     # A round's wall time counts the time its stages ran side by side once: less than their sum here.
     walls = round_seconds(run)
     assert walls[0] < sum(row["seconds"] for (r, _), row in rows.items() if r == 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from gndpo.pipeline.exec.units import lease_state, sum_phases
+from gndpo.pipeline.exec.units import lease_state, sum_phases, wait_totals
 from gndpo.pipeline.observe.metrics import committed_rounds
 from gndpo.pipeline.run.products import HeldoutFigures
 from gndpo.storage.products import Commit
@@ -140,20 +140,23 @@ def worker_lines(run) -> list[str]:
     return lines
 
 
-# The phases in the order a unit goes through them (gndpo.storage.meter); others follow by name.
-PHASE_ORDER = ("setup", "compute", "write", "checkpoint", "export", "state")
+# The phases in the order a unit goes through them (gndpo.storage.meter), then the waits; others follow by name.
+PHASE_ORDER = ("setup", "compute", "write", "checkpoint", "export", "state", "waiting", "held")
+WAIT_COLUMNS = {"wait_input_seconds": "waiting", "wait_held_seconds": "held"}
 
 
 def phase_rows(run) -> list[dict]:
     """Per round and stage with committed units: the seconds of work in each phase (summed over its
-    units, so units that ran side by side add up) and the MB each phase wrote to the run folder."""
+    units, so units that ran side by side add up), where its workers waited (for input, or held by
+    the stages after it: :func:`gndpo.pipeline.exec.units.wait_totals`) and the MB each phase wrote."""
     rows = []
     for r in range(committed_rounds(run) + 1):
         for stage in run.round_stages(r):
             rec = run.records(r, stage)
             spent = sum_phases([c for c in (rec.done(u) for u in sorted(rec.done_units())) if c is not None])
             if spent:
-                rows.append((r, stage, {n: p["seconds"] for n, p in spent.items()}, {n: p["bytes"] for n, p in spent.items()}))
+                waits = {WAIT_COLUMNS[k]: v for k, v in wait_totals(rec.waits()).items()}
+                rows.append((r, stage, {**{n: p["seconds"] for n, p in spent.items()}, **waits}, {n: p["bytes"] for n, p in spent.items()}))
     order = lambda n: (PHASE_ORDER.index(n) if n in PHASE_ORDER else len(PHASE_ORDER), n)  # noqa: E731
     timed = sorted({n for *_, seconds, _ in rows for n in seconds}, key=order)
     writing = sorted({n for *_, written in rows for n, b in written.items() if b}, key=order)

@@ -40,6 +40,9 @@ _units_log = logging.getLogger(__name__)
 # Counts of a unit's commit summary that progress sums and shows with their rate.
 PROGRESS_COUNTS = ("prompts", "responses", "tokens")
 LIST_EVERY_S = 10.0  # seconds between a worker's listings of the commits other workers made
+# Why a worker waited (its stage's waits/ records): for what the stage reads to be committed, or, its own
+# work done, for the stages after it to take it (an actor ahead of the learner by the order's bound).
+WAIT_INPUT, WAIT_HELD = "input_seconds", "held_seconds"
 WORKING = "ckpt"  # an attempt's working folder: what it writes while it computes and its commit never lists
 
 
@@ -100,6 +103,7 @@ class Worker:
         self.ttl = ttl
         self.poll = poll
         self._bell: CommitBell | None = None  # made on the first wait
+        self.waited = 0.0  # seconds this worker waited for the units it reads to be committed
         self.log = log
         self.host = socket.gethostname()
         self.worker_id = f"{self.host}:{os.getpid()}:{int(time.time() * 1000) % 10**9}"
@@ -217,19 +221,31 @@ class Worker:
                     listed_at = time.monotonic()
                 if claimed is None and pending:  # what is left is held by other workers, or not yet readable
                     if not wait_for_others and all(ready(u) for u in pending):
+                        self.note_wait()
                         return None
-                    self.wait_for_a_commit()
+                    self.wait_for_a_commit(waiting_for_input=not all(ready(u) for u in pending))
+        self.note_wait()
         return self.finish(plan)
 
-    def wait_for_a_commit(self) -> None:
+    def wait_for_a_commit(self, waiting_for_input: bool) -> None:
         """Until another worker commits (on this machine: at once, by the run's bell) or ``poll`` seconds
-        pass; what the stage reads is looked at again after."""
+        pass; what the stage reads is looked at again after. ``waiting_for_input``: a unit it could
+        take waits for its input unit (the time counts as the stage waiting for its input)."""
         if self._bell is None:
             self._bell = CommitBell(self.records.run)
+        start = time.monotonic()
         try:
             self._bell.wait(self.poll)
         finally:
             self.job.inputs.look_again()
+            if waiting_for_input:
+                self.waited += time.monotonic() - start
+
+    def note_wait(self) -> None:
+        """Record the seconds this worker waited for its input inside the stage, where it did."""
+        if self.waited > 0:
+            self.records.note_wait(self.worker_id, {WAIT_INPUT: round(self.waited, 3)})
+            self.waited = 0.0
 
     def compute(self, unit: Unit, attempt: int) -> UnitNumbers | None:
         """Compute and commit one claimed unit; returns its committed numbers, or None if another attempt
@@ -298,13 +314,20 @@ class Worker:
             "units": [c.to_json() for c in commits],
             "rows": sum(c.rows for c in commits),
             "bytes": sum(c.bytes for c in commits),
-            "metrics": {**self.job.summarize(commits), **phase_totals(commits)},
+            "metrics": {**self.job.summarize(commits), **phase_totals(commits), **wait_totals(self.records.waits())},
             "finished_at": time.time(),
         }
         manifest, created = self.records.create_manifest(body)
         if created and self.on_manifest is not None:
             self.on_manifest(manifest)
         return manifest
+
+
+def wait_totals(waits: list[dict]) -> dict[str, float]:
+    """A stage's ``wait_input_seconds`` and ``wait_held_seconds`` metrics: its workers' waits summed, where
+    any waited (workers that stay, a stage streaming behind another)."""
+    return {f"wait_{cause}_seconds": round(sum(w.get(key, 0.0) for w in waits), 3)
+            for cause, key in (("input", WAIT_INPUT), ("held", WAIT_HELD)) if any(key in w for w in waits)}
 
 
 def progress_counts(numbers: UnitNumbers | None) -> dict[str, int]:

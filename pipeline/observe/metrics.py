@@ -43,6 +43,10 @@ METRICS: tuple[Metric, ...] = (
            "(writing the shards), checkpoint, export, replay, state (train's in-round checkpoints, exported policy, replayed steps, "
            "optimizer state).", "the phases the stage went through"),
     Metric("every", "phase_<phase>_bytes", "Bytes of data files the stage wrote to the run folder in the phase.", "as the seconds"),
+    Metric("every", "wait_input_seconds", "Seconds the stage's workers waited for what it reads to be committed, summed over them: "
+           "before a round (workers that stay) and for input units (a stage streaming behind another).", "where a worker waited"),
+    Metric("every", "wait_held_seconds", "Seconds the actor's workers, their reads there, waited for the learner to take their work: "
+           "rollout at its bound of run.max_staleness rounds ahead of train (backpressure).", "where a worker waited"),
     # rollout
     Metric("rollout", "policy_version", "The policy that sampled: k is the student after k trained rounds (the round's index, "
            "or max(round - run.max_staleness, 0))."),

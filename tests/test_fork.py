@@ -38,7 +38,7 @@ def test_the_fork_recomputes_no_rollout_and_records_its_lineage(parent, forked):
     assert yaml.safe_load((forked / "run.yaml").read_text())["lineage"]["parent"] == str(parent)
     # Round 0's rollouts are the parent's rows, read in the parent's folder.
     rollouts = run.records(0, "rollout").manifest()
-    assert all(f["run"] == str(parent) for u in rollouts.units for f in u.files)
+    assert all(f.run == str(parent) for u in rollouts.units for f in u.files)
     scored = committed_rows(forked, "score")
     assert [r["rollout_id"] for r in scored] == [r["rollout_id"] for r in committed_rows(parent)]
     # The SQL views read them there too.

@@ -251,7 +251,6 @@ def test_cli_run_passes_gpus_and_keep_alive_to_the_loop(monkeypatch):
     register()
     calls = []
     monkeypatch.setattr("gndpo.apps.loop.run_loop", lambda url, rounds, **kw: calls.append((url, rounds, kw)))
-    monkeypatch.setattr(run_command, "open_run", lambda url: url)
     monkeypatch.setattr(run_command, "round_summary", lambda run: f"summary of {run}")
     assert CliRunner().invoke(app, ["run", "R", "--rounds", "2", "--gpus", "2", "--no-keep-alive"]).exit_code == 0
     assert CliRunner().invoke(app, ["run", "R"]).exit_code == 0

@@ -11,6 +11,7 @@ import pytest
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
+from gndpo.pipeline.run.products import ROLLOUTS
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.vllm_engine import shutdown_llm
 from gndpo.stages.score import ScoreJob
@@ -84,9 +85,9 @@ def auto_choice(run_dir, monkeypatch, entropy_metrics: bool, engine_bits: int | 
                                   rollout=dataclasses.replace(cfg.rollout, **rollout))
     job = ScoreJob(run, 0)
     if engine_bits is not None:
-        commits = [dataclasses.replace(c, numbers={**c.numbers, "engine_dtype_bits": engine_bits}) if "engine_dtype_bits" in c.numbers else c
-                   for c in job.inputs.committed_units("rollout")]
-        monkeypatch.setattr(job.inputs, "committed_units", lambda stage: commits)
+        commits = [dataclasses.replace(c, numbers=c.numbers.model_copy(update={"engine_dtype_bits": engine_bits}))
+                   if c.numbers.engine_dtype_bits is not None else c for c in job.inputs.committed_units(ROLLOUTS)]
+        monkeypatch.setattr(job.inputs, "committed_units", lambda product: commits)
     return job.student_from_engine()
 
 

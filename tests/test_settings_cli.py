@@ -144,7 +144,6 @@ def calls(monkeypatch):
     }
     for module, functions in fakes.items():
         monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**functions))
-    monkeypatch.setattr("gndpo.cli.run.open_run", lambda url: None)
     monkeypatch.setattr("gndpo.cli.run.round_summary", lambda run: "summary")
     return seen
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from gndpo.pipeline.run.products import POLICY, TrainNumbers
 from gndpo.pipeline.run.run import open_run
 from gndpo.storage.products import Commit
 from tests.conftest import committed_rows, gndpo_killed, invoke_ok, run_log, tiny_config_dict, write_config
@@ -54,8 +55,8 @@ def weights(run, round_idx: int) -> dict:
     return load_file(str(run / model_dir / "model.safetensors"))
 
 
-def train_commit(run, round_idx: int) -> Commit:
-    return open_run(str(run)).records(round_idx, "train").manifest().units[0]
+def train_commit(run, round_idx: int) -> Commit[TrainNumbers]:
+    return open_run(str(run)).records(round_idx, POLICY).require_manifest().only()
 
 
 def test_only_every_third_round_writes_the_optimizer_state(runs):
@@ -68,8 +69,8 @@ def test_only_every_third_round_writes_the_optimizer_state(runs):
             # What a round commits is its export: no more than the policy's bytes; the state comes later.
             assert not [f for f in commit.files if "/optimizer/" in f.path]
             assert commit.bytes == sum(f.bytes for f in commit.files if "/model/" in f.path)
-            assert ("optimizer_state" in commit.numbers) == (round_idx == 2), (run.name, round_idx)
-        record = json.loads((run / train_commit(run, 2).numbers.optimizer_state["pending"]).read_text())
+            assert (commit.numbers.optimizer_state is not None) == (round_idx == 2), (run.name, round_idx)
+        record = json.loads((run / train_commit(run, 2).numbers.optimizer_state.pending).read_text())
         assert record["world"] == 1 and record["bytes"] == sum(f["bytes"] for f in record["files"]) > 0
         for f in record["files"]:
             assert "/optimizer/" in f["path"] and hashlib.sha256((run / f["path"]).read_bytes()).hexdigest() == f["sha256"]
@@ -100,7 +101,7 @@ def test_a_crash_before_a_deferred_state_is_recorded_costs_a_replay_not_a_wrong_
     config = write_config(tmp_path, tiny_config_dict(tiny_assets, train={"state_every": 1}, rollout=ROLLOUT))
     invoke_ok("init", run, "--config", config)
     assert gndpo_killed("run", run, "--rounds", 2, env={"GNDPO_CRASH_AT": "train.state_write"}, log=tmp_path / "crash.log") == -9
-    assert train_commit(run, 0).numbers.optimizer_state["pending"] and not (run / train_commit(run, 0).numbers.optimizer_state["pending"]).exists()
+    assert train_commit(run, 0).numbers.optimizer_state.pending and not (run / train_commit(run, 0).numbers.optimizer_state.pending).exists()
     invoke_ok("run", run, "--rounds", 2)  # the rerun, in this process
     log = run_log(run)
     assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]

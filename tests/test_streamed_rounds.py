@@ -37,9 +37,8 @@ def test_step_files_spill_past_their_buffer_and_read_back_what_was_appended():
 def whole_round(run, round_idx: int) -> tuple[pa.Table, pa.Table]:
     """The round's rollout and score rows, every shard read at once with pyarrow, scores lined up with rollouts."""
 
-
     def read(records):
-        return pa.concat_tables([pq.read_table(run.fs.holding(r).path(r["path"])) for r in records], promote_options="default")
+        return pa.concat_tables([pq.read_table(run.fs.holding(r).path(r.path)) for r in records], promote_options="default")
 
     rollouts = read(run.records(round_idx, "rollout").require_manifest().row_files())
     scores = read(run.records(round_idx, "score").require_manifest().files())

@@ -144,9 +144,9 @@ from gndpo.pipeline.run.run import open_run
 
 t0 = time.time()
 run = open_run(sys.argv[1])
-paths = lambda m: [run.fs.path(r["path"]) for r in m]
+paths = lambda m: [run.fs.path(r.path) for r in m]
 scores = run.records(0, "score").require_manifest().files()
-rollouts = run.records(0, "rollout").require_manifest().response_shards()
+rollouts = run.records(0, "rollout").require_manifest().row_files()
 lpT = np.concatenate([pq.read_table(p, columns=["teacher_logprobs"]).column(0).combine_chunks().values.to_numpy() for p in paths(scores)])
 lpS = np.concatenate([pq.read_table(p, columns=["student_logprobs"]).column(0).combine_chunks().values.to_numpy() for p in paths(scores)])
 mask = np.concatenate([pq.read_table(p, columns=["loss_mask"]).column(0).combine_chunks().values.to_numpy() for p in paths(rollouts)]) == 1
@@ -185,7 +185,7 @@ def bench(tokens: int, length: int, shard_tokens: int, keep: bool) -> dict:
         from gndpo.pipeline.run.run import open_run
 
         manifest = open_run(str(run)).records(0, "normalize").require_manifest()
-        stats, stage_seconds = manifest.metrics, manifest.units[0].numbers["seconds"]
+        stats, stage_seconds = manifest.metrics, manifest.only().numbers.seconds
         # The baseline holds ~40 bytes per token row (two float32 columns, their float64 difference and
         # its clamp, the mask); past what the machine has, it is not run.
         need = 40 * tokens / 2**30

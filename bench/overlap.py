@@ -44,7 +44,9 @@ from gndpo.apps.demos.arithmetic import ensure_toy_assets  # noqa: E402
 from gndpo.pipeline.exec.status import stage_rows, stage_span  # noqa: E402
 from gndpo.pipeline.observe.metrics import committed_rounds  # noqa: E402
 from gndpo.pipeline.run.run import open_run  # noqa: E402
-from gndpo.storage.records import STAGES  # noqa: E402
+from gndpo.stages.registry import STAGE_REGISTRY  # noqa: E402
+
+STAGES = tuple(STAGE_REGISTRY)
 
 OUT = RESULTS / "overlap.json"
 FIGURE = HERE.parent / "docs" / "benchmarks" / "figures" / "overlap_timeline.png"

@@ -59,13 +59,14 @@ import numpy as np
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.device import set_cpu_threads
 from gndpo.stages.train import schedule_steps
+from gndpo.stages.train import TrainJob
 from gndpo.stages.training.batch import load_share
 set_cpu_threads()
 t0 = time.time()
 run = open_run(sys.argv[1])
 if sys.argv[2]:  # train as another method over the same rows and statistics
     run = dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, method=dataclasses.replace(run.cfg.method, name=sys.argv[2])))
-share = load_share(run, 0, 0, 1)
+share = load_share(TrainJob(run, 0).inputs, 0, 1)
 t_index = time.time() - t0
 steps = schedule_steps(share, run.cfg.train, chunk=4096)
 rows = tokens = 0
@@ -99,14 +100,14 @@ from gndpo.storage.duck import connect, parquet_source
 
 run = open_run(sys.argv[1])
 scores = run.records(0, "score").require_manifest().files()
-rollouts = run.records(0, "rollout").require_manifest().response_shards()
+rollouts = run.records(0, "rollout").require_manifest().row_files()
 con = connect(run.fs, threads=1)
 create_views(con, parquet_source(run.fs, rollouts), parquet_source(run.fs, scores), run.cfg)
 q = run.cfg.method.tropd.tau_quantile
 tau = con.execute(f"SELECT quantile_cont(exp(least(lpT - lpS, 0)), {q}) FROM tokens").fetchall()[0][0]
 n, total, squares = 0, 0.0, 0.0  # numpy's float64 sums, shard by shard (every token is valid here)
 for r in scores:
-    t = pq.read_table(run.fs.path(r["path"]), columns=["teacher_logprobs", "student_logprobs"])
+    t = pq.read_table(run.fs.path(r.path), columns=["teacher_logprobs", "student_logprobs"])
     lpT, lpS = (t.column(i).combine_chunks().values.to_numpy().astype(np.float64) for i in range(2))
     c = np.clip(lpT - lpS, -5.0, 5.0)
     n, total, squares = n + c.size, total + float(c.sum()), squares + float((c * c).sum())

@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from gndpo.pipeline.exec.status import phase_rows
+from gndpo.pipeline.run.products import POLICY
 from gndpo.pipeline.run.run import open_run
 
 HERE = Path(__file__).resolve().parent
@@ -128,8 +129,8 @@ def heldout_accuracy(target: Path, heldout: str | None, max_tokens: int, out: Pa
 def train_bytes(run, round_idx: int) -> int:
     """Bytes round ``round_idx``'s train wrote: its commit's files, and an optimizer state written after
     the commit (train.state_async), which the commit only names."""
-    commit = run.records(round_idx, "train").manifest().units[0]
-    pending = (commit.numbers.get("optimizer_state") or {}).get("pending")
+    commit = run.records(round_idx, POLICY).require_manifest().only()
+    pending = commit.numbers.optimizer_state.pending if commit.numbers.optimizer_state else None
     return commit.bytes + (run.fs.read_json(pending)["bytes"] if pending else 0)
 
 

@@ -155,12 +155,12 @@ def compare_train(plain_student, gndpo_student, run, pad_id: int) -> dict:
     the plain loss (full logits) and train's own (``Objective.micro_batch_loss``: chunked output layer
     on response positions, recomputed in backward), each with backward, clipping and AdamW."""
     from gndpo.stages.models.logprobs import logits_chunk
-    from gndpo.stages.train import schedule_steps
+    from gndpo.stages.train import TrainJob, schedule_steps
     from gndpo.stages.training.batch import load_share
 
     tc = run.cfg.train
     objective = train_objective(run, pad_id)
-    share = load_share(run, 0, 0, 1)
+    share = load_share(TrainJob(run, 0).inputs, 0, 1)
     steps = schedule_steps(share, tc, logits_chunk(gndpo_student, run.cfg.model))
     sides = {"plain": (plain_student, Clock(), []), "gndpo_kernel": (gndpo_student, Clock(), [])}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=tc.lr, weight_decay=tc.weight_decay) for name, (m, _, _) in sides.items()}

@@ -47,6 +47,7 @@ from common import RESULTS, gndpo_cmd, machine, run_timed, save_json  # noqa: E4
 from gndpo.apps.demo import TASKS, demo_config_data  # noqa: E402
 from gndpo.apps.demos.self_distill import context_messages  # noqa: E402
 from gndpo.pipeline.observe.metrics import collect_metrics  # noqa: E402
+from gndpo.pipeline.run.products import POLICY  # noqa: E402
 from gndpo.pipeline.run.run import open_run  # noqa: E402
 
 ARMS = ("grpo-student", "distill", "recipe")
@@ -115,7 +116,7 @@ def spent(run_url: str) -> dict:
     run = open_run(run_url)
     rounds = run.newest_policy_version()
     tokens = sum(run.records(r, "rollout").manifest().metrics["tokens"] for r in range(rounds))
-    steps = sum(len(run.records(r, "train").done("update").numbers["steps"]) for r in range(rounds))
+    steps = sum(len(run.records(r, POLICY).require_manifest().only().numbers.steps) for r in range(rounds))
     return {"rounds": rounds, "rollout_tokens": tokens, "optimizer_steps": steps}
 
 

@@ -22,9 +22,10 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     Sequentially, where ``keep_alive`` and :func:`keeps_models` allow (at most one GPU, one train rank,
     one rollout worker), every stage runs in this process on kept engines: ``live``
     (a caller's set, left open, e.g. for a final evaluation on the same engine) or one made and closed
-    here (:func:`gndpo.apps.rounds.run_rounds`). Overlapped, each stage runs in workers that stay for the
-    whole run (:func:`gndpo.apps.workers.run_with_workers`). Otherwise (or with ``keep_alive`` off) each
-    stage of each round runs in processes of its own (:func:`gndpo.apps.schedule.run_scheduled`).
+    here (:func:`gndpo.apps.rounds.run_rounds`). Overlapped on the CPU or on GPUs split between rollout
+    and the learner, each stage runs in workers that stay for the whole run
+    (:func:`gndpo.apps.workers.run_with_workers`). Otherwise (or with ``keep_alive`` off) each stage of
+    each round runs in processes of its own (:func:`gndpo.apps.schedule.run_scheduled`).
     Returns the run, opened once."""
     gpus = visible_gpus() if gpus is None else gpus
     run = open_run(url)
@@ -33,7 +34,9 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     stage_cpus()
     order = choose_order(run.cfg, gpus, learner_gpus, overlap)
     log(order.line())
-    if not order.sequential and keep_alive:
+    # Workers that stay keep their models for the whole run: where stages share a GPU, what one keeps
+    # would hold memory the next needs, so there each stage of each round still gets a process.
+    if not order.sequential and keep_alive and (gpus == 0 or DeviceSets.of(gpus, learner_gpus).split):
         run_with_workers(url, rounds, gpus, order, learner_gpus, log=log)
         return run
     if not (order.sequential and keep_alive and keeps_models(run.cfg, gpus)):

@@ -52,6 +52,7 @@ def work_rounds(url: str, stage: str, stay: Stay, follow: bool = False, lease_tt
             if any(waited.values()):
                 run.records(r, stage).note_wait(f"{socket.gethostname()}:{os.getpid()}:before", waited)
             run_stage(url, stage, r, lease_ttl=lease_ttl, log=log, live=live, follow=follow, run=run)
+            live.release_engine()  # on a GPU the kept engines sleep while this worker waits for its next round
     finally:
         bell.close()
         live.close()
@@ -115,6 +116,7 @@ def run_with_workers(url: str, rounds: int, gpus: int, order: RoundOrder, learne
                     for stage in stages:
                         if (r, stage) not in shown and committed(r, stage):
                             shown.add((r, stage))
+                            log(f"round {r}: {stage} committed at {time.time() - started:.1f}s")
                             bar.advance(1)
                 for stage, group in list(groups.items()):
                     if not group.exited():

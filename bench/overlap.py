@@ -1,16 +1,17 @@
-"""Overlapped rounds on this machine: the same rounds run sequentially, with score streamed behind
-rollout, and with rollout one round ahead of train (run.max_staleness 1), each stage pinned to its own
-cores as devices would be; then what one round of staleness costs in accuracy on the demo.
+"""Overlapped rounds on this machine against what a user runs by default: the same rounds run by the
+default `gndpo run` (sequential, every stage in one process on kept engines, every core), one process
+per stage and round (sequential and score-streamed), and workers that stay for the whole run (score
+streamed; rollout one round ahead of train, run.max_staleness 1), the last three with each stage pinned
+to its own cores as devices would be; then what one round of staleness costs in accuracy on the demo.
 
 ``timing``: the toy addition task's models (the demo's assets) with the teacher behind vLLM's
 OpenAI-compatible server (``score.backend server``, the student's column from the engine, so score
-computes nothing itself), ``--rounds`` rounds of ``--prompts`` prompts x 8 samples. Every way runs
-``gndpo run --no-keep-alive`` (a process per stage, so each can be pinned) with ``GNDPO_STAGE_CPUS``
-putting rollout on core 0 and score, normalize and train on core 1, where the teacher server is pinned
-too; the sequential way gets the same cores, one stage at a time. Reported: wall seconds per round, the
-ratio to sequential in the same run, and each core's busy fraction (the union of its stages' spans,
-from first claim to last commit, over the run's wall time). The stage spans of each run are kept for
-the docs' timeline figure (``--figure``).
+computes nothing itself), ``--rounds`` rounds of ``--prompts`` prompts x 8 samples. ``GNDPO_STAGE_CPUS``
+puts rollout on core 0 and score, normalize and train on core 1 (but for the default, which uses every
+core), where the teacher server is pinned too. Reported: wall seconds per round, the speed against the
+default in the same run, each core's busy fraction (the union of its stages' spans, from first claim to
+last commit, over the run's wall time) and where the workers waited (``wait_input_seconds``,
+``wait_held_seconds``). The stage spans of each run are kept for the docs' timeline figure (``--figure``).
 
 ``accuracy``: ``gndpo demo`` (3 rounds, sequential on both cores, as the demo runs) at run.max_staleness
 0 and 1 for rollout seeds 0, 1 and 2; the held-out exact match of every round's sampling policy and of
@@ -52,10 +53,15 @@ OUT = RESULTS / "overlap.json"
 FIGURE = HERE.parent / "docs" / "benchmarks" / "figures" / "overlap_timeline.png"
 PINNED = "rollout=0 score=1 normalize=1 train=1"
 CORES = {"core 0 (rollout)": ("rollout",), "core 1 (score, normalize, train; teacher server)": ("score", "normalize", "train")}
-WAYS = {  # name -> run settings
-    "sequential": {"run": {"overlap": "off", "max_staleness": 0}},
-    "score streamed": {"run": {"overlap": "on", "max_staleness": 0}},
-    "staleness 1": {"run": {"overlap": "on", "max_staleness": 1}},
+# name -> (run settings, how `gndpo run` runs it: "kept" the default, every stage in one process on kept
+# engines and every core; "processes" a process per stage and round (--no-keep-alive), pinned; "workers"
+# a worker per stage that stays for the whole run, pinned). The first is the baseline of the ratios.
+WAYS = {
+    "default (engines kept, every core)": ({"run": {"overlap": "off", "max_staleness": 0}}, "kept"),
+    "sequential, a process per stage and round": ({"run": {"overlap": "off", "max_staleness": 0}}, "processes"),
+    "score streamed, a process per stage and round": ({"run": {"overlap": "on", "max_staleness": 0}}, "processes"),
+    "score streamed, workers that stay": ({"run": {"overlap": "on", "max_staleness": 0}}, "workers"),
+    "staleness 1, workers that stay": ({"run": {"overlap": "on", "max_staleness": 1}}, "workers"),
 }
 
 
@@ -120,35 +126,45 @@ def timing(rounds: int, prompts: int) -> dict:
             os.sched_setaffinity(0, everything)
         try:
             server.wait_ready()
-            for name, settings in WAYS.items():
-                folder = tmp / name.replace(" ", "-")
+            for name, (settings, how) in WAYS.items():
+                folder = tmp / name.replace(" ", "-").replace(",", "")
                 folder.mkdir()
-                config = timing_config(assets, folder, server.url, prompts, settings)
-                run_timed(gndpo_cmd("init", str(folder / "run"), "--config", str(config)), folder / "init.log")
-                env_before = os.environ.get("GNDPO_STAGE_CPUS")
-                os.environ["GNDPO_STAGE_CPUS"] = PINNED
-                try:
-                    t0 = time.time()
-                    seconds, _ = run_timed(gndpo_cmd("run", str(folder / "run"), "--rounds", str(rounds), "--no-keep-alive"), folder / "run.log")
-                    t1 = time.time()
-                finally:
-                    os.environ.pop("GNDPO_STAGE_CPUS") if env_before is None else os.environ.__setitem__("GNDPO_STAGE_CPUS", env_before)
-                spans = stage_spans(folder / "run")
-                beside = sorted({row["beside"] for row in stage_rows(open_run(str(folder / "run"))) if row["beside"]})
-                results[name] = {
-                    "seconds": round(seconds, 1), "seconds_per_round": round(seconds / rounds, 1),
-                    "busy": {core: round(busy_fraction(spans, stages, t0, t1), 3) for core, stages in CORES.items()},
-                    "spans": [{**s, "start": round(s["start"] - t0, 2), "end": round(s["end"] - t0, 2)} for s in spans],
-                    "overlapped_stages": len(beside) > 0,
-                }
-                print(f"{name}: {seconds:.1f} s for {rounds} rounds", flush=True)
+                results[name] = timed_way(folder, timing_config(assets, folder, server.url, prompts, settings), how, rounds)
+                print(f"{name}: {results[name]['seconds']:.1f} s for {rounds} rounds", flush=True)
         finally:
             server.kill()
-    base = results["sequential"]["seconds"]
+    base = next(iter(results.values()))["seconds"]
     for row in results.values():
-        row["ratio_to_sequential"] = round(row["seconds"] / base, 3)
+        row["ratio_to_default"] = round(base / row["seconds"], 3)
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rounds": rounds, "prompts_per_round": prompts, "n": 8,
             "pinning": PINNED, "ways": results}
+
+
+def timed_way(folder: Path, config: Path, how: str, rounds: int) -> dict:
+    """`gndpo run` of a new run from ``config``, as ``how`` says (:data:`WAYS`): seconds, each core's busy
+    share, the stage spans and where the workers waited."""
+    run_timed(gndpo_cmd("init", str(folder / "run"), "--config", str(config)), folder / "init.log")
+    env_before = os.environ.get("GNDPO_STAGE_CPUS")
+    if how != "kept":
+        os.environ["GNDPO_STAGE_CPUS"] = PINNED
+    try:
+        t0 = time.time()
+        seconds, _ = run_timed(gndpo_cmd("run", str(folder / "run"), "--rounds", str(rounds), *(["--no-keep-alive"] if how == "processes" else [])),
+                               folder / "run.log")
+        t1 = time.time()
+    finally:
+        os.environ.pop("GNDPO_STAGE_CPUS", None) if env_before is None else os.environ.__setitem__("GNDPO_STAGE_CPUS", env_before)
+    spans = stage_spans(folder / "run")
+    opened = open_run(str(folder / "run"))
+    beside = sorted({row["beside"] for row in stage_rows(opened) if row["beside"]})
+    waits = {stage: {k: round(sum(m.metrics.get(k, 0.0) for m in manifests), 1) for k in ("wait_input_seconds", "wait_held_seconds")}
+             for stage in STAGES for manifests in [[opened.records(r, stage).require_manifest() for r in range(rounds)]]}
+    return {
+        "seconds": round(seconds, 1), "seconds_per_round": round(seconds / rounds, 1),
+        "busy": {core: round(busy_fraction(spans, stages, t0, t1), 3) for core, stages in CORES.items()},
+        "spans": [{**s, "start": round(s["start"] - t0, 2), "end": round(s["end"] - t0, 2)} for s in spans],
+        "overlapped_stages": len(beside) > 0, "waits": waits,
+    }
 
 
 def accuracy(seeds: tuple[int, ...] = (0, 1, 2)) -> dict:
@@ -189,14 +205,20 @@ def markdown(data: dict) -> str:
     out = []
     t = data.get("timing")
     if t:
-        out += [f"### Round time, three orders ({t['machine']}, {t['date']})", "",
+        ratio = "ratio_to_default" if "ratio_to_default" in next(iter(t["ways"].values())) else "ratio_to_sequential"
+        out += [f"### Round time, each order ({t['machine']}, {t['date']})", "",
                 f"{t['rounds']} rounds of {t['prompts_per_round']} prompts x {t['n']} samples of the toy addition task, teacher served "
-                f"by vLLM's server; `GNDPO_STAGE_CPUS=\"{t['pinning']}\"`, the server on core 1.", "",
-                "| order | s per round | ratio to sequential | " + " | ".join(f"busy: {c}" for c in CORES) + " |",
-                "|---|---:|---:|" + "---:|" * len(CORES)]
+                f"by vLLM's server on core 1; every order but the default (which uses both cores) pinned with "
+                f"`GNDPO_STAGE_CPUS=\"{t['pinning']}\"`. Speed: the first row's seconds over the order's (above 1 is faster); "
+                "the waits are the stages' `wait_input_seconds` and `wait_held_seconds`, summed over the rounds and stages.", "",
+                f"| order | s per round | speed ({ratio.replace('_', ' ')}) | " + " | ".join(f"busy: {c}" for c in CORES)
+                + " | waited for input, s | held, s |", "|---|---:|---:|" + "---:|" * len(CORES) + "---:|---:|"]
         for name, row in t["ways"].items():
-            out.append(f"| {name} | {row['seconds_per_round']} | {row['ratio_to_sequential']} | "
-                       + " | ".join(f"{row['busy'][c]:.2f}" for c in CORES) + " |")
+            waits = row.get("waits", {})
+            waited = sum(w["wait_input_seconds"] for w in waits.values())
+            held = sum(w["wait_held_seconds"] for w in waits.values())
+            out.append(f"| {name} | {row['seconds_per_round']} | {row[ratio]} | " + " | ".join(f"{row['busy'][c]:.2f}" for c in CORES)
+                       + f" | {waited:.1f} | {held:.1f} |")
         out.append("")
     a = data.get("accuracy")
     if a:

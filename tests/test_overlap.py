@@ -29,6 +29,7 @@ from gndpo.apps.report import find_runs, round_table
 from gndpo.apps.rounds import DeviceSets, stage_cpus, stage_processes
 from gndpo.apps.schedule import RoundOrder, choose_order, may_start
 from gndpo.errors import GndpoError
+from gndpo.pipeline.config.checks import check_staleness
 from gndpo.pipeline.config.load import config_from_dict, load_config
 from gndpo.pipeline.exec.status import round_seconds, stage_rows, union_length
 from gndpo.pipeline.run.run import open_run
@@ -300,12 +301,18 @@ def test_each_order_starts_a_stage_once_what_it_reads_is_there():
     assert not may_start(PlannedRun(data1, 1), ahead, 1, "train", set())
 
 
-def test_init_refuses_staleness_for_a_method_without_the_ratio(tmp_path, tiny_assets):
-    for method, said in (({"name": "reopold"}, "policy loss reinforce"), ({"name": "forward_kl"}, "no policy-gradient term")):
-        cfg = write_config(tmp_path, tiny_config_dict(tiny_assets, method=method, run={"max_staleness": 1}))
-        assert_one_line_error(invoke("init", tmp_path / f"run-{method['name']}", "--config", cfg), "run.max_staleness 1", said,
-                              "method.policy_loss", "gspo, ppo, is")
-        assert not (tmp_path / f"run-{method['name']}").exists()
+def test_init_refuses_staleness_only_for_a_policy_gradient_without_the_ratio(tmp_path, tiny_assets):
+    """Stale rollouts: a policy gradient without an importance ratio is refused (reopold's reinforce); a
+    top-k divergence alone, computed in train under the current student, and a ratio-corrected policy
+    gradient, with or without a divergence term, are accepted (docs/concepts/methods.md)."""
+    cfg = write_config(tmp_path, tiny_config_dict(tiny_assets, method={"name": "reopold"}, run={"max_staleness": 1}))
+    assert_one_line_error(invoke("init", tmp_path / "run-reopold", "--config", cfg), "run.max_staleness 1", "policy loss reinforce",
+                          "method.policy_loss", "gspo, ppo, is")
+    assert not (tmp_path / "run-reopold").exists()
+    for method in ({"name": "forward_kl"}, {"name": "reverse_kl"}, {"name": "eopd"}, {"name": "reverse_kl", "policy_loss": "gspo"}):
+        check_staleness(config_from_dict(tiny_config_dict(tiny_assets, method=method, run={"max_staleness": 1})))
+    cfg = write_config(tmp_path, tiny_config_dict(tiny_assets, method={"name": "forward_kl"}, run={"max_staleness": 1}))
+    invoke_ok("init", tmp_path / "run-forward-kl", "--config", cfg)
 
 
 def test_staleness_is_part_of_the_identity_and_the_order_is_not(tiny_assets):

@@ -166,19 +166,20 @@ def check_self_distillation(cfg: Config) -> None:
 # The policy losses whose ratio exp(logp - old_logp) weighs each sampled token by how much likelier the
 # trained policy makes it than the policy that sampled it (old_logp: the behaviour's, stored per row).
 CORRECTED_LOSSES = ("gspo", "ppo", "is")
+NO_POLICY_GRADIENT = "none"  # a divergence alone, computed in train against the current student
 
 
 def check_staleness(cfg: Config) -> None:
-    """A GndpoError (one line) when ``run.max_staleness`` > 0 meets a method that trains as if the policy
-    that sampled were the one trained: no importance ratio against the behaviour's log-probs (reinforce's
-    -A log pi, or no policy-gradient term: the divergence methods' per-state loss is taken over the
-    states a stale policy visited, with nothing to reweigh them)."""
+    """A GndpoError (one line) when ``run.max_staleness`` > 0 meets a policy-gradient loss that trains as
+    if the policy that sampled were the one trained: no importance ratio against the behaviour's
+    log-probs (reinforce's -A log pi). A divergence alone (``none``) is accepted: train computes it at
+    each stored state against the current student, so nothing in it is the sampling policy's; staleness
+    changes only which states were visited, which no loss here corrects (docs/concepts/methods.md)."""
     if not cfg.run.max_staleness:
         return
     loss, _ = policy_settings(cfg.method)
-    if loss not in CORRECTED_LOSSES:
-        what = "no policy-gradient term" if loss == "none" else f"policy loss {loss}"
+    if loss not in (*CORRECTED_LOSSES, NO_POLICY_GRADIENT):
         raise GndpoError(
-            f"run.max_staleness {cfg.run.max_staleness} trains on samples of an older policy, and method {cfg.method.name} has {what}, "
+            f"run.max_staleness {cfg.run.max_staleness} trains on samples of an older policy, and method {cfg.method.name} has policy loss {loss}, "
             f"with no importance ratio against the sampling policy: set method.policy_loss to one of {', '.join(CORRECTED_LOSSES)}, "
             "or run.max_staleness 0")

@@ -323,7 +323,8 @@ def test_gpu_round_bench_rehearses_the_hf_job_on_the_cpu(tmp_path, monkeypatch):
     assert list(stages) == [f"r{r}/{s}" for r in range(2) for s in ("rollout", "score", "normalize", "train")]
     assert all(entry["seconds"] > 0 for entry in stages.values()) and stages["r1/rollout"]["rows"] == 16
     assert stages["r0/train"]["estimate_mib"] > 0 and stages["r1/rollout"]["metrics"]["policy_version"] == 1
-    assert sum(entry["seconds"] for entry in stages.values()) <= got["total_seconds"]
+    # The windows between commits lie within the run; each figure is rounded to 0.01 s.
+    assert sum(entry["seconds"] for entry in stages.values()) <= got["total_seconds"] + 0.005 * (len(stages) + 1)
 
 
 def test_shutting_down_an_in_process_engine_drops_what_shared_its_process_groups(monkeypatch):

@@ -343,3 +343,33 @@ def test_devices_and_pinning_are_refused_before_the_order_line_whatever_the_orde
     monkeypatch.setenv("GNDPO_STAGE_CPUS", "rollout=x")
     assert_one_line_error(invoke("run", run, "--rounds", 1, "--gpus", 0, "--overlap", overlap), "GNDPO_STAGE_CPUS entry 'rollout=x'")
     assert open_run(str(run)).records(0, "rollout").plan() is None
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_started_again_and_the_run_finishes(tmp_path, tiny_assets):
+    """Overlapped with workers that stay, the normalize worker is SIGKILLed while it waits for score:
+    `gndpo run` starts it again and the round is committed, whole."""
+    import psutil
+
+    cfg = stale_config(tiny_assets, "on")
+    cfg["rollout"]["backend"] = "hf"  # the claim is the scheduler's: no engine start needed
+    run = created(tmp_path / "killed-worker", cfg)
+    env = {**os.environ, "GNDPO_DELAY_AT": "rollout.generate", "GNDPO_DELAY_S": "2"}  # rollout slow: normalize waits
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "gndpo.cli", "run", str(run), "--rounds", "1"], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            deadline, victim = time.time() + 120, None
+            while victim is None and time.time() < deadline and proc.poll() is None:
+                victim = next((p for p in psutil.Process(proc.pid).children(recursive=True)
+                               if "normalize" in p.cmdline() and "--rounds" in p.cmdline()), None)
+                time.sleep(0.2)
+            assert victim is not None, (tmp_path / "run.log").read_text()[-3000:]
+            assert open_run(str(run)).records(0, "normalize").plan() is None  # it was waiting, not working
+            victim.kill()
+            assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert "the normalize worker was killed; starting it again (1 of 2)" in (tmp_path / "run.log").read_text()
+    assert all(open_run(str(run)).records(0, stage).manifest() is not None for stage in STAGES)

@@ -30,13 +30,13 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     gpus = visible_gpus() if gpus is None else gpus
     run = open_run(url)
     # Refused in one line before anything is said or started, whichever order runs.
-    DeviceSets.of(gpus, learner_gpus)
+    devices = DeviceSets.of(gpus, learner_gpus)
     stage_cpus()
     order = choose_order(run.cfg, gpus, learner_gpus, overlap)
     log(order.line())
     # Workers that stay keep their models for the whole run: where stages share a GPU, what one keeps
     # would hold memory the next needs, so there each stage of each round still gets a process.
-    if not order.sequential and keep_alive and (gpus == 0 or DeviceSets.of(gpus, learner_gpus).split):
+    if not order.sequential and keep_alive and (gpus == 0 or devices.split):
         run_with_workers(url, rounds, gpus, order, learner_gpus, log=log)
         return run
     if not (order.sequential and keep_alive and keeps_models(run.cfg, gpus)):

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gndpo.apps.rounds import DeviceSets, StageGroup, StageProcess, stage_command, stage_cpus, stage_processes, worker_log
+from gndpo.apps.rounds import DeviceSets, StageGroup, StageProcess, Stay, stage_command, stage_cpus, stage_processes, worker_log
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
@@ -125,15 +125,24 @@ def reads_ready(run: Run, stage: str, round_idx: int, committed: CommittedStages
     return True
 
 
+def ordered_processes(url: str, run: Run, stage: str, rounds: int | Stay, gpus: int, devices: DeviceSets, order: RoundOrder,
+                      cpus: tuple[int, ...] = ()) -> list[StageProcess]:
+    """The processes of ``stage`` for ``rounds`` (one round, or every round staying) in ``order``: as its
+    class launches, on its device set, pinned to ``cpus``, following the stage it streams behind where
+    the order streams."""
+    job = job_class(stage)
+    per = run.cfg.engine.tensor_parallel_size if job.launch.tensor_parallel else 1
+    return stage_processes(url, stage, rounds, gpus, run.cfg.train.num_processes, gpus_per_worker=per,
+                           devices=devices.of_stage(stage) if devices.split else None, follow=job.streams() and order.stream_score,
+                           cpus=cpus)
+
+
 def stage_group(url: str, run: Run, stage: str, round_idx: int, gpus: int, devices: DeviceSets, order: RoundOrder,
                 cpus: tuple[int, ...] = (), log=info) -> StageGroup:
     """Start the processes of ``stage`` of ``round_idx`` on its device set, pinned to ``cpus``."""
     job = job_class(stage)
-    per = run.cfg.engine.tensor_parallel_size if job.launch.tensor_parallel else 1
     follow = job.streams() and order.stream_score
-    procs = stage_processes(url, stage, round_idx, gpus, run.cfg.train.num_processes, gpus_per_worker=per,
-                            devices=devices.of_stage(stage) if devices.split else None, follow=follow,
-                            cpus=cpus)
+    procs = ordered_processes(url, run, stage, round_idx, gpus, devices, order, cpus)
     workers = [p for p in procs if p.log_path]
     where = f" on {len(workers)} workers (logs: {Path(workers[0].log_path).parent}/)" if workers else ""
     behind = ", ".join(read.product.stage for read in job.reads if read.per_unit)

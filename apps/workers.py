@@ -21,15 +21,15 @@ import socket
 import time
 from pathlib import Path
 
-from gndpo.apps.rounds import DeviceSets, StageGroup, Stay, run_stage, stage_cpus, stage_processes, worker_log, worker_log_dir
-from gndpo.apps.schedule import POLL_S, CommittedStages, RoundOrder, reads_ready
+from gndpo.apps.rounds import DeviceSets, StageGroup, Stay, run_stage, stage_cpus, worker_log, worker_log_dir
+from gndpo.apps.schedule import POLL_S, CommittedStages, RoundOrder, ordered_processes, reads_ready
 from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.units import WAIT_HELD, WAIT_INPUT
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
 from gndpo.pipeline.run.run import open_run
 from gndpo.stages.models.live import LiveModels
-from gndpo.stages.registry import job_class, stage_names
+from gndpo.stages.registry import stage_names
 from gndpo.storage.bell import CommitBell
 
 RESTARTS = 2  # times a killed worker of one stage is started again before the run stops
@@ -73,23 +73,9 @@ def wait_for_round(run, stage: str, round_idx: int, stay: Stay, follow: bool, co
     return {cause: round(seconds, 3) for cause, seconds in waited.items()}
 
 
-def worker_groups(url: str, rounds: int, gpus: int, order: RoundOrder, learner_gpus: int) -> dict[str, StageGroup]:
-    """Every stage's workers that stay, started: {stage: its process group}."""
-    run, devices, cpus = open_run(url), DeviceSets.of(gpus, learner_gpus), stage_cpus()
-    groups = {}
-    for stage in stage_names():
-        groups[stage] = start_workers(url, run, stage, Stay(rounds, order.rollout_ahead), gpus, devices, order, cpus.get(stage, ()))
-    return groups
-
-
 def start_workers(url: str, run, stage: str, stay: Stay, gpus: int, devices: DeviceSets, order: RoundOrder, cpus: tuple[int, ...]) -> StageGroup:
     """The processes of ``stage`` that stay for every round, on its device set, pinned to ``cpus``."""
-    job = job_class(stage)
-    per = run.cfg.engine.tensor_parallel_size if job.launch.tensor_parallel else 1
-    follow = job.streams() and order.stream_score
-    procs = stage_processes(url, stage, stay, gpus, run.cfg.train.num_processes, gpus_per_worker=per,
-                            devices=devices.of_stage(stage) if devices.split else None, follow=follow, cpus=cpus)
-    return StageGroup(procs, stage, stay.rounds - 1, label=f"the {stage} worker")
+    return StageGroup(ordered_processes(url, run, stage, stay, gpus, devices, order, cpus), stage, stay.rounds - 1, label=f"the {stage} worker")
 
 
 def killed(group: StageGroup) -> bool:
@@ -102,11 +88,12 @@ def run_with_workers(url: str, rounds: int, gpus: int, order: RoundOrder, learne
     first worker that fails stops every other and the loop; one that was killed is started again (at
     most :data:`RESTARTS` times a stage) and resumes from the run folder."""
     run = open_run(url)
-    stages = stage_names()
+    stages, stay = stage_names(), Stay(rounds, order.rollout_ahead)
+    devices, cpus = DeviceSets.of(gpus, learner_gpus), stage_cpus()
     committed, bell, started = CommittedStages(run), CommitBell(run.fs), time.time()
     log(f"rounds 0-{rounds - 1}: {', '.join(stages)}, each in workers that stay for the whole run"
         f"{f' (logs: {Path(worker_log_dir(url))}/)' if gpus else ''} ...")
-    groups = worker_groups(url, rounds, gpus, order, learner_gpus)
+    groups = {stage: start_workers(url, run, stage, stay, gpus, devices, order, cpus.get(stage, ())) for stage in stages}
     restarts = {stage: 0 for stage in stages}
     shown: set[tuple[int, str]] = set()
     try:
@@ -124,8 +111,7 @@ def run_with_workers(url: str, rounds: int, gpus: int, order: RoundOrder, learne
                     if killed(group) and restarts[stage] < RESTARTS and not all(committed(r, stage) for r in range(rounds)):
                         restarts[stage] += 1
                         log(f"the {stage} worker was killed; starting it again ({restarts[stage]} of {RESTARTS})")
-                        groups[stage] = start_workers(url, run, stage, Stay(rounds, order.rollout_ahead), gpus,
-                                                      DeviceSets.of(gpus, learner_gpus), order, stage_cpus().get(stage, ()))
+                        groups[stage] = start_workers(url, run, stage, stay, gpus, devices, order, cpus.get(stage, ()))
                         continue
                     group.raise_if_failed()
                     if not all(committed(r, stage) for r in range(rounds)):

@@ -404,8 +404,9 @@ class TrainJob(StageJob):
         self.live.release_engine()
         self.live.release_modules()
         # By URL, not run-relative: an engine kept across runs (`gndpo compare`) must not pass for this run's.
-        exported = self.run.policy_dir(self.round)
-        engine, kept = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported), dist.world, self.base, build=build_engine)
+        exported = self.inputs.policy_export()
+        engine, kept = self.live.train_engine(cfg, policy, exported and self.run.fs.uri(exported.model_dir), dist.world, self.base,
+                                              build=build_engine)
         engine, ema, start = self.resume(resume_point(self.run, self.round, dist, kept), engine, policy)
         share, steps, objective = self.round_work(self.inputs, engine, policy)
         return Update(policy, share, engine, steps, objective, ema, start)

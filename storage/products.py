@@ -11,7 +11,7 @@ told by its id alone, :data:`LEGACY_HELDOUT_UNIT`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
 
@@ -56,13 +56,6 @@ class FileRecord:
         if self.run is not None:
             out["run"] = self.run
         return out
-
-    def of_kind(self, kind: FileKind) -> FileRecord:
-        return replace(self, kind=kind)
-
-    def held_by(self, url: str) -> FileRecord:
-        """The record as a forked run reads it: its file is in the run at ``url``."""
-        return replace(self, run=url)
 
     def under(self, folder: str) -> bool:
         """Whether the file is inside the run-relative ``folder``."""

@@ -6,8 +6,9 @@ order they are made (``reads = (Read(ROLLOUTS), Read(SCORES))``; one of the prev
 with, k-1 less the run's staleness, with ``sampling_policy=True``). :class:`StageInputs` finds their
 manifests (a fork's inherited ones included), refuses in one line to start a stage whose input is not
 committed, and hands the stage what it reads, typed: a product's manifest and row files, the round's
-statistics, the policy to start from and the optimizer state carried to it. It is the only way into
-another stage's output: no stage looks another up by name.
+statistics and the policy to start from. It is the only way into another stage's output: no stage
+looks another up by name (train's resume reads the optimizer state carried to it through the typed
+train product, :func:`gndpo.pipeline.run.products.carried_state`).
 
 A read with ``per_unit=True`` is of single committed units: unit u of the reading stage reads unit u
 of the read stage, and may start once that one unit is committed (score streaming behind rollout).
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.base import Stats
-from gndpo.pipeline.run.products import POLICY, CarriedState, PolicyExport, Product, carried_state, policy_export
+from gndpo.pipeline.run.products import POLICY, PolicyExport, Product, policy_export
 from gndpo.pipeline.run.run import Run, require_exported
 from gndpo.pipeline.run.stats import statistics
 from gndpo.storage.bell import CommitBell
@@ -103,9 +104,6 @@ class StageInputs:
         require_exported(self._records(POLICY))
         return policy_export(self.manifest(POLICY))
 
-    def carried_state(self) -> CarriedState | None:
-        """The optimizer state the read train stage carried to this one (:func:`carried_state`)."""
-        return carried_state(self._records(POLICY))
 
     # -- per-unit reads ------------------------------------------------------------------------------
     def per_unit(self) -> Read | None:

@@ -4,7 +4,6 @@ documented way (a module and one registry line: tests/added_stage.py) runs in a 
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -16,11 +15,10 @@ from gndpo.pipeline.run.run import open_run
 from gndpo.stages import registry
 from gndpo.stages.registry import STAGE_REGISTRY, JobRef, job_class
 from tests.added_stage import AUDIT
-from tests.code_scan import stage_name_uses
+from tests.code_scan import findings, stage_name_uses
 from tests.conftest import invoke_ok, tiny_config_dict, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("storage", "pipeline", "stages", "apps", "cli")
 # The places that may name a stage: the registry, and the declarations of what each stage commits.
 MAY_NAME_STAGES = {"stages/registry.py", "pipeline/run/products.py"}
 
@@ -28,13 +26,7 @@ MAY_NAME_STAGES = {"stages/registry.py", "pipeline/run/products.py"}
 def stage_name_lookups(root: Path) -> list[str]:
     """Every comparison with, or lookup by, a registered stage's name under ``root``'s code folders,
     outside the places that may name a stage."""
-    found = []
-    for folder in CODE:
-        for path in sorted((root / folder).rglob("*.py")):
-            where = str(path.relative_to(root))
-            if where not in MAY_NAME_STAGES:
-                found += [f"{where}:{line}: {text}" for line, text in stage_name_uses(ast.parse(path.read_text()), set(STAGE_REGISTRY))]
-    return found
+    return findings(root, MAY_NAME_STAGES, lambda tree: stage_name_uses(tree, set(STAGE_REGISTRY)))
 
 
 def test_no_code_outside_the_registry_compares_or_looks_up_a_stage_by_name():

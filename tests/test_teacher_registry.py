@@ -4,7 +4,6 @@ line) scores a round."""
 
 from __future__ import annotations
 
-import ast
 import typing
 from pathlib import Path
 
@@ -16,10 +15,10 @@ from gndpo.stages.teachers.base import TeacherBackend
 from gndpo.stages.teachers.hf import HFBackend
 from gndpo.stages.teachers.registry import TEACHER_BACKENDS
 from tests.code_scan import backend_comparisons as comparisons_in
+from tests.code_scan import findings
 from tests.conftest import committed_rows, invoke_ok, model_logprob_tol, model_logprobs, run_stages
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ("storage", "pipeline", "stages", "apps", "cli")
 # The places that may name a backend: the config schema declares the choices (and its checks refuse
 # the settings one backend cannot take, whenever a config is read), the registry maps them.
 MAY_NAME_BACKENDS = {"pipeline/settings/schema.py", "pipeline/config/checks.py", "stages/teachers/registry.py"}
@@ -28,13 +27,7 @@ MAY_NAME_BACKENDS = {"pipeline/settings/schema.py", "pipeline/config/checks.py",
 def backend_comparisons(root: Path) -> list[str]:
     """Every comparison of score.backend with a name under ``root``'s code folders, outside the places
     that may name a backend."""
-    found = []
-    for folder in CODE:
-        for path in sorted((root / folder).rglob("*.py")):
-            where = str(path.relative_to(root))
-            if where not in MAY_NAME_BACKENDS:
-                found += [f"{where}:{line}: {text}" for line, text in comparisons_in(ast.parse(path.read_text()))]
-    return found
+    return findings(root, MAY_NAME_BACKENDS, comparisons_in)
 
 
 def test_no_code_outside_the_registry_and_the_schema_compares_the_backend_with_a_name():

@@ -34,6 +34,7 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     stage_cpus()
     order = choose_order(run.cfg, gpus, learner_gpus, overlap)
     log(order.line())
+    learner_gpus = learner_gpus if not order.sequential else 0  # one stage at a time: each on every GPU
     # Workers that stay keep their models for the whole run: where stages share a GPU, what one keeps
     # would hold memory the next needs, so there each stage of each round still gets a process.
     if not order.sequential and keep_alive and (gpus == 0 or devices.split):

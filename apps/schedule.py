@@ -20,7 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gndpo.apps.round_model import AHEAD, SEQUENTIAL, STREAMED, Machine, RoundCosts, fastest, paper_costs, predict, shares_line
 from gndpo.apps.rounds import DeviceSets, StageGroup, StageProcess, Stay, stage_command, stage_cpus, stage_processes, worker_log
+from gndpo.dist import usable_cpus
 from gndpo.errors import GndpoError
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info
@@ -28,7 +30,6 @@ from gndpo.pipeline.run.products import POLICY
 from gndpo.pipeline.run.run import Run, open_run
 from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.registry import job_class, stage_names
-from gndpo.stages.teachers.registry import backend_of
 
 POLL_S = 0.5  # seconds between looks at the running stages and the committed manifests
 
@@ -56,31 +57,45 @@ class RoundOrder:
         return f"rounds overlap ({', '.join(parts)}): {self.reason}"
 
 
-def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0, overlap: str | None = None) -> RoundOrder:
+def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0, overlap: str | None = None, costs: RoundCosts | None = None) -> RoundOrder:
     """The order for ``cfg`` on ``gpus`` GPUs (``learner_gpus`` of them for score and train), with
     ``overlap`` (`gndpo run --overlap`) in place of ``run.overlap`` where given.
 
     ``run.overlap`` off: sequential; on: score streams and rollout runs ``run.max_staleness`` rounds
-    ahead, whatever the devices. auto: overlap only what has devices of its own, since stages sharing one
-    device only compete for it: everything with a learner split of the GPUs; score alone where the
-    teacher is served and the student's column is the engine's (score then computes nothing locally);
-    else sequential."""
+    ahead, whatever the devices. auto: the order :mod:`gndpo.apps.round_model` predicts fastest on
+    these devices for ``costs`` (default: the config's, on paper), never one it predicts slower than
+    sequential; rollout runs ahead only where it has devices of its own (a learner split) or on the
+    CPU, since on a shared GPU the engine and the learner would hold its memory at once. In a
+    sequential order every stage uses every GPU (`gndpo run` leaves a learner split unused)."""
     staleness, setting = cfg.run.max_staleness, "--overlap" if overlap else "run.overlap"
     overlap = overlap or cfg.run.overlap
     if overlap == "off":
         return RoundOrder(False, 0, f"{setting} off")
     if overlap == "on":
         return RoundOrder(True, staleness, f"{setting} on")
-    if learner_gpus:
-        split = f"rollout on {gpus - learner_gpus} GPUs, score and train on {learner_gpus} (--learner-gpus)"
-        return RoundOrder(True, staleness, split)
-    if backend_of(cfg).capabilities.served and cfg.score.student_logprobs == "engine":
-        why = "the teacher is served and the student's log-probs are the engine's, so score needs no device of its own"
-        ahead = " (rollout waits for train: they share this machine's device; --learner-gpus K splits a GPU node)" if staleness else ""
-        return RoundOrder(True, 0, why + ahead)
+    machine = machine_of(gpus, learner_gpus)
+    costs = costs or paper_costs(cfg)
+    times = predict(costs, machine, staleness)
+    allowed = (STREAMED, AHEAD) if staleness and (machine.split or gpus == 0) else (STREAMED,)
+    best = fastest(times, allowed)
+    split = f" with rollout on {machine.rollout} GPUs and score and train on {learner_gpus} (--learner-gpus)" if machine.split else ""
     device = f"{gpus} GPUs" if gpus > 1 else "one GPU" if gpus == 1 else "the CPU"
-    return RoundOrder(False, 0, f"every stage uses {device}, so overlapping would only compete for it "
-                                "(run.overlap on, or gndpo run --learner-gpus K on a GPU node, to overlap)")
+    predicted = f"predicted round time on {device}{split}, as a share of the sequential round ({costs.source}): {shares_line(times)}"
+    if best == SEQUENTIAL:
+        unused = f"; --learner-gpus {learner_gpus} left unused" if machine.split else ""
+        return RoundOrder(False, 0, f"no overlap is predicted faster{unused} ({predicted}; run.overlap on to overlap anyway)")
+    return RoundOrder(True, staleness if best == AHEAD else 0, predicted)
+
+
+def machine_of(gpus: int, learner_gpus: int) -> Machine:
+    """The devices the round model sees: the GPUs, split with ``learner_gpus``; without GPUs this
+    machine's cores, split where ``GNDPO_STAGE_CPUS`` pins rollout to cores of its own."""
+    if gpus:
+        return Machine(gpus, gpus - learner_gpus if learner_gpus else gpus)
+    cores, pinned = usable_cpus(), stage_cpus()
+    actor = next((set(cpus) for stage, cpus in pinned.items() if job_class(stage).launch.actor), set())
+    others = set().union(*(cpus for stage, cpus in pinned.items() if not job_class(stage).launch.actor))
+    return Machine(cores, len(actor) if actor and others and not actor & others else cores)
 
 
 class CommittedStages:

@@ -1,23 +1,31 @@
 """Overlapped rounds on this machine against what a user runs by default: the same rounds run by the
-default `gndpo run` (sequential, every stage in one process on kept engines, every core), one process
-per stage and round (sequential and score-streamed), and workers that stay for the whole run (score
-streamed; rollout one round ahead of train, run.max_staleness 1), the last three with each stage pinned
-to its own cores as devices would be; then what one round of staleness costs in accuracy on the demo.
+default `gndpo run` (sequential, every stage in one process on kept engines, every core), by one process
+per stage and round (sequential, each pinned to its core: the bench's former baseline), and by workers
+that stay for the whole run (score streamed; rollout one round ahead of train, run.max_staleness 1),
+each stage pinned to its own cores as devices would be; each way ``--repeats`` times, interleaved. Then
+the round model (:mod:`gndpo.apps.round_model`) fed with what the two sequential ways measured, its
+prediction for the overlapped ways beside what they measured, and the model at the seeds' scale on one
+8-GPU node (on paper); and what one round of staleness costs in accuracy on the demo.
 
 ``timing``: the toy addition task's models (the demo's assets) with the teacher behind vLLM's
 OpenAI-compatible server (``score.backend server``, the student's column from the engine, so score
 computes nothing itself), ``--rounds`` rounds of ``--prompts`` prompts x 8 samples. ``GNDPO_STAGE_CPUS``
 puts rollout on core 0 and score, normalize and train on core 1 (but for the default, which uses every
-core), where the teacher server is pinned too. Reported: wall seconds per round, the speed against the
-default in the same run, each core's busy fraction (the union of its stages' spans, from first claim to
-last commit, over the run's wall time) and where the workers waited (``wait_input_seconds``,
-``wait_held_seconds``). The stage spans of each run are kept for the docs' timeline figure (``--figure``).
+core), where the teacher server is pinned too. Reported per way: wall seconds per round over the run and
+in the steady state (from round 0's train commit to the last round's, per round), the speed against the
+default's in the same repeat, each core's busy share (the union of its stages' spans, from first claim to
+last commit) over the steady state, and where the workers waited (``wait_input_seconds``,
+``wait_held_seconds``). The stage spans of the last repeat are kept for the docs' timeline figure.
+
+The model's inputs, per stage, from rounds 1 on (round 0 starts the engines): its seconds on both cores
+(the default's span) and on one (the pinned way's span, less its process's setup, plus the default's
+kept-engine setup), whence the share of it that divides over cores.
 
 ``accuracy``: ``gndpo demo`` (3 rounds, sequential on both cores, as the demo runs) at run.max_staleness
 0 and 1 for rollout seeds 0, 1 and 2; the held-out exact match of every round's sampling policy and of
 the final student.
 
-    .venv/bin/python bench/overlap.py timing [--rounds 3 --prompts 512]
+    .venv/bin/python bench/overlap.py timing [--rounds 3 --prompts 512 --repeats 2]
     .venv/bin/python bench/overlap.py accuracy
     .venv/bin/python bench/overlap.py figure      # docs/benchmarks/figures/overlap_timeline.png from the saved spans
 
@@ -42,8 +50,10 @@ from common import RESULTS, gndpo_cmd, machine, run_timed, save_json  # noqa: E4
 from gndpo.apps.compare import method_row  # noqa: E402
 from gndpo.apps.demo import DEFAULT_CONFIG, demo_config_data  # noqa: E402
 from gndpo.apps.demos.arithmetic import ensure_toy_assets  # noqa: E402
-from gndpo.pipeline.exec.status import stage_rows, stage_span  # noqa: E402
+from gndpo.apps.round_model import AHEAD, SEQUENTIAL, STREAMED, Machine, RoundCosts, StageCost, predict  # noqa: E402
+from gndpo.pipeline.exec.status import stage_span  # noqa: E402
 from gndpo.pipeline.observe.metrics import committed_rounds  # noqa: E402
+from gndpo.pipeline.run.products import POLICY  # noqa: E402
 from gndpo.pipeline.run.run import open_run  # noqa: E402
 from gndpo.stages.registry import STAGE_REGISTRY  # noqa: E402
 
@@ -56,13 +66,15 @@ CORES = {"core 0 (rollout)": ("rollout",), "core 1 (score, normalize, train; tea
 # name -> (run settings, how `gndpo run` runs it: "kept" the default, every stage in one process on kept
 # engines and every core; "processes" a process per stage and round (--no-keep-alive), pinned; "workers"
 # a worker per stage that stays for the whole run, pinned). The first is the baseline of the ratios.
+DEFAULT, PINNED_WAY, STREAMED_WAY, AHEAD_WAY = ("default (engines kept, every core)", "sequential, a process per stage and round",
+                                                "score streamed, workers that stay", "staleness 1, workers that stay")
 WAYS = {
-    "default (engines kept, every core)": ({"run": {"overlap": "off", "max_staleness": 0}}, "kept"),
-    "sequential, a process per stage and round": ({"run": {"overlap": "off", "max_staleness": 0}}, "processes"),
-    "score streamed, a process per stage and round": ({"run": {"overlap": "on", "max_staleness": 0}}, "processes"),
-    "score streamed, workers that stay": ({"run": {"overlap": "on", "max_staleness": 0}}, "workers"),
-    "staleness 1, workers that stay": ({"run": {"overlap": "on", "max_staleness": 1}}, "workers"),
+    DEFAULT: ({"run": {"overlap": "off", "max_staleness": 0}}, "kept"),
+    PINNED_WAY: ({"run": {"overlap": "off", "max_staleness": 0}}, "processes"),
+    STREAMED_WAY: ({"run": {"overlap": "on", "max_staleness": 0}}, "workers"),
+    AHEAD_WAY: ({"run": {"overlap": "on", "max_staleness": 1}}, "workers"),
 }
+MODELLED = {STREAMED_WAY: STREAMED, AHEAD_WAY: AHEAD, DEFAULT: SEQUENTIAL}  # the model's name of each way's order
 
 
 def load() -> dict:
@@ -70,7 +82,8 @@ def load() -> dict:
 
 
 def stage_spans(run_dir: Path) -> list[dict]:
-    """Every committed stage's (round, stage, start, end): `gndpo status`'s span, first claim to last commit."""
+    """Every committed stage's (round, stage, start, end, setup): `gndpo status`'s span, first claim to
+    last commit, and the seconds its units spent in the executor's ``setup`` phase (engines, models)."""
     run = open_run(str(run_dir))
     spans = []
     for r in range(committed_rounds(run)):
@@ -79,7 +92,8 @@ def stage_spans(run_dir: Path) -> list[dict]:
             manifest = rec.manifest()
             if manifest is not None:
                 start, end = stage_span(rec, [c.unit for c in manifest.units], manifest.units, finished=True, now=time.time())
-                spans.append({"round": r, "stage": stage, "start": start, "end": end})
+                setup = sum(c.numbers.phases.get("setup", {}).get("seconds", 0.0) for c in manifest.units)
+                spans.append({"round": r, "stage": stage, "start": start, "end": end, "setup": round(setup, 2)})
     return spans
 
 
@@ -110,11 +124,11 @@ def timing_config(assets: Path, folder: Path, server_url: str, prompts: int, set
     return path
 
 
-def timing(rounds: int, prompts: int) -> dict:
+def timing(rounds: int, prompts: int, repeats: int) -> dict:
     from gndpo.tests.teacher_servers import VllmServer  # the server the suite starts
 
     assets = ensure_toy_assets()
-    results = {}
+    runs: dict[str, list[dict]] = {name: [] for name in WAYS}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # The server (and every thread it starts) on core 1: the affinity a child inherits at its start.
@@ -126,23 +140,41 @@ def timing(rounds: int, prompts: int) -> dict:
             os.sched_setaffinity(0, everything)
         try:
             server.wait_ready()
-            for name, (settings, how) in WAYS.items():
-                folder = tmp / name.replace(" ", "-").replace(",", "")
-                folder.mkdir()
-                results[name] = timed_way(folder, timing_config(assets, folder, server.url, prompts, settings), how, rounds)
-                print(f"{name}: {results[name]['seconds']:.1f} s for {rounds} rounds", flush=True)
+            for repeat in range(repeats):  # interleaved, so that a slow spell of the machine falls on every way
+                for name, (settings, how) in WAYS.items():
+                    folder = tmp / f"{repeat}-{name.replace(' ', '-').replace(',', '')}"
+                    folder.mkdir()
+                    runs[name].append(timed_way(folder, timing_config(assets, folder, server.url, prompts, settings), how, rounds))
+                    print(f"repeat {repeat}, {name}: {runs[name][-1]['seconds']:.1f} s for {rounds} rounds, "
+                          f"{runs[name][-1]['steady_seconds_per_round']:.1f} s a round in the steady state", flush=True)
         finally:
             server.kill()
-    base = next(iter(results.values()))["seconds"]
-    for row in results.values():
-        row["ratio_to_default"] = round(base / row["seconds"], 3)
+    ways = {name: summary(rows, runs[DEFAULT]) for name, rows in runs.items()}
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rounds": rounds, "prompts_per_round": prompts, "n": 8,
-            "pinning": PINNED, "ways": results}
+            "repeats": repeats, "pinning": PINNED, "ways": ways, "model": modelled(runs, units=-(-prompts // 64))}
+
+
+def summary(rows: list[dict], defaults: list[dict]) -> dict:
+    """One way's repeats: each figure's mean and range, the speed against the default's in the same
+    repeat, and the last repeat's spans (the figure's)."""
+    def spread(key, of=rows):
+        values = [row[key] for row in of]
+        return {"mean": round(statistics.mean(values), 2), "min": round(min(values), 2), "max": round(max(values), 2)}
+
+    speeds = [{"speed": d["steady_seconds_per_round"] / row["steady_seconds_per_round"],
+               "speed_run": d["seconds"] / row["seconds"]} for row, d in zip(rows, defaults)]
+    return {"seconds_per_round": spread("seconds_per_round"), "steady_seconds_per_round": spread("steady_seconds_per_round"),
+            "speed": spread("speed", speeds), "speed_run": spread("speed_run", speeds),
+            "busy": {core: round(statistics.mean(row["busy"][core] for row in rows), 3) for core in CORES},
+            "waits": {k: round(statistics.mean(sum(w[k] for w in row["waits"].values()) for row in rows), 1)
+                      for k in ("wait_input_seconds", "wait_held_seconds")},
+            "runs": [{k: v for k, v in row.items() if k != "spans"} for row in rows], "spans": rows[-1]["spans"]}
 
 
 def timed_way(folder: Path, config: Path, how: str, rounds: int) -> dict:
-    """`gndpo run` of a new run from ``config``, as ``how`` says (:data:`WAYS`): seconds, each core's busy
-    share, the stage spans and where the workers waited."""
+    """`gndpo run` of a new run from ``config``, as ``how`` says (:data:`WAYS`): seconds (the whole run,
+    and per round in the steady state), each core's busy share in it, the stage spans and where the
+    workers waited."""
     run_timed(gndpo_cmd("init", str(folder / "run"), "--config", str(config)), folder / "init.log")
     env_before = os.environ.get("GNDPO_STAGE_CPUS")
     if how != "kept":
@@ -151,20 +183,43 @@ def timed_way(folder: Path, config: Path, how: str, rounds: int) -> dict:
         t0 = time.time()
         seconds, _ = run_timed(gndpo_cmd("run", str(folder / "run"), "--rounds", str(rounds), *(["--no-keep-alive"] if how == "processes" else [])),
                                folder / "run.log")
-        t1 = time.time()
     finally:
         os.environ.pop("GNDPO_STAGE_CPUS", None) if env_before is None else os.environ.__setitem__("GNDPO_STAGE_CPUS", env_before)
     spans = stage_spans(folder / "run")
     opened = open_run(str(folder / "run"))
-    beside = sorted({row["beside"] for row in stage_rows(opened) if row["beside"]})
     waits = {stage: {k: round(sum(m.metrics.get(k, 0.0) for m in manifests), 1) for k in ("wait_input_seconds", "wait_held_seconds")}
              for stage in STAGES for manifests in [[opened.records(r, stage).require_manifest() for r in range(rounds)]]}
+    trained = sorted(s["end"] for s in spans if s["stage"] == POLICY.stage)
+    steady = (trained[0], trained[-1])  # from round 0's train commit to the last round's
     return {
-        "seconds": round(seconds, 1), "seconds_per_round": round(seconds / rounds, 1),
-        "busy": {core: round(busy_fraction(spans, stages, t0, t1), 3) for core, stages in CORES.items()},
+        "seconds": round(seconds, 1), "seconds_per_round": round(seconds / rounds, 2),
+        "steady_seconds_per_round": round((steady[1] - steady[0]) / (rounds - 1), 2),
+        "busy": {core: round(busy_fraction(spans, stages, *steady), 3) for core, stages in CORES.items()},
         "spans": [{**s, "start": round(s["start"] - t0, 2), "end": round(s["end"] - t0, 2)} for s in spans],
-        "overlapped_stages": len(beside) > 0, "waits": waits,
+        "waits": waits,
     }
+
+
+def modelled(runs: dict[str, list[dict]], units: int) -> dict:
+    """The round model fed with the sequential ways' stage times (rounds 1 on; :data:`__doc__`), its
+    prediction for each way on 2 cores split 1 and 1, and what each measured in the steady state."""
+    def mean_over(rows, stage, figure):
+        return statistics.mean(figure(s) for row in rows for s in row["spans"] if s["stage"] == stage and s["round"] >= 1)
+
+    stages, inputs = {}, {}
+    for stage in STAGES:
+        both = mean_over(runs[DEFAULT], stage, lambda s: s["end"] - s["start"])
+        kept_setup = mean_over(runs[DEFAULT], stage, lambda s: s["setup"])
+        one = mean_over(runs[PINNED_WAY], stage, lambda s: s["end"] - s["start"] - s["setup"]) + kept_setup
+        parallel = min(max(one / both - 1, 0.0), 1.0)  # on 1 of 2 cores: both * (1 + parallel)
+        stages[stage] = StageCost(both, parallel)
+        inputs[stage] = {"two_cores_s": round(both, 2), "one_core_s": round(one, 2), "parallel": round(parallel, 2)}
+    times = predict(RoundCosts(stages, units, "measured"), Machine(2, 1), ahead=1)
+    rows = [{"way": way, "predicted_s": round(times[order], 2),
+             "measured_s": round(statistics.mean(r["steady_seconds_per_round"] for r in runs[way]), 2)} for way, order in MODELLED.items()]
+    for row in rows:
+        row["error"] = round(row["predicted_s"] / row["measured_s"] - 1, 3)
+    return {"inputs": inputs, "rows": rows}
 
 
 def accuracy(seeds: tuple[int, ...] = (0, 1, 2)) -> dict:
@@ -183,42 +238,51 @@ def accuracy(seeds: tuple[int, ...] = (0, 1, 2)) -> dict:
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "runs": runs}
 
 
-# The seeds' scale on one 8-GPU node (the issue's figures: an 8B teacher, a 1B student, 8,192 prompts x
-# 16 samples x up to 2,048 tokens): minutes per stage, sequentially.
-PAPER = {"rollout": 28.0, "score": 11.0, "normalize": 0.2, "train": 8.0, "units": 128}
+# The seeds' scale on one 8-GPU node: an 8B teacher, a 1B student, 8,192 prompts x 16 samples x up to
+# 2,048 tokens; minutes per stage one at a time, the teacher served on 2 GPUs of its own and the
+# student's stages on the other 6, each scaling perfectly over GPUs (on paper).
+PAPER = RoundCosts({"rollout": StageCost(28.0), "score": StageCost(11.0, own_devices=True), "normalize": StageCost(0.2), "train": StageCost(8.0)},
+                   128, "the seeds' minutes, on paper")
+PAPER_MACHINES = {"the student's 6 GPUs shared": Machine(6, 6), "rollout on 4, score and train on 2": Machine(6, 4),
+                  "rollout on 5, score and train on 1": Machine(6, 5)}
 
 
 def paper_model() -> list[dict]:
-    """Minutes per round in each order, from :data:`PAPER`: sequential adds the stages; streamed, score
-    finishes one unit after rollout (a served teacher on its own devices); staleness 1 in the steady
-    state is the longer of rollout and the learner's chain (the last score unit, normalize, train) where
-    train runs beside rollout on devices of its own."""
-    r, s, n, t, u = (PAPER[k] for k in ("rollout", "score", "normalize", "train", "units"))
-    sequential = r + s + n + t
-    streamed = r + s / u + n + t
-    stale = max(r, s / u + n + t)
-    return [{"order": name, "minutes": round(m, 1), "ratio": round(m / sequential, 2)}
-            for name, m in (("sequential", sequential), ("score streamed", streamed), ("staleness 1", stale))]
+    """Minutes per round of each order on each split of the student's GPUs (:data:`PAPER`)."""
+    rows = []
+    for split, devices in PAPER_MACHINES.items():
+        times = predict(PAPER, devices, ahead=1)
+        rows += [{"devices": split, "order": order, "minutes": round(m, 1), "ratio": round(times[SEQUENTIAL] / m, 2)}
+                 for order, m in times.items()]
+    return rows
 
 
 def markdown(data: dict) -> str:
     out = []
     t = data.get("timing")
-    if t:
-        ratio = "ratio_to_default" if "ratio_to_default" in next(iter(t["ways"].values())) else "ratio_to_sequential"
+    if t and "model" in t:
+        rng = lambda f, unit="": f"{f['mean']}{unit} ({f['min']}-{f['max']})"  # noqa: E731
         out += [f"### Round time, each order ({t['machine']}, {t['date']})", "",
                 f"{t['rounds']} rounds of {t['prompts_per_round']} prompts x {t['n']} samples of the toy addition task, teacher served "
                 f"by vLLM's server on core 1; every order but the default (which uses both cores) pinned with "
-                f"`GNDPO_STAGE_CPUS=\"{t['pinning']}\"`. Speed: the first row's seconds over the order's (above 1 is faster); "
-                "the waits are the stages' `wait_input_seconds` and `wait_held_seconds`, summed over the rounds and stages.", "",
-                f"| order | s per round | speed ({ratio.replace('_', ' ')}) | " + " | ".join(f"busy: {c}" for c in CORES)
-                + " | waited for input, s | held, s |", "|---|---:|---:|" + "---:|" * len(CORES) + "---:|---:|"]
+                f"`GNDPO_STAGE_CPUS=\"{t['pinning']}\"`; each way {t['repeats']} times, interleaved: mean (range). The steady state runs "
+                "from round 0's train commit to the last round's; speed is the default's seconds over the way's in the same repeat "
+                "(above 1 is faster); busy is each core's share of the steady state with one of its stages running; the waits are the "
+                "stages' `wait_input_seconds` and `wait_held_seconds`, summed over rounds and stages.", "",
+                "| order | s per round, whole run | s per round, steady state | speed, steady state | speed, whole run | "
+                + " | ".join(f"busy: {c}" for c in CORES) + " | waited for input, s | held, s |",
+                "|---|---:|---:|---:|---:|" + "---:|" * len(CORES) + "---:|---:|"]
         for name, row in t["ways"].items():
-            waits = row.get("waits", {})
-            waited = sum(w["wait_input_seconds"] for w in waits.values())
-            held = sum(w["wait_held_seconds"] for w in waits.values())
-            out.append(f"| {name} | {row['seconds_per_round']} | {row[ratio]} | " + " | ".join(f"{row['busy'][c]:.2f}" for c in CORES)
-                       + f" | {waited:.1f} | {held:.1f} |")
+            out.append(f"| {name} | {rng(row['seconds_per_round'])} | {rng(row['steady_seconds_per_round'])} | {rng(row['speed'])} | "
+                       f"{rng(row['speed_run'])} | " + " | ".join(f"{row['busy'][c]:.2f}" for c in CORES)
+                       + f" | {row['waits']['wait_input_seconds']:.1f} | {row['waits']['wait_held_seconds']:.1f} |")
+        m = t["model"]
+        out += ["", "The round model's inputs (per stage, rounds 1 on): seconds on both cores (the default's), on one core (the pinned "
+                "way's, less its process's setup, plus the default's kept-engine setup), and the share that divides over cores:", "",
+                "| stage | both cores, s | one core, s | parallel share |", "|---|---:|---:|---:|"]
+        out += [f"| {stage} | {x['two_cores_s']} | {x['one_core_s']} | {x['parallel']} |" for stage, x in m["inputs"].items()]
+        out += ["", "| order | predicted s per round (steady state) | measured | error |", "|---|---:|---:|---:|"]
+        out += [f"| {r['way']} | {r['predicted_s']} | {r['measured_s']} | {r['error']:+.1%} |" for r in m["rows"]]
         out.append("")
     a = data.get("accuracy")
     if a:
@@ -234,10 +298,11 @@ def markdown(data: dict) -> str:
             out.append(f"| {staleness} | mean | | | | {statistics.mean(finals):.3f} | |")
         out.append("")
     out += ["### The seeds' scale on paper (one 8-GPU node)", "",
-            "Minutes per stage in sequence: rollout 28, score 11, normalize 0.2, train 8 (an 8B teacher, a 1B student, "
-            "8,192 prompts x 16 samples x up to 2,048 tokens), 128 score units.", "",
-            "| order | minutes per round | ratio |", "|---|---:|---:|"]
-    out += [f"| {row['order']} | {row['minutes']} | {row['ratio']} |" for row in paper_model()]
+            "The round model with the seeds' minutes per stage one at a time: rollout 28, score 11, normalize 0.2, train 8 (an 8B "
+            "teacher served on 2 GPUs of its own, a 1B student on the other 6; 8,192 prompts x 16 samples x up to 2,048 tokens; "
+            "128 score units), each stage scaling perfectly over GPUs. On paper: nothing here was run.", "",
+            "| the student's GPUs | order | minutes per round | speed |", "|---|---|---:|---:|"]
+    out += [f"| {row['devices']} | {row['order']} | {row['minutes']} | {row['ratio']} |" for row in paper_model()]
     return "\n".join(out) + "\n"
 
 
@@ -259,7 +324,7 @@ def figure(data: dict) -> None:
             if span["end"] - span["start"] > 3:
                 ax.text((span["start"] + span["end"]) / 2, lane, f"r{span['round']}", ha="center", va="center", fontsize=7, color="white")
         ax.set_yticks(range(len(lanes)), [f"{stage} (core {0 if stage == 'rollout' else 1})" for stage in lanes], fontsize=8)
-        ax.set_title(f"{name}: {row['seconds_per_round']} s per round", fontsize=9, loc="left")
+        ax.set_title(f"{name}: {row['steady_seconds_per_round']['mean']} s per round in the steady state", fontsize=9, loc="left")
     axes[-1].set_xlabel("seconds since the run started")
     fig.tight_layout()
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
@@ -271,14 +336,15 @@ def main(argv=None) -> None:
     ap.add_argument("part", choices=("timing", "accuracy", "figure", "table"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args(argv)
     data = load()
     if a.part == "timing":
-        data["timing"] = timing(a.rounds, a.prompts)
+        data["timing"] = timing(a.rounds, a.prompts, a.repeats)
     elif a.part == "accuracy":  # "figure" and "table" redraw and rewrite from what is saved
         data["accuracy"] = accuracy()
     save_json(OUT, data)
-    if data.get("timing"):
+    if data.get("timing", {}).get("model"):
         figure(data)
     (RESULTS / "overlap.md").write_text(markdown(data))
 

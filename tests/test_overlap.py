@@ -227,15 +227,19 @@ def order_of(tiny_assets, gpus=0, learner_gpus=0, **sections) -> RoundOrder:
     return choose_order(config_from_dict(tiny_config_dict(tiny_assets, **sections)), gpus, learner_gpus)
 
 
-def test_auto_overlaps_only_stages_with_devices_of_their_own(tiny_assets):
-    cpu = order_of(tiny_assets)
-    assert cpu.sequential and "the CPU" in cpu.line() and "run.overlap on" in cpu.line()
+def test_auto_takes_the_order_the_round_model_predicts_fastest(tiny_assets, monkeypatch):
+    monkeypatch.delenv("GNDPO_STAGE_CPUS", raising=False)
+    cpu = order_of(tiny_assets)  # stages that scale over the same devices: nothing gained by overlapping
+    assert cpu.sequential and "the CPU" in cpu.line() and "run.overlap on" in cpu.line() and "score streamed 1.00" in cpu.line()
     assert order_of(tiny_assets, gpus=1).sequential
-    served = order_of(tiny_assets, score={"backend": "server", "student_logprobs": "engine", "servers": ["http://127.0.0.1:1"]}, run={"max_staleness": 1})
-    assert served.stream_score and served.rollout_ahead == 0 and "served" in served.line()
-    assert order_of(tiny_assets, score={"backend": "server", "servers": ["http://127.0.0.1:1"]}).sequential  # score still runs the student's forward here
+    served = {"backend": "server", "student_logprobs": "engine", "servers": ["http://127.0.0.1:1"]}
+    # A served teacher computes on devices of its own, beside rollout; rollout ahead would share the GPU's memory with train.
+    on_gpu = order_of(tiny_assets, gpus=1, score=served, run={"max_staleness": 1})
+    assert on_gpu.stream_score and on_gpu.rollout_ahead == 0 and "one GPU" in on_gpu.line()
+    assert order_of(tiny_assets, score={**served, "student_logprobs": "recompute"}).sequential  # score computes the student's forward here
+    # The toy's costs on paper: rollout on 6 of 8 GPUs and the learner's stages on 2 take longer than all 8 in turn.
     split = order_of(tiny_assets, gpus=8, learner_gpus=2, run={"max_staleness": 1})
-    assert split.stream_score and split.rollout_ahead == 1 and "--learner-gpus" in split.line()
+    assert split.sequential and "--learner-gpus 2 left unused" in split.line()
     forced = order_of(tiny_assets, run={"max_staleness": 1, "overlap": "on"})
     assert forced.stream_score and forced.rollout_ahead == 1
     assert order_of(tiny_assets, gpus=8, learner_gpus=2, run={"overlap": "off"}).sequential

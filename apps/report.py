@@ -1,7 +1,7 @@
 """``gndpo report``: one self-contained HTML page (plus its PNGs) on how a run, or a comparison, went.
 
 The page holds per-round curves (held-out accuracy, reward, the teacher KL estimate, grad norm, clip
-fraction, response length, entropies, stage times), a token-level view of a few rollouts of the newest
+fraction, response length, entropies, stage times, the timeline of the stages' spans and waits), a token-level view of a few rollouts of the newest
 scored round coloured by the teacher-student log-ratio lpT - lpS (red where the teacher finds the
 student's token unlikely: where the student goes wrong), and the config. Every figure is embedded in the
 HTML (base64), so the one file can be mailed or attached; the same PNGs are written beside it.
@@ -24,7 +24,7 @@ import numpy as np
 
 from gndpo.apps.recipe import recipe_stages
 from gndpo.errors import GndpoError
-from gndpo.pipeline.exec.status import phase_rows, round_seconds
+from gndpo.pipeline.exec.status import phase_rows, round_seconds, stage_table
 from gndpo.pipeline.observe.metrics import collect_metrics, committed_rounds
 from gndpo.pipeline.run.images import RunImages, image_ids
 from gndpo.pipeline.run.products import POLICY, ROLLOUTS, ROUND, SCORES
@@ -184,6 +184,42 @@ def stage_time_figure(series: list[Series]) -> bytes | None:
     return _png(fig)
 
 
+def timeline_figure(url: str) -> bytes | None:
+    """One run's timeline: each stage's span per round (first claim to last commit) in a lane of its
+    own, so stages that ran side by side (overlapped rounds) are seen to, with the round's waits
+    (``wait_input_seconds`` + ``wait_held_seconds`` over its stages) beside its label."""
+    run = open_run(url)
+    spans = {key: span for key, span in stage_table(run)[1].items() if span is not None}
+    if not spans:
+        return None
+    waits = round_waits(run)
+    start = min(a for a, _ in spans.values())
+    lanes = list(reversed(STAGE_ORDER))  # rollout on top
+    fig, ax = _figure()
+    for (r, stage), (a, b) in sorted(spans.items()):
+        if stage not in lanes:
+            continue
+        lane = lanes.index(stage)
+        ax.barh(lane, b - a, left=a - start, color=f"C{STAGE_ORDER.index(stage)}", edgecolor="white", height=0.8)
+        ax.text((a + b) / 2 - start, lane, f"r{r}", ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(len(lanes)), lanes)
+    waited = ", ".join(f"r{r} {w['input'] + w['held']:.0f}s" for r, w in sorted(waits.items()) if w["input"] + w["held"] > 0)
+    ax.set_title("Timeline" + (f" (waited: {waited})" if waited else ""), fontsize=9)
+    ax.set_xlabel("seconds since the first stage started")
+    return _png(fig)
+
+
+def round_waits(run) -> dict[int, dict[str, float]]:
+    """{round: {"input": s, "held": s}}: the seconds the round's stages' workers waited for their input,
+    and held back by the actor's bound ahead of the learner (their metrics summed over stages)."""
+    waits: dict[int, dict[str, float]] = {}
+    for row in collect_metrics(run):
+        w = waits.setdefault(row["round"], {"input": 0.0, "held": 0.0})
+        w["input"] += float(row.get("wait_input_seconds") or 0.0)
+        w["held"] += float(row.get("wait_held_seconds") or 0.0)
+    return waits
+
+
 def _figure():
     """A figure and its axes, made without pyplot: no GUI backend, nothing a notebook would notice."""
     from matplotlib.figure import Figure
@@ -327,15 +363,19 @@ def heldout_label(series: list[Series]) -> str:
 def round_table(series: list[Series]) -> str:
     """The main metrics as an HTML table, one row per (series, round); ``round_seconds`` is the round's
     wall time: the union of its stages' spans from first claim to last commit, stages that ran side by
-    side counted once (of the first run of a series)."""
+    side counted once, and the seconds its workers waited for input and were held (:func:`round_waits`)
+    (of the first run of a series)."""
     cols = [("rollout", "heldout_accuracy"), ("rollout", "staleness"), ("score", "heldout_reverse_kl"), ("normalize", "reward_mean"),
             ("normalize", "reverse_kl_estimate"), ("train", "grad_norm_mean"), ("train", "clip_fraction"), ("normalize", "response_length_mean")]
-    head = "<tr><th>run</th><th>round</th>" + "".join(f"<th>{html.escape(m)}</th>" for _, m in cols) + "<th>round_seconds</th></tr>"
+    head = ("<tr><th>run</th><th>round</th>" + "".join(f"<th>{html.escape(m)}</th>" for _, m in cols)
+            + "<th>round_seconds</th><th>waited_input_s</th><th>held_s</th></tr>")
     body = []
     for s in series:
-        walls = round_seconds(open_run(s.url))
+        run = open_run(s.url)
+        walls, waits = round_seconds(run), round_waits(run)
         for r in sorted({r for r, _ in s.by}):
-            values = [s.by.get((r, stage), {}).get(m) for stage, m in cols] + [walls.get(r)]
+            waited = waits.get(r, {})
+            values = [s.by.get((r, stage), {}).get(m) for stage, m in cols] + [walls.get(r), waited.get("input"), waited.get("held")]
             cells = "".join(f"<td>{v:.4g}</td>" if isinstance(v, (int, float)) else "<td>-</td>" for v in values)
             body.append(f"<tr><td>{html.escape(s.label)}</td><td>{r}</td>{cells}</tr>")
     return f"<table>{head}{''.join(body)}</table>"
@@ -361,6 +401,7 @@ def build_report(folder: str, out: str) -> dict:
     figures, written = [], []
     pngs = [(name, curve_figure(series, title, ylabel or heldout_label(series), lines)) for name, title, ylabel, lines in CURVES]
     pngs.append(("stage_seconds", stage_time_figure(series)))
+    pngs.append(("timeline", timeline_figure(series[0].url)))
     for name, png in pngs:
         if png is None:
             continue

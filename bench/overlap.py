@@ -9,9 +9,10 @@ prediction for the overlapped ways beside what they measured, and the model at t
 
 ``timing``: the toy addition task's models (the demo's assets) with the teacher behind vLLM's
 OpenAI-compatible server (``score.backend server``, the student's column from the engine, so score
-computes nothing itself), ``--rounds`` rounds of ``--prompts`` prompts x 8 samples. ``GNDPO_STAGE_CPUS``
-puts rollout on core 0 and score, normalize and train on core 1 (but for the default, which uses every
-core), where the teacher server is pinned too. Reported per way: wall seconds per round over the run and
+computes nothing itself), ``--rounds`` rounds of ``--prompts`` prompts x 8 samples; the server pinned to
+core 1. ``GNDPO_STAGE_CPUS`` puts rollout on core 0 and score, normalize and train on core 1 beside the
+server (:data:`PINNED`), or every stage on core 0, the server's core its own as a served teacher's GPUs
+would be (:data:`STUDENT_CORE`); the default uses every core. Reported per way: wall seconds per round over the run and
 in the steady state (from round 0's train commit to the last round's, per round), the speed against the
 default's in the same repeat, each core's busy share (the union of its stages' spans, from first claim to
 last commit) over the steady state, and where the workers waited (``wait_input_seconds``,
@@ -41,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -55,26 +57,45 @@ from gndpo.pipeline.exec.status import stage_span  # noqa: E402
 from gndpo.pipeline.observe.metrics import committed_rounds  # noqa: E402
 from gndpo.pipeline.run.products import POLICY  # noqa: E402
 from gndpo.pipeline.run.run import open_run  # noqa: E402
-from gndpo.stages.registry import STAGE_REGISTRY  # noqa: E402
+from gndpo.stages.registry import STAGE_REGISTRY, job_class  # noqa: E402
 
 STAGES = tuple(STAGE_REGISTRY)
 
 OUT = RESULTS / "overlap.json"
 FIGURE = HERE.parent / "docs" / "benchmarks" / "figures" / "overlap_timeline.png"
-PINNED = "rollout=0 score=1 normalize=1 train=1"
-CORES = {"core 0 (rollout)": ("rollout",), "core 1 (score, normalize, train; teacher server)": ("score", "normalize", "train")}
-# name -> (run settings, how `gndpo run` runs it: "kept" the default, every stage in one process on kept
-# engines and every core; "processes" a process per stage and round (--no-keep-alive), pinned; "workers"
-# a worker per stage that stays for the whole run, pinned). The first is the baseline of the ratios.
-DEFAULT, PINNED_WAY, STREAMED_WAY, AHEAD_WAY = ("default (engines kept, every core)", "sequential, a process per stage and round",
-                                                "score streamed, workers that stay", "staleness 1, workers that stay")
-WAYS = {
-    DEFAULT: ({"run": {"overlap": "off", "max_staleness": 0}}, "kept"),
-    PINNED_WAY: ({"run": {"overlap": "off", "max_staleness": 0}}, "processes"),
-    STREAMED_WAY: ({"run": {"overlap": "on", "max_staleness": 0}}, "workers"),
-    AHEAD_WAY: ({"run": {"overlap": "on", "max_staleness": 1}}, "workers"),
+PINNED = "rollout=0 score=1 normalize=1 train=1"  # each stage on its own core, the learner's beside the teacher server
+STUDENT_CORE = "rollout=0 score=0 normalize=0 train=0"  # the teacher server's core its own, as its GPUs would be
+
+
+@dataclass(frozen=True)
+class Way:
+    """How one timed run goes: its run settings; ``how`` `gndpo run` runs it ("kept": the default, every
+    stage in one process on kept engines and every core; "processes": a process per stage and round,
+    --no-keep-alive; "workers": a worker per stage that stays for the whole run); ``pins``: the
+    GNDPO_STAGE_CPUS its stages run under (none: every core)."""
+
+    settings: dict
+    how: str
+    pins: str = ""
+
+    def cores(self) -> dict[str, tuple[str, ...]]:
+        """{core: the stages that compute on it}: each pinned stage's core, the teacher server's core
+        (1) also busy while score runs; unpinned, as :data:`PINNED`."""
+        spec = dict(entry.split("=") for entry in (self.pins or PINNED).split())
+        return {f"core {c}": tuple(stage for stage in STAGES if spec[stage] == c or (c == "1" and stage == "score")) for c in ("0", "1")}
+
+
+SEQUENTIAL_RUN, STREAMED_RUN, AHEAD_RUN = ({"run": {"overlap": "off", "max_staleness": 0}}, {"run": {"overlap": "on", "max_staleness": 0}},
+                                           {"run": {"overlap": "on", "max_staleness": 1}})
+DEFAULT, PINNED_WAY = "default (engines kept, every core)", "sequential, a process per stage and round"
+WAYS = {  # the first is the baseline of the ratios
+    DEFAULT: Way(SEQUENTIAL_RUN, "kept"),
+    PINNED_WAY: Way(SEQUENTIAL_RUN, "processes", PINNED),
+    "score streamed, workers that stay": Way(STREAMED_RUN, "workers", PINNED),
+    "staleness 1, workers that stay": Way(AHEAD_RUN, "workers", PINNED),
+    "score streamed, workers that stay, the teacher's core its own": Way(STREAMED_RUN, "workers", STUDENT_CORE),
+    "staleness 1, workers that stay, the teacher's core its own": Way(AHEAD_RUN, "workers", STUDENT_CORE),
 }
-MODELLED = {STREAMED_WAY: STREAMED, AHEAD_WAY: AHEAD, DEFAULT: SEQUENTIAL}  # the model's name of each way's order
 
 
 def load() -> dict:
@@ -141,17 +162,17 @@ def timing(rounds: int, prompts: int, repeats: int) -> dict:
         try:
             server.wait_ready()
             for repeat in range(repeats):  # interleaved, so that a slow spell of the machine falls on every way
-                for name, (settings, how) in WAYS.items():
-                    folder = tmp / f"{repeat}-{name.replace(' ', '-').replace(',', '')}"
+                for name, way in WAYS.items():
+                    folder = tmp / f"{repeat}-{name.replace(' ', '-').replace(',', '').replace(chr(39), '')}"
                     folder.mkdir()
-                    runs[name].append(timed_way(folder, timing_config(assets, folder, server.url, prompts, settings), how, rounds))
+                    runs[name].append(timed_way(folder, timing_config(assets, folder, server.url, prompts, way.settings), way, rounds))
                     print(f"repeat {repeat}, {name}: {runs[name][-1]['seconds']:.1f} s for {rounds} rounds, "
                           f"{runs[name][-1]['steady_seconds_per_round']:.1f} s a round in the steady state", flush=True)
         finally:
             server.kill()
     ways = {name: summary(rows, runs[DEFAULT]) for name, rows in runs.items()}
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rounds": rounds, "prompts_per_round": prompts, "n": 8,
-            "repeats": repeats, "pinning": PINNED, "ways": ways, "model": modelled(runs, units=-(-prompts // 64))}
+            "repeats": repeats, "ways": ways, "model": modelled(runs, units=-(-prompts // 64))}
 
 
 def summary(rows: list[dict], defaults: list[dict]) -> dict:
@@ -165,23 +186,23 @@ def summary(rows: list[dict], defaults: list[dict]) -> dict:
                "speed_run": d["seconds"] / row["seconds"]} for row, d in zip(rows, defaults)]
     return {"seconds_per_round": spread("seconds_per_round"), "steady_seconds_per_round": spread("steady_seconds_per_round"),
             "speed": spread("speed", speeds), "speed_run": spread("speed_run", speeds),
-            "busy": {core: round(statistics.mean(row["busy"][core] for row in rows), 3) for core in CORES},
+            "busy": {core: round(statistics.mean(row["busy"][core] for row in rows), 3) for core in rows[0]["busy"]},
             "waits": {k: round(statistics.mean(sum(w[k] for w in row["waits"].values()) for row in rows), 1)
                       for k in ("wait_input_seconds", "wait_held_seconds")},
             "runs": [{k: v for k, v in row.items() if k != "spans"} for row in rows], "spans": rows[-1]["spans"]}
 
 
-def timed_way(folder: Path, config: Path, how: str, rounds: int) -> dict:
-    """`gndpo run` of a new run from ``config``, as ``how`` says (:data:`WAYS`): seconds (the whole run,
+def timed_way(folder: Path, config: Path, way: Way, rounds: int) -> dict:
+    """`gndpo run` of a new run from ``config``, as ``way`` says: seconds (the whole run,
     and per round in the steady state), each core's busy share in it, the stage spans and where the
     workers waited."""
     run_timed(gndpo_cmd("init", str(folder / "run"), "--config", str(config)), folder / "init.log")
     env_before = os.environ.get("GNDPO_STAGE_CPUS")
-    if how != "kept":
-        os.environ["GNDPO_STAGE_CPUS"] = PINNED
+    if way.pins:
+        os.environ["GNDPO_STAGE_CPUS"] = way.pins
     try:
         t0 = time.time()
-        seconds, _ = run_timed(gndpo_cmd("run", str(folder / "run"), "--rounds", str(rounds), *(["--no-keep-alive"] if how == "processes" else [])),
+        seconds, _ = run_timed(gndpo_cmd("run", str(folder / "run"), "--rounds", str(rounds), *(["--no-keep-alive"] if way.how == "processes" else [])),
                                folder / "run.log")
     finally:
         os.environ.pop("GNDPO_STAGE_CPUS", None) if env_before is None else os.environ.__setitem__("GNDPO_STAGE_CPUS", env_before)
@@ -194,7 +215,7 @@ def timed_way(folder: Path, config: Path, how: str, rounds: int) -> dict:
     return {
         "seconds": round(seconds, 1), "seconds_per_round": round(seconds / rounds, 2),
         "steady_seconds_per_round": round((steady[1] - steady[0]) / (rounds - 1), 2),
-        "busy": {core: round(busy_fraction(spans, stages, *steady), 3) for core, stages in CORES.items()},
+        "busy": {core: round(busy_fraction(spans, stages, *steady), 3) for core, stages in way.cores().items()},
         "spans": [{**s, "start": round(s["start"] - t0, 2), "end": round(s["end"] - t0, 2)} for s in spans],
         "waits": waits,
     }
@@ -202,23 +223,31 @@ def timed_way(folder: Path, config: Path, how: str, rounds: int) -> dict:
 
 def modelled(runs: dict[str, list[dict]], units: int) -> dict:
     """The round model fed with the sequential ways' stage times (rounds 1 on; :data:`__doc__`), its
-    prediction for each way on 2 cores split 1 and 1, and what each measured in the steady state."""
+    prediction for each way, and what each measured in the steady state. Pinned as :data:`PINNED`, the
+    machine is 2 cores split 1 and 1, score a learner stage (its server shares the learner's core); as
+    :data:`STUDENT_CORE`, the student's stages share one core and score runs on the server's, its own."""
     def mean_over(rows, stage, figure):
         return statistics.mean(figure(s) for row in rows for s in row["spans"] if s["stage"] == stage and s["round"] >= 1)
 
-    stages, inputs = {}, {}
+    split, own, inputs = {}, {}, {}
     for stage in STAGES:
         both = mean_over(runs[DEFAULT], stage, lambda s: s["end"] - s["start"])
         kept_setup = mean_over(runs[DEFAULT], stage, lambda s: s["setup"])
         one = mean_over(runs[PINNED_WAY], stage, lambda s: s["end"] - s["start"] - s["setup"]) + kept_setup
         parallel = min(max(one / both - 1, 0.0), 1.0)  # on 1 of 2 cores: both * (1 + parallel)
-        stages[stage] = StageCost(both, parallel)
+        split[stage] = StageCost(both, parallel)
+        own[stage] = StageCost(one, own_devices=job_class(stage).streams())
         inputs[stage] = {"two_cores_s": round(both, 2), "one_core_s": round(one, 2), "parallel": round(parallel, 2)}
-    times = predict(RoundCosts(stages, units, "measured"), Machine(2, 1), ahead=1)
-    rows = [{"way": way, "predicted_s": round(times[order], 2),
-             "measured_s": round(statistics.mean(r["steady_seconds_per_round"] for r in runs[way]), 2)} for way, order in MODELLED.items()]
-    for row in rows:
-        row["error"] = round(row["predicted_s"] / row["measured_s"] - 1, 3)
+    predictions = {PINNED: predict(RoundCosts(split, units, "measured"), Machine(2, 1), ahead=1),
+                   STUDENT_CORE: predict(RoundCosts(own, units, "measured"), Machine(1, 1), ahead=1)}
+    rows = []
+    for name, way in WAYS.items():
+        if way.how == "processes":
+            continue  # an input of the model
+        order = SEQUENTIAL if way.how == "kept" else AHEAD if way.settings["run"]["max_staleness"] else STREAMED
+        predicted = predictions[way.pins or PINNED][order] if way.how == "workers" else predictions[PINNED][SEQUENTIAL]
+        measured = statistics.mean(r["steady_seconds_per_round"] for r in runs[name])
+        rows.append({"way": name, "predicted_s": round(predicted, 2), "measured_s": round(measured, 2), "error": round(predicted / measured - 1, 3)})
     return {"inputs": inputs, "rows": rows}
 
 
@@ -264,17 +293,20 @@ def markdown(data: dict) -> str:
         rng = lambda f, unit="": f"{f['mean']}{unit} ({f['min']}-{f['max']})"  # noqa: E731
         out += [f"### Round time, each order ({t['machine']}, {t['date']})", "",
                 f"{t['rounds']} rounds of {t['prompts_per_round']} prompts x {t['n']} samples of the toy addition task, teacher served "
-                f"by vLLM's server on core 1; every order but the default (which uses both cores) pinned with "
-                f"`GNDPO_STAGE_CPUS=\"{t['pinning']}\"`; each way {t['repeats']} times, interleaved: mean (range). The steady state runs "
-                "from round 0's train commit to the last round's; speed is the default's seconds over the way's in the same repeat "
-                "(above 1 is faster); busy is each core's share of the steady state with one of its stages running; the waits are the "
-                "stages' `wait_input_seconds` and `wait_held_seconds`, summed over rounds and stages.", "",
+                f"by vLLM's server pinned to core 1. The default uses both cores; the other ways are pinned with "
+                f"`GNDPO_STAGE_CPUS=\"{PINNED}\"` (rollout on core 0, the learner's stages beside the server), or, where the teacher's "
+                f"core is its own, `\"{STUDENT_CORE}\"` (as a served teacher's GPUs would be). Each way {t['repeats']} times, "
+                "interleaved: mean (range). The steady state runs from round 0's train commit to the last round's; the whole run "
+                "includes starting the engines and workers. Speed is the default's seconds over the way's in the same repeat (above 1 "
+                "is faster); busy is each core's share of the steady state with one of its stages running (core 1: also while score "
+                "waits on the server); the waits are the stages' `wait_input_seconds` and `wait_held_seconds`, summed over rounds and "
+                "stages.", "",
                 "| order | s per round, whole run | s per round, steady state | speed, steady state | speed, whole run | "
-                + " | ".join(f"busy: {c}" for c in CORES) + " | waited for input, s | held, s |",
-                "|---|---:|---:|---:|---:|" + "---:|" * len(CORES) + "---:|---:|"]
+                "| busy: core 0 | busy: core 1 (teacher server) | waited for input, s | held, s |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, row in t["ways"].items():
             out.append(f"| {name} | {rng(row['seconds_per_round'])} | {rng(row['steady_seconds_per_round'])} | {rng(row['speed'])} | "
-                       f"{rng(row['speed_run'])} | " + " | ".join(f"{row['busy'][c]:.2f}" for c in CORES)
+                       f"{rng(row['speed_run'])} | " + " | ".join(f"{row['busy'][c]:.2f}" for c in ("core 0", "core 1"))
                        + f" | {row['waits']['wait_input_seconds']:.1f} | {row['waits']['wait_held_seconds']:.1f} |")
         m = t["model"]
         out += ["", "The round model's inputs (per stage, rounds 1 on): seconds on both cores (the default's), on one core (the pinned "
@@ -323,7 +355,7 @@ def figure(data: dict) -> None:
             ax.barh(lane, span["end"] - span["start"], left=span["start"], color=colors[span["stage"]], edgecolor="white", height=0.8)
             if span["end"] - span["start"] > 3:
                 ax.text((span["start"] + span["end"]) / 2, lane, f"r{span['round']}", ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(len(lanes)), [f"{stage} (core {0 if stage == 'rollout' else 1})" for stage in lanes], fontsize=8)
+        ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
         ax.set_title(f"{name}: {row['steady_seconds_per_round']['mean']} s per round in the steady state", fontsize=9, loc="left")
     axes[-1].set_xlabel("seconds since the run started")
     fig.tight_layout()

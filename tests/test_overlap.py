@@ -25,7 +25,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from gndpo.apps.report import find_runs, round_table
+from gndpo.apps.report import find_runs, round_table, round_waits, timeline_figure
 from gndpo.apps.rounds import DeviceSets, stage_cpus, stage_processes
 from gndpo.apps.schedule import RoundOrder, choose_order, may_start
 from gndpo.errors import GndpoError
@@ -181,6 +181,11 @@ def test_round_1_samples_with_policy_0_and_says_so(runs):
     assert "waiting s" in phases, phases
     assert sum(run.records(r, "normalize").require_manifest().metrics.get("wait_input_seconds", 0.0) for r in range(ROUNDS)) > 0
     assert "waiting s" not in invoke_ok("status", str(runs["sequential"]), "--phases").output
+    # ... and in the report: each round's waits in the round table (the stages' metrics summed), and the timeline drawn.
+    waits = round_waits(run)
+    assert waits[0]["input"] == pytest.approx(sum(run.records(0, s).require_manifest().metrics.get("wait_input_seconds", 0.0) for s in STAGES))
+    assert "<th>waited_input_s</th>" in round_table(find_runs(str(runs["overlapped"])))
+    assert timeline_figure(str(runs["overlapped"])).startswith(b"\x89PNG")
     # A round's wall time counts the time its stages ran side by side once: less than their sum here.
     walls = round_seconds(run)
     assert walls[0] < sum(row["seconds"] for (r, _), row in rows.items() if r == 0)

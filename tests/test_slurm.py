@@ -1,4 +1,4 @@
-"""examples/slurm/stage-workers.sbatch under a real Slurm: a single-node cluster on loopback.
+"""examples/slurm/stage-workers.sbatch and overlapped-run.sbatch under a real Slurm: a single-node cluster on loopback.
 
 The module starts Debian's munged, slurmctld and slurmd on this machine, configured in a temporary folder
 (its own slurm.conf naming this host, a CPU-only node with the machine's CPU count, no cgroups), and
@@ -8,8 +8,9 @@ cannot start, the tests that need it are skipped with the reason (and the daemon
 One toy round goes through the script as the issue's scenario: a job with 2 tasks (2 rollout and 2 score
 workers, no GPUs) is cancelled with scancel while rollout units are claimed and not committed, then
 submitted again; the resubmitted job takes the cancelled job's claims over and commits the round, whose
-rollout, score and normalize rows and trained weights must equal those of `gndpo run --rounds 1` on an
-identical run.
+rollout, score and normalize rows and trained weights must equal those of `gndpo run` on an identical
+run. Then two rounds go through overlapped-run.sbatch, each stage's workers started once for both, to
+the same rows and weights.
 """
 
 import os
@@ -37,6 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "slurm" / "stage-workers.sbatch"
+OVERLAPPED = ROOT / "examples" / "slurm" / "overlapped-run.sbatch"
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "srun")
 # Every process of the test's jobs carries this variable (sbatch exports the submitting environment), so
 # the processes a cancelled job leaves behind can be found by it, and only those are ended.
@@ -242,27 +244,41 @@ def new_run(folder: Path, tiny_assets: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_assets) -> Path:
-    """Round 0 of the toy run through `gndpo run --rounds 1` on this machine, in this process (with the
-    job's one thread: float reductions depend on the thread count)."""
+    """Rounds 0 and 1 of the toy run through `gndpo run --rounds 2` on this machine, in this process
+    (with the job's one thread: float reductions depend on the thread count)."""
     run = new_run(tmp_path_factory.mktemp("slurm-reference"), tiny_assets)
     threads = torch.get_num_threads()
     with mock.patch.dict(os.environ, THREADS):
-        invoke_ok("run", run, "--rounds", 1)
+        invoke_ok("run", run, "--rounds", 2)
     torch.set_num_threads(threads)
     return run
 
 
-def committed_tables(run: Path, stage: str) -> dict:
-    """Every committed parquet file's rows of round 0's ``stage``, by unit and file name."""
-    manifest = open_run(str(run)).records(0, stage).manifest()
-    assert manifest is not None, f"{stage} of round 0 is not committed in {run}"
+def committed_tables(run: Path, stage: str, round_idx: int = 0) -> dict:
+    """Every committed parquet file's rows of ``round_idx``'s ``stage``, by unit and file name."""
+    manifest = open_run(str(run)).records(round_idx, stage).manifest()
+    assert manifest is not None, f"{stage} of round {round_idx} is not committed in {run}"
     return {(u.unit, Path(f.path).name): pq.read_table(run / f.path).to_pylist()
             for u in manifest.units for f in u.files if f.path.endswith(".parquet")}
 
 
-def trained_weights(run: Path) -> dict:
-    model_dir = open_run(str(run)).records(0, "train").manifest().metrics["model_dir"]
+def trained_weights(run: Path, round_idx: int = 0) -> dict:
+    model_dir = open_run(str(run)).records(round_idx, "train").manifest().metrics["model_dir"]
     return load_file(str(run / model_dir / "model.safetensors"))
+
+
+def assert_same_rounds(run: Path, reference: Path, rounds: int) -> None:
+    """Rollout, score and normalize rows and the trained weights of rounds 0..rounds-1 equal the reference's."""
+    for r in range(rounds):
+        for stage in ("rollout", "score", "normalize"):
+            got, want = committed_tables(run, stage, r), committed_tables(reference, stage, r)
+            assert got.keys() == want.keys(), (r, stage)
+            for key in want:
+                assert got[key] == want[key], (r, stage, key)
+        got, want = trained_weights(run, r), trained_weights(reference, r)
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"r{r} {name}")
 
 
 def submit_round(slurm: Slurm, run: Path, out: Path, env: dict | None = None) -> str:
@@ -309,16 +325,26 @@ def test_cancelled_and_resubmitted_job_commits_the_rows_of_gndpo_run(slurm, refe
     for stage in ("rollout", "score", "normalize", "train"):
         assert open_run(str(run)).records(0, stage).manifest() is not None, stage
 
-    for stage in ("rollout", "score", "normalize"):
-        got, want = committed_tables(run, stage), committed_tables(reference, stage)
-        assert got.keys() == want.keys(), stage
-        for key in want:
-            assert got[key] == want[key], (stage, key)
+    assert_same_rounds(run, reference, 1)
     assert sum(len(rows) for (unit, _), rows in committed_tables(run, "rollout").items() if unit != "eval-heldout") == 32
-    got, want = trained_weights(run), trained_weights(reference)
-    assert got.keys() == want.keys()
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_overlapped_run_script_works_every_round_in_workers_started_once(slurm, reference, tiny_assets, tmp_path):
+    """overlapped-run.sbatch for rounds 0 and 1 on the CPU node: 2 rollout workers, one of each other
+    stage, as job steps side by side for the whole run; the rows and weights are `gndpo run`'s."""
+    run = new_run(tmp_path, tiny_assets)
+    out = tmp_path / "run.out"
+    job = slurm.submit("--job-name=gndpo-run", "--nodes=1", "--ntasks=2", "--cpus-per-task=1", "--gpus-per-node=0", f"--output={out}",
+                       f"--chdir={tmp_path}", OVERLAPPED, run, 2, env={**THREADS, "LEASE_TTL": LEASE_TTL, "ROLLOUT_WORKERS": "2"})
+    fields = slurm.wait(job, timeout=900, out=out)
+    log = out.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields['JobState']} {fields['ExitCode']}:\n{tail(out, 60)}"
+    assert "rollout on 2 worker(s)" in log and "rounds 0-1 committed" in log, log
+    opened = open_run(str(run))
+    for stage in ("rollout", "score", "normalize", "train"):  # one process per worker for both rounds: no start per round
+        pids = {c.numbers.worker.split(":")[1] for r in range(2) for c in opened.records(r, stage).require_manifest().units}
+        assert len(pids) <= (2 if stage == "rollout" else 1), (stage, pids)
+    assert_same_rounds(run, reference, 2)
 
 
 @pytest.mark.parametrize(

@@ -498,9 +498,11 @@ class RoundsConfig:
     # round k+1 rolls out with policy k while round k scores, normalizes and trains. Always exactly that
     # lag, never "whatever is newest", so the rows do not depend on timing and a rerun reproduces them.
     max_staleness: NonNegativeInt = 0
-    # auto: stages overlap where they have devices of their own (`gndpo run --learner-gpus`, or a served
-    # teacher whose student column is the engine's), else one after another; on: every overlap the
-    # settings allow, whatever the devices; off: one stage at a time.
+    # auto: the order the round model predicts fastest on the devices `gndpo run` sees, from each
+    # stage's cost on paper (init and run say each order's predicted share of the sequential round):
+    # stages that share devices only take turns on them, a served teacher's or a learner split's
+    # (`gndpo run --learner-gpus`) run beside; on: every overlap the settings allow, whatever the
+    # devices; off: one stage at a time.
     overlap: Literal["auto", "on", "off"] = "auto"
     # Seconds between a waiting worker's looks at the run folder for the commits it waits for, where a
     # commit cannot wake it: a worker on another machine, or a run on object storage, where each look

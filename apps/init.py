@@ -34,7 +34,7 @@ from gndpo.pipeline.run.teacher_runs import is_reference, parse_reference, resol
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.pipeline.tasks.rewards import check_rewards
 from gndpo.stages.models.device import flash_attention_blocker, gpu_memory, visible_gpus
-from gndpo.stages.models.gpu_memory import check_gpu_memory
+from gndpo.stages.models.gpu_memory import check_gpu_memory, train_ranks
 from gndpo.stages.models.loading import check_model_files, check_same_tokenizer, is_vision_model, load_tokenizer, read_once
 from gndpo.stages.models.vision import expanded_prompt_ids, load_processor, same_image_processing
 from gndpo.stages.models.vllm_engine import model_context_length, resolve_max_model_len
@@ -315,11 +315,13 @@ def run_yaml(cfg: Config, models: ResolvedModels, **extra) -> bytes:
     return (config_to_yaml(cfg) + (yaml.safe_dump(more, sort_keys=False) if more else "")).encode()
 
 
-def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
+def init_run(url: str, cfg: Config, gpu_bytes: int | None = None, gpus: int | None = None) -> Run:
     """Create the run at ``url`` from ``cfg`` after every check (settings, models, prompts, context),
     writing the prompts and, last and exclusively, run.yaml; the existing run where ``url`` holds one
     made from the same config, a GndpoError where it holds another. ``gpu_bytes``: the GPU each stage's
-    memory is estimated for (:mod:`gndpo.stages.models.gpu_memory`; default: this machine's, none without one)."""
+    memory is estimated for (:mod:`gndpo.stages.models.gpu_memory`; default: this machine's, none without one);
+    ``gpus``: the GPUs `gndpo run` will use (train's ranks with ``train.num_processes`` 0, and the
+    devices the round order is chosen for; default: this machine's)."""
     fs = RunFS(url)
     if fs.exists("run.yaml"):
         existing = open_run(url)
@@ -329,7 +331,8 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
     models = resolve_models(cfg)
     with read_once():  # the checks read the same models' tokenizers and configs many times
         splits, images = checked_prompts(url, models.local)
-        check_gpu_memory(models.local, gpu_bytes or gpu_memory(), backend_of(cfg).capabilities, rollout_backend(cfg).capabilities)
+        ranks = train_ranks(cfg, visible_gpus() if gpus is None else gpus)
+        check_gpu_memory(models.local, gpu_bytes or gpu_memory(), backend_of(cfg).capabilities, rollout_backend(cfg).capabilities, ranks)
         probes = backend_of(cfg).check_teachers(cfg, models.local, bool(images))
     say_held_out(cfg, splits)
     store_images(fs, images)
@@ -337,9 +340,9 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None) -> Run:
         write_prompt_table(fs, f"prompts/{split}.parquet", table)
     if not fs.create("run.yaml", run_yaml(cfg, models, **({"served_probes": probes} if probes else {}))):
         # A concurrent init won; accept it only if it is the same experiment.
-        return init_run(url, cfg)
+        return init_run(url, cfg, gpu_bytes, gpus)
     # How `gndpo run` will order the stages on this machine (it says so again, for the GPUs it is given).
-    logging.getLogger("gndpo").info(choose_order(cfg, visible_gpus()).line())
+    logging.getLogger("gndpo").info(choose_order(cfg, visible_gpus() if gpus is None else gpus).line())
     return open_run(url)
 
 

@@ -178,9 +178,30 @@ MUTATIONS = [
     Mutation(
         "checkpointing-threshold", "train.gradient_checkpointing auto turns on above 85% of the GPU instead of 70%",
         "stages/models/gpu_memory.py",
-        "train_peak(cfg, Shape.of(student), gpu, checkpointing=False).bytes > WARN * gpu",
-        "train_peak(cfg, Shape.of(student), gpu, checkpointing=False).bytes > 0.85 * gpu",
+        "train_peak(cfg, Shape.of(student), gpu, checkpointing=False, ranks=ranks).bytes > WARN * gpu",
+        "train_peak(cfg, Shape.of(student), gpu, checkpointing=False, ranks=ranks).bytes > 0.85 * gpu",
         ("tests/test_gpu_memory.py",),
+    ),
+    Mutation(
+        "zero2-gradients-whole", "the memory estimate keeps every rank's gradients whole under ZeRO-2 (split only under ZeRO-3)",
+        "stages/models/gpu_memory.py",
+        "gradients = GRAD_BYTES / (ranks if train_cfg.zero_stage >= 2 else 1)",
+        "gradients = GRAD_BYTES / (ranks if train_cfg.zero_stage >= 3 else 1)",
+        ("tests/test_gpu_memory.py::test_zero_stages_split_their_shares_over_the_ranks",),
+    ),
+    Mutation(
+        "auto-takes-a-slower-order", "run.overlap auto takes an overlapped order where the round model predicts it slower, not faster",
+        "apps/round_model.py",
+        "if times[order] < times[best] * (1 - MARGIN):",
+        "if times[order] > times[best] * (1 - MARGIN):",
+        ("tests/test_round_model.py::test_auto_never_picks_an_order_predicted_slower_than_sequential",),
+    ),
+    Mutation(
+        "overlap-on-shared-devices-gains", "the round model lets stages that share devices run side by side at no cost to each other",
+        "apps/round_model.py",
+        "    shared = 0.0 if machine.split else actor",
+        "    shared = 0.0",
+        ("tests/test_round_model.py::test_two_cores_gain_only_what_does_not_scale",),
     ),
     Mutation(
         "hub-resume-by-revision", "a run's later processes load a hub model's revision (which may have moved) instead of its recorded commit",

@@ -13,7 +13,7 @@ computes nothing itself), ``--rounds`` rounds of ``--prompts`` prompts x 8 sampl
 core 1. ``GNDPO_STAGE_CPUS`` puts rollout on core 0 and score, normalize and train on core 1 beside the
 server (:data:`PINNED`), or every stage on core 0, the server's core its own as a served teacher's GPUs
 would be (:data:`STUDENT_CORE`); the default uses every core. Reported per way: wall seconds per round over the run and
-in the steady state (from round 0's train commit to the last round's, per round), the speed against the
+in the steady state (from round 1's train commit to the last round's, per round), the speed against the
 default's in the same repeat, each core's busy share (the union of its stages' spans, from first claim to
 last commit) over the steady state, and where the workers waited (``wait_input_seconds``,
 ``wait_held_seconds``). The stage spans of the last repeat are kept for the docs' timeline figure.
@@ -26,7 +26,7 @@ kept-engine setup), whence the share of it that divides over cores.
 0 and 1 for rollout seeds 0, 1 and 2; the held-out exact match of every round's sampling policy and of
 the final student.
 
-    .venv/bin/python bench/overlap.py timing [--rounds 3 --prompts 512 --repeats 2]
+    .venv/bin/python bench/overlap.py timing [--rounds 4 --prompts 512 --repeats 2]
     .venv/bin/python bench/overlap.py accuracy
     .venv/bin/python bench/overlap.py figure      # docs/benchmarks/figures/overlap_timeline.png from the saved spans
 
@@ -211,10 +211,12 @@ def timed_way(folder: Path, config: Path, way: Way, rounds: int) -> dict:
     waits = {stage: {k: round(sum(m.metrics.get(k, 0.0) for m in manifests), 1) for k in ("wait_input_seconds", "wait_held_seconds")}
              for stage in STAGES for manifests in [[opened.records(r, stage).require_manifest() for r in range(rounds)]]}
     trained = sorted(s["end"] for s in spans if s["stage"] == POLICY.stage)
-    steady = (trained[0], trained[-1])  # from round 0's train commit to the last round's
+    # From round 1's train commit to the last round's: round 1 is the first whose rollout could run beside
+    # an earlier round's stages, so from there on each order repeats the same pattern every round.
+    steady = (trained[1], trained[-1])
     return {
         "seconds": round(seconds, 1), "seconds_per_round": round(seconds / rounds, 2),
-        "steady_seconds_per_round": round((steady[1] - steady[0]) / (rounds - 1), 2),
+        "steady_seconds_per_round": round((steady[1] - steady[0]) / (rounds - 2), 2),
         "busy": {core: round(busy_fraction(spans, stages, *steady), 3) for core, stages in way.cores().items()},
         "spans": [{**s, "start": round(s["start"] - t0, 2), "end": round(s["end"] - t0, 2)} for s in spans],
         "waits": waits,
@@ -223,32 +225,45 @@ def timed_way(folder: Path, config: Path, way: Way, rounds: int) -> dict:
 
 def modelled(runs: dict[str, list[dict]], units: int) -> dict:
     """The round model fed with the sequential ways' stage times (rounds 1 on; :data:`__doc__`), its
-    prediction for each way, and what each measured in the steady state. Pinned as :data:`PINNED`, the
-    machine is 2 cores split 1 and 1, score a learner stage (its server shares the learner's core); as
-    :data:`STUDENT_CORE`, the student's stages share one core and score runs on the server's, its own."""
+    prediction for each way (:func:`predictions`), and what each measured in the steady state."""
     def mean_over(rows, stage, figure):
         return statistics.mean(figure(s) for row in rows for s in row["spans"] if s["stage"] == stage and s["round"] >= 1)
 
-    split, own, inputs = {}, {}, {}
+    inputs = {}
     for stage in STAGES:
         both = mean_over(runs[DEFAULT], stage, lambda s: s["end"] - s["start"])
         kept_setup = mean_over(runs[DEFAULT], stage, lambda s: s["setup"])
         one = mean_over(runs[PINNED_WAY], stage, lambda s: s["end"] - s["start"] - s["setup"]) + kept_setup
-        parallel = min(max(one / both - 1, 0.0), 1.0)  # on 1 of 2 cores: both * (1 + parallel)
-        split[stage] = StageCost(both, parallel)
-        own[stage] = StageCost(one, own_devices=job_class(stage).streams())
-        inputs[stage] = {"two_cores_s": round(both, 2), "one_core_s": round(one, 2), "parallel": round(parallel, 2)}
-    predictions = {PINNED: predict(RoundCosts(split, units, "measured"), Machine(2, 1), ahead=1),
-                   STUDENT_CORE: predict(RoundCosts(own, units, "measured"), Machine(1, 1), ahead=1)}
+        inputs[stage] = {"two_cores_s": round(both, 2), "one_core_s": round(one, 2)}
+    measured = {name: round(statistics.mean(r["steady_seconds_per_round"] for r in runs[name]), 2) for name in WAYS}
+    return {"inputs": inputs, "units": units, "measured": measured, "rows": predictions(inputs, units, measured)}
+
+
+def predictions(inputs: dict, units: int, measured: dict) -> list[dict]:
+    """Each timed way's predicted seconds a round beside its ``measured`` ones. Pinned as :data:`PINNED`,
+    the machine is 2 cores split 1 and 1, score a learner stage (its server shares the learner's core),
+    each stage's share that divides over cores from its seconds on one core and on both. As
+    :data:`STUDENT_CORE`, the student's stages share core 0 at their one-core seconds and score runs on
+    the server's core, its own: its seconds are the default's, where the server had core 1 to itself too
+    (the pinned way's put score's own process beside the server)."""
+    split, own = {}, {}
+    for stage, x in inputs.items():
+        parallel = min(max(x["one_core_s"] / x["two_cores_s"] - 1, 0.0), 1.0)  # on 1 of 2 cores: both * (1 + parallel)
+        x["parallel"] = round(parallel, 2)
+        split[stage] = StageCost(x["two_cores_s"], parallel)
+        streams = job_class(stage).streams()
+        own[stage] = StageCost(x["two_cores_s"] if streams else x["one_core_s"], own_devices=streams)
+    times = {PINNED: predict(RoundCosts(split, units, "measured"), Machine(2, 1), ahead=1),
+             STUDENT_CORE: predict(RoundCosts(own, units, "measured"), Machine(1, 1), ahead=1)}
     rows = []
     for name, way in WAYS.items():
         if way.how == "processes":
             continue  # an input of the model
         order = SEQUENTIAL if way.how == "kept" else AHEAD if way.settings["run"]["max_staleness"] else STREAMED
-        predicted = predictions[way.pins or PINNED][order] if way.how == "workers" else predictions[PINNED][SEQUENTIAL]
-        measured = statistics.mean(r["steady_seconds_per_round"] for r in runs[name])
-        rows.append({"way": name, "predicted_s": round(predicted, 2), "measured_s": round(measured, 2), "error": round(predicted / measured - 1, 3)})
-    return {"inputs": inputs, "rows": rows}
+        predicted = times[way.pins or PINNED][order]
+        rows.append({"way": name, "predicted_s": round(predicted, 2), "measured_s": measured[name],
+                     "error": round(predicted / measured[name] - 1, 3)})
+    return rows
 
 
 def accuracy(seeds: tuple[int, ...] = (0, 1, 2)) -> dict:
@@ -296,12 +311,12 @@ def markdown(data: dict) -> str:
                 f"by vLLM's server pinned to core 1. The default uses both cores; the other ways are pinned with "
                 f"`GNDPO_STAGE_CPUS=\"{PINNED}\"` (rollout on core 0, the learner's stages beside the server), or, where the teacher's "
                 f"core is its own, `\"{STUDENT_CORE}\"` (as a served teacher's GPUs would be). Each way {t['repeats']} times, "
-                "interleaved: mean (range). The steady state runs from round 0's train commit to the last round's; the whole run "
+                "interleaved: mean (range). The steady state runs from round 1's train commit to the last round's; the whole run "
                 "includes starting the engines and workers. Speed is the default's seconds over the way's in the same repeat (above 1 "
                 "is faster); busy is each core's share of the steady state with one of its stages running (core 1: also while score "
                 "waits on the server); the waits are the stages' `wait_input_seconds` and `wait_held_seconds`, summed over rounds and "
                 "stages.", "",
-                "| order | s per round, whole run | s per round, steady state | speed, steady state | speed, whole run | "
+                "| order | s per round, whole run | s per round, steady state | speed, steady state | speed, whole run "
                 "| busy: core 0 | busy: core 1 (teacher server) | waited for input, s | held, s |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, row in t["ways"].items():
@@ -315,7 +330,9 @@ def markdown(data: dict) -> str:
         out += [f"| {stage} | {x['two_cores_s']} | {x['one_core_s']} | {x['parallel']} |" for stage, x in m["inputs"].items()]
         out += ["", "| order | predicted s per round (steady state) | measured | error |", "|---|---:|---:|---:|"]
         out += [f"| {r['way']} | {r['predicted_s']} | {r['measured_s']} | {r['error']:+.1%} |" for r in m["rows"]]
-        out.append("")
+        out += ["", "Where the teacher's core is its own, the model takes score's seconds from the default's runs, in which the "
+                "server had core 1 to itself as well; fed instead the pinned way's (score's own process beside the server on "
+                "core 1), it predicted those two rows 35% and 31% too slow.", ""]
     a = data.get("accuracy")
     if a:
         out += [f"### Held-out accuracy at staleness 0 and 1 ({a['machine']}, {a['date']})", "",
@@ -332,7 +349,9 @@ def markdown(data: dict) -> str:
     out += ["### The seeds' scale on paper (one 8-GPU node)", "",
             "The round model with the seeds' minutes per stage one at a time: rollout 28, score 11, normalize 0.2, train 8 (an 8B "
             "teacher served on 2 GPUs of its own, a 1B student on the other 6; 8,192 prompts x 16 samples x up to 2,048 tokens; "
-            "128 score units), each stage scaling perfectly over GPUs. On paper: nothing here was run.", "",
+            "128 score units), each stage scaling perfectly over GPUs. On paper: nothing here was run. `run.overlap: auto` takes "
+            "score streamed on the shared GPUs (rollout ahead would hold the engine and the trainer on the same GPUs at once), "
+            "and rollout ahead only with a learner split, where it pays here with 4 and 2 GPUs and not with 5 and 1.", "",
             "| the student's GPUs | order | minutes per round | speed |", "|---|---|---:|---:|"]
     out += [f"| {row['devices']} | {row['order']} | {row['minutes']} | {row['ratio']} |" for row in paper_model()]
     return "\n".join(out) + "\n"
@@ -366,7 +385,7 @@ def figure(data: dict) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("part", choices=("timing", "accuracy", "figure", "table"))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4, help="at least 3: the steady state starts at round 1's train commit")
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args(argv)
@@ -375,6 +394,10 @@ def main(argv=None) -> None:
         data["timing"] = timing(a.rounds, a.prompts, a.repeats)
     elif a.part == "accuracy":  # "figure" and "table" redraw and rewrite from what is saved
         data["accuracy"] = accuracy()
+    elif a.part == "table" and data.get("timing", {}).get("model"):  # the model's predictions again, from the saved inputs
+        model = data["timing"]["model"]
+        measured = model.get("measured") or {row["way"]: row["measured_s"] for row in model["rows"]}
+        model.update(measured=measured, rows=predictions(model["inputs"], model.get("units", -(-data["timing"]["prompts_per_round"] // 64)), measured))
     save_json(OUT, data)
     if data.get("timing", {}).get("model"):
         figure(data)

@@ -16,6 +16,10 @@ def init(
     gpu_memory: Optional[str] = typer.Option(
         None, "--gpu-memory", help="The GPU to size each stage's memory for, e.g. 80GiB, where init runs without it (default: this machine's GPU, if any)."
     ),
+    gpus: Optional[int] = typer.Option(
+        None, "--gpus", min=0, help="The GPUs `gndpo run` will use on its node: train's ranks where train.num_processes is 0, "
+        "for the memory estimate, and the devices the round order is chosen for (default: this machine's visible GPUs)."
+    ),
 ):
     """Create a run: validate models and prompts, import prompts, freeze the config."""
     from gndpo.apps.init import init_run  # at call time: torch and transformers load only for this command
@@ -23,5 +27,5 @@ def init(
 
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else None
     cfg = load_config(config, overrides or [])
-    r = init_run(run, cfg, gpu_bytes)
+    r = init_run(run, cfg, gpu_bytes, gpus)
     typer.echo(f"run ready: {r.fs.uri('')} (config {cfg.fingerprint()})")

@@ -131,10 +131,102 @@ def test_no_page_outside_the_results_pages_carries_a_date():
 def test_no_page_outside_the_results_pages_names_cpu_types():
     """A result measured on one CPU type (a table per CPU type, a figure from one machine) belongs in docs/benchmarks/.
     Elsewhere only the pages that show the demo's table, README.md and getting-started/demo.md, name the CPU type it
-    came from, on one line; no other page names a CPU type."""
+    came from, once; no other page names a CPU type."""
     found = []
     for page in undated_pages():
         lines = [line.strip() for line in page.read_text().splitlines() if CPU_TYPE.search(line)]
-        if len(lines) > (1 if page in CPU_NAMED_ONCE else 0):
+        names = sum(len(CPU_TYPE.findall(line)) for line in lines)
+        if names > (1 if page in CPU_NAMED_ONCE else 0):
             found += [f"{page.relative_to(ROOT)}: {line}" for line in lines]
     assert not found, "CPU types named outside docs/benchmarks/ and docs/development/:\n" + "\n".join(found)
+
+
+# -- measured figures come from their results files ----------------------------------------------------------------
+# A block of a page (a paragraph, a list or a table) that quotes measured figures names where they come from on the
+# line before it: <!-- figures: bench/results/A.md bench/results/B.json -->. Every decimal number in the block must
+# be a number of those files, at the block's precision; a figure the results do not hold (worked out on paper) is
+# not quoted in such a block. So a figure edited on a page away from its results file fails here.
+FIGURES = re.compile(r"^<!-- figures: (.+?) -->\n", re.M)
+DECIMAL = re.compile(r"(?<![\w.\-/])\d+\.\d+(?![\w.])")
+
+
+def figure_blocks(text: str) -> list[tuple[list[str], str]]:
+    """Each marked block of ``text``: (its results files, its text up to the first blank line after it starts)."""
+    blocks = []
+    for m in FIGURES.finditer(text):
+        rest = text[m.end():]
+        end = re.search(r"\n\s*\n", rest)
+        blocks.append((m.group(1).split(), rest[: end.start() if end else len(rest)]))
+    return blocks
+
+
+def numbers_of(path: Path) -> list[float]:
+    return [float(x) for x in re.findall(r"-?\d+\.\d+(?:[eE][-+]?\d+)?", path.read_text())]
+
+
+def unsourced_figures(text: str) -> list[str]:
+    """The decimal numbers of ``text``'s marked blocks that none of the block's results files holds (rounded
+    to the number of decimals the page shows), as "file-list: number"."""
+    missing = []
+    for sources, block in figure_blocks(text):
+        held = [n for source in sources for n in numbers_of(ROOT / source)]
+        for shown in DECIMAL.findall(block):
+            places = len(shown.split(".")[1])
+            if not any(round(abs(n), places) == float(shown) for n in held):
+                missing.append(f"{' '.join(sources)}: {shown}")
+    return missing
+
+
+def test_quoted_figures_are_their_results_files_figures():
+    marked = {doc: figure_blocks(doc.read_text()) for doc in DOCS}
+    assert sum(len(blocks) for blocks in marked.values()) >= 5, "too few pages mark where their figures come from"
+    for doc, blocks in marked.items():
+        for sources, _ in blocks:
+            assert all((ROOT / s).is_file() for s in sources), f"{doc.relative_to(ROOT)}: {sources}"
+        missing = unsourced_figures(doc.read_text())
+        assert not missing, f"{doc.relative_to(ROOT)}: figures not in their results files: {missing}"
+
+
+def test_a_figure_edited_away_from_its_results_file_is_found():
+    readme = (ROOT / "README.md").read_text()
+    sources, block = figure_blocks(readme)[0]
+    shown = DECIMAL.findall(block)[0]
+    edited = readme.replace(block, block.replace(shown, f"{float(shown) + 0.111:.{len(shown.split('.')[1])}f}", 1), 1)
+    assert unsourced_figures(readme) == [] and len(unsourced_figures(edited)) == 1
+
+
+# -- the method a config names is the one the advice gives ---------------------------------------------------------
+REWARD_METHODS = {"grpo", "gdpo", "paced"}  # Which method: "they train on a reward" (point 5), not distillation
+
+
+def advised_methods() -> set[str]:
+    """The methods docs/concepts/which-method.md's "In short" gives for distillation from prompts alone:
+    the one to start with and the one to run beside it."""
+    page = (ROOT / "docs" / "concepts" / "which-method.md").read_text()
+    short = page[page.index("## In short"):page.index("\n## ", page.index("## In short") + 1)]
+    return set(re.findall(r"\*\*(?:Start with|Run) `(\w+)`", short))
+
+
+def shown_configs() -> list[tuple[str, dict]]:
+    """(where, config) of every example config and every config README shows."""
+    import yaml
+
+    configs = [(f"examples/{p.name}", yaml.safe_load(p.read_text())) for p in sorted((ROOT / "examples").glob("*.yaml"))]
+    readme = (ROOT / "README.md").read_text()
+    configs += [("README.md", yaml.safe_load(block)) for block in re.findall(r"```yaml\n(.*?)```", readme, re.S)]
+    return [(where, cfg) for where, cfg in configs if isinstance(cfg, dict) and "method" in cfg]
+
+
+def test_configs_shown_name_the_method_the_advice_gives():
+    """A distillation config in examples/ or README is one of the methods Which method starts with; a
+    config that trains on a reward (GRPO, GDPO, PACED) names the reward and the answers it reads."""
+    advised = advised_methods()
+    assert advised == {"forward_kl", "reverse_kl"}, advised
+    shown = shown_configs()
+    assert len(shown) >= 5
+    for where, cfg in shown:
+        name = cfg["method"]["name"]
+        if name in REWARD_METHODS:
+            assert cfg.get("reward") and cfg.get("data", {}).get("answer_key"), f"{where}: {name} trains on a reward it must name"
+        else:
+            assert name in advised, f"{where}: method {name}, where Which method gives {sorted(advised)} for distillation"

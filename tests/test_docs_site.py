@@ -198,9 +198,58 @@ def test_mkdocs_build_strict(site):
         assert (site / page).is_file(), page
     assert not (site / "reference" / "config-keys").exists()  # NAME.html, not NAME/index.html
     # Search from disk: the offline plugin writes the index as a script too, which a page opened from
-    # file:// reads (its worker through the theme's iframe-worker shim, loaded from unpkg.com).
+    # file:// reads (its worker through docs/javascripts/iframe-worker.js).
     assert (site / "search" / "search_index.js").read_text().startswith("var __index = ")
     assert not (site / "generate.py").exists()  # exclude_docs
+
+
+def test_no_page_loads_a_script_from_another_host(site):
+    for page in built_pages(site):
+        remote = re.findall(r'<script[^>]*\ssrc="((?:https?:)?//[^"]*)"', page.read_text())
+        assert not remote, f"{page.relative_to(site)} loads {remote}"
+
+
+SEARCH_PROBE = """<pre id="search-answer"></pre><script>
+window.addEventListener("load", () => {
+  const input = document.querySelector("input.md-search__input"), answer = document.getElementById("search-answer");
+  let tries = 0;
+  const look = () => {
+    const hits = document.querySelectorAll(".md-search-result__item").length;
+    if (hits || ++tries > 60) {
+      answer.textContent = JSON.stringify({hits: hits, first: (document.querySelector(".md-search-result__item") || {}).textContent || ""});
+      return;
+    }
+    input.focus();
+    input.value = "%s";  // typed again until the search worker is up
+    input.dispatchEvent(new Event("input", {bubbles: true}));
+    input.dispatchEvent(new KeyboardEvent("keyup", {bubbles: true, key: "e"}));
+    setTimeout(look, 150);
+  };
+  look();
+});
+</script></body>"""
+
+
+@pytest.mark.parametrize("shim", [True, False], ids=["as-built", "without-the-worker-shim"])
+def test_search_finds_a_page_in_the_site_opened_from_disk(site, tmp_path, shim):
+    """A query typed into the search box of the built index opened from file:// (no server, no network,
+    no flag that relaxes file:// in Chromium) lists pages; without docs/javascripts/iframe-worker.js the
+    same page lists none: a browser starts no Web Worker from file://."""
+    import json
+
+    copy = tmp_path / "site"
+    shutil.copytree(site, copy)
+    index = copy / "index.html"
+    text = index.read_text().replace("</body>", SEARCH_PROBE % "staleness", 1)
+    if not shim:
+        text = re.sub(r'<script src="[^"]*iframe-worker\.js"></script>', "", text)
+    index.write_text(text)
+    dom = chromium_dom(index.as_uri(), tmp_path)
+    found = json.loads(html.unescape(re.search(r'<pre id="search-answer">(.*?)</pre>', dom, re.S).group(1)))
+    if shim:
+        assert found["hits"] > 0 and "staleness" in found["first"].lower(), found
+    else:
+        assert found["hits"] == 0, found
 
 
 def test_built_pages_hold_no_raw_markdown(site):
@@ -424,6 +473,15 @@ def test_a_runnable_marker_swaps_models_and_sizes(tmp_path):
                                                   "gndpo run runs/a --rounds 1\necho --rounds 3\n")
 
 
+def test_a_page_copy_of_a_repository_file_is_that_file():
+    """A page block marked ``<!-- file: NAME -->`` whose NAME is a file of the repository (an example
+    config the page walks through) is that file's text, so the page shows what the suite runs."""
+    copies = [(page, name, text) for page in (ROOT / "docs").rglob("*.md") for name, text in page_files(page).items() if (ROOT / name).is_file()]
+    assert copies, "no page shows a repository file"
+    for page, name, text in copies:
+        assert text == (ROOT / name).read_text(), f"{page.relative_to(ROOT)}: its copy of {name} differs from the file"
+
+
 def test_runnable_shell_blocks_run_on_the_toy(tmp_path, tiny_assets):
     pages = runnable_pages()
     assert pages, f"no block is marked {RUNNABLE}"
@@ -439,6 +497,7 @@ def test_runnable_shell_blocks_run_on_the_toy(tmp_path, tiny_assets):
         cfg.update(student="student", teacher="teacher", data={"train": "train.jsonl", "heldout": "heldout.jsonl"})
         write_config(scratch, cfg)
         for name, text in page_files(page).items():
+            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
             (scratch / name).write_text(text)
         for block in blocks:
             proc = subprocess.run(["bash", "-euo", "pipefail", "-c", on_the_toy(block)], cwd=scratch, env=env, capture_output=True, text=True,

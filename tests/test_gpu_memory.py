@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
-from gndpo.stages.models.gpu_memory import GIB, Shape, parse_memory, train_peak, uses_checkpointing
+from gndpo.stages.models.gpu_memory import GIB, Shape, parse_memory, train_peak, train_ranks, uses_checkpointing
 from gndpo.stages.models.loading import architecture_parameter_count
 from tests.conftest import assert_one_line_error, invoke
 
@@ -44,6 +44,23 @@ def test_the_estimate_holds_to_the_h200_measurements():
         cfg = config_from_dict({"train": settings})
         estimate = train_peak(cfg, student, 140 * GIB, cfg.train.gradient_checkpointing is True).bytes / GIB
         assert measured <= estimate <= 1.15 * measured, (name, measured, estimate)
+
+
+def test_zero_stages_split_their_shares_over_the_ranks():
+    """From 1 to 8 ranks the step's peak (no checkpointing, a micro-batch's activations) loses the other
+    7 ranks' shares of what each ZeRO stage partitions, in the measured bytes a parameter: nothing at
+    ZeRO-0; AdamW's fp32 master weights and moments (12.1) at ZeRO-1; the bf16 gradients (2) too at
+    ZeRO-2; the bf16 weights (2) too at ZeRO-3."""
+    student = Shape(1_720_574_976, 2048, 28)
+    partitioned = {0: 0.0, 1: 12.1, 2: 12.1 + 2.0, 3: 12.1 + 2.0 + 2.0}
+    for stage, per_parameter in partitioned.items():
+        cfg = config_from_dict({"train": {"zero_stage": stage}})
+        one, eight = (train_peak(cfg, student, 80 * GIB, checkpointing=False, ranks=ranks) for ranks in (1, 8))
+        assert one.bytes - eight.bytes == pytest.approx(student.parameters * per_parameter * 7 / 8, rel=1e-9), stage
+        assert (" on 8 ranks (ZeRO-%d)" % stage) in eight.how and "ranks" not in one.how
+    # What `gndpo run --gpus 8` gives train with train.num_processes 0: a rank a GPU, as init is told.
+    assert train_ranks(config_from_dict({}), 8) == 8 and train_ranks(config_from_dict({}), 0) == 1
+    assert train_ranks(config_from_dict({"train": {"num_processes": 2}}), 8) == 2
 
 
 def test_memory_sizes_parse():
@@ -128,13 +145,14 @@ def test_a_bad_gpu_memory_is_one_line(tmp_path, example_shapes):
 
 def test_the_one_gpu_node_page_prints_what_init_prints(tmp_path, example_shapes, caplog):
     """docs/getting-started/one-gpu-node.md shows the estimate init prints for its config: init on the
-    page's node.yaml with Qwen3-1.7B's and Qwen3-8B's shapes prints that line, number for number."""
-    page = (Path(__file__).resolve().parent.parent / "docs" / "getting-started" / "one-gpu-node.md").read_text()
-    config = re.search(r"<!-- file: node.yaml -->\n```yaml\n(.*?)```", page, re.S).group(1)
+    page's config (examples/one-gpu-node.yaml) with Qwen3-1.7B's and Qwen3-8B's shapes prints that line,
+    number for number."""
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "getting-started" / "one-gpu-node.md").read_text()
     shown = re.search(r"^INFO (GPU memory per stage, .*)$", page, re.M).group(1)
-    (tmp_path / "node.yaml").write_text(config)
+    (tmp_path / "node.yaml").write_text((root / "examples" / "one-gpu-node.yaml").read_text())  # the page's copy is held to it
     with caplog.at_level(logging.INFO, logger="gndpo"):
-        result = invoke("init", tmp_path / "run", "--config", tmp_path / "node.yaml", "--gpu-memory", "80GiB",
+        result = invoke("init", tmp_path / "run", "--config", tmp_path / "node.yaml", "--gpu-memory", "80GiB", "--gpus", "8",
                         f"student={example_shapes['student']}", f"teacher={example_shapes['teacher']}",
                         f"data.train={tmp_path / 'gsm8k.jsonl'}", "data.prompt_key=question", "rollout.prompts_per_round=16")
     assert result.exit_code == 0, result.output

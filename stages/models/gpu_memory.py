@@ -9,8 +9,9 @@ Qwen3-1.7B-shaped student, ZeRO-0, sdpa), scaled by the model's shape:
 
 * train's DeepSpeed engine holds ``ENGINE_BYTES`` a parameter (bf16 weights, fp32 master weights and
   AdamW's two fp32 moments; measured 14.1), its gradients 2 more between micro-batches, and building it
-  or taking a step briefly ``TRANSIENT_BYTES`` a parameter (measured 24.0 and 24.05); under ZeRO-2 and 3
-  the optimizer's share (and ZeRO-3's weights) divide by the train ranks;
+  or taking a step briefly ``TRANSIENT_BYTES`` a parameter (measured 24.0 and 24.05); the optimizer's
+  share divides by the train ranks under ZeRO-1 and above, the gradients under ZeRO-2 and above, the
+  weights under ZeRO-3 (DeepSpeed's partitioning; only ZeRO-0 was measured);
 * the activations kept for backward: ``ACTIVATION_BYTES`` per hidden unit, layer and position (3.2 MiB
   a position at hidden 2048 and 28 layers); with gradient checkpointing each layer's input (2 bytes a
   hidden unit) and one layer's activations, recomputed in backward;
@@ -108,38 +109,47 @@ def parse_memory(text: str) -> int:
     return int(float(match[1]) * scale)
 
 
-def train_peak(cfg: Config, student: Shape, gpu: int, checkpointing: bool) -> StagePeak:
-    """Train's peak on one rank, with or without gradient ``checkpointing``: the engine with the
-    activations of a full micro-batch, or its build and optimizer step, whichever is larger; its advice
-    names the micro-batch that would fit ``gpu``."""
+def train_ranks(cfg: Config, gpus: int) -> int:
+    """Train's ranks on a node of ``gpus`` GPUs: ``train.num_processes``, or with 0 one a GPU (one
+    where there is none)."""
+    return cfg.train.num_processes or max(gpus, 1)
+
+
+def train_peak(cfg: Config, student: Shape, gpu: int, checkpointing: bool, ranks: int = 1) -> StagePeak:
+    """Train's peak on one of ``ranks`` ranks, with or without gradient ``checkpointing``: the engine
+    with the activations of a full micro-batch, or its build and optimizer step, whichever is larger;
+    its advice names the micro-batch that would fit ``gpu``. ZeRO-1 splits the optimizer state over the
+    ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too."""
     train_cfg = cfg.train
-    ranks = max(train_cfg.num_processes, 1)  # 0 (one rank a GPU) counts as one: the largest share
     optimizer = (ENGINE_BYTES - 2) / (ranks if train_cfg.zero_stage >= 1 else 1)
     weights = 2 / (ranks if train_cfg.zero_stage == 3 else 1)
+    gradients = GRAD_BYTES / (ranks if train_cfg.zero_stage >= 2 else 1)
     engine = student.parameters * (weights + optimizer)
     positions = train_cfg.max_tokens_per_batch
     if checkpointing:
         per_position = student.hidden * (CHECKPOINT_BYTES * student.layers + ACTIVATION_BYTES)
     else:
         per_position = student.hidden * ACTIVATION_BYTES * student.layers
-    forward = engine + student.parameters * GRAD_BYTES + positions * per_position + SLACK
+    forward = engine + student.parameters * gradients + positions * per_position + SLACK
     transient = student.parameters * (TRANSIENT_BYTES - ENGINE_BYTES) / (ranks if train_cfg.zero_stage >= 1 else 1)
     fitting = int((LIMIT * gpu - (forward - positions * per_position)) // per_position)
     knobs = f"set train.max_tokens_per_batch to at most {fitting}" if fitting >= 1024 else "train on more GPUs with train.zero_stage 2 or 3"
     if not checkpointing:
         knobs += ", or train.gradient_checkpointing: true"
-    return StagePeak("train", max(forward, engine + transient), knobs, " with gradient checkpointing" if checkpointing else "")
+    how = (f" on {ranks} ranks (ZeRO-{train_cfg.zero_stage})" if ranks > 1 else "") + (" with gradient checkpointing" if checkpointing else "")
+    return StagePeak("train", max(forward, engine + transient), knobs, how)
 
 
-def uses_checkpointing(cfg: Config, student: str, gpu: int | None) -> bool:
-    """Whether train recomputes activations in backward for ``student`` (a model folder) on a GPU of
-    ``gpu`` bytes (None: no GPU): ``train.gradient_checkpointing`` where it is true or false; with auto,
-    only where train's estimated peak without it is above ``WARN`` of the GPU (a third more compute
-    buys room no smaller model needs, and the CPU demo keeps its numbers)."""
+def uses_checkpointing(cfg: Config, student: str, gpu: int | None, ranks: int = 1) -> bool:
+    """Whether train on ``ranks`` ranks recomputes activations in backward for ``student`` (a model
+    folder) on GPUs of ``gpu`` bytes (None: no GPU): ``train.gradient_checkpointing`` where it is true
+    or false; with auto, only where train's estimated peak without it is above ``WARN`` of the GPU (a
+    third more compute buys room no smaller model needs, and the CPU demo keeps its numbers). Init and
+    train ask it with the same ranks (init: :func:`train_ranks` of the GPUs `gndpo run` will use)."""
     setting = cfg.train.gradient_checkpointing
     if setting != "auto":
         return setting
-    return gpu is not None and train_peak(cfg, Shape.of(student), gpu, checkpointing=False).bytes > WARN * gpu
+    return gpu is not None and train_peak(cfg, Shape.of(student), gpu, checkpointing=False, ranks=ranks).bytes > WARN * gpu
 
 
 def score_peak(cfg: Config, student: Shape, teachers: list[Shape], gpu: int, where: TeacherPlace) -> StagePeak:
@@ -174,24 +184,26 @@ def rollout_peak(cfg: Config, student: Shape, gpu: int, sampler: RolloutPlace) -
     return StagePeak("rollout", share, "lower engine.gpu_memory_utilization", reserved=True)
 
 
-def estimate_stages(cfg: Config, gpu: int, where: TeacherPlace, sampler: RolloutPlace) -> list[StagePeak]:
+def estimate_stages(cfg: Config, gpu: int, where: TeacherPlace, sampler: RolloutPlace, ranks: int = 1) -> list[StagePeak]:
     """Rollout's, score's and train's peaks for ``cfg`` (models as local folders) on a GPU of ``gpu``
-    bytes, the teacher in score's process as ``where`` says, rollout sampling as ``sampler`` says."""
+    bytes, the teacher in score's process as ``where`` says, rollout sampling as ``sampler`` says, train
+    on ``ranks`` ranks."""
     student = Shape.of(cfg.student)
     teachers = [student] if cfg.teacher == SELF_TEACHER else [Shape.of(p) for p in cfg.teacher_models().values()]
-    checkpointing = uses_checkpointing(cfg, cfg.student, gpu)
-    return [rollout_peak(cfg, student, gpu, sampler), score_peak(cfg, student, teachers, gpu, where), train_peak(cfg, student, gpu, checkpointing)]
+    checkpointing = uses_checkpointing(cfg, cfg.student, gpu, ranks)
+    return [rollout_peak(cfg, student, gpu, sampler), score_peak(cfg, student, teachers, gpu, where),
+            train_peak(cfg, student, gpu, checkpointing, ranks)]
 
 
-def check_gpu_memory(cfg: Config, gpu: int | None, where: TeacherPlace, sampler: RolloutPlace) -> list[StagePeak]:
-    """Estimate every stage on a GPU of ``gpu`` bytes (None: no GPU known here, nothing checked), the
-    teacher in score's process as ``where`` says (its backend's capabilities), rollout as ``sampler``
-    says (its backend's): one
+def check_gpu_memory(cfg: Config, gpu: int | None, where: TeacherPlace, sampler: RolloutPlace, ranks: int = 1) -> list[StagePeak]:
+    """Estimate every stage on a GPU of ``gpu`` bytes (None: no GPU known here, nothing checked), train
+    on ``ranks`` ranks, the teacher in score's process as ``where`` says (its backend's capabilities),
+    rollout as ``sampler`` says (its backend's): one
     line of the estimates, a one-line refusal naming the stage that does not fit and what to change, a
     warning for one above ``WARN`` of the GPU."""
     if gpu is None:
         return []
-    peaks = estimate_stages(cfg, gpu, where, sampler)
+    peaks = estimate_stages(cfg, gpu, where, sampler, ranks)
     line = ", ".join(f"{p.stage}{p.how} {p.bytes / GIB:.1f}" for p in peaks)
     for peak in peaks:
         if not peak.reserved and peak.bytes > LIMIT * gpu:

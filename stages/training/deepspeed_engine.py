@@ -197,7 +197,7 @@ def build_engine(cfg: Config, policy: str, world: int, base: str | None = None):
     model.config.use_cache = False
     if cfg.model.freeze_vision and is_vision_model(policy):
         freeze_all_but_language_model(model)
-    if uses_checkpointing(cfg, base or policy, gpu_memory()):
+    if uses_checkpointing(cfg, base or policy, gpu_memory(), ranks=world):  # as init estimated it for this many ranks
         enable_checkpointing(model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config

@@ -368,14 +368,15 @@ def test_a_killed_worker_is_started_again_and_the_run_finishes(tmp_path, tiny_as
     env = {**os.environ, "GNDPO_DELAY_AT": "rollout.generate", "GNDPO_DELAY_S": "2"}  # rollout slow: score waits between units
     subprocess.run([sys.executable, "-m", "gndpo.cli", "run", str(reference), "--rounds", str(ROUNDS), "--overlap", "off"],
                    check=True, capture_output=True)  # one process, kept engines; the delay changes no row
-    score = StageRecords(RunFS(str(run)), 0, "score")
+    fs = RunFS(str(run))
+    score = StageRecords(fs, 0, "score")
     with open(tmp_path / "run.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "gndpo.cli", "run", str(run), "--rounds", str(ROUNDS)], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             deadline, victim = time.time() + 180, None
             while victim is None and time.time() < deadline and proc.poll() is None:
-                if score.fs.listdir(f"{score.prefix}/done"):  # a unit committed; the worker waits for the next rollout unit
+                if fs.listdir(f"{score.prefix}/done"):  # a unit committed; the worker waits for the next rollout unit
                     victim = next((p for p in psutil.Process(proc.pid).children(recursive=True)
                                    if "score" in p.cmdline() and "--rounds" in p.cmdline()), None)
                 time.sleep(0.05)

@@ -23,7 +23,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -244,13 +243,13 @@ def new_run(folder: Path, tiny_assets: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_assets) -> Path:
-    """Rounds 0 and 1 of the toy run through `gndpo run --rounds 2` on this machine, in this process
-    (with the job's one thread: float reductions depend on the thread count)."""
+    """Rounds 0 and 1 of the toy run through `gndpo run --rounds 2` on this machine, in a fresh process as
+    the job's are (with the job's one thread: float reductions depend on the thread count; and not in
+    this one, whose earlier tests may have left its math libraries otherwise: a sampler log-prob here
+    once differed from the jobs' in the last bits after another module's in-process engines)."""
     run = new_run(tmp_path_factory.mktemp("slurm-reference"), tiny_assets)
-    threads = torch.get_num_threads()
-    with mock.patch.dict(os.environ, THREADS):
-        invoke_ok("run", run, "--rounds", 2)
-    torch.set_num_threads(threads)
+    subprocess.run([sys.executable, "-m", "gndpo.cli", "run", str(run), "--rounds", "2"], env={**os.environ, **THREADS},
+                   check=True, capture_output=True)
     return run
 
 

@@ -21,14 +21,16 @@ So on 2 cores a stage that scales perfectly gains nothing from running beside an
 teacher's GPUs idle through rollout and train in sequence, and streaming score behind rollout hides it.
 
 :func:`predict` gives each order's seconds; :func:`paper_costs` the costs from a config alone (before
-anything has run: proportional to each stage's FLOPs, no absolute seconds), which is what
-``run.overlap: auto`` (:func:`gndpo.apps.schedule.choose_order`) and init's line use.
+anything has run: proportional to each stage's FLOPs, no absolute seconds), which init's line and
+``run.overlap: auto`` (:func:`gndpo.apps.schedule.choose_order`) use, and :func:`measured_costs` the
+seconds a run's own rounds took one stage at a time, which `gndpo run` uses once there are some.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gndpo.pipeline.exec.status import stage_table
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.stages.models.loading import parameter_count
 from gndpo.stages.registry import job_class, stage_names
@@ -79,11 +81,12 @@ class Machine:
 @dataclass(frozen=True)
 class RoundCosts:
     """Every stage's cost in one round (by stage name), the round's rollout units (score streams by
-    unit) and where the figures come from."""
+    unit) and where the figures come from (``measured``: in seconds, by this run)."""
 
     stages: dict[str, StageCost]
     units: int
     source: str
+    measured: bool = False  # seconds this run measured, not shares on paper
 
 
 def predict(costs: RoundCosts, machine: Machine, ahead: int = 1) -> dict[str, float]:
@@ -155,7 +158,30 @@ def fastest(times: dict[str, float], allowed: tuple[str, ...]) -> str:
     return best
 
 
-def shares_line(times: dict[str, float]) -> str:
-    """Each order's predicted round time as a share of the sequential round, for init's line."""
-    base = times[SEQUENTIAL]
-    return ", ".join(f"{order} {t / base:.2f}" for order, t in times.items())
+def times_line(times: dict[str, float], costs: RoundCosts) -> str:
+    """Each order's predicted round time for init's and run's line: in seconds where the costs were
+    measured, else as a share of the sequential round."""
+    if costs.measured:
+        return ", ".join(f"{order} {t:.1f} s" for order, t in times.items())
+    return ", ".join(f"{order} {t / times[SEQUENTIAL]:.2f}" for order, t in times.items()) + " of the sequential round"
+
+
+def measured_costs(run, paper: RoundCosts) -> RoundCosts | None:
+    """The costs ``run``'s own committed rounds measured, where some ran one stage at a time: each
+    stage's mean span (first claim to last commit) over those rounds, leaving round 0 out where a later
+    one ran (it starts the engines); how each divides over devices, and which runs on devices of its
+    own, as ``paper`` has them. None where no round ran one stage at a time."""
+    rows, _ = stage_table(run)
+    by_round: dict[int, list[dict]] = {}
+    for row in rows:
+        by_round.setdefault(row["round"], []).append(row)
+    alone = [r for r, stages in sorted(by_round.items())
+             if {row["stage"] for row in stages} >= set(paper.stages) and all(row["state"] == "committed" and row["seconds"] is not None
+                                                                            and not row["beside"] for row in stages)]
+    rounds = [r for r in alone if r > 0] or alone
+    if not rounds:
+        return None
+    seconds = {stage: sum(row["seconds"] for r in rounds for row in by_round[r] if row["stage"] == stage) / len(rounds) for stage in paper.stages}
+    stages = {stage: StageCost(seconds[stage], cost.parallel, cost.own_devices) for stage, cost in paper.stages.items()}
+    span = f"round {rounds[0]}" if len(rounds) == 1 else f"rounds {rounds[0]}-{rounds[-1]}"
+    return RoundCosts(stages, paper.units, f"measured over {span} of this run", measured=True)

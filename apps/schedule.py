@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gndpo.apps.round_model import AHEAD, SEQUENTIAL, STREAMED, Machine, RoundCosts, fastest, paper_costs, predict, shares_line
+from gndpo.apps.round_model import AHEAD, SEQUENTIAL, STREAMED, Machine, RoundCosts, fastest, paper_costs, predict, times_line
 from gndpo.apps.rounds import DeviceSets, StageGroup, StageProcess, Stay, stage_command, stage_cpus, stage_processes, worker_log
 from gndpo.dist import usable_cpus
 from gndpo.errors import GndpoError
@@ -80,7 +80,7 @@ def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0, overlap: str | N
     best = fastest(times, allowed)
     split = f" with rollout on {machine.rollout} GPUs and score and train on {learner_gpus} (--learner-gpus)" if machine.split else ""
     device = f"{gpus} GPUs" if gpus > 1 else "one GPU" if gpus == 1 else "the CPU"
-    predicted = f"predicted round time on {device}{split}, as a share of the sequential round ({costs.source}): {shares_line(times)}"
+    predicted = f"predicted round time on {device}{split} ({costs.source}): {times_line(times, costs)}"
     if best == SEQUENTIAL:
         unused = f"; --learner-gpus {learner_gpus} left unused" if machine.split else ""
         return RoundOrder(False, 0, f"no overlap is predicted faster{unused} ({predicted}; run.overlap on to overlap anyway)")

@@ -26,6 +26,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from gndpo.apps.report import find_runs, round_table, round_waits, timeline_figure
+from gndpo.apps.round_model import measured_costs, paper_costs
 from gndpo.apps.rounds import DeviceSets, stage_cpus, stage_processes
 from gndpo.apps.schedule import RoundOrder, choose_order, may_start
 from gndpo.errors import GndpoError
@@ -189,6 +190,22 @@ def test_round_1_samples_with_policy_0_and_says_so(runs):
     # A round's wall time counts the time its stages ran side by side once: less than their sum here.
     walls = round_seconds(run)
     assert walls[0] < sum(row["seconds"] for (r, _), row in rows.items() if r == 0)
+
+
+@pytest.mark.slow
+def test_a_rerun_predicts_from_the_seconds_its_rounds_took(runs):
+    """Once a run's rounds ran one stage at a time, `gndpo run`'s model takes their seconds (round 0,
+    which starts the engines, left out), and its line gives each order's round time in seconds; rounds
+    whose stages ran side by side measure no stage alone."""
+    run = open_run(str(runs["sequential"]))
+    costs = measured_costs(run, paper_costs(run.cfg))
+    assert costs.measured and costs.source == "measured over round 1 of this run"
+    seconds = {row["stage"]: row["seconds"] for row in stage_rows(run) if row["round"] == 1}
+    assert {stage: cost.seconds for stage, cost in costs.stages.items()} == seconds
+    line = choose_order(run.cfg, 0, costs=costs).line()
+    assert f"sequential {sum(seconds.values()):.1f} s" in line and "measured over round 1" in line, line
+    overlapped = open_run(str(runs["overlapped"]))
+    assert measured_costs(overlapped, paper_costs(overlapped.cfg)) is None
 
 
 def test_overlapping_spans_count_once_in_a_rounds_seconds():

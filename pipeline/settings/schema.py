@@ -499,7 +499,8 @@ class RoundsConfig:
     # lag, never "whatever is newest", so the rows do not depend on timing and a rerun reproduces them.
     max_staleness: NonNegativeInt = 0
     # auto: the order the round model predicts fastest on the devices `gndpo run` sees, from each
-    # stage's cost on paper (init and run say each order's predicted share of the sequential round):
+    # stage's cost on paper, or the seconds the run's rounds took one stage at a time once there are
+    # some (init and run say each order's predicted round time):
     # stages that share devices only take turns on them, a served teacher's or a learner split's
     # (`gndpo run --learner-gpus`) run beside; on: every overlap the settings allow, whatever the
     # devices; off: one stage at a time.

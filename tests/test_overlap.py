@@ -202,7 +202,7 @@ def test_a_rerun_predicts_from_the_seconds_its_rounds_took(runs):
     assert costs.measured and costs.source == "measured over round 1 of this run"
     seconds = {row["stage"]: row["seconds"] for row in stage_rows(run) if row["round"] == 1}
     assert {stage: cost.seconds for stage, cost in costs.stages.items()} == seconds
-    line = choose_order(run.cfg, 0, costs=costs).line()
+    line = choose_order(run.cfg, 0, overlap="auto", costs=costs).line()  # the run itself was made with run.overlap off
     assert f"sequential {sum(seconds.values()):.1f} s" in line and "measured over round 1" in line, line
     overlapped = open_run(str(runs["overlapped"]))
     assert measured_costs(overlapped, paper_costs(overlapped.cfg)) is None

@@ -329,10 +329,11 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None, gpus: int | No
             raise GndpoError(f"run folder {url} was created from another config; use a new folder")
         return existing
     models = resolve_models(cfg)
+    gpus = visible_gpus() if gpus is None else gpus
     with read_once():  # the checks read the same models' tokenizers and configs many times
         splits, images = checked_prompts(url, models.local)
-        ranks = train_ranks(cfg, visible_gpus() if gpus is None else gpus)
-        check_gpu_memory(models.local, gpu_bytes or gpu_memory(), backend_of(cfg).capabilities, rollout_backend(cfg).capabilities, ranks)
+        check_gpu_memory(models.local, gpu_bytes or gpu_memory(), backend_of(cfg).capabilities, rollout_backend(cfg).capabilities,
+                         train_ranks(cfg, gpus))
         probes = backend_of(cfg).check_teachers(cfg, models.local, bool(images))
     say_held_out(cfg, splits)
     store_images(fs, images)
@@ -342,7 +343,7 @@ def init_run(url: str, cfg: Config, gpu_bytes: int | None = None, gpus: int | No
         # A concurrent init won; accept it only if it is the same experiment.
         return init_run(url, cfg, gpu_bytes, gpus)
     # How `gndpo run` will order the stages on this machine (it says so again, for the GPUs it is given).
-    logging.getLogger("gndpo").info(choose_order(cfg, visible_gpus() if gpus is None else gpus).line())
+    logging.getLogger("gndpo").info(choose_order(cfg, gpus).line())
     return open_run(url)
 
 

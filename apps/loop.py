@@ -3,7 +3,6 @@ share kept engines."""
 
 from __future__ import annotations
 
-from gndpo.apps.round_model import measured_costs, paper_costs
 from gndpo.apps.rounds import DeviceSets, keeps_models, run_rounds, stage_cpus
 from gndpo.apps.schedule import choose_order, run_scheduled
 from gndpo.apps.workers import run_with_workers
@@ -34,7 +33,7 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     devices = DeviceSets.of(gpus, learner_gpus)
     stage_cpus()
     # Once rounds of this run have run one stage at a time, their seconds, not the config's FLOPs, are the model's.
-    order = choose_order(run.cfg, gpus, learner_gpus, overlap, measured_costs(run, paper_costs(run.cfg)))
+    order = choose_order(run.cfg, gpus, learner_gpus, overlap, run=run)
     log(order.line())
     learner_gpus = learner_gpus if not order.sequential else 0  # one stage at a time: each on every GPU
     # Workers that stay keep their models for the whole run: where stages share a GPU, what one keeps

@@ -126,25 +126,29 @@ def paper_costs(cfg: Config) -> RoundCosts:
     teachers = sum(parameter_count(path) or student for path in teacher_models) if teacher_models else student
     served = backend_of(cfg).capabilities.served
     recompute = cfg.score.student_logprobs != "engine"
-    score = teachers / student + (1.0 if recompute else 0.0)
-    work = {"actor": DECODE_COST, "score": score, "train": 3 * TRAIN_COST}
-    total = sum(work.values())
+    actor, score, train = DECODE_COST, teachers / student + (1.0 if recompute else 0.0), 3 * TRAIN_COST
     stages = {}
     for stage in stage_names():
         job = job_class(stage)
         if job.launch.actor:
-            stages[stage] = StageCost(work["actor"])
+            stages[stage] = StageCost(actor)
         elif job.streams():
             stages[stage] = StageCost(score, own_devices=served and not recompute)
         elif job.launch.collective:
-            stages[stage] = StageCost(work["train"])
+            stages[stage] = StageCost(train)
         else:
-            stages[stage] = StageCost(NORMALIZE_SHARE * total)
-    units = -(-cfg.rollout.prompts_per_round // cfg.rollout.prompts_per_unit)
-    return RoundCosts(stages, units, "on paper, from the config's FLOPs")
+            stages[stage] = StageCost(NORMALIZE_SHARE * (actor + score + train))
+    return RoundCosts(stages, cfg.rollout.units_per_round, "on paper, from the config's FLOPs")
 
 
 MARGIN = 0.01  # an order with more in flight is chosen only where predicted this much faster than a simpler one
+
+
+def round_costs(cfg: Config, run=None) -> RoundCosts:
+    """The costs the model runs on: what ``run``'s own rounds measured one stage at a time, where there
+    are some (:func:`measured_costs`), else the config's on paper (:func:`paper_costs`)."""
+    paper = paper_costs(cfg)
+    return (measured_costs(run, paper) if run is not None else None) or paper
 
 
 def fastest(times: dict[str, float], allowed: tuple[str, ...]) -> str:

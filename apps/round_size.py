@@ -106,7 +106,8 @@ def estimate_round(cfg: Config, longest_prompt: int) -> RoundSize:
         token_bytes(ROLLOUTS, ["response_token_ids", "loss_mask", "sampler_logprobs"]) + TEXT_BYTES_PER_TOKEN)
     extras = [c for need in score_needs(cfg.method) for c in EXTRA_COLUMNS[need]]
     score = tokens * token_bytes(scores_schema(max(cfg.score.teacher_topk, 1)), ["teacher_logprobs", "student_logprobs", *extras])
-    shards = 2 * math.ceil(rollout_cfg.prompts_per_round / rollout_cfg.prompts_per_unit)  # a rollout and a score shard per unit
+    units = rollout_cfg.units_per_round
+    shards = 2 * units  # a rollout and a score shard per unit
     weights = parameter_count(cfg.student)
     export = state = 0
     if weights:
@@ -117,7 +118,6 @@ def estimate_round(cfg: Config, longest_prompt: int) -> RoundSize:
             one_state = weights * (width + ADAM_MOMENT_BYTES + (4 if width < 4 else 0))
             checkpoints = (train_cfg.optimizer_steps - 1) // train_cfg.checkpoint_every if train_cfg.checkpoint_every else 0
             state = one_state * (1 + checkpoints)
-    units = math.ceil(rollout_cfg.prompts_per_round / rollout_cfg.prompts_per_unit)
     steps = max(1, min(train_cfg.optimizer_steps, rows))
     return RoundSize(rows, tokens, rollout + score + shards * SHARD_OVERHEAD, weights, export, state,
                      unit_bytes=math.ceil((rollout + score) / units), steps=steps, step_bytes=math.ceil((rollout + score) / steps))

@@ -31,7 +31,7 @@ from gndpo.dist import Dist, usable_cpus
 from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.inputs import StageInputs
 from gndpo.pipeline.exec.signals import STAGE_OF_RUN_ENV, die_with_parent
-from gndpo.pipeline.exec.stage import StageContext, StageJob
+from gndpo.pipeline.exec.stage import StageContext, StageJob, collective_ranks
 from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info, worker_file
@@ -242,7 +242,7 @@ def stage_processes(
     gpus, ids = (len(devices), devices) if devices is not None else (gpus, None)
     launch = job_class(stage).launch
     if launch.collective:
-        nproc = num_processes if num_processes > 0 else max(gpus, 1)
+        nproc = collective_ranks(num_processes, gpus)
         env = {**(cpu_share(nproc) if nproc > 1 else {}), **({"CUDA_VISIBLE_DEVICES": ",".join(ids)} if subset else {})}
         return [StageProcess(stage_command(url, stage, round_idx, nproc), env, None, cpus=cpus)]
     if gpus == 0 or not launch.per_gpu:

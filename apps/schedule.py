@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gndpo.apps.round_model import AHEAD, SEQUENTIAL, STREAMED, Machine, RoundCosts, fastest, paper_costs, predict, times_line
+from gndpo.apps.round_model import AHEAD, SEQUENTIAL, STREAMED, Machine, RoundCosts, fastest, predict, round_costs, times_line
 from gndpo.apps.rounds import DeviceSets, StageGroup, StageProcess, Stay, stage_command, stage_cpus, stage_processes, worker_log
 from gndpo.dist import usable_cpus
 from gndpo.errors import GndpoError
@@ -57,14 +57,15 @@ class RoundOrder:
         return f"rounds overlap ({', '.join(parts)}): {self.reason}"
 
 
-def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0, overlap: str | None = None, costs: RoundCosts | None = None) -> RoundOrder:
+def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0, overlap: str | None = None, costs: RoundCosts | None = None,
+                 run: Run | None = None) -> RoundOrder:
     """The order for ``cfg`` on ``gpus`` GPUs (``learner_gpus`` of them for score and train), with
     ``overlap`` (`gndpo run --overlap`) in place of ``run.overlap`` where given.
 
     ``run.overlap`` off: sequential; on: score streams and rollout runs ``run.max_staleness`` rounds
     ahead, whatever the devices. auto: the order :mod:`gndpo.apps.round_model` predicts fastest on
-    these devices for ``costs`` (default: the config's, on paper), never one it predicts slower than
-    sequential; rollout runs ahead only where it has devices of its own (a learner split) or on the
+    these devices for ``costs`` (default: :func:`round_costs`, from what ``run`` measured where given),
+    never one it predicts slower than sequential; rollout runs ahead only where it has devices of its own (a learner split) or on the
     CPU, since on a shared GPU the engine and the learner would hold its memory at once. In a
     sequential order every stage uses every GPU (`gndpo run` leaves a learner split unused)."""
     staleness, setting = cfg.run.max_staleness, "--overlap" if overlap else "run.overlap"
@@ -74,7 +75,7 @@ def choose_order(cfg: Config, gpus: int, learner_gpus: int = 0, overlap: str | N
     if overlap == "on":
         return RoundOrder(True, staleness, f"{setting} on")
     machine = machine_of(gpus, learner_gpus)
-    costs = costs or paper_costs(cfg)
+    costs = costs or round_costs(cfg, run)
     times = predict(costs, machine, staleness)
     allowed = (STREAMED, AHEAD) if staleness and (machine.split or gpus == 0) else (STREAMED,)
     best = fastest(times, allowed)
@@ -91,7 +92,7 @@ def machine_of(gpus: int, learner_gpus: int) -> Machine:
     """The devices the round model sees: the GPUs, split with ``learner_gpus``; without GPUs this
     machine's cores, split where ``GNDPO_STAGE_CPUS`` pins rollout to cores of its own."""
     if gpus:
-        return Machine(gpus, gpus - learner_gpus if learner_gpus else gpus)
+        return Machine(gpus, gpus - learner_gpus)
     cores, pinned = usable_cpus(), stage_cpus()
     actor = next((set(cpus) for stage, cpus in pinned.items() if job_class(stage).launch.actor), set())
     others = set().union(*(cpus for stage, cpus in pinned.items() if not job_class(stage).launch.actor))

@@ -63,6 +63,7 @@ STAGES = tuple(STAGE_REGISTRY)
 
 OUT = RESULTS / "overlap.json"
 FIGURE = HERE.parent / "docs" / "benchmarks" / "figures" / "overlap_timeline.png"
+PROMPTS_PER_UNIT = 64  # the rollout units score streams by
 PINNED = "rollout=0 score=1 normalize=1 train=1"  # each stage on its own core, the learner's beside the teacher server
 STUDENT_CORE = "rollout=0 score=0 normalize=0 train=0"  # the teacher server's core its own, as its GPUs would be
 
@@ -134,7 +135,7 @@ def timing_config(assets: Path, folder: Path, server_url: str, prompts: int, set
     import yaml
 
     cfg = demo_config_data(assets, DEFAULT_CONFIG)
-    cfg["rollout"].update({"prompts_per_round": prompts, "prompts_per_unit": 64, "eval_heldout": False})
+    cfg["rollout"].update({"prompts_per_round": prompts, "prompts_per_unit": PROMPTS_PER_UNIT, "eval_heldout": False})
     cfg["score"] = {**cfg.get("score", {}), "backend": "server", "servers": [server_url], "server_model": "teacher", "student_logprobs": "engine"}
     cfg["train"].update({"optimizer_steps": 16})
     cfg["engine"]["in_process"] = True
@@ -172,7 +173,7 @@ def timing(rounds: int, prompts: int, repeats: int) -> dict:
             server.kill()
     ways = {name: summary(rows, runs[DEFAULT]) for name, rows in runs.items()}
     return {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rounds": rounds, "prompts_per_round": prompts, "n": 8,
-            "repeats": repeats, "ways": ways, "model": modelled(runs, units=-(-prompts // 64))}
+            "repeats": repeats, "ways": ways, "model": modelled(runs, units=-(-prompts // PROMPTS_PER_UNIT))}
 
 
 def summary(rows: list[dict], defaults: list[dict]) -> dict:
@@ -397,7 +398,8 @@ def main(argv=None) -> None:
     elif a.part == "table" and data.get("timing", {}).get("model"):  # the model's predictions again, from the saved inputs
         model = data["timing"]["model"]
         measured = model.get("measured") or {row["way"]: row["measured_s"] for row in model["rows"]}
-        model.update(measured=measured, rows=predictions(model["inputs"], model.get("units", -(-data["timing"]["prompts_per_round"] // 64)), measured))
+        units = model.setdefault("units", -(-data["timing"]["prompts_per_round"] // PROMPTS_PER_UNIT))
+        model.update(measured=measured, rows=predictions(model["inputs"], units, measured))
     save_json(OUT, data)
     if data.get("timing", {}).get("model"):
         figure(data)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gndpo.apps import rounds, schedule
+from gndpo.apps import round_model, rounds, schedule
 from gndpo.apps.rounds import StageProcess, run_stage_processes, stage_processes, worker_log_dir
 from gndpo.errors import GndpoError
 from gndpo.stages.registry import STAGE_REGISTRY
@@ -207,7 +207,7 @@ def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(loop, "open_run", lambda url: FakeRun(tmp_path))
     monkeypatch.setattr(loop, "run_scheduled", lambda *a, **k: pytest.fail("no process expected"))
     monkeypatch.setattr(loop, "visible_gpus", lambda: 0)
-    monkeypatch.setattr(loop, "measured_costs", lambda run, paper: None)  # a new run: no round measured yet
+    monkeypatch.setattr(round_model, "measured_costs", lambda run, paper: None)  # a new run: no round measured yet
     seen = []
 
     def run_stage(url, stage, r, log=print, live=None, run=None):

@@ -204,6 +204,7 @@ def test_a_rerun_predicts_from_the_seconds_its_rounds_took(runs):
     assert {stage: cost.seconds for stage, cost in costs.stages.items()} == seconds
     line = choose_order(run.cfg, 0, overlap="auto", costs=costs).line()  # the run itself was made with run.overlap off
     assert f"sequential {sum(seconds.values()):.1f} s" in line and "measured over round 1" in line, line
+    assert choose_order(run.cfg, 0, overlap="auto", run=run).line() == line  # what `gndpo run` asks: the run measures its own costs
     overlapped = open_run(str(runs["overlapped"]))
     assert measured_costs(overlapped, paper_costs(overlapped.cfg)) is None
 

@@ -41,6 +41,12 @@ class Launch:
     actor: bool = False
 
 
+def collective_ranks(num_processes: int, gpus: int) -> int:
+    """The ranks a collective stage runs as on a node of ``gpus`` GPUs: ``num_processes`` (train's
+    ``train.num_processes``), or with 0 one a GPU (one where there is none)."""
+    return num_processes if num_processes > 0 else max(gpus, 1)
+
+
 @dataclass(frozen=True)
 class StageContext:
     """What a stage is run with besides its run and round: where it logs, the engines and models kept

@@ -287,6 +287,11 @@ class RolloutConfig:
         """The most tokens one response can hold: the whole interleaved conversation with tools."""
         return self.max_tool_response_tokens if self.tools else self.max_tokens
 
+    @property
+    def units_per_round(self) -> int:
+        """The work units a round's prompts make: prompts_per_unit each, the last one shorter."""
+        return -(-self.prompts_per_round // self.prompts_per_unit)
+
 
 @dataclass(frozen=True)
 class LoraConfig:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gndpo.errors import GndpoError
+from gndpo.pipeline.exec.stage import collective_ranks
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.stages.models.loading import architecture_parameter_count, model_config
 
@@ -110,9 +111,8 @@ def parse_memory(text: str) -> int:
 
 
 def train_ranks(cfg: Config, gpus: int) -> int:
-    """Train's ranks on a node of ``gpus`` GPUs: ``train.num_processes``, or with 0 one a GPU (one
-    where there is none)."""
-    return cfg.train.num_processes or max(gpus, 1)
+    """Train's ranks on a node of ``gpus`` GPUs, as `gndpo run` launches them (:func:`collective_ranks`)."""
+    return collective_ranks(cfg.train.num_processes, gpus)
 
 
 def train_peak(cfg: Config, student: Shape, gpu: int, checkpointing: bool, ranks: int = 1) -> StagePeak:

@@ -55,7 +55,16 @@ from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer
-from gndpo.stages.models.logprobs import PolicyLogprobs, TokenBatch, logits_chunk, make_batch, policy_token_logprobs, token_budget_batches
+from gndpo.stages.models.fused_output import OutputLayer, fused_loss
+from gndpo.stages.models.logprobs import (
+    PolicyLogprobs,
+    TokenBatch,
+    logits_chunk,
+    make_batch,
+    policy_token_logprobs,
+    response_hidden,
+    token_budget_batches,
+)
 from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.text.vocabulary import match_vocabularies
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share
@@ -171,11 +180,16 @@ class Objective:
     # Whether a micro-batch reads each distinct prompt once (model.shared_prompts). Not under gradient
     # checkpointing: a checkpointed layer drops the prompt's keys and values.
     share_prompts: bool = True
+    # Whether the output layer's gradient is computed in the forward (train.fused_output, where the
+    # layer allows it and the loss reads only log-probs at given ids: not with teachers of another
+    # vocabulary, whose divergence also reads the student's largest log-probs over a set of ids).
+    fused: bool = False
 
     @classmethod
     def of(cls, cfg: Config, round_idx: int, pad_id: int, device: torch.device, images: BatchImages | None = None,
-           student_unmatched: dict[str, np.ndarray] | None = None, checkpointing: bool = False) -> Objective:
-        """The round's objective; ``checkpointing``: whether the model recomputes its layers in backward."""
+           student_unmatched: dict[str, np.ndarray] | None = None, checkpointing: bool = False, fusable: bool = False) -> Objective:
+        """The round's objective; ``checkpointing``: whether the model recomputes its layers in backward;
+        ``fusable``: whether its output layer can be fused (:meth:`OutputLayer.fits`)."""
         policy_loss, loss_agg = policy_settings(cfg.method)
         # A div term is computed only where the method stored the teacher top-k for one.
         divergence = divergence_of(cfg.method, round_idx) if TOPK in score_needs(cfg.method) else None
@@ -183,8 +197,7 @@ class Objective:
         if divergence and student_unmatched:
             names, masks = tuple(student_unmatched), torch.from_numpy(np.stack(list(student_unmatched.values()))).to(device)
         return cls(cfg, policy_loss, loss_agg, divergence, pad_id, device, images, names or (), masks,
-                   share_prompts=cfg.model.shared_prompts and not checkpointing)
-
+                   share_prompts=cfg.model.shared_prompts and not checkpointing, fused=cfg.train.fused_output and fusable and masks is None)
 
     def micro_batch_loss(self, model, micro: list[TrainRow], min_chunks: int, n_seqs: int, n_tokens: int, weight_sum: float):
         """(this micro-batch's share of the step loss, [loss, clipped tokens, sum of ratios]).
@@ -193,10 +206,43 @@ class Objective:
         zero, so every rank calls every module (and ZeRO-3 gathers) the same number of times."""
         if not micro:
             return self.empty_micro_batch_loss(model, min_chunks), (0.0, 0.0, 0.0)
-        device = self.device
+        totals = (n_seqs, n_tokens, weight_sum)
         batch = self.token_batch(micro)
-        topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro]).astype(np.int64)).to(device) if self.divergence is not None else None
-        out = self.student_logprobs(model, batch, micro, topk_ids, min_chunks)
+        topk_ids = torch.from_numpy(np.concatenate([r.topk_ids for r in micro]).astype(np.int64)).to(self.device) if self.divergence is not None else None
+        if self.fused:
+            loss, stats = self.fused_loss(model, batch, micro, topk_ids, totals)
+        else:
+            out = self.student_logprobs(model, batch, micro, topk_ids, min_chunks)
+            loss, stats = self.responses_loss(model, batch, micro, out, topk_ids, totals)
+            loss = loss + out.pad_term
+        return loss, tuple(stats.tolist())
+
+    def fused_loss(self, model, batch: TokenBatch, micro: list[TrainRow], topk_ids, totals: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's loss, its [loss, clipped tokens, sum of ratios]) with the output layer's
+        gradients computed in the forward (:mod:`gndpo.stages.models.fused_output`), group of whole
+        responses by group."""
+        ids = batch.targets.unsqueeze(-1)
+        if topk_ids is not None:  # a negative id reads id 0, as the checkpointed path reads it; the loss masks it
+            ids = torch.cat([ids, topk_ids.clamp(min=0)], dim=-1)
+        stats = []
+
+        def group_loss(rows: slice, tokens: slice, logp: torch.Tensor) -> torch.Tensor:
+            out = PolicyLogprobs(logp[:, 0], logp[:, 1:] if topk_ids is not None else None, logp.new_zeros(()))
+            loss, group_stats = self.responses_loss(model, batch.responses(rows, tokens), micro[rows], out,
+                                                    topk_ids[tokens] if topk_ids is not None else None, totals)
+            stats.append(group_stats)
+            return loss
+
+        loss = fused_loss(model, response_hidden(model, batch), ids, batch.lengths.tolist(), logits_chunk(model, self.cfg.model),
+                          self.cfg.rollout.temperature, group_loss)
+        return loss, torch.stack(stats).sum(0)
+
+    def responses_loss(self, model, batch: TokenBatch, micro: list[TrainRow], out: PolicyLogprobs, topk_ids,
+                       totals: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the share of the step loss of ``batch``'s responses (``micro``'s rows) from the student's
+        log-probs ``out``, [its value, clipped tokens, sum of ratios] detached). A sum over responses, so
+        the shares of any grouping of a micro-batch's responses add up to the micro-batch's."""
+        device = self.device
         logp = batch.padded(out.sampled)
         width = logp.shape[1]
         response_mask = batch.mask()
@@ -210,9 +256,9 @@ class Objective:
         divergence = None if self.divergence is None else self.divergence_term(model, batch, micro, out, topk_ids, response_mask)
         losses, was_clipped = combined_token_losses(logp, policy, divergence)
         weights = torch.tensor([r.weight for r in micro], dtype=torch.float32, device=device).unsqueeze(-1)
-        loss = aggregate(losses * weights, mask, self.loss_agg, n_seqs, n_tokens, weight_sum)
-        ratio = float((torch.exp(logp.detach() - old) * mask).sum())
-        return loss + out.pad_term, (loss.item(), float(was_clipped.sum()), ratio)
+        loss = aggregate(losses * weights, mask, self.loss_agg, *totals)
+        ratio = (torch.exp(logp.detach() - old) * mask).sum()
+        return loss, torch.stack([loss.detach().float(), was_clipped.sum().float(), ratio.float()])
 
     def empty_micro_batch_loss(self, model, min_chunks: int) -> torch.Tensor:
         """A zero loss that still runs the model (and ``min_chunks`` output-layer chunks) once."""
@@ -438,7 +484,7 @@ class TrainJob(StageJob):
         # The model says whether it checkpoints (train.gradient_checkpointing, or auto's choice for this GPU).
         checkpointing = bool(getattr(engine.module, "is_gradient_checkpointing", False))
         return share, steps, Objective.of(cfg, round_idx, pad_id, local_device(), BatchImages.of_run(self.run, policy), unmatched,
-                                          checkpointing)
+                                          checkpointing, OutputLayer.fits(engine.module))
 
     def student_unmatched(self, round_idx: int, policy: str, vocabulary: int) -> dict[str, np.ndarray] | None:
         """With a top-k divergence against teachers of another vocabulary: {teacher name: [vocabulary]

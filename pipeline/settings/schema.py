@@ -452,6 +452,10 @@ class TrainConfig:
     # round commits; the next update waits for it before its first step. Until the write's record
     # exists the state does not, so a crash meanwhile costs a replay (as above), never a wrong state.
     state_async: bool = True
+    # Compute the output layer's gradient in the forward pass, chunk by chunk (stages/models/fused_output.py:
+    # three output-layer matmuls a position, no logits recomputed); false recomputes each chunk's logits
+    # in backward (four). Teachers of another vocabulary and ZeRO-3 always recompute.
+    fused_output: bool = True
     checkpoint_every: NonNegativeInt = 8  # optimizer steps between in-round checkpoints a retry resumes from (0 = none)
     num_processes: NonNegativeInt = 0  # train ranks on this node; 0 = one per visible GPU (1 on CPU)
     seed: NonNegativeInt = 0  # torch's seed and the shuffle of a round's responses into optimizer steps

@@ -82,6 +82,14 @@ class TokenBatch:
         """[B, max response length] float mask of real response tokens."""
         return self.padded(torch.ones(self.n_tokens, device=self.ids.device))
 
+    def responses(self, rows: slice, tokens: slice) -> TokenBatch:
+        """The responses ``rows`` alone, whose tokens are ``tokens`` of the flat order, for laying their
+        per-token values out (:meth:`padded`, :meth:`mask`); not for the backbone (no prompts)."""
+        return TokenBatch(
+            ids=self.ids[rows], attention_mask=self.attention_mask[rows], lengths=self.lengths[rows], rows=self.rows[tokens] - rows.start,
+            cols=None if self.cols is None else self.cols[tokens], offsets=self.offsets[tokens], targets=self.targets[tokens],
+        )
+
 
 def padded_ids(seqs: list[np.ndarray], pad_id: int, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(ids [n, longest], attention mask [n, longest]) of ``seqs`` padded on the right (or left)."""

@@ -58,21 +58,22 @@ def check_round(run, round_idx: int, stage: str, follow: bool = False) -> None:
 
 def run_stage(
     url: str, stage: str, round_idx: int, worker: bool = False, lease_ttl: float = 120.0, log=info, live=None, follow: bool = False,
-    run: Run | None = None,
+    run: Run | None = None, final: bool = False,
 ) -> Manifest | None:
     """Run (or join, with ``worker``) one stage; returns its manifest, or None if other workers still
     hold units when this worker runs out of work. ``live``: the engines and models to compute with
     (:class:`gndpo.stages.models.live.LiveModels`; default: built for this stage alone and released
     when it returns, as a user's process calling it would want). ``follow``: stream behind the stage
     it reads unit by unit, taking each unit once its input unit commits. ``run``: the run at ``url``
-    where the caller has it open (the round loop), else opened here."""
+    where the caller has it open (the round loop), else opened here. ``final``: ``round_idx`` is the last
+    round the caller runs (:class:`gndpo.pipeline.exec.stage.StageContext`)."""
     if live is None:
         # Imported here: it imports torch, which registering the commands must not (cli/stages.py imports this module).
         from gndpo.stages.models.live import LiveModels
 
         own = LiveModels(log=log)
         try:
-            return run_stage(url, stage, round_idx, worker, lease_ttl, log, own, follow, run)
+            return run_stage(url, stage, round_idx, worker, lease_ttl, log, own, follow, run, final)
         finally:
             own.close()
     run = run or open_run(url)
@@ -82,7 +83,7 @@ def run_stage(
     # The log file first: the stage's modules import vLLM, which sets up its logging when imported.
     with worker_log(url, f"r{round_idx:04d}-{stage}"):
         dist = Dist.from_env()
-        job: StageJob = job_class(stage)(run, round_idx, StageContext(log=log, live=live, follow=follow, dist=dist))
+        job: StageJob = job_class(stage)(run, round_idx, StageContext(log=log, live=live, follow=follow, dist=dist, final=final))
         records = run.records(round_idx, job.makes)
 
         def committed(manifest: Manifest) -> None:  # by the one worker whose manifest write succeeded
@@ -109,18 +110,18 @@ class Stay:
     ahead: int = 0
 
 
-def round_args(rounds: int | Stay) -> list[str]:
-    """A stage command's options for one round, or for a worker that stays."""
+def round_args(rounds: int | Stay, final: bool = False) -> list[str]:
+    """A stage command's options for one round (``final``: the run's last), or for a worker that stays."""
     if isinstance(rounds, Stay):
         return ["--rounds", str(rounds.rounds), "--ahead", str(rounds.ahead)]
-    return ["--round", str(rounds)]
+    return ["--round", str(rounds), *(["--final"] if final else [])]
 
 
-def stage_command(url: str, stage: str, rounds: int | Stay, num_processes: int = 1, follow: bool = False) -> list[str]:
-    """The command line that runs one stage in a fresh process, for one round or staying for all
-    (:class:`Stay`) (train under torchrun for >1 rank; ``follow``: streaming behind the stage it reads
-    unit by unit)."""
-    tail = ["-m", "gndpo", stage, url, *round_args(rounds), *(["--follow"] if follow else [])]
+def stage_command(url: str, stage: str, rounds: int | Stay, num_processes: int = 1, follow: bool = False, final: bool = False) -> list[str]:
+    """The command line that runs one stage in a fresh process, for one round (``final``: the run's
+    last) or staying for all (:class:`Stay`) (train under torchrun for >1 rank; ``follow``: streaming
+    behind the stage it reads unit by unit)."""
+    tail = ["-m", "gndpo", stage, url, *round_args(rounds, final), *(["--follow"] if follow else [])]
     if job_class(stage).launch.collective and num_processes > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}", *tail]
     return [sys.executable, *tail]
@@ -218,7 +219,7 @@ def stage_cpus(spec: str | None = None) -> dict[str, tuple[int, ...]]:
 
 def stage_processes(
     url: str, stage: str, round_idx: int | Stay, gpus: int, num_processes: int = 0, gpus_per_worker: int = 1, log_dir: str | None = None,
-    devices: list[str] | None = None, follow: bool = False, cpus: tuple[int, ...] = (),
+    devices: list[str] | None = None, follow: bool = False, cpus: tuple[int, ...] = (), final: bool = False,
 ) -> list[StageProcess]:
     """The processes that run ``stage`` of ``round_idx`` (or of every round, staying: :class:`Stay`) on a
     node with ``gpus`` GPUs (``devices``: the ids of those this stage uses, default the first ``gpus``;
@@ -234,7 +235,8 @@ def stage_processes(
     Where several processes share the node (workers, train's ranks), each gets its share of the CPUs
     (``GNDPO_THREADS``): each would otherwise start a torch thread per CPU, and 8 workers on a node
     would run 8 times as many threads as it has cores. ``follow``: score streams behind rollout
-    (``--follow``). ``cpus``: the cores every process is pinned to.
+    (``--follow``). ``cpus``: the cores every process is pinned to. ``final``: ``round_idx`` is the run's
+    last round (``--final``).
     """
     if gpus < 0:
         raise GndpoError(f"--gpus must be >= 0, got {gpus}")
@@ -244,9 +246,9 @@ def stage_processes(
     if launch.collective:
         nproc = collective_ranks(num_processes, gpus)
         env = {**(cpu_share(nproc) if nproc > 1 else {}), **({"CUDA_VISIBLE_DEVICES": ",".join(ids)} if subset else {})}
-        return [StageProcess(stage_command(url, stage, round_idx, nproc), env, None, cpus=cpus)]
+        return [StageProcess(stage_command(url, stage, round_idx, nproc, final=final), env, None, cpus=cpus)]
     if gpus == 0 or not launch.per_gpu:
-        return [StageProcess(stage_command(url, stage, round_idx, follow=follow), {}, None, cpus=cpus)]
+        return [StageProcess(stage_command(url, stage, round_idx, follow=follow, final=final), {}, None, cpus=cpus)]
     per = max(gpus_per_worker, 1)
     if per > gpus:
         raise GndpoError(f"{stage} needs {per} GPUs per worker (engine.tensor_parallel_size) but this node has {gpus}")
@@ -259,7 +261,7 @@ def stage_processes(
         name = f"gpu{w * per}" if per == 1 else f"gpu{w * per}-{(w + 1) * per - 1}"
         procs.append(
             StageProcess(
-                [*stage_command(url, stage, round_idx, follow=follow), "--worker"],
+                [*stage_command(url, stage, round_idx, follow=follow, final=final), "--worker"],
                 {"CUDA_VISIBLE_DEVICES": ",".join(group), "LOCAL_RANK": "0", **threads},
                 f"{log_dir}/{stage if isinstance(round_idx, Stay) else f'r{round_idx:04d}-{stage}'}-{name}.log",
                 name,
@@ -375,7 +377,7 @@ def run_rounds(url: str, rounds: int, live, log=info, run: Run | None = None) ->
                     continue
                 t0 = time.time()
                 log(f"round {r}: {stage} ...")
-                run_stage(url, stage, r, log=log, live=live, run=run)
+                run_stage(url, stage, r, log=log, live=live, run=run, final=r == rounds - 1)
                 if run.records(r, stage).manifest() is None:
                     raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
                 log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")

@@ -142,23 +142,24 @@ def reads_ready(run: Run, stage: str, round_idx: int, committed: CommittedStages
 
 
 def ordered_processes(url: str, run: Run, stage: str, rounds: int | Stay, gpus: int, devices: DeviceSets, order: RoundOrder,
-                      cpus: tuple[int, ...] = ()) -> list[StageProcess]:
-    """The processes of ``stage`` for ``rounds`` (one round, or every round staying) in ``order``: as its
-    class launches, on its device set, pinned to ``cpus``, following the stage it streams behind where
-    the order streams."""
+                      cpus: tuple[int, ...] = (), final: bool = False) -> list[StageProcess]:
+    """The processes of ``stage`` for ``rounds`` (one round, ``final`` if the run's last, or every round
+    staying) in ``order``: as its class launches, on its device set, pinned to ``cpus``, following the
+    stage it streams behind where the order streams."""
     job = job_class(stage)
     per = run.cfg.engine.tensor_parallel_size if job.launch.tensor_parallel else 1
     return stage_processes(url, stage, rounds, gpus, run.cfg.train.num_processes, gpus_per_worker=per,
                            devices=devices.of_stage(stage) if devices.split else None, follow=job.streams() and order.stream_score,
-                           cpus=cpus)
+                           cpus=cpus, final=final)
 
 
 def stage_group(url: str, run: Run, stage: str, round_idx: int, gpus: int, devices: DeviceSets, order: RoundOrder,
-                cpus: tuple[int, ...] = (), log=info) -> StageGroup:
-    """Start the processes of ``stage`` of ``round_idx`` on its device set, pinned to ``cpus``."""
+                cpus: tuple[int, ...] = (), log=info, final: bool = False) -> StageGroup:
+    """Start the processes of ``stage`` of ``round_idx`` (``final``: the run's last) on its device set,
+    pinned to ``cpus``."""
     job = job_class(stage)
     follow = job.streams() and order.stream_score
-    procs = ordered_processes(url, run, stage, round_idx, gpus, devices, order, cpus)
+    procs = ordered_processes(url, run, stage, round_idx, gpus, devices, order, cpus, final)
     workers = [p for p in procs if p.log_path]
     where = f" on {len(workers)} workers (logs: {Path(workers[0].log_path).parent}/)" if workers else ""
     behind = ", ".join(read.product.stage for read in job.reads if read.per_unit)
@@ -166,11 +167,13 @@ def stage_group(url: str, run: Run, stage: str, round_idx: int, gpus: int, devic
     return StageGroup(procs, stage, round_idx)
 
 
-def finishing_group(url: str, group: StageGroup) -> StageGroup:
+def finishing_group(url: str, group: StageGroup, final: bool = False) -> StageGroup:
     """One more process for a stage whose processes all exited and none committed it (one lost a race,
-    or all found the last units leased): it takes over what is left and commits."""
+    or all found the last units leased): it takes over what is left and commits (``final``: the run's
+    last round)."""
     first = group.procs[0]
-    finish = StageProcess(stage_command(url, group.stage, group.round), dict(first.env) if first.log_path else {}, None, cpus=first.cpus)
+    finish = StageProcess(stage_command(url, group.stage, group.round, final=final), dict(first.env) if first.log_path else {}, None,
+                          cpus=first.cpus)
     return StageGroup([finish], group.stage, group.round, started_at=group.started_at, finishing=True)
 
 
@@ -195,7 +198,7 @@ def run_scheduled(url: str, rounds: int, gpus: int, order: RoundOrder, learner_g
                         continue
                     looked.add(stage)
                     if stage not in running and may_start(run, order, r, stage, started, committed):
-                        running[stage] = stage_group(url, run, stage, r, gpus, devices, order, cpus.get(stage, ()), log)
+                        running[stage] = stage_group(url, run, stage, r, gpus, devices, order, cpus.get(stage, ()), log, final=r == rounds - 1)
                         started.add((r, stage))
                         todo.remove((r, stage))
                 for stage, group in list(running.items()):
@@ -207,7 +210,7 @@ def run_scheduled(url: str, rounds: int, gpus: int, order: RoundOrder, learner_g
                         bar.advance(1)
                         del running[stage]
                     elif not group.finishing:
-                        running[stage] = finishing_group(url, group)
+                        running[stage] = finishing_group(url, group, final=group.round == rounds - 1)
                     else:
                         raise GndpoError(f"{stage} of round {group.round} finished without committing its manifest; rerun to resume")
                 time.sleep(POLL_S)

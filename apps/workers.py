@@ -51,7 +51,7 @@ def work_rounds(url: str, stage: str, stay: Stay, follow: bool = False, lease_tt
             waited = wait_for_round(run, stage, r, stay, follow, committed, bell)
             if any(waited.values()):
                 run.records(r, stage).note_wait(f"{socket.gethostname()}:{os.getpid()}:before", waited)
-            run_stage(url, stage, r, lease_ttl=lease_ttl, log=log, live=live, follow=follow, run=run)
+            run_stage(url, stage, r, lease_ttl=lease_ttl, log=log, live=live, follow=follow, run=run, final=r == stay.rounds - 1)
             live.release_engine()  # on a GPU the kept engines sleep while this worker waits for its next round
     finally:
         bell.close()

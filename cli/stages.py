@@ -23,9 +23,13 @@ def _stage_command(stage: str):
         worker: bool = typer.Option(False, "--worker", help="Join other workers: exit when nothing is left to claim."),
         lease_ttl: float = typer.Option(120.0, "--lease-ttl", help="Seconds without a heartbeat after which others may take a unit."),
         follow: bool = typer.Option(False, "--follow", help="score: start while rollout still runs, scoring each rollout unit once it commits."),
+        final: bool = typer.Option(False, "--final", help="With --round: the run's last round (train writes no optimizer state after it "
+                                   "unless train.final_state; a later round rebuilds it by replay)."),
     ):
         if (round is None) == (rounds is None):
             raise GndpoError("give one of --round K (one round) and --rounds N (stay for rounds 0 to N-1)")
+        if final and rounds is not None:
+            raise GndpoError("--final marks one round (--round K) as the run's last; with --rounds N the last is N-1")
         if rounds is not None:
             from gndpo.apps.workers import work_rounds  # at call time: it imports torch, which registering the commands must not
 
@@ -36,7 +40,7 @@ def _stage_command(stage: str):
             typer.echo(f"{stage}: rounds 0-{rounds - 1} committed")
             return
         with stdout_kept_for_data():
-            manifest = run_stage(run, stage, round, worker=worker, lease_ttl=lease_ttl, follow=follow)
+            manifest = run_stage(run, stage, round, worker=worker, lease_ttl=lease_ttl, follow=follow, final=final)
         if manifest is None:
             typer.echo(f"{stage} r{round}: no unit left to claim; other workers are finishing")
         else:

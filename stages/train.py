@@ -582,8 +582,9 @@ class TrainJob(StageJob):
                 numbers.ema_dir = f"{out_dir}/ema"
         pending = None
         if train_cfg.carry_optimizer_state:
-            # Not due: kept in memory only, and a train that starts without it replays.
-            due = (self.round + 1) % train_cfg.state_every == 0
+            # Not due: kept in memory only, and a train that starts without it replays. After the run's
+            # last round nothing reads it unless the run is extended, which replays this round instead.
+            due = (self.round + 1) % train_cfg.state_every == 0 and (train_cfg.final_state or not self.context.final)
             if due and train_cfg.state_async and self.live.keeps_trainer(dist.world):
                 pending = DeferredState(update.engine, self.run.fs, out_dir, self.log)
                 numbers.optimizer_state = CarriedState(pending=pending.record)

@@ -59,8 +59,8 @@ def test_stdout_carries_only_the_result(run_dir):
 
 
 def test_status_phases_account_for_each_stage_and_its_bytes(run_dir):
-    """`gndpo status --phases`: round 0 ran a process per stage. Rollout's set-up is its engine start;
-    train's export and optimizer state wrote exactly the bytes of the files its commit lists under the
+    """`gndpo status --phases`: round 0 ran a process per stage. Rollout's engine start and score's and
+    train's model loads are phases of their own; train's export and optimizer state wrote exactly the bytes of the files its commit lists under the
     model and state folders (sizes read from the disk); each unit's phases add up to its time (set-up
     plus its work); the manifest's phase metrics are the units' sums."""
     from gndpo.pipeline.exec.status import phase_rows
@@ -68,7 +68,10 @@ def test_status_phases_account_for_each_stage_and_its_bytes(run_dir):
     run = open_run(str(run_dir))
     rows = {(r["round"], r["stage"]): r for r in phase_rows(run)}
     assert set(rows) == {(r, s) for r in range(2) for s in STAGES}
-    assert rows[(0, "rollout")]["setup s"] > 1.0  # a vLLM engine start
+    assert rows[(0, "rollout")]["engine s"] > 1.0  # a vLLM engine start
+    assert rows[(0, "score")]["load s"] > 0 and rows[(0, "train")]["load s"] > 0
+    # Round 1 is the last `gndpo run --rounds 2` runs: no optimizer state written after it (train.final_state).
+    assert rows[(0, "train")]["state s"] > 0 and rows[(1, "train")]["state s"] == 0
     train = run.records(0, "train")
     commit = train.done("update")
     on_disk = lambda folder: sum(p.stat().st_size for p in (run_dir / commit.numbers.model_dir).parent.joinpath(folder).rglob("*") if p.is_file())  # noqa: E731

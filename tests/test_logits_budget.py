@@ -19,7 +19,8 @@ import torch
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.settings.schema import ModelConfig
-from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
+from gndpo.stages.models.device import device_memory
+from gndpo.stages.models.logprobs import logits_budget, logits_chunk, make_batch, pair_token_stats
 from tests.conftest import float32_sum_tol, forward_terms
 
 
@@ -29,8 +30,8 @@ def fake_model(vocab: int):
 
 
 def test_chunk_follows_the_vocabulary():
-    cfg = ModelConfig()
-    assert (cfg.logits_budget_mib, cfg.token_chunk) == (256, 1024)
+    assert (ModelConfig().logits_budget_mib, ModelConfig().token_chunk) == ("auto", 1024)
+    cfg = ModelConfig(logits_budget_mib=256)
     assert logits_chunk(fake_model(262_144), cfg) == 256  # Gemma 3: one fp32 [256, V] buffer is 256 MiB
     assert logits_chunk(fake_model(151_936), cfg) == 441  # Qwen
     assert logits_chunk(fake_model(65_536), cfg) == 1024  # token_chunk still caps it
@@ -42,6 +43,17 @@ def test_chunk_follows_the_vocabulary():
     # a real module: the output layer's width, not the tokenizer's
     lm = SimpleNamespace(get_output_embeddings=lambda: torch.nn.Linear(2, 3000, bias=False), config=SimpleNamespace(vocab_size=10))
     assert logits_chunk(lm, ModelConfig(logits_budget_mib=1)) == 2**20 // (3000 * 4)
+
+
+def test_auto_budget_follows_the_device_s_memory():
+    """auto: 1/32 of the device's memory, from 256 MiB to 4 GiB; a number is MiB."""
+    gib, mib = 2**30, 2**20
+    assert logits_budget(ModelConfig(), 24 * gib) == 768 * mib  # this machine: 768 positions at 262,144
+    assert logits_chunk(fake_model(262_144), ModelConfig(), 24 * gib) == 768
+    assert logits_budget(ModelConfig(), 80 * gib) == 2560 * mib
+    assert logits_budget(ModelConfig(), 4 * gib) == 256 * mib and logits_budget(ModelConfig(), 1024 * gib) == 4 * gib
+    assert logits_budget(ModelConfig(logits_budget_mib=64), 80 * gib) == 64 * mib
+    assert logits_budget(ModelConfig()) == logits_budget(ModelConfig(), device_memory())
 
 
 def test_budget_is_a_checked_setting():
@@ -195,7 +207,7 @@ def score_memory(settings: dict[str, dict]) -> dict[str, dict]:
 def test_scoring_at_gemmas_vocabulary_stays_within_the_stated_bound():
     """Stated bound: scoring one 2,048-token response with both models (top-16 with its rest, both
     entropies, the full KL) at V = 262,144 (random Llama, hidden 256, 2 layers, 1 GiB of weights for the
-    pair) peaks under 1 GiB above the loaded models with the default budget: 256 positions, one 256 MiB
+    pair) peaks under 1 GiB above the loaded models with a 256 MiB budget (the smallest auto gives): 256 positions, one 256 MiB
     log-prob buffer per model plus two 16 MiB scratch buffers (measured 0.60 GiB on 2 threads; the
     earlier code took 1.31 GiB at 256 positions and 5.04 GiB at its default 1,024, with five [1024, V]
     buffers alive). With a budget that lets token_chunk (1,024) decide, the same code stays under 2.5 GiB
@@ -205,7 +217,7 @@ def test_scoring_at_gemmas_vocabulary_stays_within_the_stated_bound():
     margin is the tight one); the wide one's peak is above its own start, after the first results are
     freed (the allocator keeps about 0.05 GiB of them, in that start and free for reuse: well inside the
     0.4 GiB margin; malloc_trim between the two moved the wide peak by 0.02 GiB)."""
-    measured = score_memory({"default": {}, "token_chunk 1024": {"logits_budget_mib": 4096}})  # the tight margin first
+    measured = score_memory({"default": {"logits_budget_mib": 256}, "token_chunk 1024": {"logits_budget_mib": 4096}})  # the tight margin first
     default, wide = measured["default"], measured["token_chunk 1024"]
     print("scoring at V = 262,144 (GiB above the loaded models):", json.dumps(measured))
     assert default["finite"] and default["chunk"] == 256 and wide["chunk"] == 1024

@@ -6,6 +6,9 @@ does). The first is one `gndpo run --rounds 3` (in the test's process), whose ke
 state in memory. The second stops after 2 rounds and a second `gndpo run` goes on to round 3, as after a crash: its
 round-2 train starts without the state and rebuilds it by replaying rounds 0 and 1 from their committed rows.
 Both must commit the same rows and the same weights, byte for byte.
+
+By default (``train.final_state`` false) a run's last round writes no state: a one-round job writes
+none, and extending it (`gndpo run --rounds 2`) replays its round instead, to the same weights.
 """
 
 import hashlib
@@ -31,7 +34,8 @@ ROLLOUT = {"eval_heldout": False, "backend": "hf"}
 
 def new_run(folder, assets):
     run = folder / "run"
-    config = write_config(folder, tiny_config_dict(assets, train={"state_every": 3}, rollout=ROLLOUT))
+    # final_state: the runs' last round writes its state too, as every third round does.
+    config = write_config(folder, tiny_config_dict(assets, train={"state_every": 3, "final_state": True}, rollout=ROLLOUT))
     invoke_ok("init", run, "--config", config)
     return run
 
@@ -105,6 +109,30 @@ def test_a_crash_before_a_deferred_state_is_recorded_costs_a_replay_not_a_wrong_
     invoke_ok("run", run, "--rounds", 2)  # the rerun, in this process
     log = run_log(run)
     assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
+    for round_idx in range(2):
+        for stage in ("rollout", "score"):
+            assert committed_rows(run, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
+        got, want = weights(run, round_idx), weights(whole, round_idx)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")
+
+
+def test_a_one_round_job_writes_no_state_and_extending_it_replays_exactly(runs, tmp_path, tiny_assets):
+    """Defaults (train.state_every 1, train.final_state false): `gndpo run --rounds 1` commits its policy
+    and writes no optimizer state; `gndpo run --rounds 2` then rebuilds round 0's state by replay, and
+    round 1 ends on the uninterrupted run's rows and weights, byte for byte (and, the run's last round
+    now, writes no state either)."""
+    whole = runs[0]
+    run = tmp_path / "run"
+    invoke_ok("init", run, "--config", write_config(tmp_path, tiny_config_dict(tiny_assets, rollout=ROLLOUT)))
+    invoke_ok("run", run, "--rounds", 1)
+    assert train_commit(run, 0).numbers.optimizer_state is None
+    assert not [p for p in run.rglob("*") if "optimizer" in p.parts]
+    invoke_ok("run", run, "--rounds", 2)
+    log = run_log(run)
+    assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
+    assert [train_commit(run, r).numbers.optimizer_state_resumed for r in range(2)] == [False, True]
+    assert train_commit(run, 1).numbers.optimizer_state is None
     for round_idx in range(2):
         for stage in ("rollout", "score"):
             assert committed_rows(run, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)

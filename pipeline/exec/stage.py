@@ -51,12 +51,15 @@ def collective_ranks(num_processes: int, gpus: int) -> int:
 class StageContext:
     """What a stage is run with besides its run and round: where it logs, the engines and models kept
     across stages (:class:`gndpo.stages.models.live.LiveModels`; None: the stage makes its own),
-    whether it streams behind the stage it reads unit by unit (``follow``), and its process group."""
+    whether it streams behind the stage it reads unit by unit (``follow``), its process group, and
+    whether its round is the last one its caller runs (``final``: train then writes no optimizer state,
+    unless ``train.final_state``)."""
 
     log: Callable[[str], None] = info
     live: Any = None
     follow: bool = False
     dist: Dist | None = None
+    final: bool = False
 
 
 class StageJob:

@@ -141,7 +141,7 @@ def worker_lines(run) -> list[str]:
 
 
 # The phases in the order a unit goes through them (gndpo.storage.meter), then the waits; others follow by name.
-PHASE_ORDER = ("setup", "compute", "write", "checkpoint", "export", "state", "waiting", "held")
+PHASE_ORDER = ("setup", "engine", "load", "replay", "compute", "write", "checkpoint", "export", "state", "waiting", "held")
 WAIT_COLUMNS = {"wait_input_seconds": "waiting", "wait_held_seconds": "held"}
 
 

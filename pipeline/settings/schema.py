@@ -330,13 +330,13 @@ class ModelConfig:
     token_chunk: Count = 1024
     # MiB one fp32 [positions, vocabulary] buffer may take: a chunk holds budget // (V x 4 B) positions
     # (at least 1, at most token_chunk), so memory follows the vocabulary instead of a token count.
-    # Score keeps at most two such buffers per model (train's backward a few more for the student).
-    # 256 MiB: 256 positions at Gemma's 262,144-token vocabulary, 441 at Qwen's 151,936, and token_chunk
-    # (1,024) decides up to 65,536. A chunk of 256 rows is already a large matmul (per-chunk overhead is
-    # negligible: scoring a 2,048-token response at 262,144 was no slower than with 1,024 positions),
-    # and one buffer stays small next to any model with such a vocabulary (its bf16 embedding alone is
-    # 0.5 GiB at hidden 1,024).
-    logits_budget_mib: Count = 256
+    # Score keeps at most two such buffers per model, train one (its fused output layer). auto = 1/32 of
+    # the device's memory (the GPU's, else the machine's), at least 256 MiB and at most 4 GiB: 768 MiB
+    # on a 24 GiB machine (768 positions at Gemma's 262,144-token vocabulary), 2.5 GiB on an 80 GiB GPU.
+    # Per-chunk overhead is small either way (scoring a 2,048-token response at 262,144 was no slower
+    # with 256 positions than with 1,024); what a larger chunk buys is train's fused output layer
+    # taking whole responses at once: one longer than the chunk needs a second pass over its logits.
+    logits_budget_mib: Count | Literal["auto"] = "auto"
     # Vision-language students: train the language model only (the vision tower and the connector that
     # maps its features stay as they are), the common choice; false trains the whole model.
     freeze_vision: bool = True
@@ -447,6 +447,10 @@ class TrainConfig:
     # stages since the last written state from their committed rows, deterministically, and checks
     # that the replay ends on the previous round's exported weights, byte for byte.
     state_every: Count = 1
+    # Write it after the run's last round too (the round `gndpo run --rounds N` ends on, or a stage
+    # command's --final). Off: a short job pays no state write nothing reads; extending the run
+    # (`gndpo run --rounds M`) rebuilds the state by the replay above, exactly.
+    final_state: bool = False
     # Where the process keeps its one-rank DeepSpeed engine for the next round (`gndpo run`), write that
     # state on a thread while the next round rolls out, scores and normalizes, instead of before the
     # round commits; the next update waits for it before its first step. Until the write's record

@@ -99,6 +99,12 @@ def gpu_memory() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
 
 
+def device_memory() -> int:
+    """The memory the models of this process compute in, in bytes: the first visible GPU's, else the
+    machine's."""
+    return gpu_memory() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def visible_gpus() -> int:
     """GPUs this process may use (0 on a machine without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

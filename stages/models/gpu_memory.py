@@ -14,9 +14,12 @@ Qwen3-1.7B-shaped student, ZeRO-0, sdpa), scaled by the model's shape:
   weights under ZeRO-3 (DeepSpeed's partitioning; only ZeRO-0 was measured);
 * the activations kept for backward: ``ACTIVATION_BYTES`` per hidden unit, layer and position (3.2 MiB
   a position at hidden 2048 and 28 layers); with gradient checkpointing each layer's input (2 bytes a
-  hidden unit) and one layer's activations, recomputed in backward;
-* score holds both models' weights and, per model, at most two logits buffers of
-  ``model.logits_budget_mib``; its no-grad forward one layer's activations for its batch;
+  hidden unit) and one layer's activations, recomputed in backward; with ``train.fused_output`` also
+  one logits buffer of the logits budget and the output layer's weight gradient (bf16, V x H), held
+  from the forward to the backward;
+* score holds both models' weights and, per model, at most two logits buffers of the logits budget
+  (``model.logits_budget_mib``; auto: 1/32 of the GPU, 256 MiB to 4 GiB); its no-grad forward one
+  layer's activations for its batch;
 * rollout's vLLM engine takes ``engine.gpu_memory_utilization`` of the GPU by design, and must fit the
   student's weights in it; ``rollout.backend: hf`` holds the student's weights, the keys and values of
   ``rollout.hf_batch`` sequences of the engine's context length (at most), a prefill's activations and
@@ -39,6 +42,7 @@ from gndpo.errors import GndpoError
 from gndpo.pipeline.exec.stage import collective_ranks
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.stages.models.loading import architecture_parameter_count, model_config
+from gndpo.stages.models.logprobs import logits_budget
 
 GIB = 2**30
 ENGINE_BYTES = 14.1  # per parameter: train's DeepSpeed engine at bf16 (2 weights + 12 optimizer), measured
@@ -130,7 +134,9 @@ def train_peak(cfg: Config, student: Shape, gpu: int, checkpointing: bool, ranks
         per_position = student.hidden * (CHECKPOINT_BYTES * student.layers + ACTIVATION_BYTES)
     else:
         per_position = student.hidden * ACTIVATION_BYTES * student.layers
-    forward = engine + student.parameters * gradients + positions * per_position + SLACK
+    # The fused output layer's chunk of fp32 logits and its bf16 weight gradient, until the backward takes it.
+    output_layer = logits_budget(cfg.model, gpu) + 2 * student.vocab * student.hidden if train_cfg.fused_output else 0
+    forward = engine + student.parameters * gradients + positions * per_position + output_layer + SLACK
     transient = student.parameters * (TRANSIENT_BYTES - ENGINE_BYTES) / (ranks if train_cfg.zero_stage >= 1 else 1)
     fitting = int((LIMIT * gpu - (forward - positions * per_position)) // per_position)
     knobs = f"set train.max_tokens_per_batch to at most {fitting}" if fitting >= 1024 else "train on more GPUs with train.zero_stage 2 or 3"
@@ -155,7 +161,7 @@ def uses_checkpointing(cfg: Config, student: str, gpu: int | None, ranks: int = 
 def score_peak(cfg: Config, student: Shape, teachers: list[Shape], gpu: int, where: TeacherPlace) -> StagePeak:
     """Score's peak: the student's and (teachers beside it) the teachers' weights, their logits
     buffers, a batch's activations; a teacher's engine in the process takes its share of the GPU."""
-    score_cfg, budget = cfg.score, cfg.model.logits_budget_mib * 2**20
+    score_cfg, budget = cfg.score, logits_budget(cfg.model, gpu)
     on_modules = teachers if where.weights_beside_student else []
     weights = 2 * (student.parameters + sum(t.parameters for t in on_modules))
     buffers = 2 * budget * (1 + len(on_modules))

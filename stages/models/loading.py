@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from gndpo.errors import GndpoError, whole_message
 from gndpo.pipeline.settings.schema import ModelConfig
+from gndpo.storage.meter import phase
 from gndpo.stages.models.device import attn_implementation, local_device, resolve_dtype
 
 # Files that make a folder a model folder to transformers (a model's config, or a tokenizer's).
@@ -138,6 +139,7 @@ def load_tokenizer(path: str):
     return _once("tokenizer", path, read)
 
 
+@phase("load")  # `gndpo status --phases`: the time a unit spends loading models
 def load_causal_lm(path: str, model_cfg=None, device: torch.device | None = None, dtype: torch.dtype | None = None,
                    place: bool = True):
     """A causal LM (an image-text-to-text one where the config has a vision tower) from ``path`` in

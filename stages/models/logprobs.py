@@ -33,6 +33,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gndpo.pipeline.methods.losses import LOGP_FLOOR
+from gndpo.stages.models.device import device_memory
 from gndpo.stages.models.vision import mrope_positions
 
 
@@ -227,15 +228,28 @@ def output_width(model) -> int:
     return int(config.vocab_size)
 
 
-def logits_chunk(model, model_cfg) -> int:
+# model.logits_budget_mib auto: this share of the device's memory, within these bounds.
+AUTO_BUDGET_SHARE, AUTO_BUDGET_MIN, AUTO_BUDGET_MAX = 1 / 32, 256 * 2**20, 4 * 2**30
+
+
+def logits_budget(model_cfg, memory: int | None = None) -> int:
+    """The bytes one fp32 [chunk, V] logits buffer may take: ``model_cfg.logits_budget_mib``, or for
+    auto AUTO_BUDGET_SHARE of ``memory`` (default: this process's device, :func:`device_memory`) within
+    [AUTO_BUDGET_MIN, AUTO_BUDGET_MAX]."""
+    if model_cfg.logits_budget_mib != "auto":
+        return int(model_cfg.logits_budget_mib) * 2**20
+    memory = device_memory() if memory is None else memory
+    return int(min(max(AUTO_BUDGET_SHARE * memory, AUTO_BUDGET_MIN), AUTO_BUDGET_MAX)) // 2**20 * 2**20
+
+
+def logits_chunk(model, model_cfg, memory: int | None = None) -> int:
     """How many response positions get full-vocabulary logits at once: as many as fit one fp32 [n, V]
-    buffer in ``model_cfg.logits_budget_mib``, at least 1 and at most ``model_cfg.token_chunk``.
-    ``model`` may be a list of models (teachers, student): the widest vocabulary decides, since every
-    model runs over the same chunk."""
+    buffer in the logits budget (:func:`logits_budget`, ``memory`` its device's bytes), at least 1 and
+    at most ``model_cfg.token_chunk``. ``model`` may be a list of models (teachers, student): the widest
+    vocabulary decides, since every model runs over the same chunk."""
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     vocab = max(output_width(m) for m in models)
-    budget = int(model_cfg.logits_budget_mib) * 2**20
-    return max(1, min(int(model_cfg.token_chunk), budget // (vocab * 4)))
+    return max(1, min(int(model_cfg.token_chunk), logits_budget(model_cfg, memory) // (vocab * 4)))
 
 
 def head_logprobs(model, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

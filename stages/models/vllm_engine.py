@@ -43,6 +43,7 @@ from gndpo.stages.models.device import dtype_name, resolve_dtype
 from gndpo.stages.models.loading import model_config, vocabulary_size  # noqa: F401 - vocabulary_size: score's import
 from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
 from gndpo.stages.models.sampling import Generation, SamplingRequest
+from gndpo.storage.meter import phase
 
 GIB = 1 << 30
 # vLLM's CPU platform lets this legacy variable (GiB), when set, replace an engine's kv_cache_memory_bytes.
@@ -176,6 +177,8 @@ def adapter_request(folder: str | None, adapter_id: int):
     return LoRARequest(f"adapter-{adapter_id}", adapter_id, str(folder))
 
 
+# A unit's time starting engines is its "engine" phase (`gndpo status --phases`): a fixed cost of every process.
+@phase("engine")
 def make_llm(model_path: str, cfg: EngineConfig, seed: int = 0, sleep_mode: bool = False, max_logprobs: int = 0, images: int = 0,
              lora_rank: int = 0):
     """An in-process vLLM engine for ``model_path`` (callers need an ``if __name__ == "__main__"`` guard:

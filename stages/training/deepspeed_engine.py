@@ -30,6 +30,7 @@ from gndpo.stages.models.gpu_memory import uses_checkpointing
 from gndpo.stages.models.loading import is_vision_model, load_causal_lm
 from gndpo.stages.models.lora import adapted_student
 from gndpo.stages.models.vision import freeze_all_but_language_model
+from gndpo.storage.meter import phase
 
 
 def isolate_extension_builds() -> None:
@@ -173,6 +174,7 @@ def enable_checkpointing(model) -> None:
             module.training = True
 
 
+@phase("load")  # `gndpo status --phases`: the model load and the engine's set-up
 def build_engine(cfg: Config, policy: str, world: int, base: str | None = None):
     """A DeepSpeed engine on the round's policy; returns (engine, config dict). With ``model.lora`` the
     model is ``base`` (the initial student) with the adapters ``policy`` carries (fresh ones in round 0)."""

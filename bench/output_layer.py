@@ -80,7 +80,7 @@ def one(path: str, length: int) -> dict:
 
     from gndpo.pipeline.config.load import config_from_dict
     from gndpo.stages.models.device import set_cpu_threads
-    from gndpo.stages.models.logprobs import token_budget_batches
+    from gndpo.stages.models.logprobs import logits_chunk, token_budget_batches
     from gndpo.stages.train import Objective
 
     set_cpu_threads()
@@ -105,7 +105,7 @@ def one(path: str, length: int) -> dict:
         optimizer.step()
         seconds.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"path": path, "response_tokens": length, "tokens": n_tokens, "micro_batches": len(micros), "seconds": round(seconds[1], 2),
+    return {"path": path, "response_tokens": length, "tokens": n_tokens, "micro_batches": len(micros), "chunk": logits_chunk(model, cfg.model), "seconds": round(seconds[1], 2),
             "first_step_s": round(seconds[0], 2), "tokens_per_s": round(n_tokens / seconds[1], 1), "peak_gib": round(peak / 2**30, 2)}
 
 
@@ -121,7 +121,9 @@ def main() -> None:
     measured = []
     for length in map(int, a.lengths.split(",")):
         for path in PATHS:
-            out = subprocess.run([sys.executable, __file__, "--one", path, str(length)], capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, __file__, "--one", path, str(length)], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"{path} at {length} tokens failed:\n{out.stderr[-3000:]}")
             measured.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(measured[-1], flush=True)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "measured": measured}

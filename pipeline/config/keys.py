@@ -26,6 +26,9 @@ def choices_text(typ) -> str:
 def describe_type(typ) -> str:
     """``typ`` in words, for an error message: "a list of str", "a mapping of str to str"."""
     origin, args = typing.get_origin(typ), typing.get_args(typ)
+    if origin is Annotated:  # a union's bounded member: "int >= 1"
+        inner, *checks = args
+        return " ".join([describe_type(inner), *(c.describe() for c in checks if hasattr(c, "describe"))])
     if origin is Literal:
         return f"({' | '.join(args)})"
     if origin in (types.UnionType, typing.Union):

@@ -84,7 +84,7 @@ def item_type(typ) -> Any:
     if origin is dict:
         return dict[item_type(args[0]), item_type(args[1])]
     if origin in (types.UnionType, typing.Union):
-        return Union[tuple(item_type(a) for a in args)]  # noqa: UP007 - built from a tuple of types
+        return Union[tuple(value_type(a) for a in args)]  # noqa: UP007 - built from a tuple of types (each with its bounds)
     if typing.is_typeddict(typ):
         fields = typing.get_type_hints(typ)
         turn = typing_extensions.TypedDict(typ.__name__, {k: item_type(t) for k, t in fields.items()})
@@ -151,6 +151,8 @@ def error_line(cls: type, data, error: dict, where: str) -> str:
     if error["type"] == "finite_number":
         return f"config key {key} must be a finite number, got {value!r}"
     if error["type"] in RANGE_ERRORS:
+        if typing.get_origin(typ) in (types.UnionType, typing.Union):  # the bounds of the union's numeric member
+            checks = [c for arg in typing.get_args(typ) if typing.get_origin(arg) is Annotated for c in typing.get_args(arg)[1:]]
         number = yaml_float(error["input"])
         problem = next(c.violation(number) for c in checks if c.violation(number))
         return f"config key {key} {problem}, got {value!r}"

@@ -88,8 +88,13 @@ class OutputLayer:
     def logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(z [n, V] in float32 at least, the chain factor dz/dx for softcapped logits or None) of
         ``hidden`` [n, H]."""
-        z = torch.mm(hidden, self.weight.t())
-        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+            # Accumulated and returned in float32: logits rounded to bf16 first cost 4-23% of the
+            # gradient (Liger Kernel issue #1432). CUDA only (aten::mm.dtype); not yet run on a GPU here.
+            z = torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
+        else:
+            z = torch.mm(hidden, self.weight.t())
+            z = z.to(torch.promote_types(z.dtype, torch.float32))
         factor = None
         if self.softcap:
             z = torch.tanh(z.div_(self.softcap))

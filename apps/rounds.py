@@ -218,7 +218,7 @@ def stage_cpus(spec: str | None = None) -> dict[str, tuple[int, ...]]:
 
 
 def stage_processes(
-    url: str, stage: str, round_idx: int | Stay, gpus: int, num_processes: int = 0, gpus_per_worker: int = 1, log_dir: str | None = None,
+    url: str, stage: str, round_idx: int | Stay, gpus: int, num_processes: int = 0, gpus_per_worker: int = 1,
     devices: list[str] | None = None, follow: bool = False, cpus: tuple[int, ...] = (), final: bool = False,
 ) -> list[StageProcess]:
     """The processes that run ``stage`` of ``round_idx`` (or of every round, staying: :class:`Stay`) on a
@@ -227,7 +227,7 @@ def stage_processes(
 
     * a stage launched per GPU (rollout, score; :class:`gndpo.pipeline.exec.stage.Launch`) with gpus >= 1:
       one ``--worker`` per ``gpus_per_worker`` GPUs (rollout: the engine's tensor-parallel size; score:
-      1), pinned with CUDA_VISIBLE_DEVICES, output to ``<log_dir>/r0003-score-gpu1.log``;
+      1), pinned with CUDA_VISIBLE_DEVICES, output to ``r0003-score-gpu1.log`` in :func:`worker_log_dir`;
     * a collective stage (train): one process, under torchrun with ``num_processes`` ranks if > 0, else
       one per GPU (pinned to ``devices`` where they are a subset);
     * any other stage (normalize), and every stage with gpus == 0: one process, output inherited.
@@ -253,7 +253,7 @@ def stage_processes(
     if per > gpus:
         raise GndpoError(f"{stage} needs {per} GPUs per worker (engine.tensor_parallel_size) but this node has {gpus}")
     ids = ids or _device_ids(gpus)
-    log_dir = log_dir or worker_log_dir(url)
+    log_dir = worker_log_dir(url)
     procs = []
     threads = cpu_share(gpus // per)
     for w in range(gpus // per):

@@ -16,6 +16,7 @@ from gndpo.apps import round_model, rounds, schedule
 from gndpo.apps.rounds import StageProcess, run_stage_processes, stage_processes, worker_log_dir
 from gndpo.errors import GndpoError
 from gndpo.stages.registry import STAGE_REGISTRY
+from tests.conftest import invoke
 
 STAGES = tuple(STAGE_REGISTRY)
 
@@ -172,7 +173,7 @@ def fake_stage_command(folder: Path, commit_in_workers: bool):
     """Stand-in for `python -m gndpo.cli STAGE RUN --round R [--worker]`: records how it was started; a
     non-worker process commits, a worker commits only when ``commit_in_workers``."""
 
-    def command(url, stage, r, num_processes=1, follow=False):
+    def command(url, stage, r, num_processes=1, follow=False, final=False):
         script = (
             "import os, sys; from pathlib import Path; f = Path(sys.argv[1]); worker = '--worker' in sys.argv; "
             "log = Path(sys.argv[2]); log.open('a').write(f\"{sys.argv[3]} {'worker' if worker else 'main'} "
@@ -210,7 +211,8 @@ def test_run_loop_keeps_models_in_process_on_one_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(round_model, "measured_costs", lambda run, paper: None)  # a new run: no round measured yet
     seen = []
 
-    def run_stage(url, stage, r, log=print, live=None, run=None):
+    def run_stage(url, stage, r, log=print, live=None, run=None, final=False):
+        assert final  # round 0 is the last of a 1-round run
         seen.append((stage, live))
         (tmp_path / f"{r}-{stage}").touch()
         return {"rows": 1}
@@ -236,7 +238,7 @@ def test_run_rounds_without_gpus_runs_today_s_processes(tmp_path, monkeypatch):
 
 
 def test_run_rounds_reports_the_failed_worker(tmp_path, monkeypatch):
-    def command(url, stage, r, num_processes=1, follow=False):
+    def command(url, stage, r, num_processes=1, follow=False, final=False):
         return [PY, "-c", "import os, sys; sys.exit(5 if os.environ.get('CUDA_VISIBLE_DEVICES') == '1' else 0)"]
 
     with pytest.raises(GndpoError, match=r"rollout of round 0 failed: worker gpu1 exited with code 5; log: .*r0000-rollout-gpu1\.log"):
@@ -257,3 +259,14 @@ def test_cli_run_passes_gpus_and_keep_alive_to_the_loop(monkeypatch):
     assert CliRunner().invoke(app, ["run", "R"]).exit_code == 0
     assert calls == [("R", 2, {"gpus": 2, "keep_alive": False, "learner_gpus": 0, "overlap": None}),
                      ("R", 3, {"gpus": None, "keep_alive": True, "learner_gpus": 0, "overlap": None})]
+
+
+def test_the_run_s_last_round_is_marked_final_in_its_stage_commands(tmp_path):
+    """A stage process of the run's last round gets --final (train then writes no optimizer state);
+    a worker that stays knows its last round from --rounds, and --final beside --rounds is refused."""
+    url = str(tmp_path / "run")
+    assert rounds.stage_command(url, "train", 3, final=True)[-2:] == ["3", "--final"]
+    assert "--final" not in rounds.stage_command(url, "train", 3)
+    assert "--final" not in rounds.stage_command(url, "train", rounds.Stay(4), final=True)
+    result = invoke("train", url, "--rounds", 2, "--final")
+    assert result.exit_code != 0 and "--final marks one round" in result.output

@@ -50,7 +50,7 @@ def test_each_stage_process_runs_on_the_cores_named_for_its_stage(tmp_path, tiny
     out = tmp_path / "cores"
     out.mkdir()
 
-    def reporter(url, stage, round_idx, num_processes=1, follow=False):
+    def reporter(url, stage, round_idx, num_processes=1, follow=False, final=False):
         return [sys.executable, "-c", REPORTER, url, stage, str(round_idx), str(out)]
 
     monkeypatch.setattr(rounds, "stage_command", reporter)  # what stage_processes plans

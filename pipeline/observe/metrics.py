@@ -32,15 +32,15 @@ class Metric:
 
 
 # The phases a unit's clock charges time and bytes to (gndpo.storage.meter: ``with phase(...)`` in the stages).
-PHASES = ("setup", "compute", "write", "checkpoint", "export", "replay", "state")
+PHASES = ("setup", "engine", "load", "compute", "write", "checkpoint", "export", "replay", "state")
 
 # Every metric a stage commits, documented (docs/reference/metrics.md is generated from this table; the
 # docs tests check that a toy round's manifests, every stage's summarize and every method's normalize
 # statistics write only these keys, and that each of these keys is written by one of them).
 METRICS: tuple[Metric, ...] = (
     Metric("every", "phase_<phase>_seconds", "Seconds of the stage's work spent in the phase, summed over its units (units that ran side by "
-           "side on several workers add up): setup (loading models, starting engines), compute (the time no other phase took), write "
-           "(writing the shards), checkpoint, export, replay, state (train's in-round checkpoints, exported policy, replayed steps, "
+           "side on several workers add up): setup (a stage's own preparation), engine (starting vLLM engines), load (loading models, "
+           "building train's DeepSpeed engine), compute (the time no other phase took), write (writing the shards), checkpoint, export, replay, state (train's in-round checkpoints, exported policy, replayed steps, "
            "optimizer state).", "the phases the stage went through"),
     Metric("every", "phase_<phase>_bytes", "Bytes of data files the stage wrote to the run folder in the phase.", "as the seconds"),
     Metric("every", "wait_input_seconds", "Seconds the stage's workers waited for what it reads to be committed, summed over them: "

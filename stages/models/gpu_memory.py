@@ -18,7 +18,7 @@ Qwen3-1.7B-shaped student, ZeRO-0, sdpa), scaled by the model's shape:
   one logits buffer of the logits budget and the output layer's weight gradient (bf16, V x H), held
   from the forward to the backward;
 * score holds both models' weights and, per model, at most two logits buffers of the logits budget
-  (``model.logits_budget_mib``; auto: 1/32 of the GPU, 256 MiB to 4 GiB); its no-grad forward one
+  (``model.logits_budget_mib``; auto: 1/64 of the GPU, 256 MiB to 1 GiB); its no-grad forward one
   layer's activations for its batch;
 * rollout's vLLM engine takes ``engine.gpu_memory_utilization`` of the GPU by design, and must fit the
   student's weights in it; ``rollout.backend: hf`` holds the student's weights, the keys and values of
@@ -134,8 +134,9 @@ def train_peak(cfg: Config, student: Shape, gpu: int, checkpointing: bool, ranks
         per_position = student.hidden * (CHECKPOINT_BYTES * student.layers + ACTIVATION_BYTES)
     else:
         per_position = student.hidden * ACTIVATION_BYTES * student.layers
-    # The fused output layer's chunk of fp32 logits and its bf16 weight gradient, until the backward takes it.
-    output_layer = logits_budget(cfg.model, gpu) + 2 * student.vocab * student.hidden if train_cfg.fused_output else 0
+    # The fused output layer's chunk of fp32 logits beyond the 256 MiB chunk the measured peaks held, and
+    # its bf16 weight gradient, held from the forward to the backward.
+    output_layer = max(logits_budget(cfg.model, gpu) - 2**28, 0) + 2 * student.vocab * student.hidden if train_cfg.fused_output else 0
     forward = engine + student.parameters * gradients + positions * per_position + output_layer + SLACK
     transient = student.parameters * (TRANSIENT_BYTES - ENGINE_BYTES) / (ranks if train_cfg.zero_stage >= 1 else 1)
     fitting = int((LIMIT * gpu - (forward - positions * per_position)) // per_position)

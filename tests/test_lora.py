@@ -165,7 +165,8 @@ def lora_runs(tmp_path_factory, tiny_assets):
     kept = new_run(tmp_path_factory.mktemp("kept"), tiny_assets)
     invoke_ok("run", kept, "--rounds", 2)
     folder = tmp_path_factory.mktemp("split")
-    split = new_run(folder, tiny_assets, train={"lr": 1e-2, "checkpoint_every": 1})
+    # final_state: round 0, the first call's last round, writes the state round 1 continues from.
+    split = new_run(folder, tiny_assets, train={"lr": 1e-2, "checkpoint_every": 1, "final_state": True})
     invoke_ok("run", split, "--rounds", 1)
     # Killed after step 2 of 2: the checkpoint after step 1 is there (none is taken after the last step).
     crash = {"GNDPO_CRASH_AT": "train.step", "GNDPO_CRASH_AFTER": "1"}

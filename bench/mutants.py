@@ -204,6 +204,27 @@ MUTATIONS = [
         ("tests/test_round_model.py::test_two_cores_gain_only_what_does_not_scale",),
     ),
     Mutation(
+        "fused-softmax-term-dropped", "the fused output layer's logit gradient keeps the sparse part and drops the softmax term",
+        "stages/models/fused_output.py",
+        "grad = numerator.mul_(-c / total).scatter_add_(-1, ids, grad_g)",
+        "grad = numerator.mul_(0.0).scatter_add_(-1, ids, grad_g)",
+        ("tests/test_fused_output.py::test_the_closed_form_is_autograd_through_log_softmax",),
+    ),
+    Mutation(
+        "fused-split-response-first-pass-reused", "a response longer than a chunk takes its gradient from the first chunk's logits for every chunk",
+        "stages/models/fused_output.py",
+        "            local = slice(sl.start - start, sl.stop - start)",
+        "            local = slice(0, sl.stop - sl.start)",
+        ("tests/test_fused_output.py::test_the_closed_form_is_autograd_through_log_softmax",),
+    ),
+    Mutation(
+        "final-round-writes-state", "the run's last round writes its optimizer state though train.final_state is off",
+        "stages/train.py",
+        "due = (self.round + 1) % train_cfg.state_every == 0 and (train_cfg.final_state or not self.context.final)",
+        "due = (self.round + 1) % train_cfg.state_every == 0",
+        ("tests/test_state_every.py::test_a_one_round_job_writes_no_state_and_extending_it_replays_exactly",),
+    ),
+    Mutation(
         "hub-resume-by-revision", "a run's later processes load a hub model's revision (which may have moved) instead of its recorded commit",
         "storage/hub.py",
         'revision=record["commit"], local_files_only=True',

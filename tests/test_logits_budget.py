@@ -46,11 +46,11 @@ def test_chunk_follows_the_vocabulary():
 
 
 def test_auto_budget_follows_the_device_s_memory():
-    """auto: 1/64 of the device's memory, from 256 MiB to 1 GiB; a number is MiB."""
+    """auto: 1/32 of the device's memory, from 256 MiB to 1 GiB; a number is MiB."""
     gib, mib = 2**30, 2**20
-    assert logits_budget(ModelConfig(), 24 * gib) == 384 * mib  # this machine: 384 positions at 262,144
-    assert logits_chunk(fake_model(262_144), ModelConfig(), 24 * gib) == 384
-    assert logits_budget(ModelConfig(), 48 * gib) == 768 * mib and logits_budget(ModelConfig(), 80 * gib) == gib
+    assert logits_budget(ModelConfig(), 24 * gib) == 768 * mib  # a 24 GiB machine: 768 positions at 262,144
+    assert logits_chunk(fake_model(262_144), ModelConfig(), 24 * gib) == 768
+    assert logits_budget(ModelConfig(), 16 * gib) == 512 * mib and logits_budget(ModelConfig(), 80 * gib) == gib
     assert logits_budget(ModelConfig(), 4 * gib) == 256 * mib
     assert logits_budget(ModelConfig(logits_budget_mib=64), 80 * gib) == 64 * mib
     assert logits_budget(ModelConfig()) == logits_budget(ModelConfig(), device_memory())

@@ -59,6 +59,17 @@ def weights(run, round_idx: int) -> dict:
     return load_file(str(run / model_dir / "model.safetensors"))
 
 
+def assert_rounds_equal(run, whole, rounds: int) -> None:
+    """``run``'s first ``rounds`` rounds committed ``whole``'s rollout and score rows and weights, byte for byte."""
+    for round_idx in range(rounds):
+        for stage in ("rollout", "score"):
+            assert committed_rows(run, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
+        got, want = weights(run, round_idx), weights(whole, round_idx)
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")
+
+
 def train_commit(run, round_idx: int) -> Commit[TrainNumbers]:
     return open_run(str(run)).records(round_idx, POLICY).require_manifest().only()
 
@@ -86,13 +97,7 @@ def test_a_replayed_state_gives_the_rows_and_weights_of_the_uninterrupted_run(ru
     assert "replay" in train_commit(resumed, 2).numbers.phases and "replay" not in train_commit(whole, 2).numbers.phases
     for run in (whole, resumed):  # the state continued in every round after the first, replayed or kept
         assert [train_commit(run, r).numbers.optimizer_state_resumed for r in range(ROUNDS)] == [False, True, True]
-    for round_idx in range(ROUNDS):
-        for stage in ("rollout", "score"):
-            assert committed_rows(resumed, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
-        got, want = weights(resumed, round_idx), weights(whole, round_idx)
-        assert got.keys() == want.keys()
-        for name in want:
-            np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")
+    assert_rounds_equal(resumed, whole, ROUNDS)
 
 
 def test_a_crash_before_a_deferred_state_is_recorded_costs_a_replay_not_a_wrong_state(runs, tmp_path, tiny_assets):
@@ -109,12 +114,7 @@ def test_a_crash_before_a_deferred_state_is_recorded_costs_a_replay_not_a_wrong_
     invoke_ok("run", run, "--rounds", 2)  # the rerun, in this process
     log = run_log(run)
     assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
-    for round_idx in range(2):
-        for stage in ("rollout", "score"):
-            assert committed_rows(run, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
-        got, want = weights(run, round_idx), weights(whole, round_idx)
-        for name in want:
-            np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")
+    assert_rounds_equal(run, whole, 2)
 
 
 def test_a_one_round_job_writes_no_state_and_extending_it_replays_exactly(runs, tmp_path, tiny_assets):
@@ -133,9 +133,4 @@ def test_a_one_round_job_writes_no_state_and_extending_it_replays_exactly(runs, 
     assert "optimizer state replayed from round 0 to round 0" in log, log[-3000:]
     assert [train_commit(run, r).numbers.optimizer_state_resumed for r in range(2)] == [False, True]
     assert train_commit(run, 1).numbers.optimizer_state is None
-    for round_idx in range(2):
-        for stage in ("rollout", "score"):
-            assert committed_rows(run, stage, round_idx) == committed_rows(whole, stage, round_idx), (stage, round_idx)
-        got, want = weights(run, round_idx), weights(whole, round_idx)
-        for name in want:
-            np.testing.assert_array_equal(got[name], want[name], err_msg=f"round {round_idx} {name}")
+    assert_rounds_equal(run, whole, 2)

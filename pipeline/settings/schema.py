@@ -330,9 +330,9 @@ class ModelConfig:
     token_chunk: Count = 1024
     # MiB one fp32 [positions, vocabulary] buffer may take: a chunk holds budget // (V x 4 B) positions
     # (at least 1, at most token_chunk), so memory follows the vocabulary instead of a token count.
-    # Score keeps at most two such buffers per model, train one (its fused output layer). auto = 1/64 of
-    # the device's memory (the GPU's, else the machine's), at least 256 MiB and at most 1 GiB: 384 MiB
-    # on a 24 GiB machine (384 positions at Gemma's 262,144-token vocabulary), 1 GiB on an 80 GiB GPU.
+    # Score keeps at most two such buffers per model, train one (its fused output layer). auto = 1/32 of
+    # the device's memory (the GPU's, else the machine's), at least 256 MiB and at most 1 GiB: 768 MiB
+    # on a 24 GiB machine (768 positions at Gemma's 262,144-token vocabulary), 1 GiB from a 32 GiB GPU up.
     # Per-chunk overhead is small either way (scoring a 2,048-token response at 262,144 was no slower
     # with 256 positions than with 1,024); what a larger chunk buys is train's fused output layer
     # taking whole responses at once: one longer than the chunk needs a second pass over its logits.

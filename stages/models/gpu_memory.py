@@ -18,7 +18,7 @@ Qwen3-1.7B-shaped student, ZeRO-0, sdpa), scaled by the model's shape:
   one logits buffer of the logits budget and the output layer's weight gradient (bf16, V x H), held
   from the forward to the backward;
 * score holds both models' weights and, per model, at most two logits buffers of the logits budget
-  (``model.logits_budget_mib``; auto: 1/64 of the GPU, 256 MiB to 1 GiB); its no-grad forward one
+  (``model.logits_budget_mib``; auto: 1/32 of the GPU, 256 MiB to 1 GiB); its no-grad forward one
   layer's activations for its batch;
 * rollout's vLLM engine takes ``engine.gpu_memory_utilization`` of the GPU by design, and must fit the
   student's weights in it; ``rollout.backend: hf`` holds the student's weights, the keys and values of

@@ -229,7 +229,7 @@ def output_width(model) -> int:
 
 
 # model.logits_budget_mib auto: this share of the device's memory, within these bounds.
-AUTO_BUDGET_SHARE, AUTO_BUDGET_MIN, AUTO_BUDGET_MAX = 1 / 64, 256 * 2**20, 2**30
+AUTO_BUDGET_SHARE, AUTO_BUDGET_MIN, AUTO_BUDGET_MAX = 1 / 32, 256 * 2**20, 2**30
 
 
 def logits_budget(model_cfg, memory: int | None = None) -> int:

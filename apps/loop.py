@@ -47,7 +47,7 @@ def run_loop(url: str, rounds: int, gpus: int | None = None, keep_alive: bool = 
     own = live is None
     live = LiveModels(keep=True, log=log) if own else live
     try:
-        run_rounds(url, rounds, live, log=log, run=run)
+        run_rounds(url, rounds, live, log=log, run=run, let_go=own)
     finally:
         if own:
             live.close()

@@ -36,6 +36,7 @@ from gndpo.pipeline.exec.units import Worker, run_collective
 from gndpo.pipeline.observe import progress
 from gndpo.pipeline.observe.logs import info, worker_file
 from gndpo.pipeline.observe.metrics import publish_metrics, write_metrics_jsonl
+from gndpo.pipeline.run.products import ROLLOUTS, SCORES
 from gndpo.pipeline.run.run import Run, open_run
 from gndpo.pipeline.settings.schema import Config
 from gndpo.stages.registry import job_class, stage_names
@@ -360,13 +361,24 @@ def keeps_models(cfg: Config, gpus: int) -> bool:
     return gpus <= 1 and cfg.train.num_processes <= 1 and cfg.engine.tensor_parallel_size == 1
 
 
-def run_rounds(url: str, rounds: int, live, log=info, run: Run | None = None) -> None:
+def let_go_after(live, stage: str) -> None:
+    """After the run's last round's ``stage``: free the kept models only it used (rollout's engine,
+    score's teachers), so train's peak is not the sum of every stage's models."""
+    if job_class(stage).makes is ROLLOUTS:
+        live.let_go_of_samplers()
+    elif job_class(stage).makes is SCORES:
+        live.let_go_of_teachers()
+
+
+def run_rounds(url: str, rounds: int, live, log=info, run: Run | None = None, let_go: bool = False) -> None:
     """Run rounds 0..rounds-1 one stage at a time in this process, skipping committed stages; a failing
     stage stops the loop. ``live``: kept engines and models (:class:`gndpo.stages.models.live.LiveModels`,
     made by the caller, who decides with :func:`keeps_models`): every stage runs through the work-unit
     executor exactly as a stage process would, on the same vLLM engine, teacher and DeepSpeed engine.
     Stages in processes of their own, one after another or overlapped: :mod:`gndpo.apps.schedule`.
-    ``run``: the run at ``url``, where the caller has it open."""
+    ``run``: the run at ``url``, where the caller has it open. ``let_go``: ``live`` is this run's alone
+    (no caller evaluates on its engine afterwards, no other run reuses it): in the last round each
+    stage's models go once no later stage uses them (:func:`let_go_after`)."""
     run = run or open_run(url)
     stages = stage_names()
     with worker_log(url, "run"), progress.task("rounds", total=rounds * len(stages), unit="stages") as bar:
@@ -380,5 +392,7 @@ def run_rounds(url: str, rounds: int, live, log=info, run: Run | None = None) ->
                 run_stage(url, stage, r, log=log, live=live, run=run, final=r == rounds - 1)
                 if run.records(r, stage).manifest() is None:
                     raise GndpoError(f"{stage} of round {r} finished without committing its manifest; rerun to resume")
+                if let_go and r == rounds - 1:
+                    let_go_after(live, stage)
                 log(f"round {r}: {stage} committed in {time.time() - t0:.1f}s")
                 bar.advance(1)

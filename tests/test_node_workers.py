@@ -270,3 +270,31 @@ def test_the_run_s_last_round_is_marked_final_in_its_stage_commands(tmp_path):
     assert "--final" not in rounds.stage_command(url, "train", rounds.Stay(4), final=True)
     result = invoke("train", url, "--rounds", 2, "--final")
     assert result.exit_code != 0 and "--final marks one round" in result.output
+
+
+def test_the_last_round_lets_go_of_each_stage_s_models_once_no_later_stage_uses_them(tmp_path, monkeypatch):
+    """`gndpo run` on its own kept models: in the run's last round the rollout engine goes after rollout
+    and the teachers after score (train's peak then holds neither); earlier rounds keep them, and a
+    caller's set (``let_go`` false: a final evaluation, another run) keeps everything."""
+    monkeypatch.setattr(rounds, "worker_log", lambda url, name: __import__("contextlib").nullcontext())
+    events = []
+
+    class Live:
+        def let_go_of_samplers(self):
+            events.append("samplers")
+
+        def let_go_of_teachers(self):
+            events.append("teachers")
+
+    def run_stage(url, stage, r, log=print, live=None, run=None, final=False):
+        events.append(f"{r}-{stage}")
+        (tmp_path / f"{r}-{stage}").touch()
+
+    monkeypatch.setattr(rounds, "run_stage", run_stage)
+    rounds.run_rounds(str(tmp_path / "run"), 2, Live(), log=lambda *_: None, run=FakeRun(tmp_path), let_go=True)
+    assert events == [*(f"0-{s}" for s in STAGES), "1-rollout", "samplers", "1-score", "teachers", "1-normalize", "1-train"]
+    events.clear()
+    for f in tmp_path.glob("*-*"):
+        f.unlink()
+    rounds.run_rounds(str(tmp_path / "run"), 1, Live(), log=lambda *_: None, run=FakeRun(tmp_path))
+    assert "samplers" not in events and "teachers" not in events

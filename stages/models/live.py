@@ -440,6 +440,20 @@ class LiveModels:
         self._trainer = None
         self._release_trainers()
 
+    def let_go_of_samplers(self) -> None:
+        """The run's last rollout is done: shut the student's engine down, unless that would cost the
+        kept trainer (an in-process engine's shutdown drops it, :meth:`_shut_down`, and the next train
+        would then reload or replay the optimizer state it holds)."""
+        if self._engine is not None and not (self._engine.in_process and self._trainer is not None):
+            self._shut_down(self._engine)
+
+    def let_go_of_teachers(self) -> None:
+        """The run's last score is done: the teacher's modules go, and its engine on the terms of
+        :meth:`let_go_of_samplers`."""
+        self._modules.clear()
+        if self._teacher_engine is not None and not (self._teacher_engine.in_process and self._trainer is not None):
+            self._shut_down(self._teacher_engine)
+
     def close(self) -> None:
         self.drop_trainer()  # first: an in-process engine's shutdown destroys the groups the write may use
         while (live := self._engine or self._teacher_engine) is not None:

@@ -105,8 +105,9 @@ def one(path: str, length: int) -> dict:
         optimizer.step()
         seconds.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"path": path, "response_tokens": length, "tokens": n_tokens, "micro_batches": len(micros), "chunk": logits_chunk(model, cfg.model), "seconds": round(seconds[1], 2),
-            "first_step_s": round(seconds[0], 2), "tokens_per_s": round(n_tokens / seconds[1], 1), "peak_gib": round(peak / 2**30, 2)}
+    return {"path": path, "response_tokens": length, "tokens": n_tokens, "micro_batches": len(micros), "chunk": logits_chunk(model, cfg.model),
+            "seconds": round(seconds[1], 2), "first_step_s": round(seconds[0], 2), "tokens_per_s": round(n_tokens / seconds[1], 1),
+            "peak_gib": round(peak / 2**30, 2)}
 
 
 def main() -> None:
@@ -142,7 +143,8 @@ def write_table(result: dict) -> None:
     lines = [f"# Train's step at a 262,144-token vocabulary ({result['date']}, {result['machine']})", "",
              "Gemma 3 270M's shape (random weights, tied embeddings), 8 prompts x 4 samples, forward KL on the teacher's top-16,",
              "float32; one step = micro-batch losses, backward and AdamW, two steps in a fresh process per row.", "",
-             "| response tokens | path | chunk | first step s | second step s | tokens/s (second) | peak GiB | speed vs checkpointed (first / second) | memory vs checkpointed |",
+             "| response tokens | path | chunk | first step s | second step s | tokens/s (second) | peak GiB "
+             "| speed vs checkpointed (first / second) | memory vs checkpointed |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for m in measured:
         base = next(b for b in measured if b["response_tokens"] == m["response_tokens"] and b["path"] == "checkpointed")

@@ -53,9 +53,9 @@ from gndpo.pipeline.run.products import POLICY, ROLLOUTS, SCORES, STATISTICS, Ca
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.settings.schema import SELF_TEACHER, Config
 from gndpo.stages.models.device import local_device, set_cpu_threads
+from gndpo.stages.models.fused_output import OutputLayer, fused_loss
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer
-from gndpo.stages.models.fused_output import OutputLayer, fused_loss
 from gndpo.stages.models.logprobs import (
     PolicyLogprobs,
     TokenBatch,

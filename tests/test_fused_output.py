@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.methods import METHODS
-from gndpo.stages.models.fused_output import FusedLoss, OutputLayer, _FusedLossFunction, logit_gradient_, gathered_logprobs, response_groups
+from gndpo.stages.models.fused_output import FusedLoss, OutputLayer, _FusedLossFunction, gathered_logprobs, logit_gradient_, response_groups
 from gndpo.stages.train import Objective
 from gndpo.stages.training.batch import TrainRow
 from tests.conftest import tiny_config_dict

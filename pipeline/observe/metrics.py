@@ -40,8 +40,8 @@ PHASES = ("setup", "engine", "load", "compute", "write", "checkpoint", "export",
 METRICS: tuple[Metric, ...] = (
     Metric("every", "phase_<phase>_seconds", "Seconds of the stage's work spent in the phase, summed over its units (units that ran side by "
            "side on several workers add up): setup (a stage's own preparation), engine (starting vLLM engines), load (loading models, "
-           "building train's DeepSpeed engine), compute (the time no other phase took), write (writing the shards), checkpoint, export, replay, state (train's in-round checkpoints, exported policy, replayed steps, "
-           "optimizer state).", "the phases the stage went through"),
+           "building train's DeepSpeed engine), compute (the time no other phase took), write (writing the shards), checkpoint, "
+           "export, replay, state (train's in-round checkpoints, exported policy, replayed steps, optimizer state).", "the phases the stage went through"),
     Metric("every", "phase_<phase>_bytes", "Bytes of data files the stage wrote to the run folder in the phase.", "as the seconds"),
     Metric("every", "wait_input_seconds", "Seconds the stage's workers waited for what it reads to be committed, summed over them: "
            "before a round (workers that stay) and for input units (a stage streaming behind another).", "where a worker waited"),

@@ -23,8 +23,8 @@ from safetensors import safe_open
 
 from gndpo.errors import GndpoError, whole_message
 from gndpo.pipeline.settings.schema import ModelConfig
-from gndpo.storage.meter import phase
 from gndpo.stages.models.device import attn_implementation, local_device, resolve_dtype
+from gndpo.storage.meter import phase
 
 # Files that make a folder a model folder to transformers (a model's config, or a tokenizer's).
 MODEL_FOLDER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")

@@ -239,15 +239,33 @@ def test_a_server_port_is_1_to_65535():
 
 
 class ScoringJob(SlowJob):
-    """A score unit that takes ``seconds`` while its pool's states are what the worker's heartbeats carry,
-    as ScoreJob's do (``live_state``)."""
+    """A score unit that holds its lease until ``release`` is set, while its pool's states are what the
+    worker's heartbeats carry, as ScoreJob's do (``live_state``)."""
 
-    def __init__(self, fs, pool: ServerPool, seconds: float):
-        super().__init__(fs, seconds)
+    def __init__(self, fs, pool: ServerPool):
+        super().__init__(fs, seconds=0.0)
         self.pool = pool
+        self.release = threading.Event()
 
     def live_state(self):
         return {"servers": self.pool.states()}
+
+    def run_unit(self, unit, out_dir):
+        self.release.wait(timeout=120)  # the test's bound, should it fail before releasing
+        return super().run_unit(unit, out_dir)
+
+
+def servers_line(run_dir, deadline_s: float = 60.0) -> str:
+    """`gndpo status`'s teacher-servers line for round 0's score unit, once a heartbeat has carried it
+    (polled: on a loaded machine the worker's first heartbeats may come late)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        shown = invoke("status", run_dir).output
+        lines = [line for line in shown.splitlines() if line.startswith("round 0 score u0: teacher servers")]
+        if lines or time.monotonic() > deadline:
+            assert lines, shown
+            return lines[0]
+        time.sleep(0.2)
 
 
 def test_status_shows_each_live_score_workers_servers(tmp_path, fakes):
@@ -259,14 +277,16 @@ def test_status_shows_each_live_score_workers_servers(tmp_path, fakes):
     pool = pool_of(dead := dead_url(), fakes[0].url)
     pool.response_logprobs(PROMPTS[:8], RESPONSES[:8], 0)  # the dead one fails and goes out of the pool
     run = open_run(str(tmp_path / "run"))
-    worker = Worker(run.records(0, "score"), ScoringJob(run.fs, pool, seconds=1.5), ttl=0.4, log=lambda *_: None)
+    job = ScoringJob(run.fs, pool)
+    worker = Worker(run.records(0, "score"), job, ttl=0.4, log=lambda *_: None)
     thread = threading.Thread(target=worker.run)
     thread.start()
-    time.sleep(0.8)  # a heartbeat or two (every ttl/4)
-    shown = invoke("status", tmp_path / "run").output
-    thread.join()
-    pool.close()
-    line = next(line for line in shown.splitlines() if line.startswith("round 0 score u0: teacher servers"))
+    try:
+        line = servers_line(tmp_path / "run")
+    finally:
+        job.release.set()
+        thread.join()
+        pool.close()
     assert f"{dead} out for" in line or f"{dead} on probation" in line, line
     assert "ConnectError" in line and f"{fakes[0].url} up" in line, line
 

@@ -37,6 +37,8 @@ from typing import Callable
 
 import torch
 
+from gndpo.stages.models.device import vocabulary_logits
+
 # The loss of a group of whole responses: (their rows in the batch, their tokens in the flat order, G
 # [n, 1 + K] the log-probs at each token's ids, requiring grad) -> the group's share of the loss, a
 # scalar; the share's other outputs (statistics) are the callee's to keep.
@@ -99,13 +101,7 @@ class OutputLayer:
     def logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(z [n, V] in float32 at least, the chain factor dz/dx for softcapped logits or None) of
         ``hidden`` [n, H]."""
-        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
-            # Accumulated and returned in float32: logits rounded to bf16 first cost 4-23% of the
-            # gradient (Liger Kernel issue #1432). CUDA only (aten::mm.dtype); not yet run on a GPU here.
-            z = torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
-        else:
-            z = torch.mm(hidden, self.weight.t())
-            z = z.to(torch.promote_types(z.dtype, torch.float32))
+        z = vocabulary_logits(hidden, self.weight)
         factor = None
         if self.softcap:
             z = torch.tanh(z.div_(self.softcap))

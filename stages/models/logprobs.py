@@ -33,7 +33,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from gndpo.pipeline.methods.losses import LOGP_FLOOR
-from gndpo.stages.models.device import device_memory
+from gndpo.stages.models.device import device_memory, vocabulary_logits
+from gndpo.stages.models.fused_output import OutputLayer
 from gndpo.stages.models.vision import mrope_positions
 
 
@@ -258,8 +259,11 @@ def head_logprobs(model, hidden: torch.Tensor, temperature: float = 1.0) -> torc
 
     Without autograd (score) the logits buffer is turned into the log-probs in place, so one [n, V]
     fp32 buffer exists (plus the model-dtype logits while they are cast); the values are the same as
-    the out-of-place ops give, bit for bit."""
-    logits = model.get_output_embeddings()(hidden).float()
+    the out-of-place ops give, bit for bit. There a plain linear layer's logits come from
+    :func:`vocabulary_logits`, as the fused train loss computes them."""
+    head = model.get_output_embeddings()
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    logits = head(hidden).float() if needs_grad or not OutputLayer.fits(model) else vocabulary_logits(hidden, head.weight)
     cap = getattr(model.config, "final_logit_softcapping", None)
     if not logits.requires_grad:
         if cap:

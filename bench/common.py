@@ -84,7 +84,7 @@ def _machine_busy_s() -> float:
     return (sum(fields[:3]) + sum(fields[5:8])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_measured(argv: list[str], log: Path, every_s: float = 0.5) -> tuple[float, str, dict]:
+def run_measured(argv: list[str], log: Path, every_s: float = 0.5, timeline: bool = False) -> tuple[float, str, dict]:
     """:func:`run_timed` that also samples the memory of the process and all its descendants (vLLM's
     engine processes, train's ranks) every ``every_s`` seconds from /proc: the peak over time of the
     tree's summed PSS (shared pages split between the processes that map them: the memory the job
@@ -92,11 +92,11 @@ def run_measured(argv: list[str], log: Path, every_s: float = 0.5) -> tuple[floa
     RSS high-water mark (the kernel's, so exact even between samples). Also the CPU seconds (user +
     system) of the process and the descendants it waited for, and the CPU seconds every other process
     of the machine used meanwhile (``other_cores``: their mean number of busy cores), which says how
-    much a machine shared with other jobs disturbed the measurement. ``timeline``: each sample's
-    seconds since the start and the tree's PSS in GiB, to tell which phase holds the peak."""
+    much a machine shared with other jobs disturbed the measurement. With ``timeline``, also each
+    sample's seconds since the start and the tree's PSS in GiB, to tell which phase holds the peak."""
     log.parent.mkdir(parents=True, exist_ok=True)
     peak = {"tree_pss": 0, "tree_rss": 0, "process_hwm": 0, "processes": 0}
-    timeline: list[tuple[float, int]] = []
+    samples: list[tuple[float, int]] = []
     cpu = lambda: (lambda r: r.ru_utime + r.ru_stime)(resource.getrusage(resource.RUSAGE_CHILDREN))  # noqa: E731
     cpu0, busy0, t0 = cpu(), _machine_busy_s(), time.time()
     with open(log, "w") as err:
@@ -111,7 +111,7 @@ def run_measured(argv: list[str], log: Path, every_s: float = 0.5) -> tuple[floa
             peak["process_hwm"] = max([peak["process_hwm"], *(m[1] for m in mem)])
             peak["tree_pss"] = max(peak["tree_pss"], sum(m[2] for m in mem))
             peak["processes"] = max(peak["processes"], sum(1 for m in mem if m[0]))
-            timeline.append((time.time() - t0, sum(m[2] for m in mem)))
+            samples.append((time.time() - t0, sum(m[2] for m in mem)))
             time.sleep(every_s)
         reader.join()
     seconds, cpu_s, busy = time.time() - t0, cpu() - cpu0, _machine_busy_s() - busy0
@@ -123,5 +123,7 @@ def run_measured(argv: list[str], log: Path, every_s: float = 0.5) -> tuple[floa
     memory = {"peak_tree_pss_gib": gib(peak["tree_pss"]), "peak_tree_rss_gib": gib(peak["tree_rss"]),
               "max_process_rss_gib": gib(peak["process_hwm"]), "max_processes": peak["processes"], "sample_every_s": every_s,
               "cpu_s": round(cpu_s, 1), "other_cores": round(max(busy - cpu_s, 0.0) / seconds, 2),
-              "machine_cores": os.cpu_count(), "timeline": [[round(t, 1), gib(kib)] for t, kib in timeline]}
+              "machine_cores": os.cpu_count()}
+    if timeline:
+        memory["timeline"] = [[round(t, 1), gib(kib)] for t, kib in samples]
     return seconds, stdout, memory

@@ -8,8 +8,10 @@ parameters, 168M of them the embedding the output layer shares). The rows are th
 x 4 samples with responses of 24 and of 384 tokens (random ids, prompts of 40), train's loss is forward
 KL on the teacher's top-16 (the methods guide's advice), float32 on the CPU. One step is train's own
 micro-batch loss (``Objective.micro_batch_loss``, micro-batches as ``train.max_tokens_per_batch`` cuts
-them), its backward and an AdamW step. Each (length, path) runs in a fresh process, which times two
-steps (the first also allocates AdamW's state) and reports its peak resident set; the paths alternate.
+them), its backward and an AdamW step, set up as train's engine sets them up (torch's fused AdamW; with
+the fused path the tied embedding's lookup gradient sparse). Each (length, path) runs in a fresh
+process, which times two steps (the first also allocates AdamW's state) and reports its peak resident
+set; the paths alternate.
 
     python bench/output_layer.py            # writes results/output_layer.{json,md}
 """
@@ -80,6 +82,7 @@ def one(path: str, length: int) -> dict:
 
     from gndpo.pipeline.config.load import config_from_dict
     from gndpo.stages.models.device import set_cpu_threads
+    from gndpo.stages.models.fused_output import sparse_tied_lookup
     from gndpo.stages.models.logprobs import logits_chunk, token_budget_batches
     from gndpo.stages.train import Objective
 
@@ -89,7 +92,9 @@ def one(path: str, length: int) -> dict:
                             "score": {"teacher_topk": TOPK}, "train": {"fused_output": path == "fused"}})
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    if path == "fused":
+        sparse_tied_lookup(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     objective = Objective.of(cfg, 0, 0, torch.device("cpu"), fusable=True)
     assert objective.fused == (path == "fused")
     data = rows(length)

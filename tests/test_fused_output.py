@@ -6,6 +6,9 @@
    over chunks, with a loss that couples a response's tokens (as GSPO's ratio does).
 2. Every method's train loss on the toy student: each parameter's gradient through the fused layer
    equals the checkpointed path's (train.fused_output false), responses grouped, and split over chunks.
+3. A tied output layer (the input embedding's weight): over two micro-batches the fused path's gradients,
+   added into ``.grad`` with a sparse lookup gradient, equal the checkpointed path's with a dense
+   lookup, the weight's gradient stays dense, and the backward allocates no second [V, H].
 
 Tolerances. In float64 both sides compute the same sums in other orders over at most V = 300 terms: a
 sum of n terms is within n u sum|terms| of exact (u = 2^-53, 1.1e-16), so 1e-12 of the gradient's
@@ -23,11 +26,20 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.methods import METHODS
-from gndpo.stages.models.fused_output import FusedLoss, OutputLayer, _FusedLossFunction, gathered_logprobs, logit_gradient_, response_groups
+from gndpo.stages.models.device import vocabulary_logits
+from gndpo.stages.models.fused_output import (
+    FusedLoss,
+    OutputLayer,
+    _FusedLossFunction,
+    gathered_logprobs,
+    logit_gradient_,
+    response_groups,
+    sparse_tied_lookup,
+)
 from gndpo.stages.train import Objective
 from gndpo.stages.training.batch import TrainRow
 from tests.conftest import tiny_config_dict
@@ -174,3 +186,63 @@ def test_every_method_s_gradients_equal_the_checkpointed_path_s(method, tiny_ass
     for name, g in want.items():
         scale = float(g.abs().max())
         assert float((got[name] - g).abs().max()) <= tol * scale, (name, float((got[name] - g).abs().max()), scale)
+
+
+def tied_student(vocab: int = 4096) -> torch.nn.Module:
+    """A two-layer Llama whose output layer is its input embedding (as Gemma's and SmolLM2's), seeded."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaForCausalLM(config).float().eval()
+
+
+def micro_batch_backward(model, objective: Objective, rows: list[TrainRow]) -> None:
+    n_tokens = int(sum(r.mask.sum() for r in rows))
+    loss, _ = objective.micro_batch_loss(model, rows, 0, len(rows), n_tokens, sum(r.weight for r in rows))
+    (loss * 2.0).backward()
+
+
+def test_a_tied_output_layer_takes_its_lookup_rows_in_place_and_matches_the_checkpointed_path(tiny_assets):
+    K = 4
+    cfg = config_from_dict(tiny_config_dict(tiny_assets, method={"name": "forward_kl"}, score={"teacher_topk": K}, model={"token_chunk": 6}))
+    reference, model = tied_student(), tied_student()
+    sparse_tied_lookup(model)
+    assert OutputLayer.of(model).tied and model.get_input_embeddings().sparse and not reference.get_input_embeddings().sparse
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    first, second = random_rows(reference, vocab, K, seed=1), random_rows(reference, vocab, K, seed=2)
+    fused = Objective.of(cfg, 0, 0, torch.device("cpu"), fusable=True)
+    checkpointed = dataclasses.replace(fused, fused=False)
+    for rows in (first, second):  # two micro-batches of one step: the second adds into existing .grad
+        micro_batch_backward(reference, checkpointed, rows)
+    micro_batch_backward(model, fused, first)
+    n_tokens = int(sum(r.mask.sum() for r in second))
+    loss, _ = fused.micro_batch_loss(model, second, 0, len(second), n_tokens, sum(r.weight for r in second))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as backward:
+        (loss * 2.0).backward()
+    weight = model.get_input_embeddings().weight
+    assert weight.grad.layout == torch.strided
+    n_positions = sum(len(r.response) for r in first + second)
+    tol = 2 * max(vocab, n_positions) * U32
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        scale = float(q.grad.abs().max())
+        assert float((p.grad - q.grad).abs().max()) <= tol * scale, (name, float((p.grad - q.grad).abs().max()), scale)
+    # The forward allocated the weight's gradient; the backward allocates nothing of its size (a dense
+    # lookup gradient would be one, autograd's out-of-place sum of a dense and a sparse gradient another).
+    allocations = [e.self_cpu_memory_usage for e in backward.events()]
+    assert any(a > 0 for a in allocations), "the profile saw the backward's allocations"
+    assert max(allocations) < vocab * hidden * 4, max(allocations)
+
+
+def test_vocabulary_logits_are_the_product_within_float32_rounding():
+    """Score's and the fused loss's logits (oneDNN's linear on the CPU in float32): each entry within
+    the float32 bound of a sum of H products, H u sum|h_i w_i|, of the float64 product; bf16 inputs on
+    the CPU give mm's product, promoted to float32."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(37, 64, generator=g), torch.randn(5000, 64, generator=g)
+    z = vocabulary_logits(hidden, weight)
+    assert z.dtype == torch.float32 and z.shape == (37, 5000)
+    exact = hidden.double() @ weight.double().t()
+    bound = 64 * U32 * (hidden.double().abs() @ weight.double().abs().t())
+    assert bool(((z.double() - exact).abs() <= bound).all())
+    half = vocabulary_logits(hidden.bfloat16(), weight.bfloat16())
+    assert half.dtype == torch.float32 and torch.equal(half, torch.mm(hidden.bfloat16(), weight.bfloat16().t()).float())

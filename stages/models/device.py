@@ -121,7 +121,7 @@ def vocabulary_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
     if hidden.device.type == "cpu" and hidden.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return torch.ops.mkldnn._linear_pointwise(hidden, weight, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), weight, None, "none", [], "")
     z = torch.mm(hidden, weight.t())
     return z.to(torch.promote_types(z.dtype, torch.float32))
 

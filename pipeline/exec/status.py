@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from gndpo.pipeline.exec.units import lease_state, sum_phases, wait_totals
-from gndpo.pipeline.observe.metrics import committed_rounds
+from gndpo.pipeline.observe.metrics import PHASES, committed_rounds
 from gndpo.pipeline.run.products import HeldoutFigures
 from gndpo.storage.products import Commit
 
@@ -141,7 +141,7 @@ def worker_lines(run) -> list[str]:
 
 
 # The phases in the order a unit goes through them (gndpo.storage.meter), then the waits; others follow by name.
-PHASE_ORDER = ("setup", "engine", "load", "replay", "compute", "write", "checkpoint", "export", "state", "waiting", "held")
+PHASE_ORDER = (*PHASES, "waiting", "held")
 WAIT_COLUMNS = {"wait_input_seconds": "waiting", "wait_held_seconds": "held"}
 
 

@@ -32,7 +32,7 @@ class Metric:
 
 
 # The phases a unit's clock charges time and bytes to (gndpo.storage.meter: ``with phase(...)`` in the stages).
-PHASES = ("setup", "engine", "load", "compute", "write", "checkpoint", "export", "replay", "state")
+PHASES = ("setup", "engine", "load", "replay", "compute", "write", "checkpoint", "export", "state")  # in the order a stage runs them
 
 # Every metric a stage commits, documented (docs/reference/metrics.md is generated from this table; the
 # docs tests check that a toy round's manifests, every stage's summarize and every method's normalize

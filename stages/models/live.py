@@ -441,18 +441,20 @@ class LiveModels:
         self._release_trainers()
 
     def let_go_of_samplers(self) -> None:
-        """The run's last rollout is done: shut the student's engine down, unless that would cost the
-        kept trainer (an in-process engine's shutdown drops it, :meth:`_shut_down`, and the next train
-        would then reload or replay the optimizer state it holds)."""
-        if self._engine is not None and not (self._engine.in_process and self._trainer is not None):
-            self._shut_down(self._engine)
+        """The run's last rollout is done: shut the student's engine down (:meth:`_let_go`)."""
+        self._let_go(self._engine)
 
     def let_go_of_teachers(self) -> None:
-        """The run's last score is done: the teacher's modules go, and its engine on the terms of
-        :meth:`let_go_of_samplers`."""
+        """The run's last score is done: the teacher's modules go, and its engine (:meth:`_let_go`)."""
         self._modules.clear()
-        if self._teacher_engine is not None and not (self._teacher_engine.in_process and self._trainer is not None):
-            self._shut_down(self._teacher_engine)
+        self._let_go(self._teacher_engine)
+
+    def _let_go(self, live: _Engine | None) -> None:
+        """Shut ``live`` down unless that would cost the kept trainer (an in-process engine's shutdown
+        drops it, :meth:`_shut_down`, and the next train would then reload or replay the optimizer
+        state it holds)."""
+        if live is not None and not (live.in_process and self._trainer is not None):
+            self._shut_down(live)
 
     def close(self) -> None:
         self.drop_trainer()  # first: an in-process engine's shutdown destroys the groups the write may use

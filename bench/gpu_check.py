@@ -216,10 +216,11 @@ def token_rows(n_prompts: int, samples: int, prompt_len: int, response_len: int,
 
 
 def train_step(engine, cfg, rows, device, round_idx: int = 0) -> dict:
-    """One optimizer step through train's own schedule, objective and step (stages/train.py)."""
+    """One optimizer step through train's own schedule, objective and step (stages/train.py, training/objective.py)."""
     from gndpo.stages.models.logprobs import logits_chunk
-    from gndpo.stages.train import Objective, schedule_steps, take_step
+    from gndpo.stages.train import schedule_steps, take_step
     from gndpo.stages.training.batch import RoundShare
+    from gndpo.stages.training.objective import Objective
 
     share = RoundShare.of_rows([rows])
     steps = schedule_steps(share, cfg.train, logits_chunk(engine.module, cfg.model))
@@ -331,7 +332,7 @@ class Phases:
     def watch(self, engine) -> None:
         """Wrap the objective's micro_batch_loss and student_logprobs (its class: a frozen dataclass) and the
         engine's backward and step, so each marks its phase's end."""
-        from gndpo.stages.train import Objective
+        from gndpo.stages.training.objective import Objective
 
         loss_fn, logprobs_fn, backward_fn, step_fn = Objective.micro_batch_loss, Objective.student_logprobs, engine.backward, engine.step
 

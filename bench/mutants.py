@@ -290,7 +290,7 @@ MUTATIONS = [
     ),
     Mutation(
         "train-ratio-against-itself", "train's importance ratio taken against the current policy's own log-probs (always 1)",
-        "stages/train.py",
+        "stages/training/objective.py",
         '        old = padded(micro, "old_logp", width, device)\n',
         "        old = logp.detach()\n",
         ("tests/test_overlap.py", "tests/test_methods.py"),

@@ -84,7 +84,7 @@ def one(path: str, length: int) -> dict:
     from gndpo.stages.models.device import set_cpu_threads
     from gndpo.stages.models.fused_output import sparse_tied_lookup
     from gndpo.stages.models.logprobs import logits_chunk, token_budget_batches
-    from gndpo.stages.train import Objective
+    from gndpo.stages.training.objective import Objective
 
     set_cpu_threads()
     folder = str(model_folder())

@@ -225,7 +225,7 @@ def test_train_drops_the_rest_bucket_exactly_when_k_is_the_vocabulary(tiny_asset
     from transformers import AutoModelForCausalLM
 
     from gndpo.pipeline.config.load import config_from_dict
-    from gndpo.stages import train
+    from gndpo.stages.training import objective as loss_module
     from gndpo.stages.training.batch import TrainRow
 
     model = AutoModelForCausalLM.from_pretrained(tiny_assets / "student").eval()
@@ -236,10 +236,10 @@ def test_train_drops_the_rest_bucket_exactly_when_k_is_the_vocabulary(tiny_asset
         seen.append(divergence.covers_vocabulary)
         return combined_token_losses(logp, policy, divergence)
 
-    monkeypatch.setattr(train, "combined_token_losses", spy)
+    monkeypatch.setattr(loss_module, "combined_token_losses", spy)
     cfg = config_from_dict({"student": str(tiny_assets / "student"), "teacher": str(tiny_assets / "teacher"),
                             "data": {"train": "x"}, "method": {"name": "reverse_kl"}})
-    objective = train.Objective.of(cfg, 0, 0, torch.device("cpu"))
+    objective = loss_module.Objective.of(cfg, 0, 0, torch.device("cpu"))
     for k, covers in ((V, True), (4, False)):
         n = 3
         logp = np.log(np.random.default_rng(k).dirichlet(np.ones(V), n)).astype(np.float32)

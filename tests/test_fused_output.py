@@ -40,8 +40,8 @@ from gndpo.stages.models.fused_output import (
     response_groups,
     sparse_tied_lookup,
 )
-from gndpo.stages.train import Objective
 from gndpo.stages.training.batch import TrainRow
+from gndpo.stages.training.objective import Objective
 from tests.conftest import tiny_config_dict
 
 U32 = 2.0**-24

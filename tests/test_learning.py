@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.methods import response_targets
 from gndpo.pipeline.methods.base import Response, Stats
-from gndpo.stages.train import Objective
 from gndpo.stages.training.batch import TrainRow
+from gndpo.stages.training.objective import Objective
 from tests.conftest import tiny_config_dict
 
 STEPS, PROMPTS, SAMPLES, TOPK = 6, 8, 2, 8

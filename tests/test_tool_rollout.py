@@ -259,7 +259,7 @@ def test_no_gradient_at_prompt_tool_or_template_positions(reference, tool_assets
 
     from gndpo.pipeline.methods import policy_settings
     from gndpo.stages.models import logprobs
-    from gndpo.stages.train import Objective
+    from gndpo.stages.training.objective import Objective
 
     run = open_run(str(reference))
     with round_share(run, 0) as share:

@@ -375,8 +375,8 @@ MUTATIONS = [
     Mutation(
         "stage-cpus-not-passed", "the scheduler starts every stage unpinned instead of on the cores GNDPO_STAGE_CPUS names for it",
         "apps/schedule.py",
-        "order, cpus.get(stage, ()), log)",
-        "order, (), log)",
+        "order, cpus.get(stage, ()), log, final=",
+        "order, (), log, final=",
         ("tests/test_stage_cpus.py",),
     ),
     Mutation(

@@ -87,9 +87,8 @@ class OutputLayer:
 
     @classmethod
     def of(cls, model, temperature: float = 1.0) -> OutputLayer:
-        weight = model.get_output_embeddings().weight
-        return cls(weight, float(getattr(model.config, "final_logit_softcapping", None) or 0.0), temperature,
-                   tied=model.get_input_embeddings().weight is weight)
+        return cls(model.get_output_embeddings().weight, float(getattr(model.config, "final_logit_softcapping", None) or 0.0), temperature,
+                   tied=tied_embedding(model) is not None)
 
     @staticmethod
     def fits(model) -> bool:
@@ -230,13 +229,19 @@ class _FusedLossFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, None
 
 
+def tied_embedding(model) -> torch.nn.Embedding | None:
+    """The model's input embedding where its weight is the output layer's (tied), else None."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return embedding if isinstance(embedding, torch.nn.Embedding) and head is not None and embedding.weight is head.weight else None
+
+
 def sparse_tied_lookup(model) -> None:
     """Where the input embedding is the output layer's weight (tied) and trains, make its lookup's
     gradient sparse (the batch's rows, not a dense [V, H] of zeros around them), so the fused loss's
     dense gradient in ``.grad`` takes them in place. An untied embedding keeps the dense gradient
     (AdamW takes no sparse one)."""
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if isinstance(embedding, torch.nn.Embedding) and head is not None and embedding.weight is head.weight and embedding.weight.requires_grad:
+    embedding = tied_embedding(model)
+    if embedding is not None and embedding.weight.requires_grad:
         embedding.sparse = True
 
 

@@ -170,6 +170,21 @@ def test_a_dead_replica_of_two_costs_retries_not_the_batch(fakes):
     assert pool.states()[pool.servers[1].url] == "up" and pool.states()[pool.servers[0].url].startswith(("out for", "on probation"))
 
 
+def test_a_retry_goes_to_a_server_the_request_has_not_failed_on(fakes, monkeypatch):
+    """A fails every request and is back on probation at once (no cooldown, no backoff): A is first and
+    least loaded, so without the rule each retry of the one request would go back to A until its
+    retries ran out while B stood idle. It is sent to A once, then answered by B."""
+    monkeypatch.setattr(teacher_server, "COOLDOWN_S", (0.0, 0.0))
+    monkeypatch.setattr(teacher_server, "BACKOFF_S", (0.0, 0.0))
+    failing, healthy = fakes
+    failing.failing = True
+    pool = pool_of(failing.url, healthy.url, retries=1)
+    pool.response_logprobs([[1, 2, 3]], [[4, 5]], 0)
+    pool.close()
+    sent = [len([r for r in server.received if r[1] == "/v1/completions"]) for server in fakes]
+    assert sent == [1, 1] and pool.retries == 1
+
+
 def test_a_failed_server_gets_nothing_in_its_cooldown_and_one_request_on_probation(fakes, monkeypatch):
     """Fake A fails every request; B answers. After A's first failure (a 1 s cooldown), A receives no
     request for that second, then exactly one (probation) before it fails again; the batch completes on B."""

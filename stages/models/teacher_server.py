@@ -206,8 +206,9 @@ class ServerPool:
         if server is not None:
             return self._request_from(server, path, payload, cost)
         failures = 0  # of this request while another server was up or answered: the request itself may be what fails
+        failed_on: set[str] = set()  # the URLs of the servers this request failed on
         for attempt in itertools.count():
-            chosen = self._acquire(cost, batch)
+            chosen = self._acquire(cost, batch, avoid=failed_on)
             sent = self.clock()
             try:
                 answer = self._send(chosen, path, payload)
@@ -216,6 +217,7 @@ class ServerPool:
             except RetriableError as exc:
                 if self._failed(chosen, whole_message(exc)) or self.last_answer > sent:
                     failures += 1
+                failed_on.add(chosen.url)
             finally:
                 self._release(chosen, cost)
             if failures > self.settings.retries:
@@ -264,17 +266,22 @@ class ServerPool:
         except ValueError:
             raise RetriableError(f"an answer that is not JSON: {whole_message(response.text, 120)}") from None
 
-    def _acquire(self, cost: int, batch: int) -> Server:
+    def _acquire(self, cost: int, batch: int, avoid: set[str] = frozenset()) -> Server:
         """The server with the least outstanding work and a free slot, waiting for one; servers out of
-        the pool come back on probation once their cooldown has passed. A GndpoError once another
-        request of ``batch`` has failed for good, or once every server has failed for the outage time."""
+        the pool come back on probation once their cooldown has passed. A retried request skips the
+        servers in ``avoid`` (the URLs it failed on) while another is in the pool (once it failed on
+        all, any server): otherwise the retry
+        that wakes first after a cooldown takes the probation slot, and one request can spend all its
+        retries on the failing server while the others answer. A GndpoError once another request of
+        ``batch`` has failed for good, or once every server has failed for the outage time."""
         with self._lock:
             while True:
                 if batch in self._cancelled:
                     raise GndpoError("another request of the batch failed")
                 now = self.clock()
                 left = self._outage_left(now)
-                free = [s for s in self.servers if s.requests < s.capacity(self.settings.in_flight, now)]
+                untried = [s for s in self.servers if s.url not in avoid and now >= s.down_until]
+                free = [s for s in untried or self.servers if s.requests < s.capacity(self.settings.in_flight, now)]
                 if free:
                     chosen = min(free, key=lambda s: (s.outstanding, s.requests))
                     chosen.outstanding += cost

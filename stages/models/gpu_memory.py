@@ -9,7 +9,9 @@ Qwen3-1.7B-shaped student, ZeRO-0, sdpa), scaled by the model's shape:
 
 * train's DeepSpeed engine holds ``ENGINE_BYTES`` a parameter (bf16 weights, fp32 master weights and
   AdamW's two fp32 moments; measured 14.1), its gradients 2 more between micro-batches, and building it
-  or taking a step briefly ``TRANSIENT_BYTES`` a parameter (measured 24.0 and 24.05); the optimizer's
+  or taking a step briefly ``TRANSIENT_BYTES`` a parameter (measured 24.0 and 24.05, the step with
+  torch's multi-tensor AdamW; the fused AdamW train now builds holds no parameter-sized temporaries in
+  its step, so the build sets this peak until a GPU measures the step again); the optimizer's
   share divides by the train ranks under ZeRO-1 and above, the gradients under ZeRO-2 and above, the
   weights under ZeRO-3 (DeepSpeed's partitioning; only ZeRO-0 was measured);
 * the activations kept for backward: ``ACTIVATION_BYTES`` per hidden unit, layer and position (3.2 MiB

@@ -58,9 +58,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--matmul", type=int, default=3072)
     a = ap.parse_args(argv)
 
+    from gndpo.stages.models.batches import make_batch
     from gndpo.stages.models.device import set_cpu_threads
     from gndpo.stages.models.loading import load_causal_lm
-    from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
+    from gndpo.stages.models.logprobs import pair_token_stats, policy_token_logprobs
 
     set_cpu_threads()
     assets = build_workload()

@@ -238,8 +238,9 @@ def set_up_train() -> None:
 
 # -- the checks (each runs in its own process) -----------------------------------------------------------
 def check_handover(rec: Recorder, tiny: bool) -> None:
+    from gndpo.stages.models.batches import make_batch
     from gndpo.stages.models.live import LiveModels
-    from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
+    from gndpo.stages.models.logprobs import logits_chunk, pair_token_stats
     from gndpo.stages.training.deepspeed_engine import build_engine
 
     device = rec.device
@@ -416,7 +417,8 @@ def check_train_1p7b(rec: Recorder, tiny: bool, checkpointing: bool = False, liv
 
 
 def check_qwen_vl(rec: Recorder, tiny: bool) -> None:
-    from gndpo.stages.models.logprobs import make_batch, policy_token_logprobs
+    from gndpo.stages.models.batches import make_batch
+    from gndpo.stages.models.logprobs import policy_token_logprobs
     from gndpo.stages.models.vision import image_inputs
     from tests.vision_models import expanded_prompt, pictures, qwen2_5_vl
 

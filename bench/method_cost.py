@@ -28,9 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tests.realistic
 from gndpo.apps.demos.arithmetic import ensure_toy_assets
 from gndpo.pipeline.methods.losses import DivergenceTerm, PolicyGradientTerm, aggregate, combined_token_losses  # noqa: E402
+from gndpo.stages.models.batches import make_batch
 from gndpo.stages.models.device import set_cpu_threads
 from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
-from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
+from gndpo.stages.models.logprobs import pair_token_stats, policy_token_logprobs
 from tests.realistic import ShapeSpec, build_realistic_pair  # noqa: E402
 
 OUT = Path(__file__).parent / "results"

@@ -81,9 +81,10 @@ def one(path: str, length: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from gndpo.pipeline.config.load import config_from_dict
+    from gndpo.stages.models.batches import token_budget_batches
     from gndpo.stages.models.device import set_cpu_threads
     from gndpo.stages.models.fused_output import sparse_tied_lookup
-    from gndpo.stages.models.logprobs import logits_chunk, token_budget_batches
+    from gndpo.stages.models.logprobs import logits_chunk
     from gndpo.stages.training.objective import Objective
 
     set_cpu_threads()

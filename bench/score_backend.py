@@ -42,9 +42,10 @@ def main(argv=None) -> dict:
     import torch
 
     from gndpo.pipeline.settings.schema import DataConfig, EngineConfig
+    from gndpo.stages.models.batches import make_batch, token_budget_batches
     from gndpo.stages.models.device import set_cpu_threads
     from gndpo.stages.models.loading import load_causal_lm, load_tokenizer
-    from gndpo.stages.models.logprobs import chunks, head_logprobs, make_batch, response_hidden, token_budget_batches
+    from gndpo.stages.models.logprobs import chunks, head_logprobs, response_hidden
     from gndpo.stages.models.vllm_engine import make_llm, response_logprobs, shutdown_llm
     from gndpo.stages.text.chat import render_prompt
 

@@ -73,7 +73,7 @@ def rollout_units(run) -> list:
 
 def score_batches(table, cfg, pad_id: int) -> list:
     """The unit's batches as score forms them: (TokenBatch, response tokens)."""
-    from gndpo.stages.models.logprobs import make_batch, token_budget_batches
+    from gndpo.stages.models.batches import make_batch, token_budget_batches
 
     prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("response_token_ids").to_pylist()
@@ -129,7 +129,7 @@ def gndpo_score(student, teacher, batch, chunk: int, cfg, topk: int) -> None:
 def plain_micro_loss(student, micro, pad_id: int, n_tokens: float) -> torch.Tensor:
     """The plain reverse KL over the teacher's top-k buckets and the rest of the vocabulary, on the
     stored teacher columns, summed over the micro-batch's loss tokens / the step's loss tokens."""
-    from gndpo.stages.models.logprobs import make_batch
+    from gndpo.stages.models.batches import make_batch
 
     batch = make_batch([r.prompt for r in micro], [r.response for r in micro], pad_id, torch.device("cpu"))
     s_all = plain_logprobs(student, batch)  # [N, V]

@@ -43,14 +43,12 @@ from gndpo.pipeline.observe.logs import adopt_library_loggers
 from gndpo.pipeline.run.products import POLICY, ROLLOUTS, SCORES, STATISTICS, CarriedState, TrainNumbers
 from gndpo.pipeline.run.run import Run
 from gndpo.pipeline.settings.schema import SELF_TEACHER
+from gndpo.stages.models.batches import token_budget_batches
 from gndpo.stages.models.device import local_device, set_cpu_threads
 from gndpo.stages.models.fused_output import OutputLayer
 from gndpo.stages.models.live import LiveModels
 from gndpo.stages.models.loading import load_tokenizer
-from gndpo.stages.models.logprobs import (
-    logits_chunk,
-    token_budget_batches,
-)
+from gndpo.stages.models.logprobs import logits_chunk
 from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.text.vocabulary import match_vocabularies
 from gndpo.stages.training.batch import RoundShare, TrainRow, load_share

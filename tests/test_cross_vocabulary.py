@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerFast
 
 from gndpo.pipeline.methods.losses import NO_ENTRY_ID, UNMATCHED_ID, OtherVocabulary, other_vocabulary_divergence
 from gndpo.pipeline.settings.schema import DataConfig
-from gndpo.stages.models.logprobs import make_batch, policy_token_logprobs
+from gndpo.stages.models.batches import make_batch
+from gndpo.stages.models.logprobs import policy_token_logprobs
 from gndpo.stages.text.align import Alignment, Span
 from gndpo.stages.text.cross_tokenizer import response_topk
 from gndpo.stages.text.vocabulary import VocabularyMatch, match_vocabularies

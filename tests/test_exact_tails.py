@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gndpo.pipeline.methods.losses import LOGP_FLOOR, DivergenceTerm, combined_token_losses, rest_logprob, topk_divergence
-from gndpo.stages.models.logprobs import make_batch, pair_token_stats
+from gndpo.stages.models.batches import make_batch
+from gndpo.stages.models.logprobs import pair_token_stats
 from gndpo.stages.models.prompt_logprobs import flat_response_logprobs
 from gndpo.stages.teachers.engine import rest_logprob_from_topk
 from tests.conftest import float32_sum_tol, forward_terms, round_share

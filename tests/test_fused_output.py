@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.methods import METHODS
+from gndpo.stages.models import device
 from gndpo.stages.models.device import vocabulary_logits
 from gndpo.stages.models.fused_output import (
     FusedLoss,
@@ -233,10 +234,13 @@ def test_a_tied_output_layer_takes_its_lookup_rows_in_place_and_matches_the_chec
     assert max(allocations) < vocab * hidden * 4, max(allocations)
 
 
-def test_vocabulary_logits_are_the_product_within_float32_rounding():
-    """Score's and the fused loss's logits (oneDNN's linear on the CPU in float32): each entry within
-    the float32 bound of a sum of H products, H u sum|h_i w_i|, of the float64 product; bf16 inputs on
-    the CPU give mm's product, promoted to float32."""
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mm"])
+def test_vocabulary_logits_are_the_product_within_float32_rounding(onednn, monkeypatch):
+    """Score's and the fused loss's logits (oneDNN's linear on the CPU in float32, or mm where torch
+    lacks it): each entry within the float32 bound of a sum of H products, H u sum|h_i w_i|, of the
+    float64 product; bf16 inputs on the CPU give mm's product, promoted to float32."""
+    if not onednn:
+        monkeypatch.setattr(device, "ONEDNN_LINEAR", None)
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(37, 64, generator=g), torch.randn(5000, 64, generator=g)
     z = vocabulary_logits(hidden, weight)

@@ -19,8 +19,9 @@ import torch
 from gndpo.errors import GndpoError
 from gndpo.pipeline.config.load import config_from_dict
 from gndpo.pipeline.settings.schema import ModelConfig
+from gndpo.stages.models.batches import make_batch
 from gndpo.stages.models.device import device_memory
-from gndpo.stages.models.logprobs import logits_budget, logits_chunk, make_batch, pair_token_stats
+from gndpo.stages.models.logprobs import logits_budget, logits_chunk, pair_token_stats
 from tests.conftest import float32_sum_tol, forward_terms
 
 
@@ -170,7 +171,8 @@ import gc, json, sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from gndpo.pipeline.settings.schema import ModelConfig
 from gndpo.dist import usable_cpus
-from gndpo.stages.models.logprobs import logits_chunk, make_batch, pair_token_stats
+from gndpo.stages.models.batches import make_batch
+from gndpo.stages.models.logprobs import logits_chunk, pair_token_stats
 from tests.memory import peak_above_start
 torch.set_num_threads(min(2, usable_cpus()))  # 2 threads on 1 core wait for each other
 cfg = LlamaConfig(vocab_size=262144, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs, token_budget_batches
+from gndpo.stages.models.batches import make_batch, token_budget_batches
+from gndpo.stages.models.logprobs import pair_token_stats, policy_token_logprobs
 from tests.conftest import float32_sum_tol, forward_terms
 from tests.realistic import ShapeSpec, build_realistic_pair, new_model
 
@@ -131,7 +132,8 @@ def test_token_budget_batches_bound_padded_tokens():
 PROBE = r"""
 import json, sys, torch
 from gndpo.dist import usable_cpus
-from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs
+from gndpo.stages.models.batches import make_batch
+from gndpo.stages.models.logprobs import pair_token_stats, policy_token_logprobs
 from gndpo.stages.models.loading import load_causal_lm
 from gndpo.pipeline.methods.losses import DivergenceTerm, PolicyGradientTerm, aggregate, combined_token_losses
 from tests.memory import peak_above_start

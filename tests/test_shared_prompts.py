@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from gndpo.stages.models.logprobs import make_batch, pair_token_stats, policy_token_logprobs, token_budget_batches
+from gndpo.stages.models.batches import make_batch, token_budget_batches
+from gndpo.stages.models.logprobs import pair_token_stats, policy_token_logprobs
 from tests.conftest import float32_sum_tol, forward_terms
 
 VOCAB = 211

@@ -19,7 +19,8 @@ import torch
 
 from gndpo.apps.demos.arithmetic import character_tokenizer
 from gndpo.apps.demos.vision import VisionModelSpec, image_tokens, new_vision_model, vision_processor, vision_tokenizer
-from gndpo.stages.models.logprobs import TokenBatch, make_batch, policy_token_logprobs
+from gndpo.stages.models.batches import TokenBatch, make_batch
+from gndpo.stages.models.logprobs import policy_token_logprobs
 from gndpo.stages.models.vision import freeze_all_but_language_model, image_inputs
 
 QWEN_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")

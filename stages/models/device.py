@@ -110,6 +110,11 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# oneDNN's linear is an internal op of torch (the one its CPU inductor backend calls): where a torch
+# build lacks it, the logits come from ``mm`` as on any other device.
+ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
 def vocabulary_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``hidden`` [n, H] times an output layer's ``weight`` [V, H] transposed, in float32 at least, for
     the no-autograd computations over a vocabulary (score's log-probs, the fused train loss's logits).
@@ -120,8 +125,8 @@ def vocabulary_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     product (K = H, N = V) at 1.3-1.6x MKL's ``mm`` at a 262k vocabulary (bench/output_layer.py)."""
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-    if hidden.device.type == "cpu" and hidden.dtype == weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        return torch.ops.mkldnn._linear_pointwise(hidden.contiguous(), weight, None, "none", [], "")
+    if hidden.device.type == "cpu" and hidden.dtype == weight.dtype == torch.float32 and ONEDNN_LINEAR is not None:
+        return ONEDNN_LINEAR(hidden.contiguous(), weight, None, "none", [], "")
     z = torch.mm(hidden, weight.t())
     return z.to(torch.promote_types(z.dtype, torch.float32))
 

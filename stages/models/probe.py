@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gndpo.stages.models.batches import make_batch
 from gndpo.stages.models.loading import placeholder_ids
-from gndpo.stages.models.logprobs import make_batch, policy_token_logprobs
+from gndpo.stages.models.logprobs import policy_token_logprobs
 from gndpo.stages.models.vision import expanded_prompt_ids, image_inputs
 from gndpo.stages.models.vllm_engine import AdapterEngine, forced_logprobs, response_logprobs
 

@@ -18,7 +18,8 @@ import torch
 
 from gndpo.pipeline.methods.base import STUDENT_ENTROPY, TEACHER_ENTROPY, TOKEN_KL
 from gndpo.pipeline.observe import progress
-from gndpo.stages.models.logprobs import TokenBatch, make_batch, pair_token_stats, token_budget_batches
+from gndpo.stages.models.batches import TokenBatch, make_batch, token_budget_batches
+from gndpo.stages.models.logprobs import pair_token_stats
 from gndpo.stages.models.vision import BatchImages
 from gndpo.storage.products import FileRecord
 from gndpo.storage.shards import flat_values, read_shard

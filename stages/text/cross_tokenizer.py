@@ -34,7 +34,8 @@ import numpy as np
 
 from gndpo.errors import GndpoError
 from gndpo.pipeline.methods.losses import LOGP_FLOOR, NO_ENTRY_ID, UNMATCHED_ID
-from gndpo.stages.models.logprobs import make_batch, pair_token_stats, token_budget_batches
+from gndpo.stages.models.batches import make_batch, token_budget_batches
+from gndpo.stages.models.logprobs import pair_token_stats
 from gndpo.stages.models.vision import image_inputs
 from gndpo.stages.text.align import Alignment, align_spans, token_offsets
 from gndpo.stages.text.chat import stop_token_ids, tool_turn_ids, turn_end_id

@@ -23,15 +23,9 @@ from gndpo.pipeline.methods.losses import (
     combined_token_losses,
 )
 from gndpo.pipeline.settings.schema import Config
+from gndpo.stages.models.batches import TokenBatch, make_batch
 from gndpo.stages.models.fused_output import fused_loss
-from gndpo.stages.models.logprobs import (
-    PolicyLogprobs,
-    TokenBatch,
-    logits_chunk,
-    make_batch,
-    policy_token_logprobs,
-    response_hidden,
-)
+from gndpo.stages.models.logprobs import PolicyLogprobs, logits_chunk, policy_token_logprobs, response_hidden
 from gndpo.stages.models.vision import BatchImages
 from gndpo.stages.training.batch import TrainRow
 

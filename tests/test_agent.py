@@ -200,5 +200,5 @@ def test_the_calls_of_a_turn_run_at_once(tok):
     call = '<tool_call>{"name": "tests.custom_tools:nap", "arguments": {}}</tool_call>'
     t0 = time.monotonic()
     convs, _ = converse(tok, {s: [call, "ok"] for s in range(6)}, tools=("tests.custom_tools:nap",), timeout_s=5)
-    assert time.monotonic() - t0 < 2.0  # six 0.5 s calls, not 3 s
+    assert time.monotonic() - t0 < 2.5  # six 0.5 s calls at once: 0.5 s and the turn's own work; one by one 3 s at least
     assert all(c.tool_calls[0]["result"] == "rested" for c in convs)

@@ -544,6 +544,28 @@ MUTATIONS = [
         "ranked = [(-lp, tid) for _, tid, lp in sorted((rank, tid, lp) for tid, (rank, lp) in entry.items() if rank is not None and rank <= topk)][:topk]",
         ("tests/test_exact_tails.py::test_a_servers_top_k_is_its_largest_log_probs_whatever_rank_it_reports",),
     ),
+    # Issue 76: the tied output layer's gradient, and the retries of a scoring request.
+    Mutation(
+        "tied-fused-grad-replaces-lookup", "a tied output layer's fused weight gradient overwrites an earlier micro-batch's in .grad instead of adding to it",
+        "stages/models/fused_output.py",
+        "                weight.grad.add_(grad_weight)",
+        "                weight.grad.copy_(grad_weight)",
+        ("tests/test_fused_output.py::test_a_tied_output_layer_takes_its_lookup_rows_in_place_and_matches_the_checkpointed_path",),
+    ),
+    Mutation(
+        "tied-lookup-dense", "a tied embedding's lookup keeps its dense gradient, a second [V, H] in the backward",
+        "stages/models/fused_output.py",
+        "        embedding.sparse = True",
+        "        embedding.sparse = False",
+        ("tests/test_fused_output.py::test_a_tied_output_layer_takes_its_lookup_rows_in_place_and_matches_the_checkpointed_path",),
+    ),
+    Mutation(
+        "retry-returns-to-failed-server", "a retried scoring request may go back to the server it failed on while another is in the pool",
+        "stages/models/teacher_server.py",
+        "untried = [s for s in self.servers if s.url not in avoid and now >= s.down_until]",
+        "untried = [s for s in self.servers if now >= s.down_until]",
+        ("tests/test_server_outage.py::test_a_retry_goes_to_a_server_the_request_has_not_failed_on",),
+    ),
 ]
 
 

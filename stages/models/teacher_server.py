@@ -269,11 +269,11 @@ class ServerPool:
     def _acquire(self, cost: int, batch: int, avoid: set[str] = frozenset()) -> Server:
         """The server with the least outstanding work and a free slot, waiting for one; servers out of
         the pool come back on probation once their cooldown has passed. A retried request skips the
-        servers in ``avoid`` (the URLs it failed on) while another is in the pool (once it failed on
-        all, any server): otherwise the retry
-        that wakes first after a cooldown takes the probation slot, and one request can spend all its
-        retries on the failing server while the others answer. A GndpoError once another request of
-        ``batch`` has failed for good, or once every server has failed for the outage time."""
+        servers in ``avoid`` (the URLs it failed on) while another is in the pool, and takes any once
+        none is: otherwise the retry that wakes first after a cooldown takes the probation slot, and
+        one request can spend all its retries on the failing server while the others answer. A
+        GndpoError once another request of ``batch`` has failed for good, or once every server has
+        failed for the outage time."""
         with self._lock:
             while True:
                 if batch in self._cancelled:

@@ -14,12 +14,14 @@ with its descendants (``common.run_measured``: the peak of the process tree's su
 also reports where its time went (`gndpo status --phases`).
 
     python bench/large_vocab.py [--tokens 24,384]     # writes results/large_vocab.{json,md}
+    python bench/large_vocab.py --tokens 384 --repeat  # adds a repeat of the 384 row to them
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -91,32 +93,48 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="24,384")
     ap.add_argument("--work-dir", default="/tmp/gndpo-bench/large_vocab")
+    ap.add_argument("--repeat", action="store_true", help="add these rows to the saved ones (a repeat on the same machine) instead of replacing them")
     a = ap.parse_args()
     folder = build_model()
-    measured = []
+    saved = RESULTS / "large_vocab.json"
+    rows = json.loads(saved.read_text())["measured"] if a.repeat and saved.exists() else []
     for tokens in map(int, a.tokens.split(",")):
         work = Path(a.work_dir) / str(tokens)
         subprocess.run(["rm", "-rf", str(work)], check=True)
         g = gndpo_job(folder, tokens, work / "gndpo")
         t = trl_job(folder, tokens, work / "trl")
-        row = {"max_new_tokens": tokens, "gndpo": g, "trl": t, "speed": round(t["wall_s"] / g["wall_s"], 2),
-               "memory_ratio": round(g["memory"]["peak_tree_pss_gib"] / t["memory"]["peak_tree_pss_gib"], 2)}
-        measured.append(row)
+        row = {"max_new_tokens": tokens, "date": time.strftime("%Y-%m-%d"), "machine": machine(), "gndpo": g, "trl": t,
+               "speed": round(t["wall_s"] / g["wall_s"], 2), "memory_ratio": round(g["memory"]["peak_tree_pss_gib"] / t["memory"]["peak_tree_pss_gib"], 2)}
+        rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "measured": measured}
-    save_json(RESULTS / "large_vocab.json", result)
-    lines = [f"# A short job at a 262,144-token vocabulary ({result['date']}, {result['machine']})", "",
+    save(rows)
+
+
+def save(rows: list[dict]) -> None:
+    """results/large_vocab.{json,md} of ``rows`` (each one job pair), the md table a row each, ordered by
+    the new-token count (repeats in the order they ran)."""
+    rows = sorted(rows, key=lambda m: m["max_new_tokens"])  # stable: repeats keep their order
+    runs = sorted({(m["date"], m["machine"]) for m in rows})
+    save_json(RESULTS / "large_vocab.json", {"measured": rows})
+    lines = [f"# A short job at a 262,144-token vocabulary ({'; '.join(f'{d}, {mc}' for d, mc in runs)})", "",
              "Gemma 3 270M's shape, random weights, its own teacher; 8 prompts x 4 samples, 2 optimizer steps of 16, fp32.",
              "`gndpo run --rounds 1` (reverse KL on the top-16) against TRL 1.16's DistillationTrainer (beta 1), each the whole",
-             "process; memory is the peak of the process tree's summed PSS.", "",
-             "| new tokens | gndpo s | TRL s | speed (TRL s / gndpo s) | gndpo GiB | TRL GiB | memory ratio |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for m in measured:
-        lines.append(f"| {m['max_new_tokens']} | {m['gndpo']['wall_s']} | {m['trl']['wall_s']} | {m['speed']}x | "
+             "process; memory is the peak of the process tree's summed PSS. A token count on several rows was run that many",
+             "times on the machine (gndpo, then TRL, each time).", "",
+             "| new tokens | date | gndpo s | TRL s | speed (TRL s / gndpo s) | gndpo GiB | TRL GiB | memory ratio |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for m in rows:
+        lines.append(f"| {m['max_new_tokens']} | {m['date']} | {m['gndpo']['wall_s']} | {m['trl']['wall_s']} | {m['speed']}x | "
                      f"{m['gndpo']['memory']['peak_tree_pss_gib']} | {m['trl']['memory']['peak_tree_pss_gib']} | {m['memory_ratio']}x |")
+    for tokens in sorted({m["max_new_tokens"] for m in rows}):
+        runs_of = [m for m in rows if m["max_new_tokens"] == tokens]
+        if len(runs_of) > 1:  # a repeated row: the median run's ratio, and every run's seconds pooled
+            pooled = sum(m["trl"]["wall_s"] for m in runs_of) / sum(m["gndpo"]["wall_s"] for m in runs_of)
+            lines += ["", f"{tokens} new tokens over {len(runs_of)} runs: median speed {statistics.median(m['speed'] for m in runs_of):.2f}x, "
+                          f"pooled {pooled:.2f}x (every run's TRL seconds over every run's gndpo seconds)."]
     lines += ["", "gndpo's phases (seconds, `gndpo status --phases`):", ""]
-    for m in measured:
-        lines.append(f"- {m['max_new_tokens']} tokens: " + "; ".join(
+    for m in rows:
+        lines.append(f"- {m['max_new_tokens']} tokens ({m['date']}): " + "; ".join(
             f"{stage} " + ", ".join(f"{k} {v}" for k, v in p.items() if k.endswith(" s")) for stage, p in m["gndpo"]["phases"].items()))
     (RESULTS / "large_vocab.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

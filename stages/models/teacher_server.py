@@ -266,7 +266,7 @@ class ServerPool:
         except ValueError:
             raise RetriableError(f"an answer that is not JSON: {whole_message(response.text, 120)}") from None
 
-    def _acquire(self, cost: int, batch: int, avoid: set[str] = frozenset()) -> Server:
+    def _acquire(self, cost: int, batch: int, avoid: set[str] | frozenset[str] = frozenset()) -> Server:
         """The server with the least outstanding work and a free slot, waiting for one; servers out of
         the pool come back on probation once their cooldown has passed. A retried request skips the
         servers in ``avoid`` (the URLs it failed on) while another is in the pool, and takes any once
